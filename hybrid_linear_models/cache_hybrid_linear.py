@@ -1,0 +1,140 @@
+"""Generation cache of GDN/KDA layers, plugged into transformers' Cache classes.
+
+Attention layers use transformers' own KV layers (`DynamicLayer`, `DynamicSlidingWindowLayer`, or their static
+versions). A GDN/KDA layer keeps, per batch row, the last K-1 inputs of its short convolution and its float32
+recurrent state [H, dk, dv]: a fixed size, whatever the context length.
+
+Registering the layer types below in transformers' layer-type tables lets `DynamicCache(config=config)` and
+`StaticCache(config=config, max_cache_len=...)` (what `generate` builds) hold the right layer for every mixer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    STATIC_LAYER_TYPE_MAPPING,
+    Cache,
+    LinearAttentionCacheLayerMixin,
+)
+
+from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYPES
+
+
+class LinearStateLayer(LinearAttentionCacheLayerMixin):
+    """Cache of one GDN/KDA layer: conv state [B, C, K-1] and recurrent state [B, H, dk, dv] (float32).
+
+    Updates copy into the existing buffers (fixed addresses, so a captured CUDA graph or a compiled decode step can
+    reuse them). A recurrent state cannot be rolled back, so `crop` refuses."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, **kwargs):
+        super().__init__(number_of_states=1)
+        self.seen_tokens = 0
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    @property
+    def conv_state(self) -> torch.Tensor | None:
+        return self.conv_states[0] if self.has_previous_state[0] else None
+
+    @property
+    def recurrent_state(self) -> torch.Tensor | None:
+        return self.recurrent_states[0] if self.has_previous_state[0] else None
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_recurrent_states_initialized[0]:  # absent until the first update, as for transformers' layers
+            raise AttributeError("batch_size")
+        return self.recurrent_states[0].shape[0]
+
+    def store(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, new_tokens: int) -> None:
+        """Keeps the states after `new_tokens` more tokens."""
+        self.update_conv_state(conv_state)
+        self.update_recurrent_state(recurrent_state)
+        self.has_previous_state[0] = True
+        self.seen_tokens += new_tokens
+
+    def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
+        if conv_states is not None:
+            self.device, self.dtype = conv_states.device, conv_states.dtype
+            self.conv_states[state_idx] = torch.zeros_like(conv_states)
+            self.is_conv_states_initialized[state_idx] = True
+        if recurrent_states is not None:
+            self.recurrent_states[state_idx] = torch.zeros_like(recurrent_states)
+            self.is_recurrent_states_initialized[state_idx] = True
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        return self._write(self.conv_states, self.is_conv_states_initialized, "conv_states", conv_states, state_idx)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        return self._write(self.recurrent_states, self.is_recurrent_states_initialized, "recurrent_states",
+                           recurrent_states.to(torch.promote_types(recurrent_states.dtype, torch.float32)), state_idx)
+
+    def _write(self, buffers, initialized, kind, value, state_idx):
+        if not initialized[state_idx] or buffers[state_idx].shape != value.shape:
+            self.lazy_initialization(**{kind: value, "state_idx": state_idx})
+        buffers[state_idx].copy_(value)
+        return buffers[state_idx]
+
+    # ------------------------------------------------------------------------------------------ cache API
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError(
+                "A GDN/KDA layer's recurrent state cannot be rolled back to an earlier token, so this cache cannot be "
+                "cropped (assisted/speculative decoding and cache cropping need a rollback). Re-run the prompt "
+                "instead, or keep a copy of the cache (copy.deepcopy) from before the tokens you want to drop."
+            )
+
+    def _select(self, fn) -> None:
+        for states, initialized in ((self.conv_states, self.is_conv_states_initialized),
+                                    (self.recurrent_states, self.is_recurrent_states_initialized)):
+            if initialized[0]:
+                states[0] = fn(states[0])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda x: x[indices])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+
+for _layer_type in LINEAR_LAYER_TYPES:
+    DYNAMIC_LAYER_TYPE_MAPPING.setdefault(_layer_type, LinearStateLayer)
+    STATIC_LAYER_TYPE_MAPPING.setdefault(_layer_type, LinearStateLayer)
+
+
+def past_length(cache: Cache | None, layer_types: list[str]) -> int:
+    """Tokens already in the cache. Attention layers count them; a model with only GDN/KDA layers counts them in its
+    linear layers (transformers' Cache.get_seq_length refuses caches without attention layers)."""
+    if cache is None:
+        return 0
+    if any(t in ATTENTION_LAYER_TYPES for t in layer_types):
+        return cache.get_seq_length()
+    return cache.layers[0].get_seq_length() if len(cache.layers) else 0
+
+
+def linear_layer_cache(cache: Cache | None, layer_idx: int) -> LinearStateLayer | None:
+    """The cache layer of a GDN/KDA layer, with a clear error when the cache was not built for this model."""
+    if cache is None:
+        return None
+    layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+    if not isinstance(layer, LinearStateLayer):
+        raise ValueError(
+            f"Layer {layer_idx} is a GDN/KDA layer but the cache holds {type(layer).__name__} there. Build the cache "
+            "from the model's config: DynamicCache(config=model.config) or StaticCache(config=model.config, ...)."
+        )
+    return layer

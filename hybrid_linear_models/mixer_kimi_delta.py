@@ -1,0 +1,64 @@
+"""Kimi Delta Attention mixer (Kimi Linear's layout and math): the delta rule with a per-channel decay.
+
+    q, k, v = silu(conv(q_proj x)), silu(conv(k_proj x)), silu(conv(v_proj x))
+    g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)   (float32, one value per key channel)
+    o = delta_rule(l2norm(q), l2norm(k), v, g, sigmoid(b_proj x));  out = o_proj(RMSNorm(o) * w * act(g_b(g_a(x))))
+
+act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache_hybrid_linear import LinearStateLayer
+from .configuration_hybrid_linear import HybridLinearConfig
+from .mixer_linear import convolve_and_recur, mask_padding
+from .norms import GatedRMSNorm
+from .ops import compute_dtype, kimi_delta_rule
+from .sequence_info import SequenceInfo
+from .short_convolution import ShortConvolution
+
+
+class HybridLinearKimiDeltaAttention(nn.Module):
+    def __init__(self, config: HybridLinearConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
+        self.projection_dim = P = self.num_heads * self.head_dim
+        H, d, K = config.hidden_size, self.head_dim, config.kda_conv_kernel_size
+        self.q_proj = nn.Linear(H, P, bias=False)
+        self.k_proj = nn.Linear(H, P, bias=False)
+        self.v_proj = nn.Linear(H, P, bias=False)
+        self.q_conv1d = ShortConvolution(P, K)
+        self.k_conv1d = ShortConvolution(P, K)
+        self.v_conv1d = ShortConvolution(P, K)
+        self.f_a_proj = nn.Linear(H, d, bias=False)
+        self.f_b_proj = nn.Linear(d, P, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(P))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32).uniform_(1, 16).log_())
+        self.b_proj = nn.Linear(H, self.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(H, d, bias=False)
+        self.g_b_proj = nn.Linear(d, P, bias=False)
+        self.o_norm = GatedRMSNorm(d, config.kda_norm_eps, config.kda_gate_activation)
+        self.o_proj = nn.Linear(P, H, bias=False)
+
+    def _split_qkv(self, mixed: torch.Tensor):
+        B, T = mixed.shape[:2]
+        return tuple(x.reshape(B, T, self.num_heads, self.head_dim) for x in mixed.split(self.projection_dim, dim=-1))
+
+    def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
+        hidden_states = mask_padding(hidden_states, info)
+        B, T = hidden_states.shape[:2]
+        shape = (B, T, self.num_heads, self.head_dim)
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        forget = self.f_b_proj(self.f_a_proj(hidden_states))
+        dtype = compute_dtype(forget)  # the decay in float32 at least
+        g = -self.A_log.to(dtype).exp().unsqueeze(-1) * F.softplus((forget.to(dtype) + self.dt_bias.to(dtype)).view(shape))
+        beta = self.b_proj(hidden_states).sigmoid()
+        out = convolve_and_recur(mixed, conv_weight, self._split_qkv, g, beta, kimi_delta_rule, info, cache)
+        out = self.o_norm(out, self.g_b_proj(self.g_a_proj(hidden_states)).view(shape))
+        return self.o_proj(out.reshape(B, T, self.projection_dim))

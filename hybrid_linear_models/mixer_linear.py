@@ -1,0 +1,56 @@
+"""What the GDN and KDA mixers share: short convolution then delta rule, over packed, padded or cached sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .cache_hybrid_linear import LinearStateLayer
+from .ops import causal_conv1d
+from .sequence_info import SequenceInfo
+
+
+def mask_padding(hidden_states: torch.Tensor, info: SequenceInfo) -> torch.Tensor:
+    """Zeroes the hidden states of pad tokens, so their projections (no biases) feed zeros to the convolution.
+    (A select, not a product: whatever a pad position holds, even NaN from a fully masked attention row, is dropped.)"""
+    if info.padding_mask is None:
+        return hidden_states
+    return hidden_states.masked_fill(~info.padding_mask.unsqueeze(-1), 0.0)
+
+
+def convolve_and_recur(
+    mixed: torch.Tensor,
+    conv_weight: torch.Tensor,
+    split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    rule: Callable,
+    info: SequenceInfo,
+    cache: LinearStateLayer | None,
+) -> torch.Tensor:
+    """silu(causal_conv1d(mixed)) split into q, k, v, then the delta `rule` with decay g and beta.
+
+    mixed [B, T, C]; g [B, T, H] or [B, T, H, dk]; beta [B, T, H]. Pads keep the state as it was (beta = 0, g = 0);
+    packed documents each start from zero; a cache provides the initial conv/recurrent states and keeps the final
+    ones. Returns the delta-rule output [B, T, H, dv].
+    """
+    if info.padding_mask is not None:
+        pad = ~info.padding_mask.unsqueeze(-1)  # [B, T, 1]
+        beta = beta.masked_fill(pad, 0.0)
+        g = g.masked_fill(pad if g.dim() == 3 else pad.unsqueeze(-1), 0.0)
+    mixed, g, beta = info.flatten(mixed), info.flatten(g), info.flatten(beta)
+    conv_state = cache.conv_state if cache is not None else None
+    recurrent_state = cache.recurrent_state if cache is not None else None
+    mixed, conv_state = causal_conv1d(
+        mixed, conv_weight, activation="silu", initial_state=conv_state,
+        output_final_state=cache is not None, cu_seqlens=info.cu_seqlens,
+    )
+    q, k, v = split(mixed)
+    out, recurrent_state = rule(
+        q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
+        cu_seqlens=info.cu_seqlens, use_qk_l2norm=True,
+    )
+    if cache is not None:
+        cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])
+    return info.unflatten(out)

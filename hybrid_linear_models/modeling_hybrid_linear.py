@@ -1,0 +1,324 @@
+"""Hybrid linear-attention decoder: every layer picks its token mixer (softmax attention, sliding-window attention,
+Gated DeltaNet or Kimi Delta Attention) from `config.layer_types`, followed by a gated MLP, pre-norm residual blocks
+(Qwen3-Next's architecture, with the mixers freely interleaved)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
+from transformers.utils.deprecation import deprecate_kwarg
+from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .cache_hybrid_linear import linear_layer_cache, past_length
+from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, HybridLinearConfig
+from .mixer_attention import HybridLinearAttention
+from .mixer_gated_deltanet import HybridLinearGatedDeltaNet
+from .mixer_kimi_delta import HybridLinearKimiDeltaAttention
+from .norms import GatedRMSNorm, HybridLinearRMSNorm
+from .sequence_info import SequenceInfo, build_sequence_info
+from .short_convolution import ShortConvolution
+
+LINEAR_MIXERS = {"gated_deltanet": HybridLinearGatedDeltaNet, "kimi_delta_attention": HybridLinearKimiDeltaAttention}
+
+
+class HybridLinearRotaryEmbedding(nn.Module):
+    """cos/sin tables for the rotated part of each attention head (head_dim * partial_rotary_factor dims)."""
+
+    def __init__(self, config: HybridLinearConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config: HybridLinearConfig, device=None, **kwargs):
+        dim = int(config.head_dim * config.rope_parameters["partial_rotary_factor"])
+        base = config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        return inv_freq, 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+class HybridLinearMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: HybridLinearConfig):
+        super().__init__()
+        H, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(H, I, bias=bias)
+        self.up_proj = nn.Linear(H, I, bias=bias)
+        self.down_proj = nn.Linear(I, H, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HybridLinearDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: HybridLinearConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        if self.layer_type in ATTENTION_LAYER_TYPES:
+            self.self_attn = HybridLinearAttention(config, layer_idx)
+        else:
+            self.linear_attn = LINEAR_MIXERS[self.layer_type](config, layer_idx)
+        self.mlp = HybridLinearMLP(config)
+        norm = lambda: HybridLinearRMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        sequence_info: SequenceInfo,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        if self.layer_type in ATTENTION_LAYER_TYPES:
+            hidden_states, _ = self.self_attn(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        else:
+            hidden_states = self.linear_attn(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class HybridLinearPreTrainedModel(PreTrainedModel):
+    config: HybridLinearConfig
+    config_class = HybridLinearConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HybridLinearDecoderLayer"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = False
+    _is_stateful = True
+    _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, HybridLinearRMSNorm):
+            (init.zeros_ if module.zero_centered else init.ones_)(module.weight)
+        elif isinstance(module, GatedRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, ShortConvolution):
+            bound = module.kernel_size**-0.5
+            init.uniform_(module.weight, -bound, bound)
+        elif isinstance(module, HybridLinearGatedDeltaNet):
+            init.ones_(module.dt_bias)
+            # sampled in float32 (A in [0.01, 16]) then cast: log A stays finite in any dtype
+            init.copy_(module.A_log, torch.empty_like(module.A_log, dtype=torch.float32).uniform_(0.01, 16).log_())
+        elif isinstance(module, HybridLinearKimiDeltaAttention):
+            init.copy_(module.A_log, torch.empty_like(module.A_log, dtype=torch.float32).uniform_(1, 16).log_())
+            # dt in [1e-3, 1e-1] log-uniformly, stored as softplus^-1(dt) (as fla initialises KDA)
+            dt = torch.empty_like(module.dt_bias, dtype=torch.float32).uniform_(-6.907755, -2.302585).exp_()
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+
+def _check_inputs(config: HybridLinearConfig, input_ids, inputs_embeds, attention_mask, position_ids) -> None:
+    """Clear errors for malformed inputs, before they reach a kernel."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("Pass exactly one of input_ids [batch, seq_len] or inputs_embeds [batch, seq_len, hidden].")
+    if input_ids is not None:
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(
+                f"input_ids must be a 2-D tensor of integer token ids [batch, seq_len], got dtype {input_ids.dtype} "
+                f"and shape {tuple(input_ids.shape)}."
+            )
+        if input_ids.numel() and not torch.compiler.is_compiling() and input_ids.device.type != "cuda":
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= config.vocab_size:
+                raise ValueError(f"input_ids must lie in [0, {config.vocab_size}), got values in [{low}, {high}].")
+        batch, seq_len = input_ids.shape
+    else:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be [batch, seq_len, {config.hidden_size}], got {tuple(inputs_embeds.shape)}."
+            )
+        batch, seq_len = inputs_embeds.shape[:2]
+    if attention_mask is not None and not isinstance(attention_mask, dict):
+        if attention_mask.dim() == 2 and (attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len):
+            raise ValueError(
+                f"attention_mask must be [batch, past + seq_len] = [{batch}, >= {seq_len}] for inputs of shape "
+                f"[{batch}, {seq_len}], got {tuple(attention_mask.shape)}."
+            )
+        if attention_mask.dim() not in (2, 4):
+            raise ValueError(f"attention_mask must be 2-D [batch, length] or 4-D, got {tuple(attention_mask.shape)}.")
+    if position_ids is not None and (
+        position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch)
+    ):
+        raise ValueError(
+            f"position_ids must be [batch or 1, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}."
+        )
+
+
+def _is_padded(attention_mask) -> bool:
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all())
+
+
+def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Positions restarting at 0 at every document start, so attention masks keep packed documents apart."""
+    starts = cu_seqlens[:-1].long()
+    lengths = cu_seqlens[1:].long() - starts
+    return torch.arange(seq_len, device=cu_seqlens.device) - torch.repeat_interleave(starts, lengths, output_size=seq_len)
+
+
+class HybridLinearModel(HybridLinearPreTrainedModel):
+    def __init__(self, config: HybridLinearConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(HybridLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = HybridLinearRMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)
+        self.rotary_emb = HybridLinearRotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _attention_masks(self, inputs_embeds, attention_mask, cache, position_ids) -> dict:
+        if isinstance(attention_mask, dict):
+            return attention_mask
+        kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                      position_ids=position_ids)
+        types = set(self.config.layer_types)
+        masks = {}
+        if "full_attention" in types:
+            masks["full_attention"] = create_causal_mask(**kwargs)
+        if "sliding_attention" in types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks
+
+    @merge_with_config_defaults
+    @capture_outputs
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, seq_len = inputs_embeds.shape[:2]
+        past = past_length(cache, self.config.layer_types)
+        if position_ids is None and kwargs.get("cu_seq_lens_q") is not None:
+            position_ids = _positions_from_cu_seqlens(kwargs["cu_seq_lens_q"], seq_len).unsqueeze(0)
+        if position_ids is None and _is_padded(attention_mask):
+            # as `generate` does: positions count the real tokens only, so a padded row sees what it would alone
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
+        if position_ids is None:
+            position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past).unsqueeze(0)
+        sequence_info = build_sequence_info(
+            batch, seq_len, attention_mask if not isinstance(attention_mask, dict) else None, position_ids,
+            has_past=past > 0, cu_seq_lens=kwargs.get("cu_seq_lens_q"),
+        )
+        if sequence_info.cu_seqlens is not None:
+            if cache is not None and past > 0:
+                raise ValueError("Packed sequences cannot continue from a cache: pass one sequence per row instead.")
+            use_cache = False  # the final states of packed documents do not make a per-row cache
+            cache = None
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+
+        masks = self._attention_masks(inputs_embeds, attention_mask, cache, position_ids)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        hidden_states = inputs_embeds
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = layer(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=masks.get(layer.layer_type),
+                sequence_info=sequence_info,
+                cache=cache,
+                position_ids=position_ids,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+
+class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: HybridLinearConfig):
+        super().__init__(config)
+        self.model = HybridLinearModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        if labels is not None:
+            expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
+            if tuple(labels.shape) != expected:
+                raise ValueError(
+                    f"labels must have the [batch, seq_len] shape of the inputs, {expected}, got {tuple(labels.shape)}."
+                )
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden_states)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["HybridLinearPreTrainedModel", "HybridLinearModel", "HybridLinearForCausalLM"]

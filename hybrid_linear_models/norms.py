@@ -1,0 +1,45 @@
+"""RMSNorms of the model family: the block norms (plain x_hat * w or zero-centred x_hat * (1 + w)) and the gated
+output norm of the GDN/KDA mixers (x_hat * w * act(gate))."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops import gated_rms_norm
+
+
+class HybridLinearRMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * w, or * (1 + w) when zero-centred (w then starts at 0), computed in float32."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(dtype)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.to(dtype)
+        return (normed * (1.0 + weight if self.zero_centered else weight)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head output norm of GDN/KDA: x_hat * w * act(gate) with act silu or sigmoid; w starts at 1."""
+
+    def __init__(self, dim: int, eps: float, activation: str):
+        super().__init__()
+        self.eps = eps
+        self.activation = activation
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, eps=self.eps, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, activation={self.activation}"

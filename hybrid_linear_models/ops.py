@@ -1,0 +1,260 @@
+"""The kernels every GDN and KDA layer runs through: one dispatch, two implementations.
+
+CUDA tensors with flash-linear-attention (fla) importable go to fla's Triton kernels (`chunk_*` for prefill and
+training, `fused_recurrent_*` for decoding); everything else runs this package's pure-PyTorch kernels
+(`kernels_delta_rule`, `kernels_conv`). The choice is made per call from the tensors' device; importing this module
+never imports fla or triton. The first call that takes a slower path says so once in the log.
+
+Layouts (fla's): q, k [B, T, Hk, dk]; v [B, T, Hv, dv] with Hv a multiple of Hk (value head j reads key head
+j // (Hv / Hk)); states [N, Hv, dk, dv] in float32, N = B or the number of packed documents.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from .kernels_conv import causal_conv1d_torch
+from .kernels_delta_rule import chunk_delta_rule, compute_dtype, recurrent_delta_rule
+
+logger = logging.getLogger(__name__)
+
+# Up to this many tokens per sequence (and no packing) the token-by-token form is faster than the chunked one.
+RECURRENT_MAX_TOKENS = 16
+
+_announced: set[str] = set()
+
+
+def _announce_once(key: str, message: str, level: int = logging.INFO) -> None:
+    if key not in _announced:
+        _announced.add(key)
+        logger.log(level, message)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_ops() -> SimpleNamespace | None:
+    """fla's ops, or None when fla (or triton) cannot be imported. Imported on first CUDA use only."""
+    try:
+        gdn = importlib.import_module("fla.ops.gated_delta_rule")
+        kda = importlib.import_module("fla.ops.kda")
+    except Exception as error:  # ImportError, or triton failing to find a driver
+        _announce_once("fla-missing", f"flash-linear-attention is not importable ({error!r}).", logging.DEBUG)
+        return None
+    return SimpleNamespace(
+        chunk_gated_delta_rule=gdn.chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule=gdn.fused_recurrent_gated_delta_rule,
+        chunk_kda=kda.chunk_kda,
+        fused_recurrent_kda=kda.fused_recurrent_kda,
+    )
+
+
+def fla_available_for(tensor: torch.Tensor) -> bool:
+    """Whether calls on this tensor go to fla's kernels."""
+    return tensor.is_cuda and _fla_ops() is not None
+
+
+def _note_torch_path(tensor: torch.Tensor, what: str) -> None:
+    if tensor.is_cuda:
+        _announce_once(
+            "torch-on-cuda",
+            f"{what}: flash-linear-attention is not importable, so GDN/KDA run on this package's pure-PyTorch "
+            "kernels on the GPU, much slower than fla's. Install the [gpu] extra (flash-linear-attention, triton).",
+            logging.WARNING,
+        )
+    else:
+        _announce_once(
+            "torch-on-cpu",
+            f"{what}: running GDN/KDA with the pure-PyTorch chunked kernels ({tensor.device.type}); "
+            "fla's kernels are used for CUDA tensors when installed.",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------- validation
+
+
+def _shape(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> int:
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{name}: cu_seqlens must be a 1-D int32/int64 tensor [N + 1] of document boundaries, "
+            f"got dtype {cu_seqlens.dtype} and shape {_shape(cu_seqlens)}."
+        )
+    if batch != 1:
+        raise ValueError(
+            f"{name}: with cu_seqlens the documents are packed along T in one row, so the batch size must be 1, "
+            f"got B={batch}. Flatten the batch to [1, B*T, ...]."
+        )
+    if cu_seqlens.device.type == "cpu":  # values are checked where that costs no device synchronisation
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"{name}: cu_seqlens must start at 0, never decrease and end at T={seq_len}, got {bounds}."
+            )
+    return cu_seqlens.numel() - 1
+
+
+def _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_channel: bool) -> None:
+    for arg, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name}: {arg} must have 4 dims [B, T, heads, head_dim], got shape {_shape(x)}.")
+    B, T, Hk, dk = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"{name}: k must have the shape of q [B, T, Hk, dk] = {_shape(q)}, got {_shape(k)}.")
+    if v.shape[:2] != (B, T):
+        raise ValueError(f"{name}: v must be [B, T, Hv, dv] with B, T = {B}, {T} as in q, got {_shape(v)}.")
+    Hv, dv = v.shape[2:]
+    if Hv % Hk:
+        raise ValueError(
+            f"{name}: the number of value heads (v.shape[2] = {Hv}) must be a multiple of the number of key heads "
+            f"(q.shape[2] = {Hk})."
+        )
+    g_shape = (B, T, Hv, dk) if per_channel else (B, T, Hv)
+    if _shape(g) != g_shape:
+        what = "[B, T, Hv, dk] (one log-decay per key channel)" if per_channel else "[B, T, Hv] (one log-decay per head)"
+        raise ValueError(f"{name}: g must be {what} = {g_shape}, got {_shape(g)}.")
+    if _shape(beta) != (B, T, Hv):
+        raise ValueError(f"{name}: beta must be [B, T, Hv] = {(B, T, Hv)}, got {_shape(beta)}.")
+    N = B if cu_seqlens is None else _check_cu_seqlens(name, cu_seqlens, B, T)
+    if initial_state is not None and _shape(initial_state) != (N, Hv, dk, dv):
+        raise ValueError(
+            f"{name}: initial_state must be [N, Hv, dk, dv] = {(N, Hv, dk, dv)} (N = number of sequences), "
+            f"got {_shape(initial_state)}."
+        )
+
+
+# ------------------------------------------------------------------------------------------------------ delta rule
+
+
+def _delta_rule(name, fla_chunk, fla_recurrent, q, k, v, g, beta, scale, initial_state, output_final_state,
+                cu_seqlens, use_qk_l2norm, per_channel):
+    _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_channel)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    fla = _fla_ops() if q.is_cuda else None
+    if initial_state is not None:
+        initial_state = initial_state.float() if fla is not None else initial_state.to(compute_dtype(v))
+    if fla is not None:
+        decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
+        kernel = getattr(fla, fla_recurrent if decoding else fla_chunk)
+        return kernel(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens,
+        )
+    _note_torch_path(q, name)
+    if cu_seqlens is None and q.shape[1] <= RECURRENT_MAX_TOKENS:
+        return recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm)
+    return chunk_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule (GDN): per token and value head, S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T;
+    o = S^T q (q scaled by `scale`, default dk^-0.5, after the optional L2 norm of q and k).
+
+    q, k: [B, T, Hk, dk]; v: [B, T, Hv, dv]; g (log-decay, <= 0), beta: [B, T, Hv]; initial_state:
+    [N, Hv, dk, dv]. With `cu_seqlens` ([N + 1], B = 1) the N documents packed along T are independent.
+    Returns o like v and the final state [N, Hv, dk, dv] (float32) or None.
+    """
+    return _delta_rule("gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+                       q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, False)
+
+
+def kimi_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi delta rule (KDA): `gated_delta_rule` with a per-channel decay, S <- diag(exp(g)) S, g: [B, T, Hv, dk]."""
+    return _delta_rule("kimi_delta_rule", "chunk_kda", "fused_recurrent_kda",
+                       q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, True)
+
+
+# ------------------------------------------------------------------------------------------------- short convolution
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution over [B, T, C] with kernel `weight` [C, K] (or [C, 1, K]), then `activation`
+    ("silu"/"swish" or None). The state holds the last K-1 inputs of each sequence, [N, C, K-1], oldest first;
+    `initial_state` continues from one, `output_final_state` returns it. With `cu_seqlens` (B = 1) every document
+    starts from its own state (or zeros)."""
+    name = "causal_conv1d"
+    if x.dim() != 3:
+        raise ValueError(f"{name}: x must be [B, T, C], got shape {_shape(x)}.")
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight.squeeze(1)
+    B, T, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C:
+        raise ValueError(f"{name}: weight must be [C, K] or [C, 1, K] with C = {C} as in x, got {_shape(weight)}.")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"{name}: activation must be 'silu', 'swish' or None, got {activation!r}.")
+    N = B if cu_seqlens is None else _check_cu_seqlens(name, cu_seqlens, B, T)
+    K = weight.shape[1]
+    if initial_state is not None and _shape(initial_state) != (N, C, K - 1):
+        raise ValueError(
+            f"{name}: initial_state must be [N, C, K-1] = {(N, C, K - 1)} (the last K-1 inputs of each of the "
+            f"N sequences), got {_shape(initial_state)}."
+        )
+    return causal_conv1d_torch(x, weight, activation, initial_state, output_final_state, cu_seqlens)
+
+
+# --------------------------------------------------------------------------------------------------- gated RMSNorm
+
+_GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """RMSNorm over the last dim, times `weight`, times act(gate): x / sqrt(mean(x^2) + eps) * w * act(gate),
+    computed in float32 (float64 for float64 x) and returned in x's dtype. act is "silu" (Qwen3-Next, Fast-LLM) or "sigmoid" (Kimi)."""
+    if activation not in _GATE_ACTIVATIONS:
+        raise ValueError(f"gated_rms_norm: activation must be one of {sorted(_GATE_ACTIVATIONS)}, got {activation!r}.")
+    if gate.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(
+            f"gated_rms_norm: gate must have the shape of x {_shape(x)} and weight [{x.shape[-1]}], got gate "
+            f"{_shape(gate)} and weight {_shape(weight)}."
+        )
+    dtype = compute_dtype(x)
+    x32 = x.to(dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.to(dtype) * _GATE_ACTIVATIONS[activation](gate.to(dtype))).to(x.dtype)

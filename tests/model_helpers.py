@@ -1,0 +1,50 @@
+"""Tiny configurations and helpers shared by the model tests."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+
+ALL_TYPES = ["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"]
+
+
+def tiny_config(layer_types=None, **overrides) -> HybridLinearConfig:
+    settings = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        layer_types=layer_types or ALL_TYPES,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        gdn_num_key_heads=2,
+        gdn_num_value_heads=4,
+        gdn_key_head_dim=16,
+        gdn_value_head_dim=8,
+        kda_num_heads=2,
+        kda_head_dim=16,
+        sliding_window=6,
+        rms_norm_eps=1e-6,
+    )
+    settings.update(overrides)
+    return HybridLinearConfig(**settings)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Distinct random values everywhere (norm weights and gates included), so mapping mistakes cannot hide."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.rand(param.shape, generator=generator) * 2 - 1)
+            elif "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.15 * torch.randn(param.shape, generator=generator))
+    return model
+
+
+def tiny_model(layer_types=None, seed: int = 0, **overrides) -> HybridLinearForCausalLM:
+    torch.manual_seed(seed)
+    return randomize(HybridLinearForCausalLM(tiny_config(layer_types, **overrides)), seed).eval()
