@@ -21,6 +21,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, HybridLinearConfig
+from .cuda_graph_decoding import CudaGraphDecoder
 from .mixer_attention import HybridLinearAttention
 from .mixer_gated_deltanet import HybridLinearGatedDeltaNet
 from .mixer_kimi_delta import HybridLinearKimiDeltaAttention
@@ -265,6 +266,22 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
+    def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor,
+                    cache: Cache) -> torch.Tensor:
+        """One token per row against a static cache, with no host synchronisation (what a CUDA graph captures).
+        key_mask [B, max_len] bool: the cache slots that hold real tokens once this step's token is written."""
+        hidden_states = self.embed_tokens(input_ids)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        mask = key_mask[:, None, None, :]
+        if self.config._attn_implementation == "eager":  # additive
+            mask = torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
+        info = SequenceInfo(input_ids.shape[0], 1)
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            attention_mask = mask if layer.layer_type in ATTENTION_LAYER_TYPES else None
+            hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                  sequence_info=info, cache=cache)
+        return self.norm(hidden_states)
+
 
 class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -276,7 +293,12 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self.model = HybridLinearModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._graph_decoder: CudaGraphDecoder | None = CudaGraphDecoder()
         self.post_init()
+
+    def set_cuda_graph_decoding(self, enabled: bool) -> None:
+        """One-token steps on CUDA against a StaticCache replay a captured CUDA graph (on by default)."""
+        self._graph_decoder = CudaGraphDecoder() if enabled else None
 
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -298,6 +320,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                 raise ValueError(
                     f"labels must have the [batch, seq_len] shape of the inputs, {expected}, got {tuple(labels.shape)}."
                 )
+        if (labels is None and self._graph_decoder is not None
+                and CudaGraphDecoder.applies(self, input_ids, inputs_embeds, cache, attention_mask, kwargs)):
+            logits = self._graph_decoder.step(self, input_ids, position_ids, attention_mask, cache)
+            return CausalLMOutputWithPast(logits=logits, cache=cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

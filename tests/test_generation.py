@@ -178,3 +178,23 @@ def test_static_cache_object_can_be_passed_in():
     cache = StaticCache(config=model.config, max_cache_len=32)
     static = model.generate(input_ids, max_new_tokens=5, do_sample=False, cache=cache)
     assert torch.equal(static, model.generate(input_ids, max_new_tokens=5, do_sample=False))
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_sync_free_decode_step_matches_full_forward(attn_implementation):
+    """`decode_step` (what the CUDA graph captures on a GPU) against a static cache, left padding included."""
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention"])
+    model.set_attn_implementation(attn_implementation)
+    input_ids = _ids((2, 16), 12)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :5] = 0  # row 1 is left-padded
+    cache = StaticCache(config=model.config, max_cache_len=24)
+    with torch.no_grad():
+        full = model(input_ids, attention_mask=attention_mask).logits
+        model(input_ids[:, :10], attention_mask=attention_mask[:, :10], cache=cache, use_cache=True)
+        for t in range(10, 16):
+            key_mask = torch.zeros(2, 24, dtype=torch.bool)
+            key_mask[:, : t + 1] = attention_mask[:, : t + 1].bool()
+            positions = (attention_mask[:, : t + 1].cumsum(-1) - 1)[:, -1:]
+            hidden = model.model.decode_step(input_ids[:, t : t + 1], positions, key_mask, cache)
+            assert (model.lm_head(hidden)[:, 0] - full[:, t]).abs().max() <= LOGITS_TOL, t
