@@ -206,7 +206,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model(input_ids, labels=input_ids).loss.backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model(input_ids, labels=input_ids).loss.backward()
     for name, param in model.named_parameters():
         assert (param.grad - plain[name]).abs().max() <= 1e-5 * plain[name].abs().max(), name

@@ -1,0 +1,116 @@
+"""Fine-tuning with transformers.Trainer: loss falls with packing and gradient checkpointing; LoRA trains and merges;
+the example script writes a loadable model folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+)
+
+from hybrid_linear_models.finetune import LORA_TARGET_MODULES, TokenizedDocuments
+from model_helpers import tiny_model
+
+WORDS = [f"w{i}" for i in range(2, 128)]
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1, **{w: i for i, w in enumerate(WORDS, 2)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
+
+
+def _documents(count: int, seed: int = 0) -> list[list[int]]:
+    """Made-up documents with a learnable rule: each is an arithmetic progression of token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = []
+    for _ in range(count):
+        start = int(torch.randint(2, 60, (1,), generator=generator))
+        step = int(torch.randint(1, 4, (1,), generator=generator))
+        length = int(torch.randint(8, 24, (1,), generator=generator))
+        docs.append([2 + (start + step * i) % 126 for i in range(length)] + [1])
+    return docs
+
+
+def _train(model, documents, steps, gradient_checkpointing=False, lr=3e-3):
+    args = TrainingArguments(
+        output_dir="unused", per_device_train_batch_size=8, max_steps=steps, learning_rate=lr, logging_steps=1,
+        save_strategy="no", report_to="none", seed=0, remove_unused_columns=False, use_cpu=True,
+        activation_checkpointing=gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if gradient_checkpointing else None,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TokenizedDocuments(documents),
+                      data_collator=DataCollatorWithFlattening(return_position_ids=True))
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_loss_falls_with_packing(gradient_checkpointing):
+    model = tiny_model().train()
+    losses = _train(model, _documents(160), steps=30, gradient_checkpointing=gradient_checkpointing)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.6 * first, losses
+
+
+def test_lora_trains_and_merges_back():
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model().train()
+    present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
+    targets = [name for name in LORA_TARGET_MODULES if name in present]
+    assert {"in_proj_qkvz", "out_proj", "q_proj", "f_a_proj", "gate_proj"} <= set(targets)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    losses = _train(model, _documents(160), steps=30, lr=1e-2)
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    probe = torch.tensor([_documents(1, seed=5)[0]])
+    model.eval()
+    with torch.no_grad():
+        adapted = model(probe).logits
+        merged = model.merge_and_unload()
+        assert not any("lora_" in n for n, _ in merged.named_parameters())
+        torch.testing.assert_close(merged(probe).logits, adapted, atol=1e-4, rtol=1e-4)
+
+
+def test_example_script_writes_a_loadable_model(tmp_path):
+    model_dir, data, output = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out"
+    tiny_model().save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    tokenizer = _tokenizer()
+    with data.open("w") as f:
+        for doc in _documents(40):
+            f.write(json.dumps({"text": tokenizer.decode(doc[:-1])}) + "\n")
+    command = [sys.executable, "examples/finetune.py", str(model_dir), str(data), str(output), "--max-steps", "6",
+               "--batch-size", "4", "--packing", "--gradient-checkpointing", "--lora", "--merge-lora",
+               "--learning-rate", "5e-3", "--logging-steps", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "'loss'" in result.stdout or "loss" in result.stderr
+    reloaded = AutoModelForCausalLM.from_pretrained(output)
+    assert not any("lora_" in n for n, _ in reloaded.named_parameters())
+    with torch.no_grad():
+        assert torch.isfinite(reloaded(torch.tensor([[5, 6, 7]])).logits).all()
+
+
+def test_example_script_rejects_a_bad_dataset(tmp_path):
+    model_dir, data = tmp_path / "model", tmp_path / "data.jsonl"
+    tiny_model().save_pretrained(model_dir)
+    _tokenizer().save_pretrained(model_dir)
+    data.write_text('{"text": "w5 w6"}\n{"body": "w7"}\n')
+    result = subprocess.run([sys.executable, "examples/finetune.py", str(model_dir), str(data), str(tmp_path / "o")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "data.jsonl:2 has no string field 'text'" in result.stderr
