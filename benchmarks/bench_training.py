@@ -1,0 +1,108 @@
+"""Training speed (forward + backward), ours vs transformers, side by side in one run.
+
+GPU (H200, bfloat16 weights, fla kernels on both sides): B=4, T=4096,
+- a ~1.2B GDN model (hidden 2048, intermediate 5632, 12 GDN + 4 gated attention layers, attention 16/2 heads of
+  256, GDN 16 key / 32 value heads of 128, vocab 32000, dense MLP) against Qwen3NextForCausalLM with the same weights;
+- a ~1B KDA model (12 KDA + 4 gated attention layers) against KimiLinearForCausalLM (12 KDA + 4 MLA layers).
+Prints tokens/s, the ratio, peak memory and model FLOPs utilisation (6 * non-embedding params * tokens plus
+attention's 12 * layers * heads * head_dim * T/2 per token, over 989 TFLOP/s dense bf16).
+
+    python benchmarks/bench_training.py [--tiny] [--skip-kda] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import KimiLinearForCausalLM, Qwen3NextForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, count_parameters, gdn_pair, kda_pair  # noqa: E402
+
+from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
+
+
+def model_flops_per_token(model, config, seq_len: int) -> float:
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    dense = 6 * (count_parameters(model) - embeddings) + 6 * config.vocab_size * config.hidden_size  # + LM head
+    attention_layers = sum(t == "full_attention" for t in getattr(config, "layer_types", []))
+    head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    attention = 12 * attention_layers * config.num_attention_heads * head_dim * seq_len / 2
+    return dense + attention
+
+
+def train_steps(model, input_ids, steps: int) -> tuple[float, float]:
+    """Median seconds per forward + backward, and peak memory in GiB."""
+    times = []
+    for step in range(steps + 2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        if step >= 2:  # the first steps autotune fla's kernels
+            times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    times.sort()
+    return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+
+
+def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config):
+    device = torch.device("cuda")
+    input_ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=device)
+    tokens = batch * seq_len
+    results = {}
+    for label, model in (("ours", ours), ("transformers", theirs)):
+        model.to(device=device, dtype=torch.bfloat16).train()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            seconds, peak = train_steps(model, input_ids, steps)
+        except torch.OutOfMemoryError:
+            seconds, peak = float("nan"), float("nan")
+        flops = model_flops_per_token(model, mfu_config if label == "ours" else model.config, seq_len) * tokens
+        results[label] = (tokens / seconds, peak, flops / seconds / PEAK_BF16_FLOPS)
+        model.to("cpu")
+        print(f"  {label:>12}: {count_parameters(model) / 1e9:.3f}B params, {tokens / seconds:>9.0f} tok/s, "
+              f"peak {peak:6.1f} GiB, MFU {100 * results[label][2]:5.1f}%", flush=True)
+    ratio = results["ours"][0] / results["transformers"][0]
+    print(f"{name}: ours/transformers tokens/s = {ratio:.2f}, peak memory ours/transformers = "
+          f"{results['ours'][1] / results['transformers'][1]:.2f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--skip-kda", action="store_true")
+    parser.add_argument("--skip-gdn", action="store_true")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    print("command: python " + " ".join(sys.argv))
+    if not torch.cuda.is_available():
+        print("no CUDA device: this benchmark measures GPU training throughput")
+        return
+    torch.manual_seed(0)
+    if not args.skip_gdn:
+        ours_cfg, theirs_cfg = gdn_pair(**(TINY_GDN if args.tiny else GPU_GDN))
+        ours, theirs = HybridLinearForCausalLM(ours_cfg), Qwen3NextForCausalLM(theirs_cfg)
+        theirs.load_state_dict(ours.state_dict())
+        print(f"GDN, B={args.batch}, T={args.seq_len}, bf16")
+        run_pair("GDN vs Qwen3-Next", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg)
+        del ours, theirs
+    if not args.skip_kda:
+        ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
+        ours, theirs = HybridLinearForCausalLM(ours_cfg), KimiLinearForCausalLM(theirs_cfg)
+        print(f"KDA, B={args.batch}, T={args.seq_len}, bf16")
+        run_pair("KDA vs Kimi-Linear", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""`convert_checkpoint`: the conversion API behind the CLI."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .errors import ConversionError
+from .formats import get_format
+from .pipeline import ConversionPlan, WriteOptions, plan_conversion, stream_tensors
+from .safety import atomic_output_dir, check_paths
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in "5GB" (decimal, as in transformers), "500MiB" (binary), "1.5G" or a plain integer."""
+    if isinstance(text, int):
+        size = text
+    else:
+        match = _SIZE.match(str(text))
+        if not match:
+            raise ConversionError(f"cannot read size {text!r}; write it like 5GB, 500MB or 2GiB.")
+        unit = (match.group(2) or "").upper().removesuffix("B")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ConversionError(f"size {text!r} must be positive.")
+    return size
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    destination: Path
+    tensors: int
+    bytes: int
+    seconds: float
+    skipped: int = 0  # stored tensors deliberately not converted (optimizer state)
+
+
+def _with_progress(plan: ConversionPlan, quiet: bool, label: str) -> Iterator[tuple[str, torch.Tensor]]:
+    # `delay`: the bar appears only when the conversion takes more than a moment.
+    with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=label, disable=quiet,
+              delay=0.5, file=sys.stderr, leave=False) as bar:
+        for name, tensor in stream_tensors(plan):
+            nbytes = tensor.numel() * tensor.element_size()
+            yield name, tensor
+            del tensor  # hold no reference while the next tensor is produced
+            bar.update(nbytes)
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to_format: str,
+                       dtype: str | torch.dtype | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                       force: bool = False, quiet: bool = True) -> ConversionResult:
+    """Converts the checkpoint at `src` (format `from_format`) into a new folder `dst` (format `to_format`).
+
+    Tensors keep their dtype unless `dtype` ("float32", "bfloat16", "float16") is given. `dst` appears only when
+    complete; an existing `dst` is refused unless `force`, and then replaced only at the end. Raises
+    `ConversionError` with a one-line explanation for bad inputs.
+    """
+    started = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
+        dtype = DTYPES[dtype]
+    max_shard_bytes = parse_size(max_shard_size)
+    reader, writer = get_format(from_format, "read"), get_format(to_format, "write")
+    check_paths(src, dst, force)
+    source = reader.read(src)
+    plan = plan_conversion(source, writer.target_rows(source.config), dtype)
+    options = WriteOptions(max_shard_bytes, output_name=dst.name,
+                           source_description=reader.description)
+    with atomic_output_dir(dst, force) as staging:
+        writer.write(staging, plan, _with_progress(plan, quiet, f"{from_format} -> {to_format}"), options)
+    return ConversionResult(dst, len(plan.targets), plan.total_bytes, time.perf_counter() - started,
+                            len(source.skipped))
+
+
+__all__ = ["convert_checkpoint", "ConversionResult", "parse_size", "DTYPES", "DEFAULT_MAX_SHARD_SIZE"]

@@ -1,0 +1,164 @@
+"""Small tensor converters used by the name maps. Each maps a group of tensors on the format side to a group on the
+canonical side (our Hugging Face layout) with `forward`, and back with `inverse`; both are pure data movement (copy,
+slice, concatenate, transpose, row gather), so a round trip is bit-exact. The `*_shapes` methods do the same on
+shapes, so a whole conversion can be planned and checked before any data is read.
+
+A converter whose layout depends on the model's dimensions (e.g. the Gated DeltaNet head grouping) is bound to a
+config first with `bind(config)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ..configuration_hybrid_linear import HybridLinearConfig
+
+Shape = tuple[int, ...]
+
+
+class Converter:
+    """Base class: one format-side group of tensors <-> one canonical-side group."""
+
+    arity: tuple[int, int] = (1, 1)  # (format-side tensors, canonical-side tensors)
+
+    def bind(self, config: HybridLinearConfig) -> Converter:  # noqa: ARG002 - for config-dependent converters
+        return self
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def inverse(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        raise NotImplementedError
+
+    def inverse_shapes(self, shapes: Sequence[Shape]) -> list[Shape]:
+        raise NotImplementedError
+
+
+class Identity(Converter):
+    def forward(self, tensors):
+        return list(tensors)
+
+    inverse = forward
+
+    def forward_shapes(self, shapes):
+        return [tuple(s) for s in shapes]
+
+    inverse_shapes = forward_shapes
+
+
+class Transpose(Converter):
+    """A 2-D weight stored transposed on the format side (Fast-LLM's MLP `layer_2`)."""
+
+    def forward(self, tensors):
+        return [tensors[0].t().contiguous()]
+
+    inverse = forward
+
+    def forward_shapes(self, shapes):
+        rows, cols = shapes[0]
+        return [(cols, rows)]
+
+    inverse_shapes = forward_shapes
+
+
+@dataclass(frozen=True)
+class SplitRows(Converter):
+    """One format tensor = `parts` canonical tensors of equal size stacked along dim 0 (e.g. K then V)."""
+
+    parts: int = 2
+
+    @property
+    def arity(self):
+        return (1, self.parts)
+
+    def forward(self, tensors):
+        return [chunk.contiguous() for chunk in torch.chunk(tensors[0], self.parts, dim=0)]
+
+    def inverse(self, tensors):
+        return [torch.cat(list(tensors), dim=0)]
+
+    def forward_shapes(self, shapes):
+        rows, *rest = shapes[0]
+        if rows % self.parts:
+            raise ValueError(f"{rows} rows do not split into {self.parts} equal parts")
+        return [(rows // self.parts, *rest)] * self.parts
+
+    def inverse_shapes(self, shapes):
+        return [(sum(s[0] for s in shapes), *shapes[0][1:])]
+
+
+@dataclass(frozen=True)
+class RowPermutation(Converter):
+    """Canonical row i is format row `order[i]`."""
+
+    order: tuple[int, ...]
+
+    def _index(self, inverse: bool) -> torch.Tensor:
+        index = torch.tensor(self.order, dtype=torch.long)
+        return torch.argsort(index) if inverse else index
+
+    def forward(self, tensors):
+        return [tensors[0].index_select(0, self._index(False))]
+
+    def inverse(self, tensors):
+        return [tensors[0].index_select(0, self._index(True))]
+
+    def _check(self, shape: Shape) -> None:
+        if shape[0] != len(self.order):
+            raise ValueError(f"{shape[0]} rows, the permutation is over {len(self.order)}")
+
+    def forward_shapes(self, shapes):
+        self._check(shapes[0])
+        return [tuple(shapes[0])]
+
+    def inverse_shapes(self, shapes):
+        self._check(shapes[0])
+        return [tuple(shapes[0])]
+
+
+def flat_to_grouped_order(groups: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Row order taking a FLAT layout [S0 of all groups | S1 of all groups | ...] (section k holds `groups` blocks of
+    `sizes[k]` rows) to a GROUPED one [group 0: S0 | S1 | ... | group 1: S0 | S1 | ... | ...]."""
+    section_starts = [groups * sum(sizes[:k]) for k in range(len(sizes))]
+    order: list[int] = []
+    for group in range(groups):
+        for start, size in zip(section_starts, sizes):
+            order.extend(range(start + group * size, start + (group + 1) * size))
+    return tuple(order)
+
+
+@dataclass(frozen=True)
+class GdnKeyHeadGrouping(Converter):
+    """Gated DeltaNet projection rows: Fast-LLM stores them FLAT, per section over all heads; the canonical
+    (Qwen3-Next) layout groups them per key head h: in_proj_qkvz = [q_h (dk) | k_h (dk) | v_h (r*dv) | z_h (r*dv)]
+    and in_proj_ba = [b_h (r) | a_h (r)], r = value heads per key head. `projection` is "qkvz" or "ba"."""
+
+    projection: str
+
+    def bind(self, config: HybridLinearConfig) -> RowPermutation:
+        key_heads = config.gdn_num_key_heads
+        ratio = config.gdn_num_value_heads // key_heads
+        if self.projection == "qkvz":
+            dk, dv = config.gdn_key_head_dim, config.gdn_value_head_dim
+            sizes = (dk, dk, ratio * dv, ratio * dv)
+        elif self.projection == "ba":
+            sizes = (ratio, ratio)
+        else:
+            raise ValueError(f"unknown GDN projection {self.projection!r}")
+        return RowPermutation(flat_to_grouped_order(key_heads, sizes))
+
+
+IDENTITY = Identity()
+TRANSPOSE = Transpose()
+SPLIT_HALVES = SplitRows(2)
+
+__all__ = ["Converter", "Identity", "Transpose", "SplitRows", "RowPermutation", "GdnKeyHeadGrouping",
+           "flat_to_grouped_order", "IDENTITY", "TRANSPOSE", "SPLIT_HALVES"]

@@ -1,0 +1,202 @@
+"""Fast-LLM's `distributed` checkpoint format (read only): `metadata.yaml` + `rank_{r}.safetensors`, each rank file
+holding one flat buffer per state shard (`weights_shard`, optimizer shards). Supported for a single-rank save
+(world size 1), whose `weights_shard` is the model's parameters laid out by Fast-LLM's stage rules:
+
+- one stage for the embeddings, one per decoder block, one for the head (final norm, then the output weight unless
+  tied); each stage's slice is padded with zeros to a multiple of 32 elements;
+- inside a stage, parameters in definition order (block: norm_1, norm_2, mixer, MLP), then stably sorted by
+  (weight decay, weight decay == tensor-parallel), i.e. no-decay tensor-parallel parameters (dt_bias, A_log) first,
+  then norms, then weights that are not tensor-parallel (low-rank KDA projections, MQA key_value), then the rest.
+
+Tensor-parallel means "has a dimension Fast-LLM can split over heads", independent of the actual parallelism. The
+layouts are checked against both fixtures; configurations the fixtures do not cover (a GDN/KDA mixer with a single
+head) are refused rather than guessed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..configuration_hybrid_linear import HybridLinearConfig
+from .errors import ConversionError
+from .config_maps import fast_llm_to_hybrid_config
+from .fast_llm import WEIGHTS_SHARD, load_metadata
+from .hf_layout import hf_tensor_shapes
+from .name_maps import MapRow, build_fast_llm_rows, fast_llm_block_prefix
+from .pipeline import SourceCheckpoint
+from .safetensors_io import SafetensorsFile, TensorInfo
+
+STAGE_PAD = 32
+_Rule = Callable[[HybridLinearConfig], bool]
+_ALWAYS: _Rule = lambda config: True  # noqa: E731
+_NEVER: _Rule = lambda config: False  # noqa: E731
+_GDN_HEADS: _Rule = lambda config: config.gdn_num_value_heads > 1  # noqa: E731
+_KDA_HEADS: _Rule = lambda config: config.kda_num_heads > 1  # noqa: E731
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """A Fast-LLM parameter, in definition order within its module: has weight decay? is tensor-parallel?"""
+
+    name: str
+    weight_decay: bool
+    tensor_parallel: _Rule
+
+
+_BLOCK_NORMS = (ParameterSpec("norm_1.weight", False, _NEVER), ParameterSpec("norm_2.weight", False, _NEVER))
+_MLP = (ParameterSpec("mlp.layer_1.weight", True, _ALWAYS), ParameterSpec("mlp.layer_2.weight", True, _ALWAYS))
+_MIXERS = {
+    "attention": (
+        ParameterSpec("mixer.query.weight", True, _ALWAYS),
+        ParameterSpec("mixer.key_value.weight", True, lambda config: config.num_key_value_heads > 1),
+        ParameterSpec("mixer.dense.weight", True, _ALWAYS),
+    ),
+    "gated_deltanet": (
+        ParameterSpec("mixer.in_proj_qkvz.weight", True, _GDN_HEADS),
+        ParameterSpec("mixer.in_proj_ba.weight", True, _GDN_HEADS),
+        ParameterSpec("mixer.convolution.weight", True, _GDN_HEADS),
+        ParameterSpec("mixer.out_proj.weight", True, _GDN_HEADS),
+        ParameterSpec("mixer.dt_bias", False, _GDN_HEADS),
+        ParameterSpec("mixer.A_log", False, _GDN_HEADS),
+        ParameterSpec("mixer.norm.weight", False, _NEVER),
+    ),
+    "kimi_delta_attention": (
+        *(ParameterSpec(f"mixer.{n}_proj.weight", True, _KDA_HEADS) for n in ("q", "k", "v")),
+        *(ParameterSpec(f"mixer.{n}_conv.weight", True, _KDA_HEADS) for n in ("q", "k", "v")),
+        ParameterSpec("mixer.f_a_proj.weight", True, _NEVER),  # (head_dim, hidden): not split over heads
+        ParameterSpec("mixer.f_b_proj.weight", True, _KDA_HEADS),
+        ParameterSpec("mixer.g_a_proj.weight", True, _NEVER),
+        ParameterSpec("mixer.g_b_proj.weight", True, _KDA_HEADS),
+        ParameterSpec("mixer.beta_proj.weight", True, _KDA_HEADS),
+        ParameterSpec("mixer.o_proj.weight", True, _KDA_HEADS),
+        ParameterSpec("mixer.dt_bias", False, _KDA_HEADS),
+        ParameterSpec("mixer.A_log", False, _KDA_HEADS),
+        ParameterSpec("mixer.norm.weight", False, _NEVER),
+    ),
+}
+_MIXERS["full_attention"] = _MIXERS["sliding_attention"] = _MIXERS.pop("attention")
+_EMBEDDINGS = (ParameterSpec("embeddings.word_embeddings_weight", True, _ALWAYS),)
+_HEAD = (ParameterSpec("head.final_norm.weight", False, _NEVER), ParameterSpec("head.output_weights", True, _ALWAYS))
+
+
+def _check_verified(config: HybridLinearConfig) -> None:
+    if "gated_deltanet" in config.layer_types and min(config.gdn_num_key_heads, config.gdn_num_value_heads) == 1:
+        raise ConversionError("the distributed layout of a Gated DeltaNet mixer with a single key or value head is "
+                              "not verified; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
+    if "kimi_delta_attention" in config.layer_types and config.kda_num_heads == 1:
+        raise ConversionError("the distributed layout of a Kimi Delta Attention mixer with a single head is not "
+                              "verified; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
+
+
+def _stage_order(specs: list[ParameterSpec], prefix: str, config: HybridLinearConfig) -> list[str]:
+    def key(spec: ParameterSpec) -> tuple[bool, bool]:
+        return spec.weight_decay, spec.weight_decay == spec.tensor_parallel(config)
+
+    return [prefix + spec.name for spec in sorted(specs, key=key)]  # sorted() is stable
+
+
+def stage_layout(config: HybridLinearConfig) -> list[list[str]]:
+    """Parameter names per stage, in buffer order."""
+    stages = [_stage_order(list(_EMBEDDINGS), "", config)]
+    for index, layer_type in enumerate(config.layer_types):
+        specs = [*_BLOCK_NORMS, *_MIXERS[layer_type], *_MLP]
+        stages.append(_stage_order(specs, fast_llm_block_prefix(index), config))
+    head = list(_HEAD[:1] if config.tie_word_embeddings else _HEAD)
+    stages.append(_stage_order(head, "", config))
+    return stages
+
+
+class DistributedTensors:
+    """A `TensorSource` over parameters stored as slices of one flat buffer."""
+
+    def __init__(self, file: SafetensorsFile, buffer: str, slices: dict[str, tuple[int, tuple[int, ...]]]):
+        self._file, self._buffer, self._slices = file, buffer, slices
+        self._dtype = file.info(buffer).dtype
+
+    def keys(self) -> list[str]:
+        return list(self._slices)
+
+    def info(self, key: str) -> TensorInfo:
+        return TensorInfo(self._slices[key][1], self._dtype)
+
+    def load(self, key: str) -> torch.Tensor:
+        offset, shape = self._slices[key]
+        return self._file.read(self._buffer, offset, shape)
+
+
+def _check_single_rank(path: Path, metadata: dict) -> None:
+    config = metadata["config"]
+    distributed = config.get("distributed") or {}
+    for field, single in (("world_size", 1), ("tensor_parallel", 1), ("pipeline_parallel", 1),
+                          ("sequence_tensor_parallel", False)):
+        if distributed.get(field, single) != single:
+            raise ConversionError(f"{path / 'metadata.yaml'}: config.distributed.{field} = {distributed[field]!r}; "
+                                  "only single-rank distributed checkpoints convert. Save it in the `fast_llm` "
+                                  "format instead.")
+    if config.get("multi_stage"):
+        raise ConversionError(f"{path / 'metadata.yaml'}: config.multi_stage is set ({config['multi_stage']!r}), "
+                              "which changes the stage layout; save the checkpoint in the `fast_llm` format instead.")
+    ranks = sorted(p.name for p in path.glob("rank_*.safetensors"))
+    if ranks != ["rank_0.safetensors"]:
+        raise ConversionError(f"SRC {path} has rank files {ranks}; a single-rank checkpoint has exactly "
+                              "rank_0.safetensors.")
+
+
+def read_fast_llm_distributed(path: Path) -> SourceCheckpoint:
+    path = Path(path)
+    metadata = load_metadata(path, "distributed", "fast_llm_distributed")
+    _check_single_rank(path, metadata)
+    file = SafetensorsFile(path / "rank_0.safetensors")
+    buffer = f"{WEIGHTS_SHARD}_shard"
+    expected_buffers = {f"{shard}_shard" for shard in metadata.get("shards", [])}
+    unknown = sorted(set(file.keys()) - expected_buffers)
+    if buffer not in file.keys() or unknown:
+        raise ConversionError(f"{file.path} holds {sorted(file.keys())}; expected one flat buffer per shard listed "
+                              f"in metadata.yaml ({sorted(expected_buffers)}).")
+    skipped = sorted(set(file.keys()) - {buffer})
+    # The config decides the layout; whether the output weight is tied cannot be read from a flat buffer.
+    config = fast_llm_to_hybrid_config(metadata["config"]["base_model"], " (it decides the buffer layout)")
+    _check_verified(config)
+    rows = build_fast_llm_rows(config)
+    shapes = _format_shapes(config, rows)
+    slices: dict[str, tuple[int, tuple[int, ...]]] = {}
+    padding: list[tuple[int, int]] = []
+    offset = 0
+    for stage in stage_layout(config):
+        begin = offset
+        for name in stage:
+            slices[name] = (offset, shapes[name])
+            offset += math.prod(shapes[name])
+        end = begin + -(-(offset - begin) // STAGE_PAD) * STAGE_PAD
+        padding.append((offset, end))
+        offset = end
+    info = file.info(buffer)
+    if info.shape != (offset,):
+        raise ConversionError(f"{file.path}: {buffer} has shape {list(info.shape)}, but the config in metadata.yaml "
+                              f"implies [{offset}]. The config does not match the weights, or the checkpoint was "
+                              "saved with a parallel layout; save it in the `fast_llm` format instead.")
+    for begin, end in padding:
+        if end > begin and torch.count_nonzero(file.read(buffer, begin, (end - begin,))):
+            raise ConversionError(f"{file.path}: the stage padding at elements [{begin}, {end}) is not zero, so the "
+                                  "buffer layout is not the one this converter expects; save the checkpoint in the "
+                                  "`fast_llm` format instead.")
+    return SourceCheckpoint("fast_llm_distributed", path, config, DistributedTensors(file, buffer, slices), rows,
+                            skipped)
+
+
+def _format_shapes(config: HybridLinearConfig, rows: list[MapRow]) -> dict[str, tuple[int, ...]]:
+    canonical = hf_tensor_shapes(config)
+    shapes = {}
+    for row in rows:
+        for name, shape in zip(row.format_keys, row.converter.inverse_shapes([canonical[k] for k in
+                                                                                row.canonical_keys])):
+            shapes[name] = tuple(shape)
+    return shapes
+
+
+__all__ = ["read_fast_llm_distributed", "stage_layout"]

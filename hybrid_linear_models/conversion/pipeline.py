@@ -1,0 +1,183 @@
+"""Plans and streams a conversion: source tensors -> canonical tensors (source rows, forward) -> target tensors
+(target rows, inverse).
+
+Planning works on shapes only, before any data is read: every source tensor must be consumed by exactly one source
+row and every target tensor produced by exactly one target row (a leftover or missing tensor is an error naming it),
+and every source tensor's shape must be the one the config implies. The schedule then loads one source row at a time
+and emits each target row as soon as all its canonical inputs exist, so only a few tensors are in memory at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..configuration_hybrid_linear import HybridLinearConfig
+from .errors import ConversionError
+from .hf_layout import hf_tensor_shapes
+from .name_maps import MapRow
+from .safetensors_io import TensorInfo
+
+_LISTED = 8  # names shown in one error message
+
+
+class TensorSource(Protocol):
+    """Read access to a checkpoint's tensors by their stored name."""
+
+    def keys(self) -> list[str]: ...
+
+    def info(self, key: str) -> TensorInfo: ...
+
+    def load(self, key: str) -> torch.Tensor: ...
+
+
+@dataclass
+class SourceCheckpoint:
+    """What a format reader returns: the model config, the tensors and how they map to the canonical layout."""
+
+    format_name: str
+    path: Path
+    config: HybridLinearConfig
+    tensors: TensorSource
+    rows: list[MapRow]
+    skipped: list[str] = field(default_factory=list)  # stored tensors deliberately not converted (optimizer state)
+
+
+@dataclass(frozen=True)
+class Step:
+    load: int | None = None  # index of a source row to load
+    emit: int | None = None  # index of a target row to emit
+
+
+@dataclass
+class ConversionPlan:
+    source: SourceCheckpoint
+    target_rows: list[MapRow]
+    steps: list[Step]
+    targets: list[tuple[str, TensorInfo]]  # target tensors, in the order they are produced
+    dtype: torch.dtype | None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(info.nbytes for _, info in self.targets)
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(sorted(names)[:_LISTED])
+    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
+def _check_accounting(source: SourceCheckpoint) -> None:
+    stored = set(source.tensors.keys())
+    used = [key for row in source.rows for key in row.format_keys]
+    duplicated = {key for key in used if used.count(key) > 1} if len(used) != len(set(used)) else set()
+    if duplicated:
+        raise RuntimeError(f"name map uses {sorted(duplicated)} twice")
+    missing = sorted(set(used) - stored)
+    extra = sorted(stored - set(used))
+    where = f"{source.path} ({source.format_name} format)"
+    if missing:
+        raise ConversionError(
+            f"{where} is missing tensor(s) {_listing(missing)} that its config requires "
+            f"(layer types {source.config.layer_types}). The checkpoint is incomplete or its config does not match "
+            "its weights; export it again."
+        )
+    if extra:
+        raise ConversionError(
+            f"{where} has tensor(s) {_listing(extra)} that its config does not account for. The config does not "
+            "match the weights, or the checkpoint holds parameters this converter does not know (biases, adapters, "
+            "extra heads); fix the config or remove them."
+        )
+
+
+def _check_shapes(source: SourceCheckpoint, canonical: dict[str, tuple[int, ...]]) -> None:
+    for row in source.rows:
+        expected = row.converter.inverse_shapes([canonical[key] for key in row.canonical_keys])
+        for key, shape in zip(row.format_keys, expected):
+            actual = source.tensors.info(key).shape
+            if tuple(actual) != tuple(shape):
+                raise ConversionError(
+                    f"{source.path}: tensor {key} has shape {list(actual)}, but the config implies {list(shape)}. "
+                    "The config does not match the weights; fix the config (or the tensor) so they agree."
+                )
+
+
+def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: torch.dtype | None = None
+                    ) -> ConversionPlan:
+    canonical = hf_tensor_shapes(source.config)
+    _check_accounting(source)
+    _check_shapes(source, canonical)
+    produced = [key for row in source.rows for key in row.canonical_keys]
+    needed = [key for row in target_rows for key in row.canonical_keys]
+    if sorted(produced) != sorted(canonical) or sorted(needed) != sorted(canonical):
+        raise RuntimeError("name maps disagree with the canonical layout: "
+                           f"{sorted(set(produced) ^ set(canonical)) or sorted(set(needed) ^ set(canonical))}")
+
+    canonical_dtype = {}
+    for row in source.rows:
+        row_dtype = source.tensors.info(row.format_keys[0]).dtype
+        canonical_dtype.update(dict.fromkeys(row.canonical_keys, row_dtype))
+    target_row_of = {key: index for index, row in enumerate(target_rows) for key in row.canonical_keys}
+    steps: list[Step] = []
+    targets: list[tuple[str, TensorInfo]] = []
+    available: set[str] = set()
+    for index, row in enumerate(source.rows):
+        steps.append(Step(load=index))
+        available.update(row.canonical_keys)
+        for key in row.canonical_keys:
+            target_index = target_row_of[key]
+            target = target_rows[target_index]
+            if key in available and all(k in available for k in target.canonical_keys):
+                available.difference_update(target.canonical_keys)
+                steps.append(Step(emit=target_index))
+                shapes = target.converter.inverse_shapes([canonical[k] for k in target.canonical_keys])
+                out_dtype = dtype or canonical_dtype[target.canonical_keys[0]]
+                targets += [(k, TensorInfo(tuple(s), out_dtype)) for k, s in zip(target.format_keys, shapes)]
+    emitted = [key for key, _ in targets]
+    if len(emitted) != len(set(emitted)) or available:
+        raise RuntimeError(f"conversion schedule incomplete: pending {sorted(available)}")
+    return ConversionPlan(source, target_rows, steps, targets, dtype)
+
+
+def stream_tensors(plan: ConversionPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields the target tensors in plan order, reading each source tensor once."""
+    source = plan.source
+    canonical: dict[str, torch.Tensor] = {}
+    planned = iter(plan.targets)
+    for step in plan.steps:
+        if step.load is not None:
+            row = source.rows[step.load]
+            tensors = [source.tensors.load(key) for key in row.format_keys]
+            canonical.update(zip(row.canonical_keys, row.converter.forward(tensors)))
+            del tensors
+            continue
+        row = plan.target_rows[step.emit]
+        outputs = row.converter.inverse([canonical.pop(key) for key in row.canonical_keys])
+        outputs.reverse()
+        for key in row.format_keys:
+            tensor = outputs.pop()  # drop every reference once written, so memory stays near one tensor
+            name, info = next(planned)
+            if plan.dtype is not None and tensor.dtype != plan.dtype:
+                tensor = tensor.to(plan.dtype)
+            if name != key or tuple(tensor.shape) != info.shape:
+                raise RuntimeError(f"produced {key} {tuple(tensor.shape)}, planned {name} {info.shape}")
+            yield key, tensor
+            del tensor
+
+
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """What a writer needs beyond the plan and the tensors."""
+
+    max_shard_bytes: int
+    output_name: str = "model"  # the final folder name (writers work in a temporary folder)
+    source_description: str = ""  # one line on the source format, for the model card
+
+
+__all__ = ["TensorSource", "SourceCheckpoint", "ConversionPlan", "WriteOptions", "plan_conversion", "stream_tensors"]
