@@ -46,22 +46,23 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _unit_lower_inverse(strict_lower: torch.Tensor) -> torch.Tensor:
+def _unit_lower_inverse(strict_lower: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(I + N)^-1 for strictly lower triangular N [..., C, C]: diagonal blocks solved directly, then merged block
-    row by block row with matmuls (T_i,<i = -T_ii L_i,<i T_<i,<i)."""
+    row by block row with matmuls (T_i,<i = -T_ii N_i,<i T_<i,<i). Written into `out` when given."""
     C = strict_lower.shape[-1]
     s = math.gcd(C, _INVERSE_BLOCK)
     nb = C // s
-    full = strict_lower + torch.eye(C, dtype=strict_lower.dtype, device=strict_lower.device)
-    diag = torch.stack([full[..., i * s : (i + 1) * s, i * s : (i + 1) * s] for i in range(nb)], dim=-3)
-    eye = torch.eye(s, dtype=full.dtype, device=full.device).expand_as(diag)
-    diag_inv = torch.linalg.solve_triangular(diag, eye, upper=False, unitriangular=True)
-    inv = torch.zeros_like(full)
+    eye = torch.eye(s, dtype=strict_lower.dtype, device=strict_lower.device)
+    diag = torch.stack([strict_lower[..., i * s : (i + 1) * s, i * s : (i + 1) * s] + eye for i in range(nb)], dim=-3)
+    diag_inv = torch.linalg.solve_triangular(diag, eye.expand_as(diag), upper=False, unitriangular=True)
+    inv = torch.empty_like(strict_lower) if out is None else out
     for i in range(nb):
         rows = slice(i * s, (i + 1) * s)
         inv[..., rows, rows] = diag_inv[..., i, :, :]
+        inv[..., rows, (i + 1) * s :] = 0.0
         if i:
-            inv[..., rows, : i * s] = -diag_inv[..., i, :, :] @ (full[..., rows, : i * s] @ inv[..., : i * s, : i * s])
+            torch.matmul(-diag_inv[..., i, :, :], strict_lower[..., rows, : i * s] @ inv[..., : i * s, : i * s],
+                         out=inv[..., rows, : i * s])
     return inv
 
 
@@ -123,15 +124,17 @@ class ChunkLayout:
         return x[0].index_select(0, self.scatter_index).unsqueeze(0)
 
 
-def _scalar_decay_products(q, k, G):
+def _scalar_decay_products(q, k, G, out: torch.Tensor | None = None):
     """A_qk[i, j] (j <= i) and A_kk[i, j] (j < i) for one decay per head, and the decay matrix exp(G_i - G_j).
-    G is [..., C]; q and k are [..., C, dk] at key-head level, broadcast against the value heads of G."""
+    G is [..., C]; q and k are [..., C, dk] at key-head level, broadcast against the value heads of G. With `out`
+    ([3, ..., C, C]) the three are written there."""
     C = G.shape[-1]
+    a_qk, a_kk, decay = out.unbind(0) if out is not None else (None, None, None)
     upper = torch.ones(C, C, dtype=torch.bool, device=G.device).triu(1)
-    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill_(upper, float("-inf")).exp_()
+    decay = torch.sub(G.unsqueeze(-1), G.unsqueeze(-2), out=decay).masked_fill_(upper, float("-inf")).exp_()
     qk_kk = torch.cat([q, k], dim=-2) @ k.transpose(-1, -2)  # shared by the value heads of a key head
-    a_qk = qk_kk[..., :C, :] * decay
-    a_kk = (qk_kk[..., C:, :] * decay).tril_(-1)
+    a_qk = torch.mul(qk_kk[..., :C, :], decay, out=a_qk)
+    a_kk = torch.mul(qk_kk[..., C:, :], decay, out=a_kk).tril_(-1)
     return a_qk, a_kk, decay
 
 
@@ -211,6 +214,11 @@ class _Decays:
             self.chunk = G[..., -1:].exp().expand(*G.shape[:-1], dk)
 
 
+def _rowdot(x: torch.Tensor, y: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """sum(x * y) over `dim`, without materialising the product."""
+    return torch.linalg.vecdot(x, y, dim=dim)
+
+
 def _scalar_decay_products_backward(q, k, decay, a_qk, a_kk, d_a_qk, d_a_kk):
     """Gradients of `_scalar_decay_products` (q, k at key-head level, value heads on dim 3): dq, dk, dG."""
     p_qk = (d_a_qk * decay).sum(3, keepdim=True)
@@ -218,8 +226,9 @@ def _scalar_decay_products_backward(q, k, decay, a_qk, a_kk, d_a_qk, d_a_kk):
     d_q = p_qk @ k
     d_k = p_qk.transpose(-1, -2) @ q + (p_kk + p_kk.transpose(-1, -2)) @ k
     # each entry carries exp(G_i - G_j): its weight goes to G_i and comes off G_j
-    z = d_a_qk * a_qk + d_a_kk * a_kk
-    return d_q, d_k, z.sum(-1) - z.sum(-2)
+    d_G = (_rowdot(d_a_qk, a_qk) + _rowdot(d_a_kk, a_kk) - _rowdot(d_a_qk, a_qk, dim=-2)
+           - _rowdot(d_a_kk, a_kk, dim=-2))
+    return d_q, d_k, d_G
 
 
 class _Segments:
@@ -274,7 +283,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         inverse, solved = v.new_empty(*v.shape[:-1], C), v.new_empty(*v.shape[:-1], dv + dk)
         query_of_state, transition = v.new_empty(*v.shape[:-1], dk), v.new_empty(NC, M, dk, dk)
         # the per-head decay products are kept for the backward (the per-channel ones are recomputed there)
-        kept_products = None if per_channel else v.new_empty(3, *v.shape[:-1], C)
+        kept_products = None if per_channel else v.new_empty(3, *v.shape[:-1], C)  # A_qk, A_kk, decay
         segments = _Segments(layout, initial_state, (M, dk, dv), v)
         finals = [None] * len(segments.last)
         state = None
@@ -284,12 +293,12 @@ class _ChunkDeltaRule(torch.autograd.Function):
             if per_channel:
                 a_qk, a_kk = _channel_decay_products(q[grp], k[grp], G)
             else:
-                a_qk, a_kk, decay_matrix = _scalar_decay_products(q[grp], k[grp], G)
-                for i, x in enumerate((a_qk, a_kk, decay_matrix)):
-                    kept_products[i, grp] = x
+                a_qk, a_kk, _ = _scalar_decay_products(q[grp], k[grp], G, out=kept_products[:, grp])
             beta_col = beta[grp].unsqueeze(-1)
-            inverse[grp] = _unit_lower_inverse(a_kk.mul_(beta_col))
-            rhs = torch.cat([v[grp], (k[grp] * decay.start).expand(*v[grp].shape[:-1], dk)], dim=-1).mul_(beta_col)
+            _unit_lower_inverse(a_kk * beta_col, out=inverse[grp])
+            rhs = v.new_empty(*v[grp].shape[:-1], dv + dk)  # beta [V | K exp(G)]
+            torch.mul(v[grp], beta_col, out=rhs[..., :dv])
+            torch.mul(k[grp], decay.start * beta_col, out=rhs[..., dv:])
             sol = solved[grp]
             torch.matmul(inverse[grp], rhs, out=sol)  # [U0 | W]
             to_state = (k[grp] * decay.end).transpose(-1, -2) @ sol  # [K_end^T U0 | K_end^T W]
@@ -303,9 +312,10 @@ class _ChunkDeltaRule(torch.autograd.Function):
                 if n in segments.last:
                     finals[segments.last[n]] = state
             intra = a_qk @ sol  # [A_qk U0 | A_qk W]
-            torch.sub(q[grp] * decay.start, intra[..., dv:], out=query_of_state[grp])
-            out = (query_of_state[grp].flatten(1, 3) @ entering[grp]).view(o[grp].shape)
-            o[grp] = out.add_(intra[..., :dv])
+            torch.mul(q[grp], decay.start, out=query_of_state[grp]).sub_(intra[..., dv:])
+            out = o[grp]
+            torch.matmul(query_of_state[grp].flatten(1, 3), entering[grp], out=out.view(out.shape[0], M, C, dv))
+            out.add_(intra[..., :dv])
 
         ctx.layout = layout
         ctx.has_initial = initial_state is not None
@@ -364,23 +374,27 @@ class _ChunkDeltaRule(torch.autograd.Function):
             d_rhs = inverse[grp].transpose(-1, -2) @ d_solved
             d_lower = (d_rhs @ sol.transpose(-1, -2)).tril_(-1).neg_()  # d(diag(beta) A_kk)
             beta_col = beta_g.unsqueeze(-1)
-            d_beta[grp] = ((d_lower * a_kk).sum(-1) + (d_rhs[..., :dv] * vg).sum(-1)
-                           + (d_rhs[..., dv:] * k_start).sum(-1))
+            d_beta[grp] = (_rowdot(d_lower, a_kk) + _rowdot(d_rhs[..., :dv], vg) + _rowdot(d_rhs[..., dv:], k_start))
             d_a_kk = d_lower.mul_(beta_col)
             d_v[grp] = d_rhs[..., :dv] * beta_col
             d_k_start = d_rhs[..., dv:].mul_(beta_col)
 
             # every decay factor is exp(G_i - G_j) or exp(G_i): dG_i = sum over its channels of x_i * dx_i
-            d_G = d_q_start * q_start + d_k_start * k_start - d_k_end * k_end
-            d_G_last = (d_k_end * k_end).sum(-2) + (d_leaving * state_t.transpose(-1, -2)).sum(-1) * decay.chunk
-            d_qg = (d_q_start * decay.start).sum(3, keepdim=True)
-            d_kg = (d_k_start * decay.start + d_k_end * decay.end).sum(3, keepdim=True)
+            # (per channel for KDA, summed over the channels for GDN)
+            from_state = _rowdot(d_leaving, state_t.transpose(-1, -2)) * decay.chunk  # d(gamma) gamma, [.., dk]
             if per_channel:
+                d_k_end_part = d_k_end * k_end
+                d_G = d_q_start * q_start + d_k_start * k_start - d_k_end_part
+                d_G_last = d_k_end_part.sum(-2) + from_state
                 gram_q, gram_k, gram_G = torch.autograd.grad((a_qk_graph, a_kk_graph), (q_, k_, G_), (d_a_qk, d_a_kk))
             else:
+                d_k_end_part = _rowdot(d_k_end, k_end)
+                d_G = _rowdot(d_q_start, q_start) + _rowdot(d_k_start, k_start) - d_k_end_part
+                d_G_last = d_k_end_part.sum(-1) + from_state.sum(-1)
                 gram_q, gram_k, gram_G = _scalar_decay_products_backward(qg, kg, decay_matrix, a_qk, a_kk,
                                                                          d_a_qk, d_a_kk)
-                d_G, d_G_last = d_G.sum(-1), d_G_last.sum(-1)
+            d_qg = (d_q_start * decay.start).sum(3, keepdim=True)
+            d_kg = (d_k_start * decay.start + d_k_end * decay.end).sum(3, keepdim=True)
             d_G += gram_G
             d_G.narrow(4, C - 1, 1).add_(d_G_last.unsqueeze(4))  # the last position carries the chunk decay
             d_g[grp] = d_G.flip(4).cumsum(4).flip(4)

@@ -149,9 +149,19 @@ def _delta_rule(name, fla_chunk, fla_recurrent, q, k, v, g, beta, scale, initial
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens,
         )
     _note_torch_path(q, name)
+    if q.shape[1] == 0:  # nothing to run: the state passes through
+        return _empty_sequence_result(v, initial_state, output_final_state, q.shape[-1])
     if cu_seqlens is None and q.shape[1] <= RECURRENT_MAX_TOKENS:
         return recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm)
     return chunk_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
+
+
+def _empty_sequence_result(v, initial_state, output_final_state, dk):
+    final = None
+    if output_final_state:
+        final = initial_state if initial_state is not None else v.new_zeros(v.shape[0], v.shape[2], dk, v.shape[3],
+                                                                            dtype=compute_dtype(v))
+    return v.new_empty(v.shape), final
 
 
 def gated_delta_rule(
@@ -229,6 +239,9 @@ def causal_conv1d(
             f"{name}: initial_state must be [N, C, K-1] = {(N, C, K - 1)} (the last K-1 inputs of each of the "
             f"N sequences), got {_shape(initial_state)}."
         )
+    if T == 0:  # nothing to convolve: the state passes through
+        final = initial_state if initial_state is not None else x.new_zeros(N, C, K - 1)
+        return x.new_empty(x.shape), (final if output_final_state else None)
     return causal_conv1d_torch(x, weight, activation, initial_state, output_final_state, cu_seqlens)
 
 
