@@ -221,8 +221,8 @@ def _rowdot(x: torch.Tensor, y: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def _scalar_decay_products_backward(q, k, decay, a_qk, a_kk, d_a_qk, d_a_kk):
     """Gradients of `_scalar_decay_products` (q, k at key-head level, value heads on dim 3): dq, dk, dG."""
-    p_qk = (d_a_qk * decay).sum(3, keepdim=True)
-    p_kk = (d_a_kk * decay).sum(3, keepdim=True)
+    p_qk = _rowdot(d_a_qk, decay, dim=3).unsqueeze(3)  # summed over the value heads of each key head
+    p_kk = _rowdot(d_a_kk, decay, dim=3).unsqueeze(3)
     d_q = p_qk @ k
     d_k = p_qk.transpose(-1, -2) @ q + (p_kk + p_kk.transpose(-1, -2)) @ k
     # each entry carries exp(G_i - G_j): its weight goes to G_i and comes off G_j

@@ -294,3 +294,12 @@ def test_first_forward_logs_the_torch_kernel_path_once(caplog):
         model(torch.randint(0, 128, (1, 30)))
     messages = [r.getMessage() for r in caplog.records if r.name == "hybrid_linear_models.ops"]
     assert len(messages) == 1 and "pure-PyTorch" in messages[0]
+
+
+def test_device_map_auto_loads(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    placed = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto")
+    input_ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        torch.testing.assert_close(placed(input_ids).logits.cpu(), model(input_ids).logits, atol=1e-6, rtol=1e-6)
