@@ -1,0 +1,61 @@
+"""Trains the tiny test model for a few steps with transformers.Trainer and prints the logged losses as JSON.
+
+Run as one process (`python tests/distributed_parity.py --batch 8`) or several
+(`torchrun --nproc_per_node 2 tests/distributed_parity.py --batch 4 [--fsdp]`): with sequential sampling the global
+batches are the same documents, so the losses and the trained weights must match.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_helpers import tiny_model  # noqa: E402
+
+from hybrid_linear_models.finetune import TokenizedDocuments  # noqa: E402
+
+
+class SequentialTrainer(Trainer):
+    """Documents in order: with several ranks, accelerate deals consecutive batches to the ranks, so a global step
+    holds the same documents as one batch of the single-process run."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = tiny_model().train()
+    # equal-length documents: every rank then averages over the same number of tokens
+    documents = [[2 + (start + 3 * i) % 126 for i in range(16)] for start in range(64)]
+    training = TrainingArguments(
+        output_dir="unused", per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=3e-3,
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, remove_unused_columns=False, use_cpu=True,
+        fsdp="full_shard" if args.fsdp else "", fsdp_config={"version": 2} if args.fsdp else None,
+        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+    )
+    trainer = SequentialTrainer(model=model, args=training, train_dataset=TokenizedDocuments(documents),
+                                data_collator=DataCollatorWithFlattening(return_position_ids=True))
+    trainer.train()
+    if trainer.is_world_process_zero():
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        print("LOSSES " + json.dumps(losses))
+        if args.output:
+            trainer.save_model(str(args.output))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a clean exit for every rank
+
+
+if __name__ == "__main__":
+    main()
