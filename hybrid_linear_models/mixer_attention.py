@@ -85,7 +85,8 @@ class HybridLinearAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = hidden_states.shape[:2]
-        query = self.q_proj(hidden_states).view(B, T, self.num_heads, -1)
+        # head counts follow from the projections' sizes, so a tensor-parallel shard runs its local heads
+        query = self.q_proj(hidden_states).view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
         gate = None
         if self.output_gate:  # per head [query | gate]
             query, gate = query.chunk(2, dim=-1)
