@@ -117,7 +117,7 @@ def test_example_script_rejects_a_bad_dataset(tmp_path):
 
 
 def _losses(command):
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd="tests")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="tests")
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("LOSSES "))
     return json.loads(line.removeprefix("LOSSES "))
@@ -143,7 +143,7 @@ def test_tensor_parallel_plan_shards_attention_and_mlp(tmp_path):
     tiny_model(["full_attention", "gated_deltanet", "kimi_delta_attention", "full_attention"]).save_pretrained(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
                "tensor_parallel_check.py", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd="tests")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="tests")
     assert result.returncode == 0, result.stderr[-3000:]
     difference = float(next(l for l in result.stdout.splitlines() if l.startswith("MAX_DIFFERENCE")).split()[1])
     assert difference <= 1e-4  # float32, the row-parallel sums split over 2 ranks (measured ~1e-5)
