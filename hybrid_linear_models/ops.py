@@ -146,7 +146,8 @@ def _delta_rule(name, fla_chunk, fla_recurrent, q, k, v, g, beta, scale, initial
         kernel = getattr(fla, fla_recurrent if decoding else fla_chunk)
         return kernel(
             q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
+            cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,  # fla documents a LongTensor
         )
     _note_torch_path(q, name)
     if q.shape[1] == 0:  # nothing to run: the state passes through
