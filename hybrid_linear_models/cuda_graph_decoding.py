@@ -60,7 +60,7 @@ class CudaGraphDecoder:
 
     def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache) -> torch.Tensor:
         batch = input_ids.shape[0]
-        max_len = cache.get_max_length()
+        max_len = max(cache.get_max_length(), 1)  # -1 without attention layers: no key mask is needed then
         key = (id(cache), batch, max_len, input_ids.device)
         if key != self._key:
             self._capture(model, cache, batch, max_len, input_ids.device, key)
