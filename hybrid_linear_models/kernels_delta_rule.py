@@ -30,15 +30,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-DEFAULT_CHUNK_SIZE = 64
+# 32 measured ~10% faster than 64 on CPU (fewer [C, C] passes per token; the state scan has more steps)
+DEFAULT_CHUNK_SIZE = 32
 # Diagonal blocks of the triangular inverse are solved directly, then merged with matmuls.
 _INVERSE_BLOCK = 16
 # Largest log-decay range factorised as exp(G_i - r) * exp(r - G_j): exp(80) ~ 5.5e34 is finite in float32.
 _FACTOR_RANGE_LIMIT = 80.0
 # Diagonal blocks smaller than this are never factorised: they are expanded exactly over channels instead.
 _MIN_FACTOR_BLOCK = 8
-# Chunks are processed in groups whose [C, C] temporaries hold about this many floats (1 MiB: cache sized).
-_GROUP_FLOATS = 1 << 18
+# Chunks are processed in groups whose [C, C] temporaries hold about this many floats (256 KiB: cache sized).
+_GROUP_FLOATS = 1 << 16
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
