@@ -287,6 +287,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         kept_products = None if per_channel else v.new_empty(3, *v.shape[:-1], C)  # A_qk, A_kk, decay
         segments = _Segments(layout, initial_state, (M, dk, dv), v)
         finals = [None] * len(segments.last)
+        state = None
         for grp in _ChunkDeltaRule._groups(v):
             G = g[grp].cumsum(dim=4)
             decay = _Decays(G, per_channel, dk)
@@ -304,14 +305,15 @@ class _ChunkDeltaRule(torch.autograd.Function):
             to_state = (k[grp] * decay.end).transpose(-1, -2) @ sol  # [K_end^T U0 | K_end^T W]
             transition[grp] = (torch.diag_embed(decay.chunk) - to_state[..., dv:]).flatten(1, 3)
             injection = to_state[..., :dv].flatten(1, 3)
+            states = []  # kept as separate tensors and stacked once: writing each into a slot costs a copy
             for j, n in enumerate(range(grp.start, grp.stop)):
                 if n in segments.first:
-                    entering[n] = segments.initial(segments.first[n])
-                last = segments.last.get(n)  # else the next chunk continues this sequence: write its state there
-                state = torch.baddbmm(injection[j], transition[n], entering[n],
-                                      out=entering[n + 1] if last is None else None)
-                if last is not None:
-                    finals[last] = state
+                    state = segments.initial(segments.first[n])
+                states.append(state)
+                state = torch.baddbmm(injection[j], transition[n], state)
+                if n in segments.last:
+                    finals[segments.last[n]] = state
+            torch.stack(states, out=entering[grp])
             intra = a_qk @ sol  # [A_qk U0 | A_qk W]
             torch.mul(q[grp], decay.start, out=query_of_state[grp]).sub_(intra[..., dv:])
             out = o[grp]
@@ -335,7 +337,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         d_g, d_beta = torch.empty_like(g), torch.empty_like(beta)
         segments = _Segments(layout, d_final, (M, dk, dv), v)
         d_initial = [None] * len(segments.first)
-        d_leaving_all = torch.empty_like(entering)  # gradient of the state leaving each chunk
+        d_state = None
         for grp in _ChunkDeltaRule._groups(v, reverse=True):
             qg, kg, vg, beta_g, d_o = q[grp], k[grp], v[grp], beta[grp], d_out[grp]
             G = g[grp].cumsum(dim=4)
@@ -354,16 +356,16 @@ class _ChunkDeltaRule(torch.autograd.Function):
             # state gradients, last chunk first: dS_enter = Q'^T dO + M^T dS_leave
             from_output = (query_of_state[grp].transpose(-1, -2) @ d_o).flatten(1, 3)
             transition_t = transition[grp].transpose(-1, -2)
+            d_leaving = [None] * (grp.stop - grp.start)  # gradient of the state leaving each chunk
             for j in range(grp.stop - grp.start - 1, -1, -1):
                 n = grp.start + j
                 if n in segments.last:
-                    d_leaving_all[n] = segments.initial(segments.last[n])
-                first = segments.first.get(n)  # else this is the gradient leaving the previous chunk: write it there
-                d_state = torch.baddbmm(from_output[j], transition_t[j], d_leaving_all[n],
-                                        out=d_leaving_all[n - 1] if first is None else None)
-                if first is not None:
-                    d_initial[first] = d_state
-            d_leaving = d_leaving_all[grp].view(*vg.shape[:4], dk, dv)
+                    d_state = segments.initial(segments.last[n])
+                d_leaving[j] = d_state
+                d_state = torch.baddbmm(from_output[j], transition_t[j], d_state)
+                if n in segments.first:
+                    d_initial[segments.first[n]] = d_state
+            d_leaving = torch.stack(d_leaving).view(*vg.shape[:4], dk, dv)
             state_t = entering[grp].view(*vg.shape[:4], dk, dv).transpose(-1, -2)
 
             new_values = u_free - w @ state_t.transpose(-1, -2)  # V
