@@ -303,7 +303,8 @@ class _ChunkDeltaRule(torch.autograd.Function):
             sol = solved[grp]
             torch.matmul(inverse[grp], rhs, out=sol)  # [U0 | W]
             to_state = (k[grp] * decay.end).transpose(-1, -2) @ sol  # [K_end^T U0 | K_end^T W]
-            transition[grp] = (torch.diag_embed(decay.chunk) - to_state[..., dv:]).flatten(1, 3)
+            step = transition[grp].view(to_state.shape[:-1] + (dk,))  # diag(gamma) - K_end^T W
+            torch.neg(to_state[..., dv:], out=step).diagonal(dim1=-2, dim2=-1).add_(decay.chunk)
             injection = to_state[..., :dv].flatten(1, 3)
             states = []  # kept as separate tensors and stacked once: writing each into a slot costs a copy
             for j, n in enumerate(range(grp.start, grp.stop)):
