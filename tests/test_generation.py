@@ -198,3 +198,14 @@ def test_sync_free_decode_step_matches_full_forward(attn_implementation):
             positions = (attention_mask[:, : t + 1].cumsum(-1) - 1)[:, -1:]
             hidden = model.model.decode_step(input_ids[:, t : t + 1], positions, key_mask, cache)
             assert (model.lm_head(hidden)[:, 0] - full[:, t]).abs().max() <= LOGITS_TOL, t
+
+
+def test_a_static_cache_can_be_reset_and_reused():
+    """What a serving loop (and the CUDA-graph decoder, which captures per cache object) relies on."""
+    model = tiny_model()
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    for seed in (13, 14):
+        input_ids = _ids((2, 10), seed)
+        cache.reset()
+        reused = model.generate(input_ids, max_new_tokens=6, do_sample=False, cache=cache)
+        assert torch.equal(reused, model.generate(input_ids, max_new_tokens=6, do_sample=False)), seed
