@@ -70,6 +70,18 @@ class HybridLinearConfig(PreTrainedConfig):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
+        # GDN and KDA split by heads; their conv kernels, dt_bias, A_log and norm weight stay replicated (each rank
+        # slices its heads' rows and sums their gradients: see tensor_parallel_heads.py)
+        "layers.*.linear_attn.in_proj_qkvz": "colwise",
+        "layers.*.linear_attn.in_proj_ba": "colwise",
+        "layers.*.linear_attn.out_proj": "rowwise",
+        "layers.*.linear_attn.q_proj": "colwise",
+        "layers.*.linear_attn.k_proj": "colwise",
+        "layers.*.linear_attn.v_proj": "colwise",
+        "layers.*.linear_attn.f_b_proj": "colwise",
+        "layers.*.linear_attn.g_b_proj": "colwise",
+        "layers.*.linear_attn.b_proj": "colwise",
+        "layers.*.linear_attn.o_proj": "rowwise",
     }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),

@@ -4,7 +4,8 @@
     o = delta_rule(l2norm(q), l2norm(k), v, g, beta);  out = out_proj(RMSNorm(o) * w * act(z))
 
 `in_proj_qkvz` and `in_proj_ba` are grouped by key head (rows [q_h | k_h | v_h | z_h] and [b_h | a_h] for each key
-head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads.
+head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads: under tensor parallelism a
+rank computes a block of key heads with their value heads (see `tensor_parallel_heads`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .norms import GatedRMSNorm
 from .ops import compute_dtype, gated_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
+from .tensor_parallel_heads import LocalHeads, local_heads, sum_gradients_over_ranks
 
 
 class HybridLinearGatedDeltaNet(nn.Module):
@@ -40,23 +42,37 @@ class HybridLinearGatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.gdn_norm_eps, config.gdn_gate_activation)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
 
-    def _split_qkv(self, mixed: torch.Tensor):
-        B, T = mixed.shape[:2]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(B, T, self.num_k_heads, self.head_k_dim), k.reshape(B, T, self.num_k_heads, self.head_k_dim),
-                v.reshape(B, T, self.num_v_heads, self.head_v_dim))
+    def _conv_weight(self, heads: LocalHeads) -> torch.Tensor:
+        """Kernels of this rank's channels of the flat [Q | K | V] convolution."""
+        weight = self.conv1d.weight
+        if not heads.sharded:
+            return weight
+        q, k, v = weight.split([self.key_dim, self.key_dim, self.value_dim])
+        rows_k, rows_v = heads.rows(self.head_k_dim), heads.rows(self.values_per_key * self.head_v_dim)
+        return torch.cat([q[rows_k], k[rows_k], v[rows_v]])
 
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
         B, T = hidden_states.shape[:2]
         r, dk, dv = self.values_per_key, self.head_k_dim, self.head_v_dim
-        qkvz = self.in_proj_qkvz(hidden_states).view(B, T, self.num_k_heads, 2 * dk + 2 * r * dv)
+        heads = local_heads(self.in_proj_qkvz, self.num_k_heads)  # key heads (all of them unless tensor parallel)
+        nk, nv = heads.count, heads.count * r
+        qkvz = self.in_proj_qkvz(hidden_states).view(B, T, nk, 2 * dk + 2 * r * dv)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(hidden_states).view(B, T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = self.in_proj_ba(hidden_states).view(B, T, nk, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        beta = b.reshape(B, T, self.num_v_heads).sigmoid()
+        beta = b.reshape(B, T, nv).sigmoid()
+        value_rows = heads.rows(r)
         dtype = compute_dtype(a)  # the decay in float32 at least: A_log.exp() would overflow in half precision
-        g = -self.A_log.to(dtype).exp() * F.softplus(a.reshape(B, T, self.num_v_heads).to(dtype) + self.dt_bias.to(dtype))
-        out = convolve_and_recur(mixed, self.conv1d.weight, self._split_qkv, g, beta, gated_delta_rule, info, cache)
-        out = self.norm(out, z.reshape(B, T, self.num_v_heads, dv))
-        return self.out_proj(out.reshape(B, T, self.value_dim))
+        decay_scale = self.A_log[value_rows].to(dtype).exp()
+        g = -decay_scale * F.softplus(a.reshape(B, T, nv).to(dtype) + self.dt_bias[value_rows].to(dtype))
+
+        def split(x):  # x may be the packed [1, B * T, C]
+            q, k, v = x.split([nk * dk, nk * dk, nv * dv], dim=-1)
+            return q.unflatten(-1, (nk, dk)), k.unflatten(-1, (nk, dk)), v.unflatten(-1, (nv, dv))
+
+        out = convolve_and_recur(mixed, self._conv_weight(heads), split, g, beta, gated_delta_rule, info, cache)
+        out = self.norm(out, z.reshape(B, T, nv, dv))
+        sum_gradients_over_ranks(self, [self.conv1d.weight, self.dt_bias, self.A_log, self.norm.weight],
+                                 self.in_proj_qkvz)
+        return self.out_proj(out.reshape(B, T, nv * dv))

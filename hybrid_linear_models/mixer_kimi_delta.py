@@ -20,6 +20,7 @@ from .norms import GatedRMSNorm
 from .ops import compute_dtype, kimi_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
+from .tensor_parallel_heads import local_heads, sum_gradients_over_ranks
 
 
 class HybridLinearKimiDeltaAttention(nn.Module):
@@ -45,20 +46,26 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(d, config.kda_norm_eps, config.kda_gate_activation)
         self.o_proj = nn.Linear(P, H, bias=False)
 
-    def _split_qkv(self, mixed: torch.Tensor):
-        B, T = mixed.shape[:2]
-        return tuple(x.reshape(B, T, self.num_heads, self.head_dim) for x in mixed.split(self.projection_dim, dim=-1))
-
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
         B, T = hidden_states.shape[:2]
-        shape = (B, T, self.num_heads, self.head_dim)
+        heads = local_heads(self.q_proj, self.num_heads)  # all of them unless tensor parallel
+        rows = heads.rows(self.head_dim)
+        shape = (B, T, heads.count, self.head_dim)
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
-        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])
+        conv_weight = torch.cat([self.q_conv1d.weight[rows], self.k_conv1d.weight[rows], self.v_conv1d.weight[rows]])
         forget = self.f_b_proj(self.f_a_proj(hidden_states))
         dtype = compute_dtype(forget)  # the decay in float32 at least
-        g = -self.A_log.to(dtype).exp().unsqueeze(-1) * F.softplus((forget.to(dtype) + self.dt_bias.to(dtype)).view(shape))
+        decay_scale = self.A_log[heads.offset : heads.offset + heads.count].to(dtype).exp().unsqueeze(-1)
+        g = -decay_scale * F.softplus((forget.to(dtype) + self.dt_bias[rows].to(dtype)).view(shape))
         beta = self.b_proj(hidden_states).sigmoid()
-        out = convolve_and_recur(mixed, conv_weight, self._split_qkv, g, beta, kimi_delta_rule, info, cache)
+
+        def split(x):  # x may be the packed [1, B * T, C]
+            return tuple(part.unflatten(-1, (heads.count, self.head_dim)) for part in x.chunk(3, dim=-1))
+
+        out = convolve_and_recur(mixed, conv_weight, split, g, beta, kimi_delta_rule, info, cache)
         out = self.o_norm(out, self.g_b_proj(self.g_a_proj(hidden_states)).view(shape))
-        return self.o_proj(out.reshape(B, T, self.projection_dim))
+        sum_gradients_over_ranks(
+            self, [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,
+                   self.o_norm.weight], self.q_proj)
+        return self.o_proj(out.reshape(B, T, -1))

@@ -1,5 +1,7 @@
-"""Loads the tiny test model with transformers' tensor parallelism (`tp_plan="auto"`) on the ranks of a
-torchrun launch and prints the largest logit difference against the unsharded model, on rank 0.
+"""Loads the tiny test model with transformers' tensor parallelism (`tp_plan="auto"`) on the ranks of a torchrun
+launch and compares it with the unsharded model: logits, greedy decoding (each rank caching its own heads), then the
+gradient of every parameter after one backward.
+Rank 0 prints the largest differences.
 
     torchrun --nproc_per_node 2 tests/tensor_parallel_check.py MODEL_DIR
 """
@@ -13,25 +15,47 @@ from transformers import AutoModelForCausalLM
 import hybrid_linear_models  # noqa: F401
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def main():
     path = sys.argv[1]
     torch.distributed.init_process_group("gloo")
-    reference = AutoModelForCausalLM.from_pretrained(path).eval()
-    sharded = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
-    sharded_q = sharded.model.layers[0].self_attn.q_proj.weight
-    assert sharded_q.to_local().shape[0] * 2 == reference.model.layers[0].self_attn.q_proj.weight.shape[0]
-    input_ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    sharded = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    layers = {layer.layer_type: layer for layer in sharded.model.layers}
+    halves = {  # module -> its weight's rows in the unsharded model
+        layers["full_attention"].self_attn.q_proj: 2,
+        layers["gated_deltanet"].linear_attn.in_proj_qkvz: 2,
+        layers["kimi_delta_attention"].linear_attn.q_proj: 2,
+    }
+    for module in halves:
+        local_rows = module.weight.to_local().shape[0]
+        assert local_rows * 2 == full(module.weight).shape[0], (module, local_rows)
+
+    input_ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        difference = (reference(input_ids).logits - sharded(input_ids).logits).abs().max().item()
+        logits = (reference(input_ids).logits - sharded(input_ids).logits).abs().max().item()
+    generated = [model.generate(input_ids[:, :12], max_new_tokens=8, do_sample=False) for model in (reference, sharded)]
+    assert torch.equal(*generated), "greedy decoding with per-rank caches differs from the unsharded model"
+    for model in (reference, sharded):
+        model.train()
+        model(input_ids, labels=input_ids).loss.backward()
+    sharded_params = dict(sharded.named_parameters())
+    gradients = max(
+        ((full(sharded_params[name].grad) - param.grad).abs().max() / param.grad.abs().max()).item()
+        for name, param in reference.named_parameters()
+    )
     if torch.distributed.get_rank() == 0:
-        print(f"MAX_DIFFERENCE {difference}")
+        print(f"MAX_DIFFERENCE {logits} {gradients}")
     torch.distributed.barrier()  # both ranks are done
     leave()
 
 
 def leave() -> None:
-    """Exits at once. Destroying the DDP / gloo objects (when main's locals go, or at interpreter shutdown) sometimes
-    hangs, about 1 run in 10 here; the work is done and flushed by then."""
+    """Exits at once. Destroying the gloo objects (when main's locals go, or at interpreter shutdown) sometimes hangs,
+    about 1 run in 10 here; the work is done and flushed by then."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
