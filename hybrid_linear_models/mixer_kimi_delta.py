@@ -28,7 +28,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
-        self.projection_dim = P = self.num_heads * self.head_dim
+        P = self.num_heads * self.head_dim
         H, d, K = config.hidden_size, self.head_dim, config.kda_conv_kernel_size
         self.q_proj = nn.Linear(H, P, bias=False)
         self.k_proj = nn.Linear(H, P, bias=False)

@@ -15,6 +15,7 @@ import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
+from distributed_helpers import leave  # noqa: E402
 from model_helpers import tiny_model  # noqa: E402
 
 from hybrid_linear_models.finetune import TokenizedDocuments  # noqa: E402
@@ -56,14 +57,6 @@ def main():
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # both ranks are done
     leave()
-
-
-def leave() -> None:
-    """Exits at once. Destroying the DDP / gloo objects (when main's locals go, or at interpreter shutdown) sometimes
-    hangs, about 1 run in 10 here; the work is done and flushed by then."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

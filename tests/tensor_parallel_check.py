@@ -6,13 +6,13 @@ Rank 0 prints the largest differences.
     torchrun --nproc_per_node 2 tests/tensor_parallel_check.py MODEL_DIR
 """
 
-import os
 import sys
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import hybrid_linear_models  # noqa: F401
+from distributed_helpers import leave  # the script's folder is on sys.path
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -51,14 +51,6 @@ def main():
         print(f"MAX_DIFFERENCE {logits} {gradients}")
     torch.distributed.barrier()  # both ranks are done
     leave()
-
-
-def leave() -> None:
-    """Exits at once. Destroying the gloo objects (when main's locals go, or at interpreter shutdown) sometimes hangs,
-    about 1 run in 10 here; the work is done and flushed by then."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
