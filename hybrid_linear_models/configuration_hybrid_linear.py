@@ -55,6 +55,10 @@ class HybridLinearConfig(PreTrainedConfig):
         kda_conv_kernel_size (`int`): width of KDA's depthwise causal convolutions.
         kda_gate_activation (`str`): activation of KDA's output gate, "sigmoid" (Kimi Linear) or "silu" (Fast-LLM).
         kda_norm_eps (`float`): epsilon of KDA's gated RMSNorm. Defaults to `rms_norm_eps`.
+        fuse_linear_cross_entropy (`bool`): in training (`model.train()`, `labels` given, CUDA tensors, fla
+            installed), compute the loss chunk by chunk from the hidden states without materialising the
+            [tokens, vocab] logits: the same loss, much less memory; `outputs.logits` is then None. Evaluation and
+            inference always return logits.
     """
 
     model_type = "hybrid_linear"
@@ -122,6 +126,7 @@ class HybridLinearConfig(PreTrainedConfig):
     kda_conv_kernel_size: int = 4
     kda_gate_activation: str = "sigmoid"
     kda_norm_eps: float | None = None
+    fuse_linear_cross_entropy: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None

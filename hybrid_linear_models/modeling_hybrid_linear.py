@@ -19,6 +19,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
+from .block_ops import fused_causal_lm_loss, silu_and_mul
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
@@ -70,9 +71,11 @@ class HybridLinearMLP(nn.Module):
         self.up_proj = nn.Linear(H, I, bias=bias)
         self.down_proj = nn.Linear(I, H, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.swiglu = config.hidden_act == "silu"  # fused by fla on CUDA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
 
 
 class HybridLinearDecoderLayer(GradientCheckpointingLayer):
@@ -300,6 +303,13 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         """One-token steps on CUDA against a StaticCache replay a captured CUDA graph (on by default)."""
         self._graph_decoder = CudaGraphDecoder() if enabled else None
 
+    def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
+        # `generate` would torch.compile the forward for a static cache; our captured decoding step serves that case
+        # (compiling around it would capture a graph inside a graph). Disable it to get transformers' compilation.
+        if self._graph_decoder is not None:
+            return False
+        return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -334,10 +344,15 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden_states)
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        loss = logits = None
+        if labels is not None and self.training and self.config.fuse_linear_cross_entropy:
+            loss = fused_causal_lm_loss(hidden_states, self.lm_head.weight, labels,
+                                        shift_labels=kwargs.get("shift_labels"),
+                                        num_items_in_batch=kwargs.get("num_items_in_batch"))
+        if loss is None:
+            logits = self.lm_head(hidden_states)
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .block_ops import rms_norm
 from .ops import gated_rms_norm
 
 
@@ -19,11 +20,8 @@ class HybridLinearRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        x32 = x.to(dtype)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight.to(dtype)
-        return (normed * (1.0 + weight if self.zero_centered else weight)).to(x.dtype)
+        weight = self.weight.to(torch.promote_types(x.dtype, torch.float32))
+        return rms_norm(x, 1.0 + weight if self.zero_centered else weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"

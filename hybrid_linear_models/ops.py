@@ -11,67 +11,16 @@ j // (Hv / Hk)); states [N, Hv, dk, dv] in float32, N = B or the number of packe
 
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 
+from . import fla_backend
+from .fla_backend import fla_available_for, note_torch_path  # noqa: F401  (fla_available_for: public)
 from .kernels_conv import causal_conv1d_torch
 from .kernels_delta_rule import chunk_delta_rule, compute_dtype, recurrent_delta_rule
 
-logger = logging.getLogger(__name__)
-
 # Up to this many tokens per sequence (and no packing) the token-by-token form is faster than the chunked one.
 RECURRENT_MAX_TOKENS = 16
-
-_announced: set[str] = set()
-
-
-def _announce_once(key: str, message: str, level: int = logging.INFO) -> None:
-    if key not in _announced:
-        _announced.add(key)
-        logger.log(level, message)
-
-
-@functools.lru_cache(maxsize=None)
-def _fla_ops() -> SimpleNamespace | None:
-    """fla's ops, or None when fla (or triton) cannot be imported. Imported on first CUDA use only."""
-    try:
-        gdn = importlib.import_module("fla.ops.gated_delta_rule")
-        kda = importlib.import_module("fla.ops.kda")
-    except Exception as error:  # ImportError, or triton failing to find a driver
-        _announce_once("fla-missing", f"flash-linear-attention is not importable ({error!r}).", logging.DEBUG)
-        return None
-    return SimpleNamespace(
-        chunk_gated_delta_rule=gdn.chunk_gated_delta_rule,
-        fused_recurrent_gated_delta_rule=gdn.fused_recurrent_gated_delta_rule,
-        chunk_kda=kda.chunk_kda,
-        fused_recurrent_kda=kda.fused_recurrent_kda,
-    )
-
-
-def fla_available_for(tensor: torch.Tensor) -> bool:
-    """Whether calls on this tensor go to fla's kernels."""
-    return tensor.is_cuda and _fla_ops() is not None
-
-
-def _note_torch_path(tensor: torch.Tensor, what: str) -> None:
-    if tensor.is_cuda:
-        _announce_once(
-            "torch-on-cuda",
-            f"{what}: flash-linear-attention is not importable, so GDN/KDA run on this package's pure-PyTorch "
-            "kernels on the GPU, much slower than fla's. Install the [gpu] extra (flash-linear-attention, triton).",
-            logging.WARNING,
-        )
-    else:
-        _announce_once(
-            "torch-on-cpu",
-            f"{what}: running GDN/KDA with the pure-PyTorch chunked kernels ({tensor.device.type}); "
-            "fla's kernels are used for CUDA tensors when installed.",
-        )
 
 
 # ----------------------------------------------------------------------------------------------------- validation
@@ -138,7 +87,7 @@ def _delta_rule(name, fla_chunk, fla_recurrent, q, k, v, g, beta, scale, initial
     _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_channel)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    fla = _fla_ops() if q.is_cuda else None
+    fla = fla_backend.fla_for(q)
     if initial_state is not None:
         initial_state = initial_state.float() if fla is not None else initial_state.to(compute_dtype(v))
     if fla is not None:
@@ -149,7 +98,7 @@ def _delta_rule(name, fla_chunk, fla_recurrent, q, k, v, g, beta, scale, initial
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
             cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,  # fla documents a LongTensor
         )
-    _note_torch_path(q, name)
+    note_torch_path(q, name)
     if q.shape[1] == 0:  # nothing to run: the state passes through
         return _empty_sequence_result(v, initial_state, output_final_state, q.shape[-1])
     if cu_seqlens is None and q.shape[1] <= RECURRENT_MAX_TOKENS:
@@ -243,7 +192,21 @@ def causal_conv1d(
     if T == 0:  # nothing to convolve: the state passes through
         final = initial_state if initial_state is not None else x.new_zeros(N, C, K - 1)
         return x.new_empty(x.shape), (final if output_final_state else None)
+    fla = fla_backend.fla_for(x)
+    if fla is not None and x.dtype != torch.float64:
+        return _fla_causal_conv1d(fla, x, weight, activation, initial_state, output_final_state, cu_seqlens)
     return causal_conv1d_torch(x, weight, activation, initial_state, output_final_state, cu_seqlens)
+
+
+def _fla_causal_conv1d(fla, x, weight, activation, initial_state, output_final_state, cu_seqlens):
+    """fla's Triton convolution. Its state holds the last K inputs, the oldest never read: ours is its last K-1."""
+    if initial_state is not None:
+        initial_state = F.pad(initial_state, (1, 0))
+    out, final = fla.causal_conv1d(
+        x=x, weight=weight, activation=activation, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,
+    )
+    return out, (final[..., 1:] if final is not None else None)
 
 
 # --------------------------------------------------------------------------------------------------- gated RMSNorm
@@ -268,6 +231,9 @@ def gated_rms_norm(
             f"gated_rms_norm: gate must have the shape of x {_shape(x)} and weight [{x.shape[-1]}], got gate "
             f"{_shape(gate)} and weight {_shape(weight)}."
         )
+    fla = fla_backend.fla_for(x)
+    if fla is not None and x.dtype != torch.float64:
+        return fla.rms_norm_gated(x, gate, weight, None, activation=activation, eps=eps)
     dtype = compute_dtype(x)
     x32 = x.to(dtype)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

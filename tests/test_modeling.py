@@ -285,14 +285,14 @@ def test_auto_classes_are_registered():
 
 
 def test_first_forward_logs_the_torch_kernel_path_once(caplog):
-    from hybrid_linear_models import ops
+    from hybrid_linear_models import fla_backend
 
-    ops._announced.clear()
+    fla_backend._announced.clear()
     model = tiny_model(["gated_deltanet", "kimi_delta_attention"])
-    with caplog.at_level(logging.INFO, logger="hybrid_linear_models.ops"):
+    with caplog.at_level(logging.INFO, logger="hybrid_linear_models.fla_backend"):
         model(torch.randint(0, 128, (1, 30)))
         model(torch.randint(0, 128, (1, 30)))
-    messages = [r.getMessage() for r in caplog.records if r.name == "hybrid_linear_models.ops"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "hybrid_linear_models.fla_backend"]
     assert len(messages) == 1 and "pure-PyTorch" in messages[0]
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_linear_models import kernels_delta_rule, ops
+from hybrid_linear_models import fla_backend, kernels_delta_rule, ops
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -673,13 +673,13 @@ def test_import_does_not_import_triton_or_fla():
 
 
 def test_torch_path_is_announced_once(caplog, monkeypatch):
-    monkeypatch.setattr(ops, "_announced", set())  # as if no call had run yet in this process
+    monkeypatch.setattr(fla_backend, "_announced", set())  # as if no call had run yet in this process
     args = _good()
-    with caplog.at_level(logging.INFO, logger="hybrid_linear_models.ops"):
+    with caplog.at_level(logging.INFO, logger="hybrid_linear_models.fla_backend"):
         ops.gated_delta_rule(*args.values())
         ops.gated_delta_rule(*args.values())
         ops.kimi_delta_rule(*_good(kda=True).values())
-    records = [r for r in caplog.records if r.name == "hybrid_linear_models.ops"]
+    records = [r for r in caplog.records if r.name == "hybrid_linear_models.fla_backend"]
     assert len(records) == 1, [r.getMessage() for r in records]
     assert records[0].levelno == logging.INFO
     message = records[0].getMessage()

@@ -1,0 +1,67 @@
+"""The decoder blocks' elementwise ops and the language-model loss, fused where fla offers a kernel.
+
+For CUDA tensors with fla importable: fla's Triton RMSNorm, SwiGLU and chunked linear + cross-entropy (the loss
+without materialising the [tokens, vocab] logits). Otherwise plain torch with the same math (float32 inside).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from . import fla_backend
+
+IGNORE_INDEX = -100
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32 (float64 for float64 x), returned
+    in x's dtype."""
+    fla = fla_backend.fla_for(x)
+    if fla is not None and x.dtype != torch.float64:
+        return fla.rms_norm(x, weight, None, eps=eps)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x32 = x.to(dtype)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)).to(x.dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (the SwiGLU of the gated MLP)."""
+    fla = fla_backend.fla_for(gate)
+    if fla is not None and gate.dtype != torch.float64 and not isinstance(gate, DTensor):
+        return fla.swiglu(gate, up)
+    return F.silu(gate) * up
+
+
+def fused_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor | None:
+    """The next-token cross-entropy of transformers' causal LMs (labels shifted left, `ignore_index` skipped, mean
+    over the counted tokens or sum / `num_items_in_batch`), computed chunk by chunk from the final hidden states
+    [B, T, H] and the LM head weight [V, H], never holding the [B*T, V] logits. None when no fused kernel applies
+    (not CUDA, fla missing, float64, or a sharded LM head): the caller then computes logits and the usual loss."""
+    fla = fla_backend.fla_for(hidden_states)
+    if (fla is None or hidden_states.dtype == torch.float64 or isinstance(lm_head_weight, DTensor)
+            or isinstance(hidden_states, DTensor)):
+        return None
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else hidden_states.dtype
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1]).to(dtype)
+    weight = lm_head_weight.to(dtype)
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    with torch.autocast("cuda", enabled=False):  # fla's kernel takes one dtype; it accumulates in float32
+        if num_items_in_batch is None:
+            return fla.fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=ignore_index)
+        loss = fla.fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=ignore_index,
+                                                   reduction="sum")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
