@@ -2,20 +2,24 @@
 # Runs on a lent GPU machine (see README "GPU"): installs the carried wheels (./.wheels: transformers, fla, ...) and
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
-#   steps: tests, dispatch, training, training-kda, generation, generation-kda
+#   steps: tests, dispatch, training, training-kda, generation, generation-kda, two-gpu (or any command)
+# SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -d /tmp/tri ] && ! python3 -c "import triton, sys; sys.exit(triton.__version__ != '3.7.1')" 2>/dev/null; then
-  wheel=/tmp/triton-3.7.1-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
-  cat /tmp/tri/tpart0 /tmp/tri/tpart1 /tmp/tri/tpart2 /tmp/tri/tpart3 > "$wheel" && pip install -q --no-deps "$wheel"
+# Wheels go into /tmp/site (kept while the machine stays warm), ahead of the image's packages on PYTHONPATH.
+SITE=/tmp/site
+if [ -z "${SKIP_SETUP:-}" ] && [ ! -f $SITE/.installed ]; then
+  wheels=(.wheels/*.whl)
+  if [ -d /tmp/tri ]; then
+    wheel=/tmp/triton-3.7.1-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
+    cat /tmp/tri/tpart0 /tmp/tri/tpart1 /tmp/tri/tpart2 /tmp/tri/tpart3 > "$wheel" && wheels+=("$wheel")
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE "${wheels[@]}" \
+    2>&1 | grep -v "root user" | tail -3 && touch $SITE/.installed
 fi
-if ! python3 -c "import fla, transformers, sys; sys.exit(transformers.__version__ != '5.24.0')" 2>/dev/null; then
-  pip install -q --no-index --find-links .wheels transformers==5.24.0 huggingface_hub==2.4.0 fla-core==0.6.0 \
-    flash-linear-attention==0.6.0 peft==0.21.2 accelerate==1.15.0 2>&1 | tail -3
-fi
-pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+export PYTHONPATH=$SITE:$PWD
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"
 for spec in "$@"; do
   step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=600
@@ -26,6 +30,7 @@ for spec in "$@"; do
     training-kda) cmd="python3 benchmarks/bench_training.py --skip-gdn" ;;
     generation) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-kda" ;;
     generation-kda) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-gdn" ;;
+    two-gpu) cmd="bash benchmarks/two_gpu_finetune.sh" ;;
     *) cmd="$step" ;;
   esac
   echo "=== $step ($limit s): $cmd"

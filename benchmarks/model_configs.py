@@ -37,7 +37,8 @@ def kda_pair(hidden, layers, intermediate, vocab, heads, kv_heads, head_dim, kda
                               rms_norm_eps=1e-5)
     theirs = KimiLinearConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, rms_norm_eps=1e-5,
+        num_attention_heads=heads, num_key_value_heads=heads, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
         mlp_layer_types=["dense"] * layers, num_local_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
         linear_attn_config=dict(num_heads=kda_heads, head_dim=kda_dim, short_conv_kernel_size=4,
                                 kda_layers=[i + 1 for i, t in enumerate(types) if t != "full_attention"],

@@ -35,16 +35,18 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--cuda", action="store_true", help="one GPU per rank (NCCL) instead of the CPU (gloo)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = tiny_model().train()
+    # on GPUs fla's kernels need head dims of at least 16
+    model = (tiny_model(gdn_value_head_dim=16, kda_head_dim=16, head_dim=16) if args.cuda else tiny_model()).train()
     # equal-length documents: every rank then averages over the same number of tokens
     documents = [[2 + (start + 3 * i) % 126 for i in range(16)] for start in range(64)]
     training = TrainingArguments(
         output_dir="unused", per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=3e-3,
-        logging_steps=1, save_strategy="no", report_to="none", seed=0, remove_unused_columns=False, use_cpu=True,
-        fsdp="full_shard" if args.fsdp else "", fsdp_config={"version": 2} if args.fsdp else None,
-        ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, remove_unused_columns=False,
+        use_cpu=not args.cuda, fsdp="full_shard" if args.fsdp else "", fsdp_config={"version": 2} if args.fsdp else None,
+        ddp_backend=("nccl" if args.cuda else "gloo") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
     trainer = SequentialTrainer(model=model, args=training, train_dataset=TokenizedDocuments(documents),
                                 data_collator=DataCollatorWithFlattening(return_position_ids=True))
