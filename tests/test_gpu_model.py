@@ -1,13 +1,17 @@
 """GPU checks of the model family (skipped without CUDA): the fla path against the pure-PyTorch path, and
 CUDA-graph decoding against eager decoding.
 
-Tolerances: fla computes its dot products in TF32 (10-bit mantissa, ~5e-4 relative per product, accumulated in
-float32), so float32 models agree with the torch path to ~1e-3 of the largest magnitude after a few layers:
-`TF32_TOL` = 2e-3 for outputs, 5e-3 for gradients (a backward pass chains about twice as many products). bfloat16
-elementwise kernels (norms, SwiGLU) differ from torch's by the rounding of their output: one bf16 ulp, 2^-8.
+Tolerances: fla computes its dot products in TF32 (inputs rounded to a 10-bit mantissa, 2^-11 relative). A single op
+then agrees with float32 to ~1e-3 (`TF32_TOL` = 2e-3), but a model amplifies such rounding: in the tiny random test
+model, rounding the weights alone to TF32 moves the logits by ~2e-2 of their largest magnitude (measured on CPU). So
+whole-model comparisons are calibrated: the fla path must stay within `TF32_MARGIN` times the change that rounding
+the weights to TF32 makes on the torch path. bfloat16 elementwise kernels (norms, SwiGLU) differ from torch's by the
+rounding of their output: one bf16 ulp, 2^-8.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from hybrid_linear_models import block_ops, fla_backend, ops
 from model_helpers import tiny_model
 
 TF32_TOL = 2e-3
-TF32_GRAD_TOL = 5e-3
+TF32_MARGIN = 3.0
 BF16_ULP = 2.0**-8
 # fla's kernels need head dims of at least 16
 GPU_DIMS = dict(gdn_value_head_dim=16, gdn_key_head_dim=16, kda_head_dim=16, head_dim=16)
@@ -37,6 +41,16 @@ def _rel(got, ref):
     return ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-12)).item()
 
 
+def _tf32_rounded(model):
+    """A copy of the model with every parameter rounded to TF32 precision (10-bit mantissa, to nearest)."""
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            bits = param.data.view(torch.int32)
+            param.data = ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    return rounded
+
+
 @needs_fla
 def test_fla_path_matches_torch_path(monkeypatch):
     """Same model on the GPU through fla's kernels and through ours (float32)."""
@@ -46,7 +60,15 @@ def test_fla_path_matches_torch_path(monkeypatch):
         fla_logits = model(input_ids).logits
         _without_fla(monkeypatch)
         torch_logits = model(input_ids).logits
-    assert _rel(fla_logits, torch_logits) <= TF32_TOL
+        rounding = _rel(_tf32_rounded(model)(input_ids).logits, torch_logits)
+    assert _rel(fla_logits, torch_logits) <= TF32_MARGIN * rounding
+
+
+def _training_step(model, input_ids, labels):
+    model.zero_grad()
+    out = model(input_ids, labels=labels)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @needs_fla
@@ -57,19 +79,17 @@ def test_fla_training_step_matches_torch_path(monkeypatch):
     input_ids = torch.randint(0, 128, (2, 300), device="cuda")
     labels = input_ids.clone()
     labels[:, :5] = -100
-    runs = []
-    for fla_on in (True, False):
-        if not fla_on:
-            _without_fla(monkeypatch)
-        model.zero_grad()
-        out = model(input_ids, labels=labels)
-        out.loss.backward()
-        assert (out.logits is None) == fla_on  # the fused loss never materialises the logits
-        runs.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (loss_fla, grads_fla), (loss_torch, grads_torch) = runs
-    assert abs(loss_fla.item() - loss_torch.item()) <= TF32_TOL * loss_torch.item()
-    worst = {n: _rel(grads_fla[n], grads_torch[n]) for n in grads_torch}
-    assert max(worst.values()) <= TF32_GRAD_TOL, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    fla_out, fla_grads = _training_step(model, input_ids, labels)
+    assert fla_out.logits is None  # the fused loss never materialises the logits
+    _without_fla(monkeypatch)
+    torch_out, torch_grads = _training_step(model, input_ids, labels)
+    rounded = _tf32_rounded(model).train()
+    rounded_out, rounded_grads = _training_step(rounded, input_ids, labels)
+    loss_rounding = abs(rounded_out.loss.item() - torch_out.loss.item())
+    assert abs(fla_out.loss.item() - torch_out.loss.item()) <= TF32_MARGIN * loss_rounding + 1e-6 * torch_out.loss.item()
+    errors = {n: _rel(fla_grads[n], torch_grads[n]) for n in torch_grads}
+    rounding = max(_rel(rounded_grads[n], torch_grads[n]) for n in torch_grads)
+    assert max(errors.values()) <= TF32_MARGIN * rounding, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
 
 
 @needs_fla
@@ -81,9 +101,11 @@ def test_fla_cached_decoding_matches_full_forward(monkeypatch):
     out = model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
                          output_logits=True, return_dict_in_generate=True)
     _without_fla(monkeypatch)
+    new = slice(input_ids.shape[1] - 1, -1)
     with torch.no_grad():
-        full = model(out.sequences).logits[:, input_ids.shape[1] - 1 : -1]
-    assert _rel(torch.stack(out.logits, dim=1), full) <= TF32_TOL
+        full = model(out.sequences).logits[:, new]
+        rounding = _rel(_tf32_rounded(model)(out.sequences).logits[:, new], full)
+    assert _rel(torch.stack(out.logits, dim=1), full) <= TF32_MARGIN * rounding
 
 
 @needs_fla
