@@ -2,7 +2,8 @@
 # Runs on a lent GPU machine (see README "GPU"): installs the carried wheels (./.wheels: transformers, fla, ...) and
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
-#   steps: tests, dispatch, training, training-kda, generation, generation-kda, two-gpu (or any command)
+#   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
+#   two-gpu (or a command without spaces)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
@@ -31,6 +32,9 @@ for spec in "$@"; do
     generation) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-kda" ;;
     generation-kda) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-gdn" ;;
     two-gpu) cmd="bash benchmarks/two_gpu_finetune.sh" ;;
+    profile) cmd="python3 benchmarks/profile_gpu.py" ;;
+    profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
+    gpu-model-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -p no:cacheprovider" ;;
     *) cmd="$step" ;;
   esac
   echo "=== $step ($limit s): $cmd"
