@@ -41,14 +41,20 @@ def decode_step(model, token, cache):
         model(input_ids=token, cache=cache, use_cache=True)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def profiled(label: str, fn, rows: int) -> None:
     for _ in range(2):  # warm-up: fla autotuning, cuBLAS handles
         fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    _sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         wall = time.perf_counter() - start
     events = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in events) / 1e3
@@ -65,7 +71,7 @@ def main() -> None:
     parser.add_argument("--what", nargs="*", default=["training", "prefill", "decode"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    device = torch.device("cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test with --tiny
     if args.kda:
         ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
         models = {"ours": HybridLinearForCausalLM(ours_cfg), "transformers": KimiLinearForCausalLM(theirs_cfg)}
@@ -75,9 +81,9 @@ def main() -> None:
         models["transformers"].load_state_dict(models["ours"].state_dict())
     vocab = ours_cfg.vocab_size
     for name, model in models.items():
-        model.to(device=device, dtype=torch.bfloat16)
+        model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         if "training" in args.what:
-            ids = torch.randint(0, vocab, (4, 4096), device=device)
+            ids = torch.randint(0, vocab, (4, 4096) if device.type == "cuda" else (2, 64), device=device)
             profiled(f"{name} training step B=4 T=4096", lambda: training_step(model, ids), args.rows)
         ids = torch.randint(0, vocab, (1, 1024), device=device)
         if "prefill" in args.what:
