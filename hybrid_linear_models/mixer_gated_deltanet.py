@@ -11,14 +11,13 @@ rank computes a block of key heads with their value heads (see `tensor_parallel_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache_hybrid_linear import LinearStateLayer
 from .configuration_hybrid_linear import HybridLinearConfig
-from .mixer_linear import convolve_and_recur, mask_padding
+from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
 from .norms import GatedRMSNorm
-from .ops import compute_dtype, gated_delta_rule
+from .ops import gated_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
 from .tensor_parallel_heads import LocalHeads, local_heads, sum_gradients_over_ranks
@@ -63,15 +62,13 @@ class HybridLinearGatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         beta = b.reshape(B, T, nv).sigmoid()
         value_rows = heads.rows(r)
-        dtype = compute_dtype(a)  # the decay in float32 at least: A_log.exp() would overflow in half precision
-        decay_scale = self.A_log[value_rows].to(dtype).exp()
-        g = -decay_scale * F.softplus(a.reshape(B, T, nv).to(dtype) + self.dt_bias[value_rows].to(dtype))
+        gate = DecayGate(a.reshape(B, T, nv), self.A_log[value_rows], self.dt_bias[value_rows])
 
         def split(x):  # x may be the packed [1, B * T, C]
             q, k, v = x.split([nk * dk, nk * dk, nv * dv], dim=-1)
             return q.unflatten(-1, (nk, dk)), k.unflatten(-1, (nk, dk)), v.unflatten(-1, (nv, dv))
 
-        out = convolve_and_recur(mixed, self._conv_weight(heads), split, g, beta, gated_delta_rule, info, cache)
+        out = convolve_and_recur(mixed, self._conv_weight(heads), split, gate, beta, gated_delta_rule, info, cache)
         out = self.norm(out, z.reshape(B, T, nv, dv))
         sum_gradients_over_ranks(self, [self.conv1d.weight, self.dt_bias, self.A_log, self.norm.weight],
                                  self.in_proj_qkvz)

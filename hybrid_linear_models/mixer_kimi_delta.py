@@ -10,14 +10,13 @@ act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .cache_hybrid_linear import LinearStateLayer
 from .configuration_hybrid_linear import HybridLinearConfig
-from .mixer_linear import convolve_and_recur, mask_padding
+from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
 from .norms import GatedRMSNorm
-from .ops import compute_dtype, kimi_delta_rule
+from .ops import kimi_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
 from .tensor_parallel_heads import local_heads, sum_gradients_over_ranks
@@ -54,16 +53,14 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         shape = (B, T, heads.count, self.head_dim)
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
         conv_weight = torch.cat([self.q_conv1d.weight[rows], self.k_conv1d.weight[rows], self.v_conv1d.weight[rows]])
-        forget = self.f_b_proj(self.f_a_proj(hidden_states))
-        dtype = compute_dtype(forget)  # the decay in float32 at least
-        decay_scale = self.A_log[heads.offset : heads.offset + heads.count].to(dtype).exp().unsqueeze(-1)
-        g = -decay_scale * F.softplus((forget.to(dtype) + self.dt_bias[rows].to(dtype)).view(shape))
+        forget = self.f_b_proj(self.f_a_proj(hidden_states)).view(shape)
+        gate = DecayGate(forget, self.A_log[heads.offset : heads.offset + heads.count], self.dt_bias[rows])
         beta = self.b_proj(hidden_states).sigmoid()
 
         def split(x):  # x may be the packed [1, B * T, C]
             return tuple(part.unflatten(-1, (heads.count, self.head_dim)) for part in x.chunk(3, dim=-1))
 
-        out = convolve_and_recur(mixed, conv_weight, split, g, beta, kimi_delta_rule, info, cache)
+        out = convolve_and_recur(mixed, conv_weight, split, gate, beta, kimi_delta_rule, info, cache)
         out = self.o_norm(out, self.g_b_proj(self.g_a_proj(hidden_states)).view(shape))
         sum_gradients_over_ranks(
             self, [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .cache_hybrid_linear import LinearStateLayer
-from .ops import causal_conv1d
+from .ops import causal_conv1d, gate_log_decay
 from .sequence_info import SequenceInfo
+
+
+@dataclass
+class DecayGate:
+    """What the decay is made of: log decay = -exp(A_log) * softplus(raw + dt_bias), per value head (GDN: raw
+    [B, T, H], dt_bias [H]) or per key channel (KDA: raw [B, T, H, dk], dt_bias [H * dk]); A_log [H]. Handed to the
+    delta rule unevaluated, so fla can compute it inside its kernels."""
+
+    raw: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
 
 
 def mask_padding(hidden_states: torch.Tensor, info: SequenceInfo) -> torch.Tensor:
@@ -23,22 +35,25 @@ def convolve_and_recur(
     mixed: torch.Tensor,
     conv_weight: torch.Tensor,
     split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    g: torch.Tensor,
+    gate: DecayGate,
     beta: torch.Tensor,
     rule: Callable,
     info: SequenceInfo,
     cache: LinearStateLayer | None,
 ) -> torch.Tensor:
-    """silu(causal_conv1d(mixed)) split into q, k, v, then the delta `rule` with decay g and beta.
+    """silu(causal_conv1d(mixed)) split into q, k, v, then the delta `rule` with the decay of `gate` and beta.
 
-    mixed [B, T, C]; g [B, T, H] or [B, T, H, dk]; beta [B, T, H]. Pads keep the state as it was (beta = 0, g = 0);
-    packed documents each start from zero; a cache provides the initial conv/recurrent states and keeps the final
-    ones. Returns the delta-rule output [B, T, H, dv].
+    mixed [B, T, C]; beta [B, T, H]. Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
+    start from zero; a cache provides the initial conv/recurrent states and keeps the final ones. Returns the
+    delta-rule output [B, T, H, dv].
     """
-    if info.padding_mask is not None:
+    if info.padding_mask is not None:  # the decay is evaluated here, so pads can be given none
         pad = ~info.padding_mask.unsqueeze(-1)  # [B, T, 1]
         beta = beta.masked_fill(pad, 0.0)
-        g = g.masked_fill(pad if g.dim() == 3 else pad.unsqueeze(-1), 0.0)
+        g = gate_log_decay(gate.raw, gate.A_log, gate.dt_bias)
+        g, gate_args = g.masked_fill(pad if g.dim() == 3 else pad.unsqueeze(-1), 0.0), {}
+    else:
+        g, gate_args = gate.raw, {"A_log": gate.A_log, "dt_bias": gate.dt_bias}
     mixed, g, beta = info.flatten(mixed), info.flatten(g), info.flatten(beta)
     conv_state = cache.conv_state if cache is not None else None
     recurrent_state = cache.recurrent_state if cache is not None else None
@@ -49,7 +64,7 @@ def convolve_and_recur(
     q, k, v = split(mixed)
     out, recurrent_state = rule(
         q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
-        cu_seqlens=info.cu_seqlens, use_qk_l2norm=True,
+        cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **gate_args,
     )
     if cache is not None:
         cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])

@@ -82,9 +82,39 @@ def _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_cha
 # ------------------------------------------------------------------------------------------------------ delta rule
 
 
-def _delta_rule(name, fla_chunk, fla_recurrent, q, k, v, g, beta, scale, initial_state, output_final_state,
-                cu_seqlens, use_qk_l2norm, per_channel):
+def gate_log_decay(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The log decay of GDN and KDA from the gate's raw input: -exp(A_log) * softplus(g_raw + dt_bias), in float32
+    (float64 for float64 input). GDN: g_raw [B, T, H], A_log and dt_bias [H]; KDA: g_raw [B, T, H, dk], A_log [H],
+    dt_bias [H * dk] (one per key channel)."""
+    dtype = compute_dtype(g_raw)
+    x = g_raw.to(dtype)
+    if dt_bias is not None:
+        x = x + dt_bias.to(dtype).view(x.shape[2:])
+    scale = A_log.to(dtype).exp()
+    if x.dim() == 4:
+        scale = scale.unsqueeze(-1)
+    return -scale * F.softplus(x)
+
+
+def _check_gate(name, A_log, dt_bias, g, per_channel) -> None:
+    Hv = g.shape[2]
+    if A_log is None:
+        if dt_bias is not None:
+            raise ValueError(f"{name}: dt_bias is only used with A_log (g then holds the gate's raw input); pass "
+                             "both, or a precomputed log decay g and neither.")
+        return
+    if _shape(A_log) != (Hv,):
+        raise ValueError(f"{name}: A_log must be [Hv] = {(Hv,)} (one per value head), got {_shape(A_log)}.")
+    expected = (Hv * g.shape[3],) if per_channel else (Hv,)
+    if dt_bias is not None and _shape(dt_bias) != expected:
+        what = "[Hv * dk] (one per key channel)" if per_channel else "[Hv] (one per value head)"
+        raise ValueError(f"{name}: dt_bias must be {what} = {expected}, got {_shape(dt_bias)}.")
+
+
+def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initial_state, output_final_state,
+                cu_seqlens, use_qk_l2norm, A_log, dt_bias):
     _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_channel)
+    _check_gate(name, A_log, dt_bias, g, per_channel)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     fla = fla_backend.fla_for(q)
@@ -92,13 +122,17 @@ def _delta_rule(name, fla_chunk, fla_recurrent, q, k, v, g, beta, scale, initial
         initial_state = initial_state.float() if fla is not None else initial_state.to(compute_dtype(v))
     if fla is not None:
         decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
-        kernel = getattr(fla, fla_recurrent if decoding else fla_chunk)
+        kernel = getattr(fla, fla_names[1] if decoding else fla_names[0])
+        gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
         return kernel(
             q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
             cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,  # fla documents a LongTensor
+            **gate,
         )
     note_torch_path(q, name)
+    if A_log is not None:
+        g = gate_log_decay(g, A_log, dt_bias)
     if q.shape[1] == 0:  # nothing to run: the state passes through
         return _empty_sequence_result(v, initial_state, output_final_state, q.shape[-1])
     if cu_seqlens is None and q.shape[1] <= RECURRENT_MAX_TOKENS:
@@ -126,6 +160,8 @@ def gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule (GDN): per token and value head, S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T;
     o = S^T q (q scaled by `scale`, default dk^-0.5, after the optional L2 norm of q and k).
@@ -133,9 +169,14 @@ def gated_delta_rule(
     q, k: [B, T, Hk, dk]; v: [B, T, Hv, dv]; g (log-decay, <= 0), beta: [B, T, Hv]; initial_state:
     [N, Hv, dk, dv]. With `cu_seqlens` ([N + 1], B = 1) the N documents packed along T are independent.
     Returns o like v and the final state [N, Hv, dk, dv] (float32) or None.
+
+    With `A_log` ([Hv]) given, g holds the gate's raw input and the log decay is -exp(A_log) * softplus(g + dt_bias)
+    (`gate_log_decay`, dt_bias [Hv] optional), which fla computes inside its kernels.
     """
-    return _delta_rule("gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-                       q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, False)
+    return _delta_rule("gated_delta_rule", ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+                       q, k, v, g, beta, per_channel=False, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                       A_log=A_log, dt_bias=dt_bias)
 
 
 def kimi_delta_rule(
@@ -150,10 +191,15 @@ def kimi_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Kimi delta rule (KDA): `gated_delta_rule` with a per-channel decay, S <- diag(exp(g)) S, g: [B, T, Hv, dk]."""
-    return _delta_rule("kimi_delta_rule", "chunk_kda", "fused_recurrent_kda",
-                       q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, True)
+    """Kimi delta rule (KDA): `gated_delta_rule` with a per-channel decay, S <- diag(exp(g)) S, g: [B, T, Hv, dk].
+    With `A_log` ([Hv]) given, g is the gate's raw input as in `gated_delta_rule`, dt_bias then [Hv * dk]."""
+    return _delta_rule("kimi_delta_rule", ("chunk_kda", "fused_recurrent_kda"),
+                       q, k, v, g, beta, per_channel=True, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                       A_log=A_log, dt_bias=dt_bias)
 
 
 # ------------------------------------------------------------------------------------------------- short convolution

@@ -629,6 +629,10 @@ BAD_INPUTS = {
     "initial_state docs": (_gdn(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 4, 8, 8)),
                            r"initial_state must be \[N, Hv, dk, dv\] = \(2, 4, 8, 8\)"),
     "kda initial_state": (_kda(initial_state=torch.zeros(1, 4, 8, 7)), r"initial_state must be"),
+    "A_log shape": (_gdn(A_log=torch.zeros(2)), r"A_log must be \[Hv\] = \(4,\)"),
+    "gdn dt_bias shape": (_gdn(A_log=torch.zeros(4), dt_bias=torch.zeros(32)), r"dt_bias must be \[Hv\]"),
+    "kda dt_bias shape": (_kda(A_log=torch.zeros(4), dt_bias=torch.zeros(4)), r"dt_bias must be \[Hv \* dk\]"),
+    "dt_bias without A_log": (_gdn(dt_bias=torch.zeros(4)), r"dt_bias is only used with A_log"),
     "conv x dims": (_conv(x=torch.randn(8, 6)), r"\bx must be \[B, T, C\]"),
     "conv weight channels": (_conv(weight=torch.randn(5, 4)), r"\bweight must be \[C, K\] or \[C, 1, K\]"),
     "conv weight 3-D": (_conv(weight=torch.randn(6, 2, 4)), r"\bweight must be"),
@@ -702,3 +706,32 @@ def test_empty_sequences_pass_the_state_through():
     out, final = ops.causal_conv1d(torch.zeros(2, 0, 6), torch.randn(6, 4), initial_state=conv_state,
                                    output_final_state=True)
     assert out.shape == (2, 0, 6) and torch.equal(final, conv_state)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("T", [5, 70])  # the token-by-token and the chunked form
+def test_gate_from_raw_input_equals_precomputed_log_decay(kda, T):
+    """g as the gate's raw input with A_log and dt_bias (what fla fuses into its kernels) gives exactly the result of
+    the log decay -exp(A_log) * softplus(g + dt_bias) computed beforehand, gradients included."""
+    torch.manual_seed(0)
+    args = _good(kda=kda, T=T)
+    raw = torch.randn_like(args["g"]) * 2
+    A_log = torch.rand(4) * 2 - 1
+    dt_bias = torch.randn(4 * 8 if kda else 4)
+    fn = ops.kimi_delta_rule if kda else ops.gated_delta_rule
+    runs = []
+    for fused in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (raw, A_log, dt_bias)]
+        g = leaves[0] if fused else ops.gate_log_decay(*leaves)
+        gate = {"A_log": leaves[1], "dt_bias": leaves[2]} if fused else {}
+        out, final = fn(args["q"], args["k"], args["v"], g, args["beta"], output_final_state=True, **gate)
+        (out.sum() + final.sum()).backward()
+        runs.append([out, final] + [x.grad for x in leaves])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    if kda:
+        expected = -A_log.exp()[:, None] * F.softplus(raw + dt_bias.view(4, 8))
+    else:
+        expected = -A_log.exp() * F.softplus(raw + dt_bias)
+    assert torch.equal(ops.gate_log_decay(raw, A_log, dt_bias), expected)
+
