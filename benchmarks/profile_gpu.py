@@ -1,7 +1,9 @@
 """Where the GPU time goes: torch.profiler tables of ours and transformers' models side by side, for one training
-step (B=4, T=4096), one batch-1 prefill of 1024 tokens, and one eager batch-1 decoding step, in bf16.
+step (B=4, T=4096), one batch-1 prefill of 1024 tokens, and one eager batch-1 decoding step, in bf16; then, for ours,
+the time of one replay of the captured decoding graph against the time per token inside `generate` (the difference
+is the host's share: generate's loop, logits processing, synchronisation).
 
-    python benchmarks/profile_gpu.py [--kda] [--tiny] [--rows 30] [--what training prefill decode]
+    python benchmarks/profile_gpu.py [--kda] [--tiny] [--rows 30] [--what training prefill decode graph]
 
 Each table lists the top CUDA kernels by total GPU time, then the totals: GPU busy time against wall time shows
 whether a phase is bound by the GPU or by launching kernels from Python.
@@ -63,12 +65,37 @@ def profiled(label: str, fn, rows: int) -> None:
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
 
 
+def time_graph_decoding(model, ids, new_tokens: int = 128) -> None:
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens + 8)
+    kwargs = dict(do_sample=False, pad_token_id=0, cache=cache)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, **kwargs)  # captures the graph
+        times = []
+        for tokens in (1, new_tokens):
+            cache.reset()
+            _sync()
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+            _sync()
+            times.append(time.perf_counter() - start)
+        per_token = (times[1] - times[0]) / (new_tokens - 1)
+        graph = model._graph_decoder._graph
+        _sync()
+        start = time.perf_counter()
+        for _ in range(100):
+            graph.replay()
+        _sync()
+        replay = (time.perf_counter() - start) / 100
+    print(f"\n===== ours graph decoding B=1: {per_token * 1e3:.3f} ms per token in generate, "
+          f"{replay * 1e3:.3f} ms per graph replay (host share {100 * (1 - replay / per_token):.0f}%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kda", action="store_true", help="the KDA model against Kimi-Linear (default: GDN)")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rows", type=int, default=30)
-    parser.add_argument("--what", nargs="*", default=["training", "prefill", "decode"])
+    parser.add_argument("--what", nargs="*", default=["training", "prefill", "decode", "graph"])
     args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test with --tiny
@@ -97,6 +124,8 @@ def main() -> None:
             prefill(model, ids, cache)
             token = ids[:, -1:]
             profiled(f"{name} eager decoding step B=1", lambda: decode_step(model, token, cache), args.rows)
+        if "graph" in args.what and name == "ours" and device.type == "cuda":
+            time_graph_decoding(model, ids)
         model.to("cpu")
         torch.cuda.empty_cache()
 
