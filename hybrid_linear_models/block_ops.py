@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from . import fla_backend
 
 IGNORE_INDEX = -100
+
+
+def _is_sharded(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor is a DTensor (tensor parallelism): fla's kernels take plain tensors."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (the SwiGLU of the gated MLP)."""
     fla = fla_backend.fla_for(gate)
-    if fla is not None and gate.dtype != torch.float64 and not isinstance(gate, DTensor):
+    if fla is not None and gate.dtype != torch.float64 and not _is_sharded(gate, up):
         return fla.swiglu(gate, up)
     return F.silu(gate) * up
 
@@ -48,8 +56,7 @@ def fused_causal_lm_loss(
     [B, T, H] and the LM head weight [V, H], never holding the [B*T, V] logits. None when no fused kernel applies
     (not CUDA, fla missing, float64, or a sharded LM head): the caller then computes logits and the usual loss."""
     fla = fla_backend.fla_for(hidden_states)
-    if (fla is None or hidden_states.dtype == torch.float64 or isinstance(lm_head_weight, DTensor)
-            or isinstance(hidden_states, DTensor)):
+    if fla is None or hidden_states.dtype == torch.float64 or _is_sharded(hidden_states, lm_head_weight):
         return None
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
