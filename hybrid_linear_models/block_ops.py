@@ -27,7 +27,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32 (float64 for float64 x), returned
     in x's dtype."""
     fla = fla_backend.fla_for(x)
-    if fla is not None and x.dtype != torch.float64:
+    if fla is not None and x.dtype != torch.float64 and not _is_sharded(x, weight):
         return fla.rms_norm(x, weight, None, eps=eps)
     dtype = torch.promote_types(x.dtype, torch.float32)
     x32 = x.to(dtype)
