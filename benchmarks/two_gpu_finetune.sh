@@ -13,7 +13,7 @@ echo "== example, 1 GPU, 16 documents per step"
 CUDA_VISIBLE_DEVICES=0 python3 -m hybrid_linear_models.finetune "$work/model" "$work/data.jsonl" "$work/out1" \
   --batch-size 16 "${common[@]}" 2>&1 | tee "$work/one.log" | losses
 echo "== example, 2 GPUs (accelerate launch, DDP), 8 documents per GPU and step"
-accelerate launch --num_processes 2 --num_machines 1 --mixed_precision bf16 --dynamo_backend no \
+accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16 --dynamo_backend no \
   -m hybrid_linear_models.finetune "$work/model" "$work/data.jsonl" "$work/out2" --batch-size 8 "${common[@]}" \
   2>&1 | tee "$work/ddp.log" | losses
 echo "== example, 2 GPUs (accelerate launch, FSDP2), 8 documents per GPU and step"

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup_steps=args.warmup_steps,
         logging_steps=args.logging_steps,
         bf16=bf16,
+        use_cpu=not torch.cuda.is_available(),  # several CPU processes then train with DDP over gloo
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         save_strategy="no",
