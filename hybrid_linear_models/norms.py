@@ -3,11 +3,20 @@ output norm of the GDN/KDA mixers (x_hat * w * act(gate))."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from .block_ops import rms_norm
 from .ops import gated_rms_norm
+
+
+@functools.lru_cache(maxsize=None)
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A constant [1] tensor of ones (a normal tensor even when first asked for under inference mode)."""
+    with torch.inference_mode(False):
+        return torch.ones(1, dtype=dtype, device=device)
 
 
 class HybridLinearRMSNorm(nn.Module):
@@ -20,8 +29,10 @@ class HybridLinearRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(torch.promote_types(x.dtype, torch.float32))
-        return rms_norm(x, 1.0 + weight if self.zero_centered else weight, self.eps)
+        weight = self.weight
+        if self.zero_centered:  # 1 + w in float32 at least, in one kernel (type promotion does the cast)
+            weight = torch.add(_one(torch.promote_types(x.dtype, torch.float32), weight.device), weight)
+        return rms_norm(x, weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"
