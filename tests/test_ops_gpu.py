@@ -130,3 +130,41 @@ def test_decode_path_matches_torch(kind):
                                   output_final_state=True)
     assert_close(torch.cat(outputs, dim=1), o_ref, F32_TOL, f"{kind} decode outputs")
     assert_close(state, S_ref, F32_TOL, f"{kind} decode final state")
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("decoding", [False, True], ids=["chunk", "recurrent"])
+def test_fused_gate_matches_torch_path(kind, decoding):
+    """g as the gate's raw input with A_log and dt_bias (fla computes -exp(A_log) * softplus(g + dt_bias) inside its
+    chunk and recurrent kernels) against the torch path given the log decay computed beforehand: outputs, final
+    states, and (chunked) the gradients of the raw gate, A_log and dt_bias."""
+    kda = kind == "kda"
+    Hk, Hv, d = (4, 4, 64) if kda else (4, 8, 64)
+    B, T = (3, 1) if decoding else (2, 500)
+    inputs = make_inputs(kda=kda, B=B, T=T, Hk=Hk, Hv=Hv, d=d, n_states=B, dtype=torch.float32, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    raw = torch.randn(inputs["g"].shape, generator=gen, device="cuda")
+    A_log = torch.rand(Hv, generator=gen, device="cuda") * 2  # A in [1, e^2]
+    dt_bias = torch.randn(Hv * d if kda else Hv, generator=gen, device="cuda") - 2
+    fn = ops.kimi_delta_rule if kda else ops.gated_delta_rule
+    others = [inputs[n] for n in ("q", "k", "v")]
+    runs = []
+    for fused in (True, False):
+        leaves = [x.clone().requires_grad_(not decoding) for x in (raw, A_log, dt_bias)]
+        with torch.set_grad_enabled(not decoding):
+            if fused:
+                o, S = fn(*others, leaves[0], inputs["beta"], initial_state=inputs["initial_state"],
+                          output_final_state=True, A_log=leaves[1], dt_bias=leaves[2])
+            else:
+                g = ops.gate_log_decay(*leaves)
+                o, S = torch_path(*others, g, inputs["beta"], initial_state=inputs["initial_state"],
+                                  output_final_state=True)
+            if not decoding:
+                (o.sum() + S.sum()).backward()
+        runs.append((o.detach(), S.detach(), [x.grad for x in leaves]))
+    (o, S, grads), (o_ref, S_ref, grads_ref) = runs
+    assert_close(o, o_ref, F32_TOL, f"{kind} fused-gate output")
+    assert_close(S, S_ref, F32_TOL, f"{kind} fused-gate final state")
+    if not decoding:
+        for name, got, ref in zip(("raw gate", "A_log", "dt_bias"), grads, grads_ref):
+            assert_close(got, ref, F32_TOL, f"{kind} d({name})")
