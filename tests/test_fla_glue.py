@@ -1,0 +1,81 @@
+"""The glue around fla's ops, checked on the CPU with each op stood in by its documented contract, so these tests pin
+our side of the call (fla's kernels themselves are compared on GPUs in test_gpu_model.py and test_ops_gpu.py; the
+contracts were checked against fla's real kernels under triton's interpreter).
+
+- `block_ops.fused_causal_lm_loss` hands fla's `fused_linear_cross_entropy_loss` flattened hidden states, the LM head
+  and the shifted labels, and scales its sum by `num_items_in_batch`. Contract: cross-entropy of x @ W^T against the
+  targets, `ignore_index` skipped, mean over the counted targets or sum.
+- `ops.causal_conv1d` converts its state ([N, C, K-1], the last K-1 inputs) to fla's ([N, C, K], the last K inputs,
+  the oldest never read) and back."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from hybrid_linear_models import block_ops, fla_backend, ops
+from hybrid_linear_models.kernels_conv import causal_conv1d_torch
+
+
+def _fla_contract_loss(x, target, weight, ignore_index=-100, reduction="mean"):
+    return F.cross_entropy(F.linear(x, weight).float(), target, ignore_index=ignore_index, reduction=reduction)
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    fake = SimpleNamespace(fused_linear_cross_entropy_loss=_fla_contract_loss)
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: fake)
+
+
+@pytest.mark.parametrize("items", [None, 57])
+@pytest.mark.parametrize("given_shift_labels", [False, True])
+def test_fused_loss_glue_matches_transformers_loss(fake_fla, items, given_shift_labels):
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(2, 9, 16), torch.randn(30, 16)
+    labels = torch.randint(0, 30, (2, 9))
+    labels[0, :3] = -100
+    shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous() if given_shift_labels else None
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, hidden, weight)]
+    fused = block_ops.fused_causal_lm_loss(leaves[0], leaves[1], labels, shift_labels=shift_labels,
+                                           num_items_in_batch=items)
+    reference = ForCausalLMLoss(F.linear(leaves[2], leaves[3]), labels, 30, num_items_in_batch=items,
+                                shift_labels=shift_labels)
+    (fused + reference).backward()
+    torch.testing.assert_close(fused, reference.to(fused.dtype), rtol=1e-6, atol=0)
+    torch.testing.assert_close(leaves[0].grad, leaves[2].grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(leaves[1].grad, leaves[3].grad, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_loss_is_not_used_without_fla_or_for_float64(monkeypatch):
+    hidden, weight, labels = torch.randn(1, 4, 8), torch.randn(10, 8), torch.randint(0, 10, (1, 4))
+    assert block_ops.fused_causal_lm_loss(hidden, weight, labels) is None  # CPU: no fla
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: SimpleNamespace())
+    assert block_ops.fused_causal_lm_loss(hidden.double(), weight.double(), labels) is None
+
+
+def _fla_contract_conv(x, weight, activation=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """fla's causal_conv1d for one unpacked batch: the state holds the K inputs before the sequence, oldest first;
+    out_t = act(sum_i weight[:, i] x_{t-K+1+i}); the final state is the last K inputs."""
+    assert cu_seqlens is None
+    B, T, C = x.shape
+    K = weight.shape[1]
+    state = initial_state if initial_state is not None else x.new_zeros(B, C, K)
+    ext = torch.cat([state.transpose(1, 2), x], dim=1)  # [B, K + T, C]
+    out = sum(weight[:, i] * ext[:, 1 + i : 1 + i + T] for i in range(K))
+    out = F.silu(out) if activation in ("silu", "swish") else out
+    return out, (ext[:, -K:].transpose(1, 2) if output_final_state else None)
+
+
+def test_conv_state_is_converted_to_and_from_fla_layout(monkeypatch):
+    torch.manual_seed(0)
+    x, weight, state = torch.randn(2, 7, 5), torch.randn(5, 4), torch.randn(2, 5, 3)
+    expected, expected_final = causal_conv1d_torch(x, weight, "silu", state, True)
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: SimpleNamespace(causal_conv1d=_fla_contract_conv))
+    out, final = ops.causal_conv1d(x, weight, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(final, expected_final)
+
