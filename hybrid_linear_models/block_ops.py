@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fla_backend
+from .kernels_delta_rule import compute_dtype
 
 IGNORE_INDEX = -100
 
@@ -29,7 +30,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fla = fla_backend.fla_for(x)
     if fla is not None and x.dtype != torch.float64 and not _is_sharded(x, weight):
         return fla.rms_norm(x, weight, None, eps=eps)
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = compute_dtype(x)
     x32 = x.to(dtype)
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)).to(x.dtype)
 

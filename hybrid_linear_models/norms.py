@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .block_ops import rms_norm
+from .kernels_delta_rule import compute_dtype
 from .ops import gated_rms_norm
 
 
@@ -31,7 +32,7 @@ class HybridLinearRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if self.zero_centered:  # 1 + w in float32 at least, in one kernel (type promotion does the cast)
-            weight = torch.add(_one(torch.promote_types(x.dtype, torch.float32), weight.device), weight)
+            weight = torch.add(_one(compute_dtype(x), weight.device), weight)
         return rms_norm(x, weight, self.eps)
 
     def extra_repr(self) -> str:
