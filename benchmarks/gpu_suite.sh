@@ -3,10 +3,12 @@
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
-#   two-gpu (or a command without spaces)
+#   two-gpu, gate-test, save-tuning (or a command without spaces)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+# TRITON_CACHE_AUTOTUNING keeps fla's autotuning results in the cache (*.autotune.json): the `save-tuning` step packs
+# them into $OUT/tuning.tgz; carried back as ./.tuning/tuning.tgz they spare a fresh machine the minutes of tuning.
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # Wheels go into /tmp/site (kept while the machine stays warm), ahead of the image's packages on PYTHONPATH.
@@ -20,6 +22,7 @@ if [ -z "${SKIP_SETUP:-}" ] && [ ! -f $SITE/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE "${wheels[@]}" \
     2>&1 | grep -v "root user" | tail -3 && touch $SITE/.installed
 fi
+if [ -f .tuning/tuning.tgz ] && [ ! -d $TRITON_CACHE_DIR ]; then mkdir -p $TRITON_CACHE_DIR && tar xzf .tuning/tuning.tgz -C $TRITON_CACHE_DIR; fi
 export PYTHONPATH=$SITE:$PWD
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"
 for spec in "$@"; do
@@ -34,6 +37,8 @@ for spec in "$@"; do
     two-gpu) cmd="bash benchmarks/two_gpu_finetune.sh" ;;
     profile) cmd="python3 benchmarks/profile_gpu.py" ;;
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
+    save-tuning) (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;
+    gate-test) cmd="python3 -m pytest -v -m gpu tests/test_ops_gpu.py -k fused_gate -p no:cacheprovider" ;;
     gpu-model-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -p no:cacheprovider" ;;
     *) cmd="$step" ;;
   esac

@@ -48,7 +48,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def profiled(label: str, fn, rows: int) -> None:
+def profiled(label: str, fn, rows: int, cpu_rows: int = 0) -> None:
     for _ in range(2):  # warm-up: fla autotuning, cuBLAS handles
         fn()
     _sync()
@@ -63,6 +63,8 @@ def profiled(label: str, fn, rows: int) -> None:
     kernels = sum(e.count for e in events if e.self_device_time_total > 0)
     print(f"\n===== {label}: wall {wall * 1e3:.1f} ms, GPU busy {gpu_total:.1f} ms, {kernels} kernel launches")
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+    if cpu_rows:  # where the host's time goes (launch-bound phases)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=cpu_rows, max_name_column_width=70))
 
 
 def time_graph_decoding(model, ids, new_tokens: int = 128) -> None:
@@ -119,12 +121,13 @@ def main() -> None:
                 cache = (StaticCache(config=model.config, max_cache_len=1152) if name == "ours"
                          else DynamicCache(config=model.config))
                 prefill(model, ids, cache)
-            profiled(f"{name} prefill B=1 T=1024", run_prefill, args.rows)
+            profiled(f"{name} prefill B=1 T=1024", run_prefill, args.rows, cpu_rows=20)
         if "decode" in args.what:
             cache = DynamicCache(config=model.config)
             prefill(model, ids, cache)
             token = ids[:, -1:]
-            profiled(f"{name} eager decoding step B=1", lambda: decode_step(model, token, cache), args.rows)
+            profiled(f"{name} eager decoding step B=1", lambda: decode_step(model, token, cache), args.rows,
+                     cpu_rows=20)
         if "graph" in args.what and name == "ours" and device.type == "cuda":
             time_graph_decoding(model, ids)
         model.to("cpu")

@@ -24,15 +24,22 @@ def _is_sharded(*tensors: torch.Tensor) -> bool:
     return any(isinstance(t, DTensor) for t in tensors)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32 (float64 for float64 x), returned
-    in x's dtype."""
+    in x's dtype. With `residual`, normalises s = x + residual instead and returns (normed, s) (the pre-norm block's
+    residual add, fused into the norm's kernel on CUDA)."""
     fla = fla_backend.fla_for(x)
     if fla is not None and x.dtype != torch.float64 and not _is_sharded(x, weight):
-        return fla.rms_norm(x, weight, None, eps=eps)
+        if residual is None:
+            return fla.rms_norm(x, weight, None, eps=eps)
+        return fla.rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=True)
+    if residual is not None:
+        x = x + residual
     dtype = compute_dtype(x)
     x32 = x.to(dtype)
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)).to(x.dtype)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dtype)).to(x.dtype)
+    return normed if residual is None else (normed, x)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,10 @@ from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYP
 class LinearStateLayer(LinearAttentionCacheLayerMixin):
     """Cache of one GDN/KDA layer: conv state [B, C, K-1] and recurrent state [B, H, dk, dv] (float32).
 
-    Updates copy into the existing buffers (fixed addresses, so a captured CUDA graph or a compiled decode step can
-    reuse them). A recurrent state cannot be rolled back, so `crop` refuses."""
+    The conv state lives in the last K-1 columns of a [B, C, K] window (`conv_window`, whose first column is never
+    read: fla's layout, so a decoding step shifts the new input in, in place, in one kernel). Updates copy into the
+    existing buffers (fixed addresses, so a captured CUDA graph or a compiled decode step can reuse them). A recurrent
+    state cannot be rolled back, so `crop` refuses."""
 
     is_compileable = True
     is_sliding = False
@@ -38,6 +40,12 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
 
     @property
     def conv_state(self) -> torch.Tensor | None:
+        """The last K-1 inputs of the convolution, [B, C, K-1] (a view of `conv_window`)."""
+        return self.conv_states[0][..., 1:] if self.has_previous_state[0] else None
+
+    @property
+    def conv_window(self) -> torch.Tensor | None:
+        """[B, C, K]: the conv state in its last K-1 columns, updated in place by `ops.causal_conv1d_step`."""
         return self.conv_states[0] if self.has_previous_state[0] else None
 
     @property
@@ -50,24 +58,31 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
             raise AttributeError("batch_size")
         return self.recurrent_states[0].shape[0]
 
-    def store(self, conv_state: torch.Tensor, recurrent_state: torch.Tensor, new_tokens: int) -> None:
-        """Keeps the states after `new_tokens` more tokens."""
-        self.update_conv_state(conv_state)
+    def store(self, conv_state: torch.Tensor | None, recurrent_state: torch.Tensor, new_tokens: int) -> None:
+        """Keeps the states after `new_tokens` more tokens (conv_state None: `conv_window` was updated in place)."""
+        if conv_state is not None:
+            self.update_conv_state(conv_state)
         self.update_recurrent_state(recurrent_state)
         self.has_previous_state[0] = True
         self.seen_tokens += new_tokens
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
-        if conv_states is not None:
+        if conv_states is not None:  # [B, C, K-1] -> a zeroed [B, C, K] window
             self.device, self.dtype = conv_states.device, conv_states.dtype
-            self.conv_states[state_idx] = torch.zeros_like(conv_states)
+            B, C, keep = conv_states.shape
+            self.conv_states[state_idx] = conv_states.new_zeros(B, C, keep + 1)
             self.is_conv_states_initialized[state_idx] = True
         if recurrent_states is not None:
             self.recurrent_states[state_idx] = torch.zeros_like(recurrent_states)
             self.is_recurrent_states_initialized[state_idx] = True
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
-        return self._write(self.conv_states, self.is_conv_states_initialized, "conv_states", conv_states, state_idx)
+        """Writes the conv state [B, C, K-1] into the window's last K-1 columns."""
+        window = self.conv_states[state_idx]
+        if not self.is_conv_states_initialized[state_idx] or window[..., 1:].shape != conv_states.shape:
+            self.lazy_initialization(conv_states=conv_states, state_idx=state_idx)
+        self.conv_states[state_idx][..., 1:].copy_(conv_states)
+        return self.conv_states[state_idx]
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         return self._write(self.recurrent_states, self.is_recurrent_states_initialized, "recurrent_states",

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 from .cache_hybrid_linear import LinearStateLayer
+from .derived_weights import derived_weights
 
 
 def _cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
@@ -35,6 +36,7 @@ class CudaGraphDecoder:
     def __init__(self):
         self._key = None
         self._graph = None
+        self._derived = []
 
     @staticmethod
     def applies(model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:
@@ -62,7 +64,7 @@ class CudaGraphDecoder:
         batch = input_ids.shape[0]
         max_len = max(cache.get_max_length(), 1)  # -1 without attention layers: no key mask is needed then
         key = (id(cache), batch, max_len, input_ids.device)
-        if key != self._key:
+        if key != self._key or any(weight.stale() for weight in self._derived):
             self._capture(model, cache, batch, max_len, input_ids.device, key)
         self._ids.copy_(input_ids)
         past = cache.get_seq_length() if self._has_attention else None  # a device tensor: no synchronisation
@@ -112,3 +114,4 @@ class CudaGraphDecoder:
         for layer, count in zip(linear_layers, seen):
             layer.seen_tokens = count
         self._graph, self._key = graph, key
+        self._derived = derived_weights(model)  # kept tensors the graph reads (e.g. 1 + w of the norms)

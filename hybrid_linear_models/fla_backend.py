@@ -45,6 +45,7 @@ def fla_kernels() -> SimpleNamespace | None:
         chunk_kda=kda.chunk_kda,
         fused_recurrent_kda=kda.fused_recurrent_kda,
         causal_conv1d=conv.causal_conv1d,
+        causal_conv1d_update=conv.causal_conv1d_update,
         rms_norm=norm.rms_norm,
         rms_norm_gated=gated_norm.rms_norm_gated,
         swiglu=activations.swiglu,

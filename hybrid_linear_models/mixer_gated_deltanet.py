@@ -40,6 +40,7 @@ class HybridLinearGatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(0.01, 16).log_())
         self.norm = GatedRMSNorm(self.head_v_dim, config.gdn_norm_eps, config.gdn_gate_activation)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self._channel_index: dict = {}
 
     def _conv_weight(self, heads: LocalHeads) -> torch.Tensor:
         """Kernels of this rank's channels of the flat [Q | K | V] convolution."""
@@ -50,17 +51,31 @@ class HybridLinearGatedDeltaNet(nn.Module):
         rows_k, rows_v = heads.rows(self.head_k_dim), heads.rows(self.values_per_key * self.head_v_dim)
         return torch.cat([q[rows_k], k[rows_k], v[rows_v]])
 
+    def _flat_qkv_channels(self, nk: int, device: torch.device) -> torch.Tensor:
+        """Where the flat [Q | K | V] channels sit in in_proj_qkvz's output, grouped by key head."""
+        key = (nk, device)
+        if key not in self._channel_index:
+            dk, rdv = self.head_k_dim, self.values_per_key * self.head_v_dim
+            group = torch.arange(nk, device=device)[:, None] * (2 * dk + 2 * rdv)
+            parts = [group + torch.arange(start, start + width, device=device)
+                     for start, width in ((0, dk), (dk, dk), (2 * dk, rdv))]
+            self._channel_index[key] = torch.cat([p.reshape(-1) for p in parts])
+        return self._channel_index[key]
+
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
         B, T = hidden_states.shape[:2]
         r, dk, dv = self.values_per_key, self.head_k_dim, self.head_v_dim
         heads = local_heads(self.in_proj_qkvz, self.num_k_heads)  # key heads (all of them unless tensor parallel)
         nk, nv = heads.count, heads.count * r
-        qkvz = self.in_proj_qkvz(hidden_states).view(B, T, nk, 2 * dk + 2 * r * dv)
-        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        projected = self.in_proj_qkvz(hidden_states)
+        q, k, v, z = projected.view(B, T, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = self.in_proj_ba(hidden_states).view(B, T, nk, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
-        beta = b.reshape(B, T, nv).sigmoid()
+        if torch.is_grad_enabled():
+            mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        else:  # one gather instead of three copies and a cat (training keeps the cat: index_select's backward is slow)
+            mixed = projected.index_select(-1, self._flat_qkv_channels(nk, projected.device))
+        beta = b.sigmoid().reshape(B, T, nv)
         value_rows = heads.rows(r)
         gate = DecayGate(a.reshape(B, T, nv), self.A_log[value_rows], self.dt_bias[value_rows])
 

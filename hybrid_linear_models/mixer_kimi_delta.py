@@ -14,6 +14,7 @@ from torch import nn
 
 from .cache_hybrid_linear import LinearStateLayer
 from .configuration_hybrid_linear import HybridLinearConfig
+from .derived_weights import DerivedWeight
 from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
 from .norms import GatedRMSNorm
 from .ops import kimi_delta_rule
@@ -44,6 +45,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(d, P, bias=False)
         self.o_norm = GatedRMSNorm(d, config.kda_norm_eps, config.kda_gate_activation)
         self.o_proj = nn.Linear(P, H, bias=False)
+        self._conv_weight = DerivedWeight()  # the three kernels side by side, as the flat [q | k | v] conv needs
 
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
@@ -52,7 +54,8 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         rows = heads.rows(self.head_dim)
         shape = (B, T, heads.count, self.head_dim)
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
-        conv_weight = torch.cat([self.q_conv1d.weight[rows], self.k_conv1d.weight[rows], self.v_conv1d.weight[rows]])
+        kernels = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        conv_weight = self._conv_weight.get(kernels, lambda: torch.cat([w[rows] for w in kernels]), tag=rows)
         forget = self.f_b_proj(self.f_a_proj(hidden_states)).view(shape)
         gate = DecayGate(forget, self.A_log[heads.offset : heads.offset + heads.count], self.dt_bias[rows])
         beta = self.b_proj(hidden_states).sigmoid()

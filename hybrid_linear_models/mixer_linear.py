@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_hybrid_linear import LinearStateLayer
-from .ops import causal_conv1d, gate_log_decay
+from .ops import causal_conv1d, causal_conv1d_step, gate_log_decay
 from .sequence_info import SequenceInfo
 
 
@@ -55,17 +55,19 @@ def convolve_and_recur(
     else:
         g, gate_args = gate.raw, {"A_log": gate.A_log, "dt_bias": gate.dt_bias}
     mixed, g, beta = info.flatten(mixed), info.flatten(g), info.flatten(beta)
-    conv_state = cache.conv_state if cache is not None else None
     recurrent_state = cache.recurrent_state if cache is not None else None
-    mixed, conv_state = causal_conv1d(
-        mixed, conv_weight, activation="silu", initial_state=conv_state,
-        output_final_state=cache is not None, cu_seqlens=info.cu_seqlens,
-    )
+    if cache is not None and cache.conv_window is not None and mixed.shape[1] == 1 and info.cu_seqlens is None:
+        mixed, conv_state = causal_conv1d_step(mixed, conv_weight, cache.conv_window, activation="silu"), None
+    else:
+        mixed, conv_state = causal_conv1d(
+            mixed, conv_weight, activation="silu", initial_state=cache.conv_state if cache is not None else None,
+            output_final_state=cache is not None, cu_seqlens=info.cu_seqlens,
+        )
     q, k, v = split(mixed)
     out, recurrent_state = rule(
         q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
         cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **gate_args,
     )
-    if cache is not None:
+    if cache is not None:  # (a decoding step updated the conv window in place: conv_state None)
         cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])
     return info.unflatten(out)

@@ -107,8 +107,8 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
             hidden_states, _ = self.self_attn(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         else:
             hidden_states = self.linear_attn(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
-        hidden_states = residual + hidden_states
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)  # fused add
+        return residual + self.mlp(hidden_states)
 
 
 class HybridLinearPreTrainedModel(PreTrainedModel):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .block_ops import rms_norm
+from .derived_weights import DerivedWeight
 from .kernels_delta_rule import compute_dtype
 from .ops import gated_rms_norm
 
@@ -21,19 +22,27 @@ def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 class HybridLinearRMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * w, or * (1 + w) when zero-centred (w then starts at 0), computed in float32."""
+    """x / sqrt(mean(x^2) + eps) * w, or * (1 + w) when zero-centred (w then starts at 0), computed in float32.
+    Called with `residual`, normalises x + residual and returns (normed, x + residual)."""
 
     def __init__(self, dim: int, eps: float, zero_centered: bool):
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self._scale = DerivedWeight()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The multiplier of the normalised x: w, or 1 + w in float32 at least (one kernel: type promotion casts),
+        kept between steps that need no gradient."""
         weight = self.weight
-        if self.zero_centered:  # 1 + w in float32 at least, in one kernel (type promotion does the cast)
-            weight = torch.add(_one(compute_dtype(x), weight.device), weight)
-        return rms_norm(x, weight, self.eps)
+        if not self.zero_centered:
+            return weight
+        one = _one(compute_dtype(x), weight.device)
+        return self._scale.get([weight], lambda: torch.add(one, weight), tag=one.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.scale(x), self.eps, residual=residual)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, zero_centered={self.zero_centered}"

@@ -244,6 +244,36 @@ def causal_conv1d(
     return causal_conv1d_torch(x, weight, activation, initial_state, output_final_state, cu_seqlens)
 
 
+def causal_conv1d_step(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    window: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decoding step of `causal_conv1d` for every row: x [B, 1, C]; `window` [B, C, K] holds the row's last K
+    inputs in its last K-1 columns (the first is never read: fla's layout, which lets fla update it in place in one
+    kernel) and is updated in place, x shifted in. Returns the output [B, 1, C]; same math as `causal_conv1d` with
+    initial_state = window[..., 1:]."""
+    name = "causal_conv1d_step"
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight.squeeze(1)
+    if x.dim() != 3 or x.shape[1] != 1:
+        raise ValueError(f"{name}: x must be one token per row, [B, 1, C], got shape {_shape(x)}.")
+    B, _, C = x.shape
+    if weight.dim() != 2 or weight.shape[0] != C or _shape(window) != (B, C, weight.shape[1]):
+        raise ValueError(f"{name}: weight must be [C, K] and window [B, C, K] with B, C = {B}, {C} as in x, got "
+                         f"weight {_shape(weight)} and window {_shape(window)}.")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"{name}: activation must be 'silu', 'swish' or None, got {activation!r}.")
+    fla = fla_backend.fla_for(x)
+    if fla is not None and x.dtype != torch.float64 and window.is_contiguous():
+        return fla.causal_conv1d_update(x, window, weight=weight, activation=activation)[0]
+    out, final = causal_conv1d_torch(x, weight, activation, window[..., 1:], True)
+    window[..., 1:].copy_(final)
+    return out
+
+
 def _fla_causal_conv1d(fla, x, weight, activation, initial_state, output_final_state, cu_seqlens):
     """fla's Triton convolution. Its state holds the last K inputs, the oldest never read: ours is its last K-1."""
     if initial_state is not None:

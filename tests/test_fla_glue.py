@@ -79,3 +79,23 @@ def test_conv_state_is_converted_to_and_from_fla_layout(monkeypatch):
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(final, expected_final)
 
+
+
+def _fla_contract_conv_update(x, cache, weight=None, activation=None):
+    """fla's causal_conv1d_update: cache [N, C, K] holds the last K inputs; x [N, 1, C] is shifted in, in place;
+    out = act(sum_i weight[:, i] cache[:, :, i]) over the updated cache."""
+    cache.copy_(torch.cat([cache[..., 1:], x.transpose(1, 2)], dim=-1))
+    out = (cache * weight).sum(-1).unsqueeze(1)
+    return (F.silu(out) if activation in ("silu", "swish") else out), cache
+
+
+def test_conv_step_hands_fla_the_window_and_matches_the_torch_path(monkeypatch):
+    torch.manual_seed(0)
+    x, weight, state = torch.randn(3, 1, 6), torch.randn(6, 1, 4), torch.randn(3, 6, 3)
+    window = F.pad(state, (1, 0))
+    expected, expected_state = causal_conv1d_torch(x, weight.squeeze(1), "silu", state, True)
+    monkeypatch.setattr(fla_backend, "fla_for",
+                        lambda tensor: SimpleNamespace(causal_conv1d_update=_fla_contract_conv_update))
+    out = ops.causal_conv1d_step(x, weight, window)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(window[..., 1:], expected_state)

@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import StaticCache
 
 from hybrid_linear_models import block_ops, fla_backend, ops
 from model_helpers import tiny_model
@@ -111,7 +112,8 @@ def test_fla_cached_decoding_matches_full_forward(monkeypatch):
 @needs_fla
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_block_ops_match_torch(monkeypatch, dtype):
-    """fla's RMSNorm, gated RMSNorm, SwiGLU and convolution (with states, packed) against the torch formulas."""
+    """fla's RMSNorm (also with the residual add), gated RMSNorm, SwiGLU and convolution (with states, packed; one
+    decoding step updating its window in place) against the torch formulas."""
     torch.manual_seed(0)
     x = torch.randn(2, 50, 4, 64, device="cuda", dtype=dtype)
     gate = torch.randn_like(x)
@@ -120,13 +122,21 @@ def test_fused_block_ops_match_torch(monkeypatch, dtype):
     wc = torch.randn(96, 4, device="cuda", dtype=dtype) * 0.5
     cu = torch.tensor([0, 1, 40, 90], device="cuda", dtype=torch.int32)
     state = torch.randn(3, 96, 3, device="cuda", dtype=dtype)
+
+    def conv_step():  # three rows, one token each; the window is updated in place
+        window = F.pad(state, (1, 0))
+        out = ops.causal_conv1d_step(xc[:, :3].transpose(0, 1), wc, window)
+        return torch.cat([out.flatten(), window.flatten()])
+
     cases = {
         "rms_norm": lambda: block_ops.rms_norm(x, w, 1e-6),
+        "rms_norm_residual": lambda: torch.cat([t.flatten() for t in block_ops.rms_norm(x, w, 1e-6, residual=gate)]),
         "gated_silu": lambda: ops.gated_rms_norm(x, gate, w, activation="silu"),
         "gated_sigmoid": lambda: ops.gated_rms_norm(x, gate, w, activation="sigmoid"),
         "swiglu": lambda: block_ops.silu_and_mul(x, gate),
         "conv": lambda: torch.cat([t.flatten() for t in ops.causal_conv1d(
             xc, wc, initial_state=state, output_final_state=True, cu_seqlens=cu)]),
+        "conv_step": conv_step,
     }
     fused = {name: fn() for name, fn in cases.items()}
     _without_fla(monkeypatch)
@@ -170,6 +180,30 @@ def test_cuda_graph_decoding_matches_eager_decoding():
     graphed = model.generate(input_ids, **kwargs)
     assert model._graph_decoder._graph is not None  # the graph path ran
     model.set_cuda_graph_decoding(False)
+    eager = model.generate(input_ids, **kwargs)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.scores, eager.scores):
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+def test_cuda_graph_decoding_follows_weight_updates():
+    """Kept derived weights (norms' 1 + w, KDA's conv kernels) are read by the captured graph: after an in-place
+    update of the parameters, the next generation with the same cache captures again and matches eager decoding."""
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"],
+                       **GPU_DIMS).cuda()
+    input_ids = torch.randint(1, 128, (2, 24), device="cuda")
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True, cache=cache)
+    model.generate(input_ids, **kwargs)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layernorm" in name or "conv1d" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    cache.reset()
+    graphed = model.generate(input_ids, **kwargs)
+    model.set_cuda_graph_decoding(False)
+    cache.reset()
     eager = model.generate(input_ids, **kwargs)
     assert torch.equal(graphed.sequences, eager.sequences)
     for a, b in zip(graphed.scores, eager.scores):

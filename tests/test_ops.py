@@ -735,3 +735,22 @@ def test_gate_from_raw_input_equals_precomputed_log_decay(kda, T):
         expected = -A_log.exp() * F.softplus(raw + dt_bias)
     assert torch.equal(ops.gate_log_decay(raw, A_log, dt_bias), expected)
 
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv_step_updates_its_window_like_a_continued_convolution(activation):
+    torch.manual_seed(0)
+    x, weight = torch.randn(2, 5, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    expected, _ = ops.causal_conv1d(x, weight, activation=activation)
+    window = torch.full((2, 6, 4), float("nan"), dtype=torch.float64)  # the first column is never read
+    window[..., 1:] = 0
+    steps = [ops.causal_conv1d_step(x[:, t : t + 1], weight, window, activation=activation) for t in range(5)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(window[..., 1:], x[:, -3:].transpose(1, 2), rtol=0, atol=0)
+
+
+def test_conv_step_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"one token per row, \[B, 1, C\]"):
+        ops.causal_conv1d_step(torch.zeros(2, 3, 6), torch.zeros(6, 4), torch.zeros(2, 6, 4))
+    with pytest.raises(ValueError, match=r"window \[B, C, K\]"):
+        ops.causal_conv1d_step(torch.zeros(2, 1, 6), torch.zeros(6, 4), torch.zeros(2, 6, 3))

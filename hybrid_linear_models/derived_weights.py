@@ -1,0 +1,47 @@
+"""Tensors computed from parameters (a zero-centred norm's 1 + w, KDA's concatenated conv kernels), kept between
+forward passes that need no gradient, so decoding steps do not rebuild them: one kernel less per use and step.
+
+A kept value is rebuilt as soon as a source changes: another tensor in its place, new data (`.data = ...`, as
+`module.to` does) or an in-place update (its version counter: optimiser steps, `load_state_dict`). A captured CUDA
+graph reads the kept tensor without running Python, so `CudaGraphDecoder` captures again when `stale()` says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    return (t._version, t.data_ptr(), t.dtype, t.device)
+
+
+class DerivedWeight:
+    def __init__(self):
+        self._value: torch.Tensor | None = None
+        self._sources: list[torch.Tensor] = []  # held, so their addresses cannot pass to other tensors
+        self._fingerprints: list[tuple] = []
+        self._tag = None
+
+    def get(self, sources: Sequence[torch.Tensor], build: Callable[[], torch.Tensor], tag=None) -> torch.Tensor:
+        """build() (from `sources`), or the value kept from an earlier call with the same sources and `tag`."""
+        if torch.is_grad_enabled() and any(s.requires_grad for s in sources):
+            return build()  # autograd needs the graph from the parameters
+        if self._value is None or tag != self._tag or self._changed(sources):
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable later under autograd
+                self._value = build()
+            self._sources, self._fingerprints, self._tag = list(sources), [_fingerprint(s) for s in sources], tag
+        return self._value
+
+    def _changed(self, sources: Sequence[torch.Tensor]) -> bool:
+        return len(sources) != len(self._sources) or any(
+            s is not kept or _fingerprint(s) != fp for s, kept, fp in zip(sources, self._sources, self._fingerprints))
+
+    def stale(self) -> bool:
+        """Whether a kept value no longer matches its sources as they are now (an in-place update or new data)."""
+        return self._value is not None and any(_fingerprint(s) != fp for s, fp in zip(self._sources, self._fingerprints))
+
+
+def derived_weights(model: torch.nn.Module) -> list[DerivedWeight]:
+    return [value for module in model.modules() for value in vars(module).values() if isinstance(value, DerivedWeight)]

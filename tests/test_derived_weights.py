@@ -1,0 +1,73 @@
+"""Tensors derived from parameters and kept between no-grad steps (the zero-centred norms' 1 + w, KDA's conv
+kernels): reused while the parameter is unchanged, rebuilt after any change, never kept under autograd."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_linear_models.block_ops import rms_norm
+from hybrid_linear_models.derived_weights import DerivedWeight, derived_weights
+from hybrid_linear_models.norms import HybridLinearRMSNorm
+from model_helpers import tiny_model
+
+
+def test_kept_until_the_source_changes():
+    w = torch.nn.Parameter(torch.randn(4))
+    kept = DerivedWeight()
+    builds = []
+
+    def build():
+        builds.append(1)
+        return w + 1
+
+    with torch.no_grad():
+        first = kept.get([w], build)
+        assert kept.get([w], build) is first and len(builds) == 1 and not kept.stale()
+        w.add_(1.0)  # in place: an optimiser step, load_state_dict
+        assert kept.stale()
+        torch.testing.assert_close(kept.get([w], build), w + 1)
+        w.data = torch.randn(4, dtype=torch.float64)  # new data, as module.to does (no version bump)
+        assert kept.stale()
+        torch.testing.assert_close(kept.get([w], build), w + 1)
+        other = torch.nn.Parameter(w.detach().clone())  # another tensor in its place
+        torch.testing.assert_close(kept.get([other], build), other + 1)
+    assert len(builds) == 4
+
+
+def test_built_fresh_under_autograd():
+    w = torch.nn.Parameter(torch.randn(4))
+    kept = DerivedWeight()
+    value = kept.get([w], lambda: w * 2)
+    assert value.requires_grad and value.grad_fn is not None
+    value.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((4,), 2.0))
+    with torch.inference_mode():  # kept under inference mode, usable afterwards in autograd with a frozen weight
+        inference_value = kept.get([w.detach()], lambda: w.detach() * 2)
+    x = torch.randn(4, requires_grad=True)
+    (x * inference_value).sum().backward()
+
+
+def test_zero_centred_norm_keeps_one_plus_w_and_follows_updates():
+    torch.manual_seed(0)
+    norm = HybridLinearRMSNorm(8, 1e-6, zero_centered=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        norm.weight.normal_()
+        out = norm(x)
+        assert norm.scale(x) is norm.scale(x)
+        torch.testing.assert_close(out, rms_norm(x, 1 + norm.weight, 1e-6), rtol=0, atol=0)
+        norm.weight.mul_(3)
+        torch.testing.assert_close(norm(x), rms_norm(x, 1 + norm.weight, 1e-6), rtol=0, atol=0)
+
+
+def test_residual_norm_equals_add_then_norm():
+    torch.manual_seed(0)
+    norm = HybridLinearRMSNorm(8, 1e-6, zero_centered=False)
+    x, residual = torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    normed, summed = norm(x, residual=residual)
+    assert torch.equal(summed, x + residual) and torch.equal(normed, norm(x + residual))
+
+
+def test_model_lists_its_kept_tensors():
+    model = tiny_model()
+    assert derived_weights(model), "the zero-centred norms and KDA conv kernels should be found"
