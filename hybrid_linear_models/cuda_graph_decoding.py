@@ -33,6 +33,8 @@ def _cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
 class CudaGraphDecoder:
     """Captures `model.model.decode_step` + the LM head for one cache and batch size, and replays it."""
 
+    device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
+
     def __init__(self):
         self._key = None
         self._graph = None
@@ -40,7 +42,8 @@ class CudaGraphDecoder:
 
     @staticmethod
     def applies(model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:
-        if input_ids is None or inputs_embeds is not None or input_ids.shape[1] != 1 or not input_ids.is_cuda:
+        if (input_ids is None or inputs_embeds is not None or input_ids.shape[1] != 1
+                or input_ids.device.type not in CudaGraphDecoder.device_types):
             return False
         if torch.is_grad_enabled() or model.training or not isinstance(cache, StaticCache):
             return False
@@ -64,7 +67,7 @@ class CudaGraphDecoder:
         batch = input_ids.shape[0]
         max_len = max(cache.get_max_length(), 1)  # -1 without attention layers: no key mask is needed then
         key = (id(cache), batch, max_len, input_ids.device)
-        if key != self._key or any(weight.stale() for weight in self._derived):
+        if key != self._key or any(d.value is not kept or d.stale() for d, kept in self._derived):
             self._capture(model, cache, batch, max_len, input_ids.device, key)
         self._ids.copy_(input_ids)
         past = cache.get_seq_length() if self._has_attention else None  # a device tensor: no synchronisation
@@ -75,15 +78,33 @@ class CudaGraphDecoder:
         if past is not None:  # cache slots holding real tokens once this step's token is written
             if attention_mask is None:
                 self._key_mask.copy_(torch.arange(max_len, device=input_ids.device) <= past)
-            else:
+                self._mask_length = max_len
+            else:  # slots past the mask stay False: zeroed at capture, and again where a longer mask wrote
                 length = attention_mask.shape[1]
-                self._key_mask[:, :length].copy_(attention_mask.bool())
-                self._key_mask[:, length:].zero_()
+                self._key_mask[:, :length].copy_(attention_mask)
+                if length < self._mask_length:
+                    self._key_mask[:, length : self._mask_length].zero_()
+                self._mask_length = length
         self._graph.replay()
         for layer in cache.layers:
             if isinstance(layer, LinearStateLayer):
                 layer.seen_tokens += 1
         return self._logits.clone()
+
+    @staticmethod
+    def _record(run, device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A CUDA graph of run() and the output buffer each replay refills, after two warm-up runs on a side stream
+        (autotuning, lazy handles)."""
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = run()
+        return graph, logits
 
     def _capture(self, model, cache, batch, max_len, device, key) -> None:
         self._graph = None  # release the previous graph's memory pool first
@@ -91,6 +112,7 @@ class CudaGraphDecoder:
         self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self._mask_length = 0
         linear_layers = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
         seen = [layer.seen_tokens for layer in linear_layers]
         saved = [t.clone() for t in _cache_tensors(cache)]
@@ -99,19 +121,10 @@ class CudaGraphDecoder:
             hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, cache)
             return model.lm_head(hidden)
 
-        # warm up on a side stream (autotuning, lazy handles), then put the cache back as it was
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        for tensor, value in zip(_cache_tensors(cache), saved):
+        self._graph, self._logits = self._record(run, device)
+        for tensor, value in zip(_cache_tensors(cache), saved):  # the warm-up steps advanced the cache: undo them
             tensor.copy_(value)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._logits = run()
         for layer, count in zip(linear_layers, seen):
             layer.seen_tokens = count
-        self._graph, self._key = graph, key
-        self._derived = derived_weights(model)  # kept tensors the graph reads (e.g. 1 + w of the norms)
+        self._key = key
+        self._derived = [(d, d.value) for d in derived_weights(model)]  # kept tensors the graph reads (norms' 1 + w)

@@ -2,8 +2,8 @@
 forward passes that need no gradient, so decoding steps do not rebuild them: one kernel less per use and step.
 
 A kept value is rebuilt as soon as a source changes: another tensor in its place, new data (`.data = ...`, as
-`module.to` does) or an in-place update (its version counter: optimiser steps, `load_state_dict`). A captured CUDA
-graph reads the kept tensor without running Python, so `CudaGraphDecoder` captures again when `stale()` says so.
+`module.to` does) or an in-place update (its version counter: optimiser steps, `load_state_dict`), in place when its layout allows. A captured CUDA graph reads the kept tensor without running
+Python, so `CudaGraphDecoder` captures again when `stale()` says so or the kept tensor was replaced.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import torch
 
 def _fingerprint(t: torch.Tensor) -> tuple:
     return (t._version, t.data_ptr(), t.dtype, t.device)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and a.stride() == b.stride()
 
 
 class DerivedWeight:
@@ -30,8 +34,16 @@ class DerivedWeight:
             return build()  # autograd needs the graph from the parameters
         if self._value is None or tag != self._tag or self._changed(sources):
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable later under autograd
-                self._value = build()
+                value = build()
+                if self._value is not None and _same_layout(self._value, value):
+                    self._value.copy_(value)  # in place: a captured graph reading it sees the new value
+                else:
+                    self._value = value
             self._sources, self._fingerprints, self._tag = list(sources), [_fingerprint(s) for s in sources], tag
+        return self._value
+
+    @property
+    def value(self) -> torch.Tensor | None:
         return self._value
 
     def _changed(self, sources: Sequence[torch.Tensor]) -> bool:

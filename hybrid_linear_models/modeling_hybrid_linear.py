@@ -310,6 +310,23 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
+        # A decoding step that replays the captured CUDA graph needs only the new token, the 2-D mask and the positions:
+        # transformers' generic preparation (4-D masks for static caches, clones, device checks) would cost more host
+        # time per token than the replayed step itself, and its 4-D mask would keep the graph from being used.
+        if (self._graph_decoder is not None and not is_first_iteration and next_sequence_length == 1
+                and CudaGraphDecoder.applies(self, input_ids[:, -1:], inputs_embeds, cache, attention_mask, kwargs)):
+            inputs = {"input_ids": input_ids[:, -1:], "cache": cache, "attention_mask": attention_mask}
+            position_ids = kwargs.pop("position_ids", None)
+            if position_ids is not None:
+                inputs["position_ids"] = position_ids[..., -1:]
+            inputs.update((key, value) for key, value in kwargs.items() if key != "labels")
+            return inputs
+        return super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds, is_first_iteration=is_first_iteration, **kwargs)
+
     @can_return_tuple
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(

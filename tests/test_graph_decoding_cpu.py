@@ -1,0 +1,124 @@
+"""The CUDA-graph decoding path on the CPU, with the graph stood in by an eager replay of the same captured step
+(`CudaGraphDecoder._record`): what it adds around the graph is checked here, not only on GPUs — the lean inputs
+`prepare_inputs_for_generation` hands it, positions and key masks of left-padded rows, re-capturing after weight
+updates."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GenerationMixin, StaticCache
+
+from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
+from model_helpers import tiny_model
+
+LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"]
+
+
+class EagerReplay:
+    """Replays `run` eagerly into the output buffer, as a CUDA graph replay refills it."""
+
+    records = 0
+
+    def __init__(self, run, out):
+        self.run, self.out = run, out
+        EagerReplay.records += 1
+
+    def replay(self):
+        self.out.copy_(self.run())
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+
+    def record(run, device):
+        out = run()  # a warm-up step, undone by the caller as on the GPU
+        return EagerReplay(run, out), out
+
+    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
+    EagerReplay.records = 0
+
+
+def _generate(model, input_ids, attention_mask, cache=None):
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True, attention_mask=attention_mask)
+    if cache is None:
+        kwargs["cache_implementation"] = "static"
+    else:
+        cache.reset()
+        kwargs["cache"] = cache
+    with torch.no_grad():
+        return model.generate(input_ids, **kwargs)
+
+
+def _assert_same(a, b):
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.scores, b.scores):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_graph_path_decodes_left_padded_rows_like_eager(eager_graphs, monkeypatch):
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (3, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :5] = 0
+    attention_mask[2, :2] = 0
+    generic = []
+    original = GenerationMixin.prepare_inputs_for_generation  # the generic preparation: only for the prefill
+    monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation",
+                        lambda self, *a, **k: generic.append(1) or original(self, *a, **k))
+    graphed = _generate(model, input_ids, attention_mask)
+    assert EagerReplay.records == 1 and len(generic) == 1
+    model.set_cuda_graph_decoding(False)
+    _assert_same(graphed, _generate(model, input_ids, attention_mask))
+
+
+def test_graph_follows_weight_updates(eager_graphs):
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (2, 10))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    _generate(model, input_ids, attention_mask, cache)
+    _generate(model, input_ids, attention_mask, cache)
+    assert EagerReplay.records == 1  # same cache, same weights: captured once
+
+    def update_weights():
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "layernorm" in name or "conv1d" in name:  # read through kept 1 + w and concatenated kernels
+                    parameter.add_(0.3 * torch.randn_like(parameter))
+
+    update_weights()  # the next prefill refreshes the kept tensors in place, under the graph's feet
+    graphed = _generate(model, input_ids, attention_mask, cache)
+    model.set_cuda_graph_decoding(False)
+    _assert_same(graphed, _generate(model, input_ids, attention_mask, cache))
+
+    model.set_cuda_graph_decoding(True)  # an update between two decoding steps: captured again
+    _generate(model, input_ids, attention_mask, cache)
+    eager_cache = copy.deepcopy(cache)
+    update_weights()
+    past = int(cache.get_seq_length())
+    mask = torch.cat([attention_mask, torch.ones(2, past + 1 - attention_mask.shape[1], dtype=torch.long)], dim=1)
+    step = dict(input_ids=torch.tensor([[7], [9]]), attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1)
+    with torch.no_grad():
+        graphed = model(**step, cache=cache).logits
+        model.set_cuda_graph_decoding(False)
+        eager = model(**step, cache=eager_cache).logits
+    assert EagerReplay.records == 3
+    torch.testing.assert_close(graphed, eager[:, -1:], rtol=1e-5, atol=1e-5)
+
+
+def test_shorter_mask_after_a_longer_generation_clears_stale_slots(eager_graphs):
+    model = tiny_model(LAYERS).eval()
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    long_ids, short_ids = torch.randint(1, 100, (2, 20)), torch.randint(1, 100, (2, 6))
+    short_mask = torch.ones_like(short_ids)
+    short_mask[1, :2] = 0
+    _generate(model, long_ids, torch.ones_like(long_ids), cache)
+    graphed = _generate(model, short_ids, short_mask, cache)
+    model.set_cuda_graph_decoding(False)
+    _assert_same(graphed, _generate(model, short_ids, short_mask, cache))
