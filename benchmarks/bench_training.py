@@ -7,7 +7,7 @@ GPU (H200, bfloat16 weights, fla kernels on both sides): B=4, T=4096,
 Prints tokens/s, the ratio, peak memory and model FLOPs utilisation (6 * non-embedding params * tokens plus
 attention's 12 * layers * heads * head_dim * T/2 per token, over 989 TFLOP/s dense bf16).
 
-    python benchmarks/bench_training.py [--tiny] [--skip-kda] [--steps 5]
+    python benchmarks/bench_training.py [--tiny] [--skip-kda] [--steps 5] [--kda-recompute]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from transformers import KimiLinearForCausalLM, Qwen3NextForCausalLM
 sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, count_parameters, gdn_pair, kda_pair  # noqa: E402
 
-from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
+from hybrid_linear_models import HybridLinearForCausalLM, ops  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
 
@@ -53,12 +53,16 @@ def train_steps(model, input_ids, steps: int) -> tuple[float, float]:
     return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
 
 
-def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config):
+def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config, also_recompute=False):
     device = torch.device("cuda")
     input_ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=device)
     tokens = batch * seq_len
     results = {}
-    for label, model in (("ours", ours), ("transformers", theirs)):
+    runs = [("ours", ours, True), ("transformers", theirs, True)]
+    if also_recompute:  # A/B: fla's KDA backward recomputing its intermediates (less memory) instead of keeping them
+        runs.insert(1, ("ours-recompute", ours, False))
+    for label, model, keep in runs:
+        ops.KDA_KEEP_INTERMEDIATES = keep
         model.to(device=device, dtype=torch.bfloat16).train()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -66,7 +70,7 @@ def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config):
             seconds, peak = train_steps(model, input_ids, steps)
         except torch.OutOfMemoryError:
             seconds, peak = float("nan"), float("nan")
-        flops = model_flops_per_token(model, mfu_config if label == "ours" else model.config, seq_len) * tokens
+        flops = model_flops_per_token(model, mfu_config if model is ours else model.config, seq_len) * tokens
         results[label] = (tokens / seconds, peak, flops / seconds / PEAK_BF16_FLOPS)
         model.to("cpu")
         print(f"  {label:>12}: {count_parameters(model) / 1e9:.3f}B params, {tokens / seconds:>9.0f} tok/s, "
@@ -84,6 +88,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--kda-recompute", action="store_true", help="also time ours with fla's KDA recomputation")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
@@ -101,7 +106,8 @@ def main() -> None:
         ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
         ours, theirs = HybridLinearForCausalLM(ours_cfg), KimiLinearForCausalLM(theirs_cfg)
         print(f"KDA, B={args.batch}, T={args.seq_len}, bf16")
-        run_pair("KDA vs Kimi-Linear", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg)
+        run_pair("KDA vs Kimi-Linear", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg,
+                 also_recompute=args.kda_recompute)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ for spec in "$@"; do
     tests) cmd="python3 -m pytest -q -m gpu tests -p no:cacheprovider" ;;
     dispatch) cmd="python3 benchmarks/bench_delta_rule.py --gpu" ;;
     training) cmd="python3 benchmarks/bench_training.py --skip-kda" ;;
-    training-kda) cmd="python3 benchmarks/bench_training.py --skip-gdn" ;;
+    training-kda) cmd="python3 benchmarks/bench_training.py --skip-gdn --kda-recompute" ;;
     generation) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-kda" ;;
     generation-kda) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-gdn" ;;
     two-gpu) cmd="bash benchmarks/two_gpu_finetune.sh" ;;

@@ -22,6 +22,10 @@ from .kernels_delta_rule import chunk_delta_rule, compute_dtype, recurrent_delta
 # Up to this many tokens per sequence (and no packing) the token-by-token form is faster than the chunked one.
 RECURRENT_MAX_TOKENS = 16
 
+# Training through fla's chunked KDA: keep the forward's intermediates (w, u, gated q/k, chunk states) for the
+# backward instead of recomputing them (fla's `disable_recompute`): a faster backward for more activation memory.
+KDA_KEEP_INTERMEDIATES = True
+
 
 # ----------------------------------------------------------------------------------------------------- validation
 
@@ -124,6 +128,8 @@ def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initia
         decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
         kernel = getattr(fla, fla_names[1] if decoding else fla_names[0])
         gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
+        if per_channel and not decoding and torch.is_grad_enabled() and KDA_KEEP_INTERMEDIATES:
+            gate["disable_recompute"] = True
         return kernel(
             q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
