@@ -2,8 +2,9 @@
 forward passes that need no gradient, so decoding steps do not rebuild them: one kernel less per use and step.
 
 A kept value is rebuilt as soon as a source changes: another tensor in its place, new data (`.data = ...`, as
-`module.to` does) or an in-place update (its version counter: optimiser steps, `load_state_dict`), in place when its layout allows. A captured CUDA graph reads the kept tensor without running
-Python, so `CudaGraphDecoder` captures again when `stale()` says so or the kept tensor was replaced.
+`module.to` does: a new address) or an in-place update (its version counter: optimiser steps, `load_state_dict`),
+in place when its layout allows. A captured CUDA graph reads the kept tensor without running Python, so
+`CudaGraphDecoder` captures again when `stale()` says so or the kept tensor was replaced.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def _fingerprint(t: torch.Tensor) -> tuple:
-    return (t._version, t.data_ptr(), t.dtype, t.device)
+def _fingerprint(t: torch.Tensor) -> tuple[int, int]:
+    return t._version, t.data_ptr()  # new dtype or device means new storage, so a new address
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -22,6 +23,8 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class DerivedWeight:
+    """One kept tensor, built by the caller's `build` from `sources` (see the module docstring)."""
+
     def __init__(self):
         self._value: torch.Tensor | None = None
         self._sources: list[torch.Tensor] = []  # held, so their addresses cannot pass to other tensors
@@ -30,8 +33,8 @@ class DerivedWeight:
 
     def get(self, sources: Sequence[torch.Tensor], build: Callable[[], torch.Tensor], tag=None) -> torch.Tensor:
         """build() (from `sources`), or the value kept from an earlier call with the same sources and `tag`."""
-        if torch.is_grad_enabled() and any(s.requires_grad for s in sources):
-            return build()  # autograd needs the graph from the parameters
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(s.requires_grad for s in sources)):
+            return build()  # autograd needs the graph from the parameters; a compiler fuses the build anyway
         if self._value is None or tag != self._tag or self._changed(sources):
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor, usable later under autograd
                 value = build()
@@ -52,8 +55,11 @@ class DerivedWeight:
 
     def stale(self) -> bool:
         """Whether a kept value no longer matches its sources as they are now (an in-place update or new data)."""
-        return self._value is not None and any(_fingerprint(s) != fp for s, fp in zip(self._sources, self._fingerprints))
+        return self._value is not None and any(
+            s._version != version or s.data_ptr() != address
+            for s, (version, address) in zip(self._sources, self._fingerprints))
 
 
 def derived_weights(model: torch.nn.Module) -> list[DerivedWeight]:
+    """Every DerivedWeight held by the model's modules."""
     return [value for module in model.modules() for value in vars(module).values() if isinstance(value, DerivedWeight)]
