@@ -7,7 +7,7 @@ GPU (H200, bfloat16 weights, fla kernels on both sides): B=4, T=4096,
 Prints tokens/s, the ratio, peak memory and model FLOPs utilisation (6 * non-embedding params * tokens plus
 attention's 12 * layers * heads * head_dim * T/2 per token, over 989 TFLOP/s dense bf16).
 
-    python benchmarks/bench_training.py [--tiny] [--skip-kda] [--steps 5] [--kda-recompute]
+    python benchmarks/bench_training.py [--tiny] [--skip-kda] [--steps 5] [--variants ours-recompute ours-logits-loss]
 """
 
 from __future__ import annotations
@@ -53,16 +53,24 @@ def train_steps(model, input_ids, steps: int) -> tuple[float, float]:
     return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
 
 
-def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config, also_recompute=False):
+def _variant(ours, keep_kda_intermediates: bool = True, fused_loss: bool = True) -> None:
+    ops.KDA_KEEP_INTERMEDIATES = keep_kda_intermediates
+    ours.config.fuse_linear_cross_entropy = fused_loss
+
+
+# A/B variants of ours, timed in the same run: fla's KDA backward recomputing its intermediates (less memory), and
+# the loss from materialised logits instead of fla's fused linear + cross-entropy.
+VARIANTS = {"ours-recompute": dict(keep_kda_intermediates=False), "ours-logits-loss": dict(fused_loss=False)}
+
+
+def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config, variants=()):
     device = torch.device("cuda")
     input_ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=device)
     tokens = batch * seq_len
     results = {}
-    runs = [("ours", ours, True), ("transformers", theirs, True)]
-    if also_recompute:  # A/B: fla's KDA backward recomputing its intermediates (less memory) instead of keeping them
-        runs.insert(1, ("ours-recompute", ours, False))
-    for label, model, keep in runs:
-        ops.KDA_KEEP_INTERMEDIATES = keep
+    runs = [("ours", ours, {}), *((label, ours, VARIANTS[label]) for label in variants), ("transformers", theirs, {})]
+    for label, model, variant in runs:
+        _variant(ours, **variant)
         model.to(device=device, dtype=torch.bfloat16).train()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -73,8 +81,9 @@ def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config, also_recompu
         flops = model_flops_per_token(model, mfu_config if model is ours else model.config, seq_len) * tokens
         results[label] = (tokens / seconds, peak, flops / seconds / PEAK_BF16_FLOPS)
         model.to("cpu")
-        print(f"  {label:>12}: {count_parameters(model) / 1e9:.3f}B params, {tokens / seconds:>9.0f} tok/s, "
+        print(f"  {label:>16}: {count_parameters(model) / 1e9:.3f}B params, {tokens / seconds:>9.0f} tok/s, "
               f"peak {peak:6.1f} GiB, MFU {100 * results[label][2]:5.1f}%", flush=True)
+    _variant(ours)
     ratio = results["ours"][0] / results["transformers"][0]
     print(f"{name}: ours/transformers tokens/s = {ratio:.2f}, peak memory ours/transformers = "
           f"{results['ours'][1] / results['transformers'][1]:.2f}", flush=True)
@@ -88,7 +97,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--kda-recompute", action="store_true", help="also time ours with fla's KDA recomputation")
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="also time these variants of ours (KDA recomputation, loss from logits)")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
@@ -100,14 +110,14 @@ def main() -> None:
         ours, theirs = HybridLinearForCausalLM(ours_cfg), Qwen3NextForCausalLM(theirs_cfg)
         theirs.load_state_dict(ours.state_dict())
         print(f"GDN, B={args.batch}, T={args.seq_len}, bf16")
-        run_pair("GDN vs Qwen3-Next", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg)
+        run_pair("GDN vs Qwen3-Next", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg,
+                 [v for v in args.variants if v != "ours-recompute"])
         del ours, theirs
     if not args.skip_kda:
         ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
         ours, theirs = HybridLinearForCausalLM(ours_cfg), KimiLinearForCausalLM(theirs_cfg)
         print(f"KDA, B={args.batch}, T={args.seq_len}, bf16")
-        run_pair("KDA vs Kimi-Linear", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg,
-                 also_recompute=args.kda_recompute)
+        run_pair("KDA vs Kimi-Linear", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg, args.variants)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ for spec in "$@"; do
   case $step in
     tests) cmd="python3 -m pytest -q -m gpu tests -p no:cacheprovider" ;;
     dispatch) cmd="python3 benchmarks/bench_delta_rule.py --gpu" ;;
-    training) cmd="python3 benchmarks/bench_training.py --skip-kda" ;;
-    training-kda) cmd="python3 benchmarks/bench_training.py --skip-gdn --kda-recompute" ;;
+    training) cmd="python3 benchmarks/bench_training.py --skip-kda --variants ours-logits-loss" ;;
+    training-kda) cmd="python3 benchmarks/bench_training.py --skip-gdn --variants ours-logits-loss" ;;
     generation) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-kda" ;;
     generation-kda) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-gdn" ;;
     two-gpu) cmd="bash benchmarks/two_gpu_finetune.sh" ;;
