@@ -239,10 +239,11 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         if position_ids is None and _is_padded(attention_mask):
             # as `generate` does: positions count the real tokens only, so a padded row sees what it would alone
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
+        given_positions = position_ids  # positions made here never restart: no packing to look for (no sync)
         if position_ids is None:
             position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past).unsqueeze(0)
         sequence_info = build_sequence_info(
-            batch, seq_len, attention_mask if not isinstance(attention_mask, dict) else None, position_ids,
+            batch, seq_len, attention_mask if not isinstance(attention_mask, dict) else None, given_positions,
             has_past=past > 0, cu_seq_lens=kwargs.get("cu_seq_lens_q"),
         )
         if sequence_info.cu_seqlens is not None:
