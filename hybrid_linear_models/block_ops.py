@@ -50,6 +50,19 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Largest [tokens, vocab] logits block the fused loss holds at once. Up to it the loss runs as one chunk, and the LM
+# head's gradient is one GEMM in the weights' dtype (accumulated in float32 inside, rounded once), as without fusion.
+# Past it, fla splits the tokens and accumulates that gradient in float32 across chunks: bounded memory, but with
+# float32 GEMMs (no tensor cores, several times slower).
+LOSS_CHUNK_BYTES = 4 * 2**30
+
+
+def loss_chunking(tokens: int, vocab: int, element_size: int) -> dict:
+    """fla's `num_chunks` and `accumulate_grad_in_fp32` for a fused loss over [tokens, vocab] logits."""
+    chunks = max(1, -(-tokens * vocab * element_size // LOSS_CHUNK_BYTES))
+    return {"num_chunks": chunks, "accumulate_grad_in_fp32": chunks > 1}
+
+
 def fused_causal_lm_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -72,11 +85,12 @@ def fused_causal_lm_loss(
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1]).to(dtype)
     weight = lm_head_weight.to(dtype)
     targets = shift_labels.reshape(-1).to(hidden.device)
+    chunking = loss_chunking(hidden.shape[0], weight.shape[0], hidden.element_size())
     with torch.autocast("cuda", enabled=False):  # fla's kernel takes one dtype; it accumulates in float32
         if num_items_in_batch is None:
-            return fla.fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=ignore_index)
+            return fla.fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=ignore_index, **chunking)
         loss = fla.fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=ignore_index,
-                                                   reduction="sum")
+                                                   reduction="sum", **chunking)
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch

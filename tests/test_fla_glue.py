@@ -21,7 +21,8 @@ from hybrid_linear_models import block_ops, fla_backend, ops
 from hybrid_linear_models.kernels_conv import causal_conv1d_torch
 
 
-def _fla_contract_loss(x, target, weight, ignore_index=-100, reduction="mean"):
+def _fla_contract_loss(x, target, weight, ignore_index=-100, reduction="mean", num_chunks=8,
+                       accumulate_grad_in_fp32=True):
     return F.cross_entropy(F.linear(x, weight).float(), target, ignore_index=ignore_index, reduction=reduction)
 
 
@@ -48,6 +49,21 @@ def test_fused_loss_glue_matches_transformers_loss(fake_fla, items, given_shift_
     torch.testing.assert_close(fused, reference.to(fused.dtype), rtol=1e-6, atol=0)
     torch.testing.assert_close(leaves[0].grad, leaves[2].grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(leaves[1].grad, leaves[3].grad, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_loss_runs_as_one_chunk_while_its_logits_fit(monkeypatch):
+    """One chunk keeps the LM head's gradient a single GEMM in the weights' dtype (no float32 GEMMs); larger logits
+    are split, with the gradient accumulated in float32 across chunks."""
+    calls = []
+    fake = SimpleNamespace(fused_linear_cross_entropy_loss=lambda *a, **k: calls.append(k) or _fla_contract_loss(*a, **k))
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: fake)
+    hidden, weight, labels = torch.randn(2, 8, 16), torch.randn(30, 16), torch.randint(0, 30, (2, 8))
+    block_ops.fused_causal_lm_loss(hidden, weight, labels)
+    assert calls[-1]["num_chunks"] == 1 and calls[-1]["accumulate_grad_in_fp32"] is False
+    assert block_ops.loss_chunking(16384, 32000, 2) == {"num_chunks": 1, "accumulate_grad_in_fp32": False}  # bench
+    monkeypatch.setattr(block_ops, "LOSS_CHUNK_BYTES", 3 * 30 * 4)  # float32 logits of 3 tokens per chunk
+    block_ops.fused_causal_lm_loss(hidden, weight, labels)
+    assert calls[-1]["num_chunks"] == 6 and calls[-1]["accumulate_grad_in_fp32"] is True
 
 
 def test_fused_loss_is_not_used_without_fla_or_for_float64(monkeypatch):
