@@ -56,9 +56,9 @@ class HybridLinearConfig(PreTrainedConfig):
         kda_gate_activation (`str`): activation of KDA's output gate, "sigmoid" (Kimi Linear) or "silu" (Fast-LLM).
         kda_norm_eps (`float`): epsilon of KDA's gated RMSNorm. Defaults to `rms_norm_eps`.
         fuse_linear_cross_entropy (`bool`): in training (`model.train()`, `labels` given, CUDA tensors, fla
-            installed), compute the loss chunk by chunk from the hidden states without materialising the
-            [tokens, vocab] logits: the same loss, much less memory; `outputs.logits` is then None. Evaluation and
-            inference always return logits.
+            installed), compute the loss from the hidden states with fla's fused linear + cross-entropy, which does
+            not keep the [tokens, vocab] logits for the backward (and holds at most 4 GiB of them at once): the
+            same loss, less memory; `outputs.logits` is then None. Evaluation and inference always return logits.
     """
 
     model_type = "hybrid_linear"
