@@ -317,7 +317,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         # transformers' generic preparation (4-D masks for static caches, clones, device checks) would cost more host
         # time per token than the replayed step itself, and its 4-D mask would keep the graph from being used.
         if (self._graph_decoder is not None and not is_first_iteration and next_sequence_length == 1
-                and CudaGraphDecoder.applies(self, input_ids[:, -1:], inputs_embeds, cache, attention_mask, kwargs)):
+                and CudaGraphDecoder.applies(self, input_ids[:, -1:], None, cache, attention_mask, kwargs)):
+            # (prompt embeddings only serve the first iteration; later steps feed the generated ids)
             inputs = {"input_ids": input_ids[:, -1:], "cache": cache, "attention_mask": attention_mask}
             position_ids = kwargs.pop("position_ids", None)
             if position_ids is not None:

@@ -76,6 +76,19 @@ def test_graph_path_decodes_left_padded_rows_like_eager(eager_graphs, monkeypatc
     _assert_same(graphed, _generate(model, input_ids, attention_mask))
 
 
+def test_generation_from_prompt_embeddings_replays_its_steps(eager_graphs):
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (2, 9))
+    embeds = model.get_input_embeddings()(input_ids).detach()
+    kwargs = dict(inputs_embeds=embeds, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                  cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        graphed = model.generate(**kwargs)
+        assert EagerReplay.records == 1
+        model.set_cuda_graph_decoding(False)
+        _assert_same(graphed, model.generate(**kwargs))
+
+
 def test_graph_follows_weight_updates(eager_graphs):
     model = tiny_model(LAYERS).eval()
     input_ids = torch.randint(1, 100, (2, 10))
