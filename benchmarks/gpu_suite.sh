@@ -3,8 +3,11 @@
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
-#   two-gpu, gate-test, save-tuning (or a command without spaces)
+#   two-gpu, gate-test, graph-tests, save-tuning (or a command without spaces)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
+# Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
+#   CUDA_VISIBLE_DEVICES=0 SKIP_SETUP=1 bash benchmarks/gpu_suite.sh A B & CUDA_VISIBLE_DEVICES=1 SKIP_SETUP=1
+#   bash benchmarks/gpu_suite.sh C; wait; SKIP_SETUP=1 bash benchmarks/gpu_suite.sh save-tuning
 set -uo pipefail
 # TRITON_CACHE_AUTOTUNING keeps fla's autotuning results in the cache (*.autotune.json): the `save-tuning` step packs
 # them into $OUT/tuning.tgz; carried back as ./.tuning/tuning.tgz they spare a fresh machine the minutes of tuning.
@@ -25,8 +28,16 @@ fi
 if [ -f .tuning/tuning.tgz ] && [ ! -d $TRITON_CACHE_DIR ]; then mkdir -p $TRITON_CACHE_DIR && tar xzf .tuning/tuning.tgz -C $TRITON_CACHE_DIR; fi
 export PYTHONPATH=$SITE:$PWD
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"
+# DEADLINE=seconds (counted from this script's start): every step's limit is cut so that all end by then,
+# leaving a later `save-tuning` time to run inside the call's own limit.
+START=$(date +%s)
 for spec in "$@"; do
   step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=600
+  if [ -n "${DEADLINE:-}" ]; then
+    left=$(( DEADLINE - ($(date +%s) - START) ))
+    [ "$left" -lt 15 ] && { echo "=== $step skipped: deadline"; continue; }
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   case $step in
     tests) cmd="python3 -m pytest -q -m gpu tests -p no:cacheprovider" ;;
     dispatch) cmd="python3 benchmarks/bench_delta_rule.py --gpu" ;;
@@ -38,6 +49,7 @@ for spec in "$@"; do
     profile) cmd="python3 benchmarks/profile_gpu.py" ;;
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
     save-tuning) (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;
+    graph-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -k cuda_graph -p no:cacheprovider" ;;
     gate-test) cmd="python3 -m pytest -v -m gpu tests/test_ops_gpu.py -k fused_gate -p no:cacheprovider" ;;
     gpu-model-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -p no:cacheprovider" ;;
     *) cmd="$step" ;;
