@@ -55,10 +55,7 @@ def _fused(name, fn):
 
 
 def _rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
-    if residual is not None:
-        x = x + residual
-    y = block_ops.rms_norm(x, weight, eps)
-    return (y, x) if prenorm else y
+    return block_ops.rms_norm(x, weight, eps, residual=residual)  # (normed, sum) with a residual: prenorm
 
 
 def _rule(per_channel):

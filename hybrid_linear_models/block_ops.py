@@ -1,7 +1,8 @@
 """The decoder blocks' elementwise ops and the language-model loss, fused where fla offers a kernel.
 
-For CUDA tensors with fla importable: fla's Triton RMSNorm, SwiGLU and chunked linear + cross-entropy (the loss
-without materialising the [tokens, vocab] logits). Otherwise plain torch with the same math (float32 inside).
+For CUDA tensors with fla importable: fla's Triton RMSNorm (with the residual add), SwiGLU and fused linear +
+cross-entropy (the loss without keeping the [tokens, vocab] logits for the backward). Otherwise plain torch with the
+same math (float32 inside).
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ def fused_causal_lm_loss(
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor | None:
     """The next-token cross-entropy of transformers' causal LMs (labels shifted left, `ignore_index` skipped, mean
-    over the counted tokens or sum / `num_items_in_batch`), computed chunk by chunk from the final hidden states
-    [B, T, H] and the LM head weight [V, H], never holding the [B*T, V] logits. None when no fused kernel applies
+    over the counted tokens or sum / `num_items_in_batch`), computed from the final hidden states [B, T, H] and the
+    LM head weight [V, H] in chunks of at most LOSS_CHUNK_BYTES of logits, none kept for the backward (the gradients
+    are computed in the forward). None when no fused kernel applies
     (not CUDA, fla missing, float64, or a sharded LM head): the caller then computes logits and the usual loss."""
     fla = fla_backend.fla_for(hidden_states)
     if fla is None or hidden_states.dtype == torch.float64 or _is_sharded(hidden_states, lm_head_weight):

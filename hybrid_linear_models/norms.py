@@ -3,8 +3,6 @@ output norm of the GDN/KDA mixers (x_hat * w * act(gate))."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -12,13 +10,6 @@ from .block_ops import rms_norm
 from .derived_weights import DerivedWeight
 from .kernels_delta_rule import compute_dtype
 from .ops import gated_rms_norm
-
-
-@functools.lru_cache(maxsize=None)
-def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A constant [1] tensor of ones (a normal tensor even when first asked for under inference mode)."""
-    with torch.inference_mode(False):
-        return torch.ones(1, dtype=dtype, device=device)
 
 
 class HybridLinearRMSNorm(nn.Module):
@@ -33,13 +24,13 @@ class HybridLinearRMSNorm(nn.Module):
         self._scale = DerivedWeight()
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
-        """The multiplier of the normalised x: w, or 1 + w in float32 at least (one kernel: type promotion casts),
-        kept between steps that need no gradient."""
+        """The multiplier of the normalised x: w, or 1 + w in float32 at least, kept between steps that need no
+        gradient."""
         weight = self.weight
         if not self.zero_centered:
             return weight
-        one = _one(compute_dtype(x), weight.device)
-        return self._scale.get([weight], lambda: torch.add(one, weight), tag=one.dtype)
+        dtype = compute_dtype(x)
+        return self._scale.get([weight], lambda: weight.to(dtype) + 1, tag=dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return rms_norm(x, self.scale(x), self.eps, residual=residual)

@@ -127,14 +127,14 @@ def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initia
     if fla is not None:
         decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
         kernel = getattr(fla, fla_names[1] if decoding else fla_names[0])
-        gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
+        options = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
         if per_channel and not decoding and torch.is_grad_enabled() and KDA_KEEP_INTERMEDIATES:
-            gate["disable_recompute"] = True
+            options["disable_recompute"] = True
         return kernel(
             q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
             cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,  # fla documents a LongTensor
-            **gate,
+            **options,
         )
     note_torch_path(q, name)
     if A_log is not None:
@@ -227,13 +227,8 @@ def causal_conv1d(
     name = "causal_conv1d"
     if x.dim() != 3:
         raise ValueError(f"{name}: x must be [B, T, C], got shape {_shape(x)}.")
-    if weight.dim() == 3 and weight.shape[1] == 1:
-        weight = weight.squeeze(1)
     B, T, C = x.shape
-    if weight.dim() != 2 or weight.shape[0] != C:
-        raise ValueError(f"{name}: weight must be [C, K] or [C, 1, K] with C = {C} as in x, got {_shape(weight)}.")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"{name}: activation must be 'silu', 'swish' or None, got {activation!r}.")
+    weight = _conv_kernel(name, weight, C, activation)
     N = B if cu_seqlens is None else _check_cu_seqlens(name, cu_seqlens, B, T)
     K = weight.shape[1]
     if initial_state is not None and _shape(initial_state) != (N, C, K - 1):
@@ -262,22 +257,31 @@ def causal_conv1d_step(
     kernel) and is updated in place, x shifted in. Returns the output [B, 1, C]; same math as `causal_conv1d` with
     initial_state = window[..., 1:]."""
     name = "causal_conv1d_step"
-    if weight.dim() == 3 and weight.shape[1] == 1:
-        weight = weight.squeeze(1)
     if x.dim() != 3 or x.shape[1] != 1:
         raise ValueError(f"{name}: x must be one token per row, [B, 1, C], got shape {_shape(x)}.")
     B, _, C = x.shape
-    if weight.dim() != 2 or weight.shape[0] != C or _shape(window) != (B, C, weight.shape[1]):
-        raise ValueError(f"{name}: weight must be [C, K] and window [B, C, K] with B, C = {B}, {C} as in x, got "
-                         f"weight {_shape(weight)} and window {_shape(window)}.")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"{name}: activation must be 'silu', 'swish' or None, got {activation!r}.")
+    weight = _conv_kernel(name, weight, C, activation)
+    if _shape(window) != (B, C, weight.shape[1]):
+        raise ValueError(f"{name}: window [B, C, K] must be {(B, C, weight.shape[1])} (B, C as in x, K as in the "
+                         f"weight), got {_shape(window)}.")
     fla = fla_backend.fla_for(x)
     if fla is not None and x.dtype != torch.float64 and window.is_contiguous():
         return fla.causal_conv1d_update(x, window, weight=weight, activation=activation)[0]
     out, final = causal_conv1d_torch(x, weight, activation, window[..., 1:], True)
     window[..., 1:].copy_(final)
     return out
+
+
+def _conv_kernel(name: str, weight: torch.Tensor, channels: int, activation: str | None) -> torch.Tensor:
+    """The depthwise kernel as [C, K] (from [C, K] or nn.Conv1d's [C, 1, K]), checked with the activation."""
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight.squeeze(1)
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(f"{name}: weight must be [C, K] or [C, 1, K] with C = {channels} as in x, got "
+                         f"{_shape(weight)}.")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"{name}: activation must be 'silu', 'swish' or None, got {activation!r}.")
+    return weight
 
 
 def _fla_causal_conv1d(fla, x, weight, activation, initial_state, output_final_state, cu_seqlens):
