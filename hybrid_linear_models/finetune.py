@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=args.logging_steps,
         bf16=bf16,
         use_cpu=not torch.cuda.is_available(),  # several CPU processes then train with DDP over gloo
+        ddp_find_unused_parameters=False,  # every parameter takes part in each step: no extra graph traversal
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         save_strategy="no",

@@ -1,10 +1,10 @@
 """Tensor parallelism of the GDN/KDA mixers: which heads a rank computes.
 
-Under transformers' tensor parallelism (`from_pretrained(..., tp_plan="auto")`) the mixers' large projections are split
-by heads: column-wise on the way in (GDN's fused projections are grouped by key head, so every rank's rows are whole
-heads), row-wise on the way out. Their small per-channel parameters (short-convolution kernels, dt_bias, A_log) and the
-gated norm's weight stay replicated: each rank slices the rows of its own heads, and since their gradients then cover
-only those heads, the gradients are summed over the tensor-parallel group (as transformers'
+Under transformers' tensor parallelism (`DistributedConfig(tp_plan="auto")` in `from_pretrained`) the mixers' large
+projections are split by heads: column-wise on the way in (GDN's fused projections are grouped by key head, so every
+rank's rows are whole heads), row-wise on the way out. Their small per-channel parameters (short-convolution kernels,
+dt_bias, A_log) and the gated norm's weight stay replicated: each rank slices the rows of its own heads, and since their
+gradients then cover only those heads, the gradients are summed over the tensor-parallel group (as transformers'
 `replicated_with_grad_allreduce` does for q/k norms).
 """
 

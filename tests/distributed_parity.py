@@ -45,7 +45,7 @@ def main():
     training = TrainingArguments(
         output_dir="unused", per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=3e-3,
         logging_steps=1, save_strategy="no", report_to="none", seed=0, remove_unused_columns=False,
-        use_cpu=not args.cuda, fsdp="full_shard" if args.fsdp else "", fsdp_config={"version": 2} if args.fsdp else None,
+        use_cpu=not args.cuda, fsdp=args.fsdp, fsdp_config={"version": 2} if args.fsdp else None,
         ddp_backend=("nccl" if args.cuda else "gloo") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
     trainer = SequentialTrainer(model=model, args=training, train_dataset=TokenizedDocuments(documents),

@@ -3,13 +3,16 @@ launch and compares it with the unsharded model: logits, greedy decoding (each r
 gradient of every parameter after one backward.
 Rank 0 prints the largest differences.
 
-    torchrun --nproc_per_node 2 tests/tensor_parallel_check.py MODEL_DIR
+    torchrun --nproc_per_node 2 tests/tensor_parallel_check.py MODEL_DIR [--cuda]
+
+--cuda: one GPU per rank over NCCL (fla's kernels need head dims of at least 16); otherwise CPUs over gloo.
 """
 
+import os
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 import hybrid_linear_models  # noqa: F401
 from distributed_helpers import leave  # the script's folder is on sys.path
@@ -20,10 +23,14 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def main():
-    path = sys.argv[1]
-    torch.distributed.init_process_group("gloo")
-    reference = AutoModelForCausalLM.from_pretrained(path)
-    sharded = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")
+    path, cuda = sys.argv[1], "--cuda" in sys.argv[2:]
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    reference = AutoModelForCausalLM.from_pretrained(path).to(device)
+    sharded = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
+    assert sharded.device == device, (sharded.device, device)
     layers = {layer.layer_type: layer for layer in sharded.model.layers}
     halves = {  # module -> its weight's rows in the unsharded model
         layers["full_attention"].self_attn.q_proj: 2,
@@ -34,7 +41,7 @@ def main():
         local_rows = module.weight.to_local().shape[0]
         assert local_rows * 2 == full(module.weight).shape[0], (module, local_rows)
 
-    input_ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    input_ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         logits = (reference(input_ids).logits - sharded(input_ids).logits).abs().max().item()
     generated = [model.generate(input_ids[:, :12], max_new_tokens=8, do_sample=False) for model in (reference, sharded)]
