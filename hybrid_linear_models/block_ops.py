@@ -16,22 +16,13 @@ from .kernels_delta_rule import compute_dtype
 IGNORE_INDEX = -100
 
 
-def _is_sharded(*tensors: torch.Tensor) -> bool:
-    """Whether any tensor is a DTensor (tensor parallelism): fla's kernels take plain tensors."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(t, DTensor) for t in tensors)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32 (float64 for float64 x), returned
     in x's dtype. With `residual`, normalises s = x + residual instead and returns (normed, s) (the pre-norm block's
     residual add, fused into the norm's kernel on CUDA)."""
-    fla = fla_backend.fla_for(x)
-    if fla is not None and x.dtype != torch.float64 and not _is_sharded(x, weight):
+    fla = fla_backend.fla_ops_for(x, weight)
+    if fla is not None:
         if residual is None:
             return fla.rms_norm(x, weight, None, eps=eps)
         return fla.rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=True)
@@ -45,8 +36,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (the SwiGLU of the gated MLP)."""
-    fla = fla_backend.fla_for(gate)
-    if fla is not None and gate.dtype != torch.float64 and not _is_sharded(gate, up):
+    fla = fla_backend.fla_ops_for(gate, up)
+    if fla is not None:
         return fla.swiglu(gate, up)
     return F.silu(gate) * up
 
@@ -78,8 +69,8 @@ def fused_causal_lm_loss(
     LM head weight [V, H] in chunks of at most LOSS_CHUNK_BYTES of logits, none kept for the backward (the gradients
     are computed in the forward). None when no fused kernel applies
     (not CUDA, fla missing, float64, or a sharded LM head): the caller then computes logits and the usual loss."""
-    fla = fla_backend.fla_for(hidden_states)
-    if fla is None or hidden_states.dtype == torch.float64 or _is_sharded(hidden_states, lm_head_weight):
+    fla = fla_backend.fla_ops_for(hidden_states, lm_head_weight)
+    if fla is None:
         return None
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]

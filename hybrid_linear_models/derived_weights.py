@@ -56,8 +56,7 @@ class DerivedWeight:
     def stale(self) -> bool:
         """Whether a kept value no longer matches its sources as they are now (an in-place update or new data)."""
         return self._value is not None and any(
-            s._version != version or s.data_ptr() != address
-            for s, (version, address) in zip(self._sources, self._fingerprints))
+            _fingerprint(s) != fp for s, fp in zip(self._sources, self._fingerprints))
 
 
 def derived_weights(model: torch.nn.Module) -> list[DerivedWeight]:

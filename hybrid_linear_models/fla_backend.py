@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
+from .tensor_parallel_heads import device_mesh
+
 logger = logging.getLogger(__name__)
 
 _announced: set[str] = set()
@@ -56,6 +58,16 @@ def fla_kernels() -> SimpleNamespace | None:
 def fla_for(tensor: torch.Tensor) -> SimpleNamespace | None:
     """fla's ops when calls on this tensor go to them (a CUDA tensor, fla importable), else None."""
     return fla_kernels() if tensor.is_cuda else None
+
+
+def fla_ops_for(tensor: torch.Tensor, *others: torch.Tensor) -> SimpleNamespace | None:
+    """fla's ops for an op on `tensor` (and `others`) that has an exact torch path: `fla_for(tensor)`, but None for
+    float64 (the torch path keeps its precision) and when any of them is a DTensor (fla's kernels take plain
+    tensors)."""
+    fla = fla_for(tensor)
+    if fla is None or tensor.dtype == torch.float64 or any(device_mesh(t) is not None for t in (tensor, *others)):
+        return None
+    return fla
 
 
 def fla_available_for(tensor: torch.Tensor) -> bool:

@@ -239,8 +239,8 @@ def causal_conv1d(
     if T == 0:  # nothing to convolve: the state passes through
         final = initial_state if initial_state is not None else x.new_zeros(N, C, K - 1)
         return x.new_empty(x.shape), (final if output_final_state else None)
-    fla = fla_backend.fla_for(x)
-    if fla is not None and x.dtype != torch.float64:
+    fla = fla_backend.fla_ops_for(x)
+    if fla is not None:
         return _fla_causal_conv1d(fla, x, weight, activation, initial_state, output_final_state, cu_seqlens)
     return causal_conv1d_torch(x, weight, activation, initial_state, output_final_state, cu_seqlens)
 
@@ -264,8 +264,8 @@ def causal_conv1d_step(
     if _shape(window) != (B, C, weight.shape[1]):
         raise ValueError(f"{name}: window [B, C, K] must be {(B, C, weight.shape[1])} (B, C as in x, K as in the "
                          f"weight), got {_shape(window)}.")
-    fla = fla_backend.fla_for(x)
-    if fla is not None and x.dtype != torch.float64 and window.is_contiguous():
+    fla = fla_backend.fla_ops_for(x)
+    if fla is not None and window.is_contiguous():
         return fla.causal_conv1d_update(x, window, weight=weight, activation=activation)[0]
     out, final = causal_conv1d_torch(x, weight, activation, window[..., 1:], True)
     window[..., 1:].copy_(final)
@@ -317,8 +317,8 @@ def gated_rms_norm(
             f"gated_rms_norm: gate must have the shape of x {_shape(x)} and weight [{x.shape[-1]}], got gate "
             f"{_shape(gate)} and weight {_shape(weight)}."
         )
-    fla = fla_backend.fla_for(x)
-    if fla is not None and x.dtype != torch.float64:
+    fla = fla_backend.fla_ops_for(x)
+    if fla is not None:
         return fla.rms_norm_gated(x, gate, weight, None, activation=activation, eps=eps)
     dtype = compute_dtype(x)
     x32 = x.to(dtype)

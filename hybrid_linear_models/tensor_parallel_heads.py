@@ -31,17 +31,18 @@ class LocalHeads(NamedTuple):
         return slice(self.offset * per_head, (self.offset + self.count) * per_head)
 
 
-def _mesh(weight: torch.Tensor):
+def device_mesh(tensor: torch.Tensor):
+    """The device mesh of a DTensor (a tensor-parallel shard or replica); None for a plain tensor."""
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
 
-    return weight.device_mesh if isinstance(weight, DTensor) else None
+    return tensor.device_mesh if isinstance(tensor, DTensor) else None
 
 
 def local_heads(projection: nn.Linear, total: int) -> LocalHeads:
     """The heads whose rows of `projection` (split by heads when tensor parallel) live on this rank."""
-    mesh = _mesh(projection.weight)
+    mesh = device_mesh(projection.weight)
     if mesh is None:
         return LocalHeads(0, total, total)
     size = mesh.size()
@@ -54,7 +55,7 @@ def local_heads(projection: nn.Linear, total: int) -> LocalHeads:
 def sum_gradients_over_ranks(module: nn.Module, parameters: list[nn.Parameter], projection: nn.Linear) -> None:
     """Makes the gradients of replicated `parameters`, which each rank fills for its own heads only, summed over the
     tensor-parallel group of `projection`. The hooks are attached on first use (loading replaces the parameters)."""
-    mesh = _mesh(projection.weight)
+    mesh = device_mesh(projection.weight)
     if mesh is None or not torch.is_grad_enabled():
         return
     hooked = module.__dict__.setdefault("_tensor_parallel_hooked", [])
