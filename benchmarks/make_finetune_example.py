@@ -12,38 +12,36 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from model_helpers import word_tokenizer  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(2, 512)]
 
 
 def main() -> None:
     work = Path(sys.argv[1])
-    vocab = {"<pad>": 0, "<eos>": 1, **{w: i for i, w in enumerate(WORDS, 2)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>",
-                                        eos_token="<eos>")
+    tokenizer = word_tokenizer(WORDS)
     torch.manual_seed(0)
     config = HybridLinearConfig(
-        vocab_size=len(vocab), hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=64, layer_types=["gated_deltanet", "kimi_delta_attention", "gated_deltanet", "full_attention"] * 2,
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64,
+        layer_types=["gated_deltanet", "kimi_delta_attention", "gated_deltanet", "full_attention"] * 2,
         gdn_num_key_heads=4, gdn_num_value_heads=8, gdn_key_head_dim=64, gdn_value_head_dim=64, kda_num_heads=8,
         kda_head_dim=64, pad_token_id=0, eos_token_id=1,
     )
-    HybridLinearForCausalLM(config).save_pretrained(work / "model")
+    model = HybridLinearForCausalLM(config)
+    model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     rng = random.Random(0)
     with open(work / "data.jsonl", "w") as f:
         for _ in range(2000):  # arithmetic progressions of words: a rule the model can learn
             start, step, length = rng.randrange(len(WORDS)), rng.randrange(1, 5), rng.randrange(32, 256)
             f.write(json.dumps({"text": " ".join(WORDS[(start + step * i) % len(WORDS)] for i in range(length))}) + "\n")
-    print(f"wrote {work / 'model'} ({sum(p.numel() for p in HybridLinearForCausalLM(config).parameters()) / 1e6:.1f}M "
-          f"parameters) and {work / 'data.jsonl'}")
+    print(f"wrote {work / 'model'} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters) and "
+          f"{work / 'data.jsonl'}")
 
 
 if __name__ == "__main__":

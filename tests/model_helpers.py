@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 
@@ -48,3 +50,13 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 def tiny_model(layer_types=None, seed: int = 0, **overrides) -> HybridLinearForCausalLM:
     torch.manual_seed(seed)
     return randomize(HybridLinearForCausalLM(tiny_config(layer_types, **overrides)), seed).eval()
+
+
+def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: <pad> = 0 (also the unknown word), <eos> = 1, then `words` from id 2; text is words
+    joined by spaces."""
+    vocab = {"<pad>": 0, "<eos>": 1, **{w: i for i, w in enumerate(words, 2)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece()  # words joined by spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")

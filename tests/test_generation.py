@@ -6,11 +6,10 @@ import copy
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache, TextStreamer, pipeline
+from transformers import DynamicCache, StaticCache, TextStreamer, pipeline
 
 from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
-from model_helpers import tiny_model
+from model_helpers import tiny_model, word_tokenizer
 
 # float32; cached decoding runs the token-by-token kernels while the full forward runs the chunked ones, so they
 # differ by rounding only (measured ~1e-5 on logits of magnitude ~5).
@@ -19,14 +18,6 @@ LOGITS_TOL = 1e-4
 
 def _ids(shape, seed):
     return torch.randint(1, 128, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, 128)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()  # words joined by spaces
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
 
 
 @pytest.mark.parametrize("layer_types", [None, ["gated_deltanet", "kimi_delta_attention"]])
@@ -102,7 +93,7 @@ def test_sampling_num_return_sequences_and_eos():
 
 def test_text_streamer_and_pipeline(capsys):
     model = tiny_model()
-    tokenizer = _tokenizer()
+    tokenizer = word_tokenizer([f"w{i}" for i in range(2, 128)])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     prompt = "w5 w9 w17 w33"
     assert tokenizer(prompt).input_ids == [5, 9, 17, 33]

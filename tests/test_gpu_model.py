@@ -20,6 +20,7 @@ from transformers import StaticCache
 
 from hybrid_linear_models import block_ops, fla_backend, ops
 from model_helpers import tiny_model
+from numerics import max_rel_err
 
 TF32_TOL = 2e-3
 TF32_MARGIN = 3.0
@@ -36,10 +37,6 @@ needs_fla = pytest.mark.skipif(not torch.cuda.is_available() or fla_backend.fla_
 
 def _without_fla(monkeypatch):
     monkeypatch.setattr(fla_backend, "fla_kernels", lambda: None)
-
-
-def _rel(got, ref):
-    return ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-12)).item()
 
 
 def _tf32_rounded(model):
@@ -61,8 +58,8 @@ def test_fla_path_matches_torch_path(monkeypatch):
         fla_logits = model(input_ids).logits
         _without_fla(monkeypatch)
         torch_logits = model(input_ids).logits
-        rounding = _rel(_tf32_rounded(model)(input_ids).logits, torch_logits)
-    assert _rel(fla_logits, torch_logits) <= TF32_MARGIN * rounding
+        rounding = max_rel_err(_tf32_rounded(model)(input_ids).logits, torch_logits)
+    assert max_rel_err(fla_logits, torch_logits) <= TF32_MARGIN * rounding
 
 
 def _training_step(model, input_ids, labels):
@@ -88,8 +85,8 @@ def test_fla_training_step_matches_torch_path(monkeypatch):
     rounded_out, rounded_grads = _training_step(rounded, input_ids, labels)
     loss_rounding = abs(rounded_out.loss.item() - torch_out.loss.item())
     assert abs(fla_out.loss.item() - torch_out.loss.item()) <= TF32_MARGIN * loss_rounding + 1e-6 * torch_out.loss.item()
-    errors = {n: _rel(fla_grads[n], torch_grads[n]) for n in torch_grads}
-    rounding = max(_rel(rounded_grads[n], torch_grads[n]) for n in torch_grads)
+    errors = {n: max_rel_err(fla_grads[n], torch_grads[n]) for n in torch_grads}
+    rounding = max(max_rel_err(rounded_grads[n], torch_grads[n]) for n in torch_grads)
     assert max(errors.values()) <= TF32_MARGIN * rounding, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
 
 
@@ -105,8 +102,8 @@ def test_fla_cached_decoding_matches_full_forward(monkeypatch):
     new = slice(input_ids.shape[1] - 1, -1)
     with torch.no_grad():
         full = model(out.sequences).logits[:, new]
-        rounding = _rel(_tf32_rounded(model)(out.sequences).logits[:, new], full)
-    assert _rel(torch.stack(out.logits, dim=1), full) <= TF32_MARGIN * rounding
+        rounding = max_rel_err(_tf32_rounded(model)(out.sequences).logits[:, new], full)
+    assert max_rel_err(torch.stack(out.logits, dim=1), full) <= TF32_MARGIN * rounding
 
 
 @needs_fla
@@ -142,7 +139,7 @@ def test_fused_block_ops_match_torch(monkeypatch, dtype):
     _without_fla(monkeypatch)
     tol = TF32_TOL if dtype == torch.float32 else 2 * BF16_ULP
     for name, fn in cases.items():
-        assert _rel(fused[name], fn()) <= tol, name
+        assert max_rel_err(fused[name], fn()) <= tol, name
 
 
 @needs_fla
@@ -161,8 +158,8 @@ def test_fused_loss_matches_transformers_loss():
         fused = block_ops.fused_causal_lm_loss(h1, w1, labels, num_items_in_batch=items)
         reference = ForCausalLMLoss(F.linear(h2, w2), labels, 300, num_items_in_batch=items)
         (fused + reference).backward()
-        assert _rel(fused.detach(), reference.detach()) <= TF32_TOL
-        assert _rel(h1.grad, h2.grad) <= TF32_TOL and _rel(w1.grad, w2.grad) <= TF32_TOL
+        assert max_rel_err(fused.detach(), reference.detach()) <= TF32_TOL
+        assert max_rel_err(h1.grad, h2.grad) <= TF32_TOL and max_rel_err(w1.grad, w2.grad) <= TF32_TOL
     with torch.autocast("cuda", dtype=torch.bfloat16):
         fused = block_ops.fused_causal_lm_loss(hidden, weight, labels)
         reference = ForCausalLMLoss(F.linear(hidden, weight), labels, 300)

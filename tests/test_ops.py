@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_linear_models import fla_backend, kernels_delta_rule, ops
+from numerics import assert_close
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -102,20 +103,6 @@ def reference_conv_with_conv1d(x, weight, activation):
 
 
 # --------------------------------------------------------------------------------------------------------- helpers
-
-
-def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |got - ref| / max |ref|; a reference that is exactly zero must be matched to 1e-12 absolute."""
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    err = (got.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
-    return err / max(scale, 1e-12)
-
-
-def assert_close(got, ref, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: non-finite values"
-    err = max_rel_err(got, ref)
-    assert err <= tol, f"{what}: max error {err:.3e} relative to max |ref| exceeds {tol:.0e}"
 
 
 def make_delta_inputs(*, kda, B, T, Hk, Hv, dk, dv, with_state, n_states=None, g_sampler=None, seed=0):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_linear_models import kernels_delta_rule, ops
+from numerics import assert_close
 
 F32_TOL = 2e-3
 BF16_TOL = 2e-2
@@ -30,16 +31,6 @@ pytestmark = [
 ]
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-def max_rel_err(got, ref):
-    return ((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-12)).item()
-
-
-def assert_close(got, ref, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: non-finite values"
-    err = max_rel_err(got, ref)
-    assert err <= tol, f"{what}: max error {err:.3e} relative to max |ref| exceeds {tol:.0e}"
 
 
 def make_inputs(*, kda, B, T, Hk, Hv, d, n_states, dtype, seed=0):

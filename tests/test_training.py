@@ -9,27 +9,17 @@ import sys
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
-    PreTrainedTokenizerFast,
     Trainer,
     TrainingArguments,
 )
 
 from hybrid_linear_models.finetune import LORA_TARGET_MODULES, TokenizedDocuments
-from model_helpers import tiny_model
+from model_helpers import tiny_model, word_tokenizer
 
 WORDS = [f"w{i}" for i in range(2, 128)]
-
-
-def _tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<pad>": 0, "<eos>": 1, **{w: i for i, w in enumerate(WORDS, 2)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
 
 
 def _documents(count: int, seed: int = 0) -> list[list[int]]:
@@ -89,8 +79,8 @@ def test_lora_trains_and_merges_back():
 def test_example_script_writes_a_loadable_model(tmp_path):
     model_dir, data, output = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out"
     tiny_model().save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
-    tokenizer = _tokenizer()
+    word_tokenizer(WORDS).save_pretrained(model_dir)
+    tokenizer = word_tokenizer(WORDS)
     with data.open("w") as f:
         for doc in _documents(40):
             f.write(json.dumps({"text": tokenizer.decode(doc[:-1])}) + "\n")
@@ -109,7 +99,7 @@ def test_example_script_writes_a_loadable_model(tmp_path):
 def test_example_script_rejects_a_bad_dataset(tmp_path):
     model_dir, data = tmp_path / "model", tmp_path / "data.jsonl"
     tiny_model().save_pretrained(model_dir)
-    _tokenizer().save_pretrained(model_dir)
+    word_tokenizer(WORDS).save_pretrained(model_dir)
     data.write_text('{"text": "w5 w6"}\n{"body": "w7"}\n')
     result = subprocess.run([sys.executable, "examples/finetune.py", str(model_dir), str(data), str(tmp_path / "o")],
                             capture_output=True, text=True, timeout=300)
