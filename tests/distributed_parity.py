@@ -47,6 +47,7 @@ def main():
         logging_steps=1, save_strategy="no", report_to="none", seed=0, remove_unused_columns=False,
         use_cpu=not args.cuda, fsdp=args.fsdp, fsdp_config={"version": 2} if args.fsdp else None,
         ddp_backend=("nccl" if args.cuda else "gloo") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        ddp_find_unused_parameters=False,  # every parameter takes part in each step, as in finetune.py
     )
     trainer = SequentialTrainer(model=model, args=training, train_dataset=TokenizedDocuments(documents),
                                 data_collator=DataCollatorWithFlattening(return_position_ids=True))
