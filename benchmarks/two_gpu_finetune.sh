@@ -40,6 +40,11 @@ cd tests
 no_fla=$(mktemp -d)  # a stub `fla` that fails to import: the package then takes its torch path, as on a CPU machine
 mkdir -p "$no_fla/fla" && echo 'raise ImportError("fla hidden by two_gpu_finetune.sh")' > "$no_fla/fla/__init__.py"
 torchrun=(python3 -m torch.distributed.run --nproc_per_node 2 --standalone)
+# the tensor-parallel check's model, shared by both passes
+python3 -c "
+from model_helpers import tiny_model
+tiny_model(['full_attention', 'gated_deltanet', 'kimi_delta_attention', 'full_attention'],
+           gdn_value_head_dim=16, kda_head_dim=16).save_pretrained('$work/tp-model')"
 largest_difference() {  # the largest relative difference of each LOSSES line from the first
   python3 -c "
 import json, sys
@@ -58,10 +63,6 @@ for kernels in fla torch; do
   largest_difference < "$work/parity-$kernels.log"
 
   echo "== tensor parallelism (tests/tensor_parallel_check.py, tp_plan='auto', NCCL, $kernels kernels): sharded vs unsharded, float32"
-  python3 -c "
-from model_helpers import tiny_model
-tiny_model(['full_attention', 'gated_deltanet', 'kimi_delta_attention', 'full_attention'],
-           gdn_value_head_dim=16, kda_head_dim=16).save_pretrained('$work/tp-model')"
   "${torchrun[@]}" tensor_parallel_check.py "$work/tp-model" --cuda | grep MAX_DIFFERENCE || echo "tensor-parallel check failed"
 done
 rm -rf "$no_fla"

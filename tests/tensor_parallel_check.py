@@ -32,12 +32,12 @@ def main():
     sharded = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
     assert sharded.device == device, (sharded.device, device)
     layers = {layer.layer_type: layer for layer in sharded.model.layers}
-    halves = {  # module -> its weight's rows in the unsharded model
-        layers["full_attention"].self_attn.q_proj: 2,
-        layers["gated_deltanet"].linear_attn.in_proj_qkvz: 2,
-        layers["kimi_delta_attention"].linear_attn.q_proj: 2,
-    }
-    for module in halves:
+    halved = (  # each rank holds half of these weights' rows
+        layers["full_attention"].self_attn.q_proj,
+        layers["gated_deltanet"].linear_attn.in_proj_qkvz,
+        layers["kimi_delta_attention"].linear_attn.q_proj,
+    )
+    for module in halved:
         local_rows = module.weight.to_local().shape[0]
         assert local_rows * 2 == full(module.weight).shape[0], (module, local_rows)
 

@@ -205,7 +205,7 @@ def test_a_static_cache_can_be_reset_and_reused():
 def test_generate_does_not_compile_around_cuda_graph_decoding():
     """With a static cache `generate` would torch.compile the forward (on accelerators); our CUDA-graph decoding serves
     that case, so auto-compilation is off unless graph decoding is disabled."""
-    from transformers import GenerationConfig, StaticCache
+    from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
     model = tiny_model(["gated_deltanet", "full_attention"])

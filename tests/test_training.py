@@ -79,8 +79,8 @@ def test_lora_trains_and_merges_back():
 def test_example_script_writes_a_loadable_model(tmp_path):
     model_dir, data, output = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out"
     tiny_model().save_pretrained(model_dir)
-    word_tokenizer(WORDS).save_pretrained(model_dir)
     tokenizer = word_tokenizer(WORDS)
+    tokenizer.save_pretrained(model_dir)
     with data.open("w") as f:
         for doc in _documents(40):
             f.write(json.dumps({"text": tokenizer.decode(doc[:-1])}) + "\n")
