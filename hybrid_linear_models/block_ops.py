@@ -21,11 +21,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32 (float64 for float64 x), returned
     in x's dtype. With `residual`, normalises s = x + residual instead and returns (normed, s) (the pre-norm block's
     residual add, fused into the norm's kernel on CUDA)."""
-    fla = fla_backend.fla_ops_for(x, weight)
-    if fla is not None:
+    kernel = fla_backend.fla_kernel("rms_norm", x, weight)
+    if kernel is not None:
         if residual is None:
-            return fla.rms_norm(x, weight, None, eps=eps)
-        return fla.rms_norm(x, weight, None, residual=residual, eps=eps, prenorm=True)
+            return kernel(x, weight, None, eps=eps)
+        return kernel(x, weight, None, residual=residual, eps=eps, prenorm=True)
     if residual is not None:
         x = x + residual
     dtype = compute_dtype(x)
@@ -36,9 +36,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up (the SwiGLU of the gated MLP)."""
-    fla = fla_backend.fla_ops_for(gate, up)
-    if fla is not None:
-        return fla.swiglu(gate, up)
+    kernel = fla_backend.fla_kernel("swiglu", gate, up)
+    if kernel is not None:
+        return kernel(gate, up)
     return F.silu(gate) * up
 
 
@@ -69,8 +69,8 @@ def fused_causal_lm_loss(
     LM head weight [V, H] in chunks of at most LOSS_CHUNK_BYTES of logits, none kept for the backward (the gradients
     are computed in the forward). None when no fused kernel applies
     (not CUDA, fla missing, float64, or a sharded LM head): the caller then computes logits and the usual loss."""
-    fla = fla_backend.fla_ops_for(hidden_states, lm_head_weight)
-    if fla is None:
+    loss_kernel = fla_backend.fla_kernel("fused_linear_cross_entropy_loss", hidden_states, lm_head_weight)
+    if loss_kernel is None:
         return None
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -81,9 +81,8 @@ def fused_causal_lm_loss(
     chunking = loss_chunking(hidden.shape[0], weight.shape[0], hidden.element_size())
     with torch.autocast("cuda", enabled=False):  # fla's kernel takes one dtype; it accumulates in float32
         if num_items_in_batch is None:
-            return fla.fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=ignore_index, **chunking)
-        loss = fla.fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=ignore_index,
-                                                   reduction="sum", **chunking)
+            return loss_kernel(hidden, targets, weight, ignore_index=ignore_index, **chunking)
+        loss = loss_kernel(hidden, targets, weight, ignore_index=ignore_index, reduction="sum", **chunking)
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch

@@ -2,7 +2,8 @@
 
 Nothing here imports fla or triton at import time (CPU machines have neither, and the remote-code import scanner of
 `trust_remote_code` must not require them): `fla_kernels()` imports them on the first CUDA call. Every op that has a
-slower torch path says once in the log when that path runs.
+slower torch path says once in the log when that path runs. Each op is loaded from its own module (`FLA_KERNELS`),
+and `fla_kernel` is the one place where an op is sent to fla or to torch.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from types import SimpleNamespace
 
 import torch
 
@@ -27,52 +27,75 @@ def announce_once(key: str, message: str, level: int = logging.INFO) -> None:
         logger.log(level, message)
 
 
-@functools.lru_cache(maxsize=None)
-def fla_kernels() -> SimpleNamespace | None:
-    """fla's ops, or None when fla (or triton) cannot be imported."""
+# Each op fla serves, and where it lives: loaded one module at a time on first use, so that a module missing from an
+# installed fla version (or failing to import) sends only its own ops to the torch path.
+FLA_KERNELS = {
+    "chunk_gated_delta_rule": "fla.ops.gated_delta_rule",
+    "fused_recurrent_gated_delta_rule": "fla.ops.gated_delta_rule",
+    "chunk_kda": "fla.ops.kda",
+    "fused_recurrent_kda": "fla.ops.kda",
+    "causal_conv1d": "fla.modules.causal_conv1d",
+    "causal_conv1d_update": "fla.modules.causal_conv1d",
+    "rms_norm": "fla.modules.norm.layernorm",
+    "rms_norm_gated": "fla.modules.norm.fused_norm_gate",
+    "swiglu": "fla.modules.activations",
+    "fused_linear_cross_entropy_loss": "fla.modules.fused_linear_cross_entropy",
+}
+
+
+class LazyFlaKernels:
+    """fla's ops as attributes, each imported from its module on first access; None for an op whose module or
+    function cannot be imported (said once in the log)."""
+
+    def __getattr__(self, name: str):
+        if name not in FLA_KERNELS:
+            raise AttributeError(name)
+        kernel = _load_kernel(FLA_KERNELS[name], name)
+        setattr(self, name, kernel)  # later lookups skip __getattr__
+        return kernel
+
+
+def _load_kernel(module_name: str, name: str):
     try:
-        gdn = importlib.import_module("fla.ops.gated_delta_rule")
-        kda = importlib.import_module("fla.ops.kda")
-        conv = importlib.import_module("fla.modules.causal_conv1d")
-        norm = importlib.import_module("fla.modules.norm.layernorm")
-        gated_norm = importlib.import_module("fla.modules.norm.fused_norm_gate")
-        activations = importlib.import_module("fla.modules.activations")
-        loss = importlib.import_module("fla.modules.fused_linear_cross_entropy")
+        return getattr(importlib.import_module(module_name), name)
+    except Exception as error:  # ImportError, AttributeError, or triton failing inside the module
+        announce_once(f"fla-missing-{module_name}.{name}",
+                      f"fla is installed but {module_name}.{name} is not importable ({error!r}); that op runs on "
+                      "this package's torch path. Install a flash-linear-attention version in this package's range.",
+                      logging.WARNING)
+        return None
+
+
+@functools.cache
+def fla_kernels() -> LazyFlaKernels | None:
+    """fla's ops (loaded per op), or None when fla itself (or triton) cannot be imported."""
+    try:
+        importlib.import_module("fla")
     except Exception as error:  # ImportError, or triton failing to find a driver
         announce_once("fla-missing", f"flash-linear-attention is not importable ({error!r}).", logging.DEBUG)
         return None
-    return SimpleNamespace(
-        chunk_gated_delta_rule=gdn.chunk_gated_delta_rule,
-        fused_recurrent_gated_delta_rule=gdn.fused_recurrent_gated_delta_rule,
-        chunk_kda=kda.chunk_kda,
-        fused_recurrent_kda=kda.fused_recurrent_kda,
-        causal_conv1d=conv.causal_conv1d,
-        causal_conv1d_update=conv.causal_conv1d_update,
-        rms_norm=norm.rms_norm,
-        rms_norm_gated=gated_norm.rms_norm_gated,
-        swiglu=activations.swiglu,
-        fused_linear_cross_entropy_loss=loss.fused_linear_cross_entropy_loss,
-    )
+    return LazyFlaKernels()
 
 
-def fla_for(tensor: torch.Tensor) -> SimpleNamespace | None:
-    """fla's ops when calls on this tensor go to them (a CUDA tensor, fla importable), else None."""
+def fla_for(tensor: torch.Tensor) -> LazyFlaKernels | None:
+    """fla's ops when calls on this tensor may go to them (a CUDA tensor, fla importable), else None. The one hook
+    through which every op reaches fla (tests stand in a namespace of contracts here)."""
     return fla_kernels() if tensor.is_cuda else None
 
 
-def fla_ops_for(tensor: torch.Tensor, *others: torch.Tensor) -> SimpleNamespace | None:
-    """fla's ops for an op on `tensor` (and `others`) that has an exact torch path: `fla_for(tensor)`, but None for
-    float64 (the torch path keeps its precision) and when any of them is a DTensor (fla's kernels take plain
-    tensors)."""
+def fla_kernel(name: str, tensor: torch.Tensor, *others: torch.Tensor):
+    """The fla kernel `name` for an op on `tensor` (and `others`), or None when the op takes this package's torch
+    path: not CUDA, fla or that kernel not importable, float64 (the torch path keeps its precision), or any tensor a
+    DTensor (fla's kernels take plain tensors). The one place where fla or torch is chosen."""
     fla = fla_for(tensor)
     if fla is None or tensor.dtype == torch.float64 or any(device_mesh(t) is not None for t in (tensor, *others)):
         return None
-    return fla
+    return getattr(fla, name, None)
 
 
 def fla_available_for(tensor: torch.Tensor) -> bool:
-    """Whether calls on this tensor go to fla's kernels."""
-    return fla_for(tensor) is not None
+    """Whether the delta rules on this tensor go to fla's kernels."""
+    return fla_kernel("chunk_gated_delta_rule", tensor) is not None
 
 
 def note_torch_path(tensor: torch.Tensor, what: str) -> None:

@@ -121,12 +121,11 @@ def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initia
     _check_gate(name, A_log, dt_bias, g, per_channel)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    fla = fla_backend.fla_for(q)
+    decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
+    kernel = fla_backend.fla_kernel(fla_names[1] if decoding else fla_names[0], q)
     if initial_state is not None:
-        initial_state = initial_state.float() if fla is not None else initial_state.to(compute_dtype(v))
-    if fla is not None:
-        decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
-        kernel = getattr(fla, fla_names[1] if decoding else fla_names[0])
+        initial_state = initial_state.float() if kernel is not None else initial_state.to(compute_dtype(v))
+    if kernel is not None:
         options = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
         if per_channel and not decoding and torch.is_grad_enabled() and KDA_KEEP_INTERMEDIATES:
             options["disable_recompute"] = True
@@ -239,9 +238,9 @@ def causal_conv1d(
     if T == 0:  # nothing to convolve: the state passes through
         final = initial_state if initial_state is not None else x.new_zeros(N, C, K - 1)
         return x.new_empty(x.shape), (final if output_final_state else None)
-    fla = fla_backend.fla_ops_for(x)
-    if fla is not None:
-        return _fla_causal_conv1d(fla, x, weight, activation, initial_state, output_final_state, cu_seqlens)
+    kernel = fla_backend.fla_kernel("causal_conv1d", x)
+    if kernel is not None:
+        return _fla_causal_conv1d(kernel, x, weight, activation, initial_state, output_final_state, cu_seqlens)
     return causal_conv1d_torch(x, weight, activation, initial_state, output_final_state, cu_seqlens)
 
 
@@ -264,9 +263,9 @@ def causal_conv1d_step(
     if _shape(window) != (B, C, weight.shape[1]):
         raise ValueError(f"{name}: window [B, C, K] must be {(B, C, weight.shape[1])} (B, C as in x, K as in the "
                          f"weight), got {_shape(window)}.")
-    fla = fla_backend.fla_ops_for(x)
-    if fla is not None and window.is_contiguous():
-        return fla.causal_conv1d_update(x, window, weight=weight, activation=activation)[0]
+    kernel = fla_backend.fla_kernel("causal_conv1d_update", x)
+    if kernel is not None and window.is_contiguous():
+        return kernel(x, window, weight=weight, activation=activation)[0]
     out, final = causal_conv1d_torch(x, weight, activation, window[..., 1:], True)
     window[..., 1:].copy_(final)
     return out
@@ -284,11 +283,11 @@ def _conv_kernel(name: str, weight: torch.Tensor, channels: int, activation: str
     return weight
 
 
-def _fla_causal_conv1d(fla, x, weight, activation, initial_state, output_final_state, cu_seqlens):
+def _fla_causal_conv1d(kernel, x, weight, activation, initial_state, output_final_state, cu_seqlens):
     """fla's Triton convolution. Its state holds the last K inputs, the oldest never read: ours is its last K-1."""
     if initial_state is not None:
         initial_state = F.pad(initial_state, (1, 0))
-    out, final = fla.causal_conv1d(
+    out, final = kernel(
         x=x, weight=weight, activation=activation, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,
     )
@@ -317,9 +316,9 @@ def gated_rms_norm(
             f"gated_rms_norm: gate must have the shape of x {_shape(x)} and weight [{x.shape[-1]}], got gate "
             f"{_shape(gate)} and weight {_shape(weight)}."
         )
-    fla = fla_backend.fla_ops_for(x)
-    if fla is not None:
-        return fla.rms_norm_gated(x, gate, weight, None, activation=activation, eps=eps)
+    kernel = fla_backend.fla_kernel("rms_norm_gated", x)
+    if kernel is not None:
+        return kernel(x, gate, weight, None, activation=activation, eps=eps)
     dtype = compute_dtype(x)
     x32 = x.to(dtype)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

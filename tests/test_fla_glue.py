@@ -115,3 +115,53 @@ def test_conv_step_hands_fla_the_window_and_matches_the_torch_path(monkeypatch):
     out = ops.causal_conv1d_step(x, weight, window)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(window[..., 1:], expected_state)
+
+
+def _fake_fla_package(monkeypatch, modules: dict[str, dict]) -> None:
+    """Installs a stand-in `fla` package holding only `modules` (dotted name -> attributes) in sys.modules."""
+    import sys
+    import types
+
+    for name in ["fla", *modules]:
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            dotted = ".".join(parts[:depth])
+            if dotted not in sys.modules or depth == len(parts):
+                module = types.ModuleType(dotted)
+                module.__path__ = []  # a package, so that submodule imports look in sys.modules only
+                monkeypatch.setitem(sys.modules, dotted, module)
+        for attribute, value in modules.get(name, {}).items():
+            setattr(sys.modules[name], attribute, value)
+
+
+def test_fla_ops_load_per_module_so_one_missing_module_keeps_the_others(monkeypatch, caplog):
+    """A module missing from the installed fla (here its norms) sends only its own ops to the torch path."""
+    def swiglu(gate, up):
+        return gate * up
+
+    _fake_fla_package(monkeypatch, {"fla.modules.activations": {"swiglu": swiglu}})
+    kernels = fla_backend.LazyFlaKernels()
+    with caplog.at_level("WARNING", logger=fla_backend.logger.name):
+        assert kernels.swiglu is swiglu
+        assert kernels.rms_norm is None and kernels.rms_norm is None  # looked up twice, said once
+    missing = [r.message for r in caplog.records if "fla.modules.norm.layernorm.rms_norm" in r.message]
+    assert len(missing) == 1 and "torch path" in missing[0]
+    with pytest.raises(AttributeError):
+        kernels.not_an_fla_op  # noqa: B018
+
+
+def test_fla_kernel_is_the_one_choice_of_backend(monkeypatch):
+    """fla serves an op only for a non-float64 plain tensor and an importable kernel; otherwise the torch path."""
+    def swiglu(gate, up):
+        return gate * up
+
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: SimpleNamespace(swiglu=swiglu, rms_norm=None))
+    x = torch.randn(2, 3)
+    assert fla_backend.fla_kernel("swiglu", x, x) is swiglu
+    assert fla_backend.fla_kernel("swiglu", x.double()) is None  # float64 keeps the exact torch path
+    assert fla_backend.fla_kernel("rms_norm", x) is None  # that kernel did not import
+    assert fla_backend.fla_kernel("chunk_kda", x) is None  # not in this fla at all
+    torch.testing.assert_close(block_ops.rms_norm(x, torch.ones(3), 1e-6),
+                               x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: None)
+    assert fla_backend.fla_kernel("swiglu", x) is None  # CPU tensor, or fla not importable
