@@ -117,7 +117,7 @@ def isolated(folders, tmp_path_factory) -> dict:
     (root / "run.py").write_text(_WITHOUT_THE_PACKAGE)
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     environment.update(HF_MODULES_CACHE=str(root / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(root / "run.py"), str(root / "job.json")], cwd=root,
+    result = subprocess.run([sys.executable, str(root / "run.py"), str(root / "job.json")], check=False, cwd=root,
                             env=environment, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((root / "report.json").read_text())
@@ -231,3 +231,21 @@ def test_a_long_tokenizer_path_is_shortened_in_the_error(tmp_path):
         convert_checkpoint(FAST_LLM / "fast_llm", tmp_path / "out", from_format="fast_llm", to_format="hf",
                            tokenizer=long_path)
     assert "y" * 90 in str(caught.value) and "x" * 101 not in str(caught.value) and len(str(caught.value)) < 250
+
+
+def test_quickstart_prints_a_short_summary(tmp_path):
+    """README's first command: a few lines (conversion, its error against Fast-LLM, generations, where the models
+    are), no file listings or progress bars, and the models where it says."""
+    root = Path(__file__).parents[1]
+    environment = {**os.environ, "PYTHONPATH": str(root)}  # this checkout's package, whatever is installed
+    result = subprocess.run([sys.executable, str(root / "examples" / "quickstart.py"), "--output", str(tmp_path)],
+                            check=False, cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 5, result.stdout
+    assert "56 tensors" in lines[0] and "max |logits - Fast-LLM's| = " in lines[0]
+    assert float(lines[0].split("max |logits - Fast-LLM's| = ")[1].split()[0]) <= 1e-4
+    assert str(tmp_path) in lines[-1]
+    assert ".py" not in result.stdout and result.stderr == ""
+    assert (tmp_path / "converted-hf" / "config.json").is_file() and (tmp_path / "fresh-hf" / "config.json").is_file()
