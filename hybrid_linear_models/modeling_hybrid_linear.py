@@ -4,6 +4,8 @@ Gated DeltaNet or Kimi Delta Attention) from `config.layer_types`, followed by a
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -123,7 +125,7 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention}
 
-    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with config.json's `auto_map` naming every Auto class of the family.
 
         transformers writes only the saved class's own Auto class (and AutoConfig), so a folder saved from the base
@@ -202,7 +204,9 @@ def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.
 
 
 class HybridLinearModel(HybridLinearPreTrainedModel):
-    _auto_class = "AutoModel"  # saving copies the modeling sources (as register_for_auto_class would set it)
+    # Declared here rather than by the package's register_for_auto_class: a model loaded as remote code (where the
+    # package is absent) then saves its sources too.
+    _auto_class = "AutoModel"
 
     def __init__(self, config: HybridLinearConfig):
         super().__init__(config)
@@ -398,9 +402,8 @@ def _auto_map_entry(cls: type) -> str:
     return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
 
 
-# What every saved folder's config.json maps (the same as a converted folder's, conversion.hf.AUTO_MAP). Set on the
-# classes themselves rather than only by the package's registration, so that a model loaded with trust_remote_code
-# (where the package is absent) saves a loadable folder too.
+# What every saved folder's config.json maps, whichever class was saved (a converted folder's, conversion.hf.AUTO_MAP,
+# is the same).
 AUTO_MAP = {
     "AutoConfig": _auto_map_entry(HybridLinearConfig),
     "AutoModel": _auto_map_entry(HybridLinearModel),

@@ -249,3 +249,15 @@ def test_quickstart_prints_a_short_summary(tmp_path):
     assert str(tmp_path) in lines[-1]
     assert ".py" not in result.stdout and result.stderr == ""
     assert (tmp_path / "converted-hf" / "config.json").is_file() and (tmp_path / "fresh-hf" / "config.json").is_file()
+
+
+def test_a_tokenizer_config_without_a_class_still_loads(tmp_path, folders):
+    """Then AutoTokenizer picks the class registered for the model type: this package's loader, which returns
+    transformers' generic fast tokenizer for a folder with tokenizer.json."""
+    shutil.copytree(folders["lm"], tmp_path / "lm")
+    tokenizer_config = json.loads((tmp_path / "lm" / "tokenizer_config.json").read_text())
+    del tokenizer_config["tokenizer_class"]
+    (tmp_path / "lm" / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "lm")
+    assert type(tokenizer).__name__ == "TokenizersBackend"
+    assert tokenizer(TEXT).input_ids == [2, 3, 4, 5, 2, 6]
