@@ -5,6 +5,9 @@
 2. load it with `AutoModelForCausalLM.from_pretrained` and generate;
 3. build a fresh model from a config, save it, reload it and generate again.
 
+It prints a few lines (what was converted and how close it is to Fast-LLM, the generated tokens, where the models
+are) and fails if the converted model does not reproduce Fast-LLM's logits.
+
     python examples/quickstart.py [--output DIR]
 """
 
@@ -17,11 +20,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.conversion.api import convert_checkpoint
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda"
+SHORT_NAMES = {"full_attention": "attention", "sliding_attention": "sliding attention", "gated_deltanet": "GDN",
+               "kimi_delta_attention": "KDA"}
+
+
+def layer_summary(layer_types: list[str]) -> str:
+    return ", ".join(SHORT_NAMES.get(layer_type, layer_type) for layer_type in layer_types)
 
 
 def main() -> None:
@@ -30,11 +40,11 @@ def main() -> None:
     args = parser.parse_args()
     workdir = args.output or Path(tempfile.mkdtemp(prefix="hybrid-quickstart-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    transformers_logging.disable_progress_bar()  # tiny models: the loading/saving bars would outnumber the results
 
     # 1. Fast-LLM -> Hugging Face (the same as: hybrid-linear-convert --from fast_llm --to hf SRC DST)
     converted = workdir / "converted-hf"
-    convert_checkpoint(FIXTURE / "fast_llm", converted, from_format="fast_llm", to_format="hf", force=True)
-    print(f"converted {FIXTURE / 'fast_llm'} -> {converted}: {sorted(p.name for p in converted.iterdir())}")
+    result = convert_checkpoint(FIXTURE / "fast_llm", converted, from_format="fast_llm", to_format="hf", force=True)
 
     # 2. load it like any Hub model, compare with Fast-LLM's logits, generate
     model = AutoModelForCausalLM.from_pretrained(converted).eval()
@@ -42,10 +52,11 @@ def main() -> None:
     with torch.no_grad():
         logits = model(reference["input_ids"]).logits
     error = (logits - reference["logits"]).abs().max().item()
-    print(f"{type(model).__name__} with layers {model.config.layer_types}: max |logits - Fast-LLM's| = {error:.2e}")
-    assert error <= 1e-4, "the converted model does not reproduce Fast-LLM's logits"
-    generated = model.generate(reference["input_ids"][:, :8], max_new_tokens=12, do_sample=False)
-    print("greedy continuation of the first 8 tokens:", generated[:, 8:].tolist())
+    assert error <= 1e-4, f"the converted model does not reproduce Fast-LLM's logits (max difference {error:.2e})"
+    print(f"converted the Fast-LLM checkpoint ({layer_summary(model.config.layer_types)}): {result.tensors} tensors, "
+          f"{result.bytes / 2**20:.1f} MiB; max |logits - Fast-LLM's| = {error:.1e} (tolerance 1e-4)")
+    generated = model.generate(reference["input_ids"][:1, :8], max_new_tokens=12, do_sample=False)
+    print(f"  greedy continuation of 8 prompt tokens: {generated[0, 8:].tolist()}")
 
     # 3. a fresh model from a config: save, reload, generate
     config = HybridLinearConfig(
@@ -55,11 +66,17 @@ def main() -> None:
         layer_types=["gated_deltanet", "kimi_delta_attention", "gated_deltanet", "full_attention"],
     )
     fresh = workdir / "fresh-hf"
-    HybridLinearForCausalLM(config).save_pretrained(fresh)
-    reloaded = AutoModelForCausalLM.from_pretrained(fresh)
-    prompt = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0))
-    print("fresh model, 16 sampled tokens:", reloaded.generate(prompt, max_new_tokens=16, do_sample=True)[0, 10:].tolist())
-    print(f"done; models are in {workdir}")
+    torch.manual_seed(0)  # the same weights and samples on every run
+    model = HybridLinearForCausalLM(config).eval()
+    model.save_pretrained(fresh)
+    reloaded = AutoModelForCausalLM.from_pretrained(fresh).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, reloaded(prompt).logits), "the reloaded model differs from the saved one"
+    sampled = reloaded.generate(prompt, max_new_tokens=16, do_sample=True)[0, 10:].tolist()
+    print(f"fresh model ({layer_summary(config.layer_types)}), saved and reloaded (same logits): 16 sampled tokens "
+          f"{sampled}")
+    print(f"models in {workdir}: converted-hf/ and fresh-hf/ (each loads with AutoModelForCausalLM.from_pretrained)")
 
 
 if __name__ == "__main__":

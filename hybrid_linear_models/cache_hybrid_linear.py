@@ -130,6 +130,11 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
 for _layer_type in LINEAR_LAYER_TYPES:
     DYNAMIC_LAYER_TYPE_MAPPING.setdefault(_layer_type, LinearStateLayer)
     STATIC_LAYER_TYPE_MAPPING.setdefault(_layer_type, LinearStateLayer)
+# One process can hold several copies of this module (the package, and the remote code of each folder loaded with
+# trust_remote_code), while transformers' tables keep the first copy's class: every copy uses that class, or caches
+# built from the tables would fail the other copies' isinstance checks ("the cache holds LinearStateLayer there").
+if DYNAMIC_LAYER_TYPE_MAPPING[LINEAR_LAYER_TYPES[0]].__name__ == LinearStateLayer.__name__:
+    LinearStateLayer = DYNAMIC_LAYER_TYPE_MAPPING[LINEAR_LAYER_TYPES[0]]
 
 
 def past_length(cache: Cache | None, layer_types: list[str]) -> int:

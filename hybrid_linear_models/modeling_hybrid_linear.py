@@ -4,6 +4,8 @@ Gated DeltaNet or Kimi Delta Attention) from `config.layer_types`, followed by a
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -123,6 +125,15 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     _is_stateful = True
     _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention}
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, with config.json's `auto_map` naming every Auto class of the family.
+
+        transformers writes only the saved class's own Auto class (and AutoConfig), so a folder saved from the base
+        model would not load with AutoModelForCausalLM, nor an LM's with AutoModel, under trust_remote_code. The
+        modeling sources travel with it (transformers copies this module and, recursively, its relative imports)."""
+        self.config.auto_map = dict(AUTO_MAP)
+        super().save_pretrained(save_directory, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -193,6 +204,10 @@ def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.
 
 
 class HybridLinearModel(HybridLinearPreTrainedModel):
+    # Declared here rather than by the package's register_for_auto_class: a model loaded as remote code (where the
+    # package is absent) then saves its sources too.
+    _auto_class = "AutoModel"
+
     def __init__(self, config: HybridLinearConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
@@ -288,6 +303,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
 
 
 class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
+    _auto_class = "AutoModelForCausalLM"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
@@ -380,5 +396,18 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
 
+
+def _auto_map_entry(cls: type) -> str:
+    # "module.Class", the module named by its file: in a saved folder the sources sit flat beside config.json
+    return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+
+
+# What every saved folder's config.json maps, whichever class was saved (a converted folder's, conversion.hf.AUTO_MAP,
+# is the same).
+AUTO_MAP = {
+    "AutoConfig": _auto_map_entry(HybridLinearConfig),
+    "AutoModel": _auto_map_entry(HybridLinearModel),
+    "AutoModelForCausalLM": _auto_map_entry(HybridLinearForCausalLM),
+}
 
 __all__ = ["HybridLinearPreTrainedModel", "HybridLinearModel", "HybridLinearForCausalLM"]

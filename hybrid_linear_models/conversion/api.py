@@ -16,6 +16,7 @@ from .errors import ConversionError
 from .formats import get_format
 from .pipeline import ConversionPlan, WriteOptions, plan_conversion, stream_tensors
 from .safety import atomic_output_dir, check_paths
+from .tokenizer_files import copy_tokenizer, tokenizer_to_copy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -46,6 +47,7 @@ class ConversionResult:
     bytes: int
     seconds: float
     skipped: int = 0  # stored tensors deliberately not converted (optimizer state)
+    tokenizer_files: tuple[str, ...] = ()  # copied into a Hugging Face output; () when it has no tokenizer
 
 
 def _with_progress(plan: ConversionPlan, quiet: bool, label: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,12 +63,14 @@ def _with_progress(plan: ConversionPlan, quiet: bool, label: str) -> Iterator[tu
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to_format: str,
                        dtype: str | torch.dtype | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                       force: bool = False, quiet: bool = True) -> ConversionResult:
+                       force: bool = False, quiet: bool = True,
+                       tokenizer: str | Path | None = None) -> ConversionResult:
     """Converts the checkpoint at `src` (format `from_format`) into a new folder `dst` (format `to_format`).
 
     Tensors keep their dtype unless `dtype` ("float32", "bfloat16", "float16") is given. `dst` appears only when
     complete; an existing `dst` is refused unless `force`, and then replaced only at the end. Raises
-    `ConversionError` with a one-line explanation for bad inputs.
+    `ConversionError` with a one-line explanation for bad inputs. A Hugging Face output also gets the tokenizer
+    files of the folder `tokenizer` (what `tokenizer.save_pretrained` wrote), else those found beside the source.
     """
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -79,12 +83,14 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     check_paths(src, dst, force)
     source = reader.read(src)
     plan = plan_conversion(source, writer.target_rows(source.config), dtype)
+    tokenizer_copied = tokenizer_to_copy(to_format, src, tokenizer, source.config.vocab_size)
     options = WriteOptions(max_shard_bytes, output_name=dst.name,
                            source_description=reader.description)
     with atomic_output_dir(dst, force) as staging:
         writer.write(staging, plan, _with_progress(plan, quiet, f"{from_format} -> {to_format}"), options)
+        copy_tokenizer(tokenizer_copied, staging)
     return ConversionResult(dst, len(plan.targets), plan.total_bytes, time.perf_counter() - started,
-                            len(source.skipped))
+                            len(source.skipped), tuple(path.name for path in tokenizer_copied))
 
 
 __all__ = ["convert_checkpoint", "ConversionResult", "parse_size", "DTYPES", "DEFAULT_MAX_SHARD_SIZE"]

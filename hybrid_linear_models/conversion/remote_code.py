@@ -1,6 +1,10 @@
 """The package's flat source files that an exported folder needs for `from_pretrained(..., trust_remote_code=True)`:
 the configuration and modeling modules and, recursively, every module they import relatively (`from .x import y`,
-`from . import x`). Worked out from the files themselves, so it follows the package as it changes."""
+`from . import x`). Worked out from the files themselves, so it follows the package as it changes.
+
+Loading such a folder, transformers copies into its module cache the modules it finds by following `from .x import`
+lines only (not `from . import x`): a module imported only the second way would be shipped but not loaded.
+tests/test_first_hour.py checks that both walks find the same files."""
 
 from __future__ import annotations
 
@@ -45,4 +49,4 @@ def remote_code_files(package_dir: Path = PACKAGE_DIR, entries: tuple[str, ...] 
     return list(found.values())
 
 
-__all__ = ["remote_code_files", "relative_imports", "ENTRY_MODULES"]
+__all__ = ["ENTRY_MODULES", "relative_imports", "remote_code_files"]
