@@ -106,5 +106,12 @@ def format_size(nbytes: int) -> str:
     return f"{size:.2f} {unit}" if unit in ("GB", "TB") else f"{size:.1f} {unit}"
 
 
-__all__ = ["FORMAT_CATALOGUE", "FormatEntry", "OutputLayout", "DTYPE_NAMES", "DEFAULT_MAX_SHARD_SIZE", "SIZE_BASE",
-           "format_size"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "DTYPE_NAMES",
+    "FORMAT_CATALOGUE",
+    "SIZE_BASE",
+    "FormatEntry",
+    "OutputLayout",
+    "format_size",
+]

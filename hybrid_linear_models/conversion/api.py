@@ -102,4 +102,4 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
                             len(source.skipped))
 
 
-__all__ = ["convert_checkpoint", "ConversionResult", "parse_size", "DTYPES", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "ConversionResult", "convert_checkpoint", "parse_size"]

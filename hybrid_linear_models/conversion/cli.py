@@ -7,7 +7,7 @@ import sys
 
 from hybrid_linear_cli.convert import PROG, build_parser, main
 
-__all__ = ["main", "build_parser", "PROG"]
+__all__ = ["PROG", "build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -84,4 +84,4 @@ def get_format(name: str, role: str) -> CheckpointFormat:
 for _entry in FORMAT_CATALOGUE:
     register(CheckpointFormat.from_entry(_entry))
 
-__all__ = ["CheckpointFormat", "FORMATS", "OutputLayout", "register", "get_format"]
+__all__ = ["FORMATS", "CheckpointFormat", "OutputLayout", "get_format", "register"]

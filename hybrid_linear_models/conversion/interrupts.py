@@ -101,4 +101,4 @@ def signals_deferred() -> Iterator[None]:
         raise Interrupted(guard.received)
 
 
-__all__ = ["Interrupted", "stop_signals_raise", "signals_deferred", "STOP_SIGNALS"]
+__all__ = ["STOP_SIGNALS", "Interrupted", "signals_deferred", "stop_signals_raise"]

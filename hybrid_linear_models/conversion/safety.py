@@ -295,5 +295,12 @@ def atomic_output_dir(dst: str | Path, replace: CheckpointFormat | None = None) 
         raise
 
 
-__all__ = ["atomic_output_dir", "check_destination", "check_paths", "check_existing", "check_replaceable",
-           "remove_leftovers", "brief"]
+__all__ = [
+    "atomic_output_dir",
+    "brief",
+    "check_destination",
+    "check_existing",
+    "check_paths",
+    "check_replaceable",
+    "remove_leftovers",
+]
