@@ -68,8 +68,9 @@ def stop_signals_raise(redeliver: bool = False) -> Iterator[None]:
     try:
         yield
     except Interrupted as stop:
+        ends_process = redeliver and stop.signum in installed and previous[stop.signum] == signal.SIG_DFL
         _restore(previous, installed)
-        if redeliver and stop.signum in installed and previous[stop.signum] == signal.SIG_DFL:
+        if ends_process:
             signal.raise_signal(stop.signum)  # the default action: the process ends here, its output folder clean
         raise
     finally:
