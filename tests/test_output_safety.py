@@ -18,6 +18,7 @@ import pytest
 
 from hybrid_linear_cli.convert import main
 from hybrid_linear_models.conversion import FORMATS, ConversionError, convert_checkpoint
+from hybrid_linear_models.conversion.interrupts import Interrupted, signals_deferred, stop_signals_raise
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "tests" / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda" / "fast_llm"
@@ -302,3 +303,32 @@ def test_signal_while_writing_cleans_up(tmp_path, mode, signum, status):
     if mode == "cli":
         assert err.strip() == f"hybrid-linear-convert: stopped by {signal.Signals(signum).name}; no partial output " \
                               "was left at DST."
+
+
+def test_a_signal_during_the_final_renames_waits_for_them():
+    previous = signal.getsignal(signal.SIGTERM)
+    finished = []
+    with pytest.raises(Interrupted) as caught, stop_signals_raise(), signals_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs here, and defers
+        finished.append(True)
+    assert finished and caught.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_an_ignored_signal_stays_ignored():
+    """Under nohup SIGHUP is ignored: the conversion must not make it fatal again."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_signals_raise():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_failed_run_removes_the_folders_it_made_for_dst(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConversionError, match="not a Fast-LLM checkpoint"):
+        convert_checkpoint(tmp_path / "empty", tmp_path / "a" / "b" / "dst", from_format="fast_llm", to_format="hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
