@@ -332,3 +332,11 @@ def test_failed_run_removes_the_folders_it_made_for_dst(tmp_path):
     with pytest.raises(ConversionError, match="not a Fast-LLM checkpoint"):
         convert_checkpoint(tmp_path / "empty", tmp_path / "a" / "b" / "dst", from_format="fast_llm", to_format="hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_messages_show_long_or_odd_paths_briefly(tmp_path):
+    dst = tmp_path / ("x" * 200) / "line\nbreak"
+    dst.mkdir(parents=True)
+    (dst / "notes.txt").write_text("mine")
+    message = refused(dst, "line\\nbreak", "...")
+    assert len(message) < 400 and "x" * 101 not in message

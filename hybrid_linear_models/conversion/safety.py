@@ -40,8 +40,9 @@ _TOKEN_CHARS = 8  # random characters in a staging or retired folder's name
 
 
 def brief(value: object) -> str:
-    """`value` as text of at most about 100 characters (the middle elided), for error messages."""
-    text = str(value)
+    """`value` as one line of at most about 100 characters (the middle elided, control characters escaped), for
+    error messages."""
+    text = re.sub(r"[\x00-\x1f\x7f]", lambda match: repr(match.group())[1:-1], str(value))
     if len(text) <= _SHOWN:
         return text
     return f"{text[:40]}...{text[-(_SHOWN - 43):]}"
@@ -54,7 +55,7 @@ def _protected_places() -> dict[Path, str]:
     """Folders DST must never be, each with the words that name it."""
     cwd = Path.cwd().resolve()
     places = dict.fromkeys(cwd.parents, "an ancestor of the working directory")
-    homes = [os.environ.get("HOME") or None]
+    homes = [os.environ.get("HOME")]
     with contextlib.suppress(RuntimeError, KeyError):  # no home directory to be found
         homes.append(str(Path.home()))
     places.update((Path(home).resolve(), "your home folder") for home in homes if home)
