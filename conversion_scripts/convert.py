@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when the package is not installed
 
-from hybrid_linear_models.conversion.cli import main  # noqa: E402
+from hybrid_linear_cli.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

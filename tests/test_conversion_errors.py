@@ -302,8 +302,8 @@ def test_existing_dst_refused_without_force(tmp_path):
 
 def test_force_replaces_only_when_complete(tmp_path, monkeypatch):
     dst = tmp_path / "dst"
-    dst.mkdir()
-    (dst / "keep.txt").write_text("old")
+    convert_checkpoint(HYBRID / "fast_llm", dst, from_format="fast_llm", to_format="hf")  # the old output
+    old = {p.name: p.read_bytes() for p in dst.iterdir()}
 
     def broken_stream(plan, quiet, label):
         yield from list(conversion_api.stream_tensors(plan))[:5]
@@ -311,12 +311,15 @@ def test_force_replaces_only_when_complete(tmp_path, monkeypatch):
 
     monkeypatch.setattr(conversion_api, "_with_progress", broken_stream)
     with pytest.raises(KeyboardInterrupt):
-        convert_checkpoint(HYBRID / "fast_llm", dst, from_format="fast_llm", to_format="hf", force=True)
-    assert [p.name for p in dst.iterdir()] == ["keep.txt"]  # the old output is untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no staging folder left
+        convert_checkpoint(HYBRID / "fast_llm", dst, from_format="fast_llm", to_format="hf", force=True,
+                           dtype="bfloat16")
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == old  # the old output is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no staging folder or lock file left
     monkeypatch.undo()
-    convert_checkpoint(HYBRID / "fast_llm", dst, from_format="fast_llm", to_format="hf", force=True)
-    assert not (dst / "keep.txt").exists() and (dst / "model.safetensors").is_file()
+    convert_checkpoint(HYBRID / "fast_llm", dst, from_format="fast_llm", to_format="hf", force=True,
+                       dtype="bfloat16")
+    assert (dst / "model.safetensors").read_bytes() != old["model.safetensors"]
+    assert '"dtype": "bfloat16"' in (dst / "config.json").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
@@ -342,7 +345,7 @@ def test_dst_inside_src_refused(fast_llm_copy):
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hybrid_linear_models.conversion.cli", "--from", "fast_llm",
                              "--to", "hf", str(tmp_path / "missing"), str(tmp_path / "dst")],
-                            capture_output=True, text=True, timeout=300)
+                            check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

@@ -10,5 +10,5 @@ from .api import ConversionResult, convert_checkpoint, parse_size
 from .errors import ConversionError
 from .formats import FORMATS, CheckpointFormat, register
 
-__all__ = ["convert_checkpoint", "ConversionResult", "ConversionError", "FORMATS", "CheckpointFormat", "register",
-           "parse_size"]
+__all__ = ["FORMATS", "CheckpointFormat", "ConversionError", "ConversionResult", "convert_checkpoint", "parse_size",
+           "register"]

@@ -1,7 +1,7 @@
-"""`python -m hybrid_linear_models.conversion ...` runs the converter CLI."""
+"""`python -m hybrid_linear_models.conversion ...` runs the converter CLI (`hybrid-linear-convert`)."""
 
 import sys
 
-from .cli import main
+from hybrid_linear_cli.convert import main
 
 sys.exit(main())

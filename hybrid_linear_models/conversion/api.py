@@ -1,4 +1,9 @@
-"""`convert_checkpoint`: the conversion API behind the CLI."""
+"""`convert_checkpoint`: the conversion API behind the CLI.
+
+The source is read and the output written while holding DST's lock, into a staging folder that becomes DST only when
+complete (`safety`); SIGTERM and SIGHUP clean up like Ctrl-C (`interrupts`). Sizes are decimal (5GB = 5e9 bytes, as
+in transformers), in the progress bar as in the summary.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +17,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hybrid_linear_cli.conversion_catalogue import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, SIZE_BASE
+
 from .errors import ConversionError
 from .formats import get_format
+from .interrupts import stop_signals_raise
 from .pipeline import ConversionPlan, WriteOptions, plan_conversion, stream_tensors
-from .safety import atomic_output_dir, check_paths
+from .safety import atomic_output_dir, brief, check_existing, check_paths
 from .tokenizer_files import copy_tokenizer, tokenizer_to_copy
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_SHARD_SIZE = "5GB"
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
@@ -32,11 +39,11 @@ def parse_size(text: str | int) -> int:
     else:
         match = _SIZE.match(str(text))
         if not match:
-            raise ConversionError(f"cannot read size {text!r}; write it like 5GB, 500MB or 2GiB.")
+            raise ConversionError(f"cannot read size {brief(text)!r}; write it like 5GB, 500MB or 2GiB.")
         unit = (match.group(2) or "").upper().removesuffix("B")
         size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise ConversionError(f"size {text!r} must be positive.")
+        raise ConversionError(f"size {brief(text)!r} must be positive.")
     return size
 
 
@@ -52,13 +59,21 @@ class ConversionResult:
 
 def _with_progress(plan: ConversionPlan, quiet: bool, label: str) -> Iterator[tuple[str, torch.Tensor]]:
     # `delay`: the bar appears only when the conversion takes more than a moment.
-    with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=label, disable=quiet,
+    with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=SIZE_BASE, desc=label, disable=quiet,
               delay=0.5, file=sys.stderr, leave=False) as bar:
         for name, tensor in stream_tensors(plan):
             nbytes = tensor.numel() * tensor.element_size()
             yield name, tensor
             del tensor  # hold no reference while the next tensor is produced
             bar.update(nbytes)
+
+
+def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConversionError(f"unknown dtype {brief(dtype)!r}; choose one of {', '.join(DTYPES)}.")
+        return DTYPES[dtype]
+    return dtype
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to_format: str,
@@ -68,29 +83,30 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     """Converts the checkpoint at `src` (format `from_format`) into a new folder `dst` (format `to_format`).
 
     Tensors keep their dtype unless `dtype` ("float32", "bfloat16", "float16") is given. `dst` appears only when
-    complete; an existing `dst` is refused unless `force`, and then replaced only at the end. Raises
-    `ConversionError` with a one-line explanation for bad inputs. A Hugging Face output also gets the tokenizer
-    files of the folder `tokenizer` (what `tokenizer.save_pretrained` wrote), else those found beside the source.
+    complete. An existing `dst` is refused unless `force`, and then only replaced, at the end, if it is empty or
+    holds a `to_format` checkpoint and nothing else. A `dst` that is the working directory, an ancestor of it, the
+    home folder or the filesystem root, or overlaps `src`, is always refused. Raises `ConversionError` with a one-line
+    explanation for bad inputs. Called in the main thread, SIGTERM and SIGHUP first remove the partial output, then
+    end the process as they would have (the previous handlers are restored). A Hugging Face output also gets the
+    tokenizer files of the folder `tokenizer` (what `tokenizer.save_pretrained` wrote), else those found beside the
+    source.
     """
     started = time.perf_counter()
-    src, dst = Path(src), Path(dst)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ConversionError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
-        dtype = DTYPES[dtype]
+    torch_dtype = _torch_dtype(dtype)
     max_shard_bytes = parse_size(max_shard_size)
     reader, writer = get_format(from_format, "read"), get_format(to_format, "write")
-    check_paths(src, dst, force)
-    source = reader.read(src)
-    plan = plan_conversion(source, writer.target_rows(source.config), dtype)
-    tokenizer_copied = tokenizer_to_copy(to_format, src, tokenizer, source.config.vocab_size)
-    options = WriteOptions(max_shard_bytes, output_name=dst.name,
-                           source_description=reader.description)
-    with atomic_output_dir(dst, force) as staging:
+    output = check_paths(src, dst)
+    replace = writer if force else None
+    check_existing(output, replace)  # fail before reading anything; checked again under the lock
+    with stop_signals_raise(redeliver=True), atomic_output_dir(output, replace) as staging:
+        source = reader.read(Path(src))
+        plan = plan_conversion(source, writer.target_rows(source.config), torch_dtype)
+        tokenizer_copied = tokenizer_to_copy(to_format, Path(src), tokenizer, source.config.vocab_size)
+        options = WriteOptions(max_shard_bytes, output_name=output.name, source_description=reader.description)
         writer.write(staging, plan, _with_progress(plan, quiet, f"{from_format} -> {to_format}"), options)
         copy_tokenizer(tokenizer_copied, staging)
-    return ConversionResult(dst, len(plan.targets), plan.total_bytes, time.perf_counter() - started,
+    return ConversionResult(Path(dst), len(plan.targets), plan.total_bytes, time.perf_counter() - started,
                             len(source.skipped), tuple(path.name for path in tokenizer_copied))
 
 
-__all__ = ["convert_checkpoint", "ConversionResult", "parse_size", "DTYPES", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPES", "ConversionResult", "convert_checkpoint", "parse_size"]

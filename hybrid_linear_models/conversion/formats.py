@@ -1,22 +1,27 @@
-"""The registry of checkpoint formats. A format has a name, a one-line description (shown by --help), and a reader
-and/or a writer. Readers return a `SourceCheckpoint` (config + tensors + name map to the canonical layout); writers
-declare their name map (`target_rows`, which also refuses configs the format cannot express) and write a plan's
-tensors. Peers (`qwen3_next`, `kimi_linear`, `fla`) join by registering the same three functions."""
+"""The registry of checkpoint formats. A format has a name, a one-line description (shown by --help), a reader
+and/or a writer, and for a writer the layout of the folder it creates. Readers return a `SourceCheckpoint` (config +
+tensors + name map to the canonical layout); writers declare their name map (`target_rows`, which also refuses
+configs the format cannot express) and write a plan's tensors; the layout (marker file, file names) tells `--force`
+which folders it may replace.
+
+The built-in formats are registered once, as plain data, in `hybrid_linear_cli.conversion_catalogue` (torch-free, so
+that `hybrid-linear-convert --help` lists them at once); this module resolves their functions. Peers (`qwen3_next`,
+`kimi_linear`, `fla`) join with one catalogue entry; Python code can also `register` a format with functions."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE, FormatEntry, OutputLayout
+
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
-from .fast_llm import fast_llm_rows, read_fast_llm, write_fast_llm
-from .fast_llm_distributed import read_fast_llm_distributed
-from .hf import read_hf, write_hf
-from .name_maps import MapRow, build_hf_rows
+from .name_maps import MapRow
 from .pipeline import ConversionPlan, SourceCheckpoint, WriteOptions
 
 Reader = Callable[[Path], SourceCheckpoint]
@@ -31,6 +36,7 @@ class CheckpointFormat:
     read: Reader | None = None
     target_rows: TargetRows | None = None
     write: Writer | None = None
+    output: OutputLayout | None = None  # what `write` creates; required to write (--force checks DST against it)
 
     @property
     def can_read(self) -> bool:
@@ -38,7 +44,20 @@ class CheckpointFormat:
 
     @property
     def can_write(self) -> bool:
-        return self.write is not None and self.target_rows is not None
+        return self.write is not None and self.target_rows is not None and self.output is not None
+
+    @classmethod
+    def from_entry(cls, entry: FormatEntry) -> CheckpointFormat:
+        """The format of a catalogue entry, its "module:function" references imported."""
+        return cls(entry.name, entry.description, _resolve(entry.read), _resolve(entry.target_rows),
+                   _resolve(entry.write), entry.output)
+
+
+def _resolve(reference: str | None) -> Callable | None:
+    if reference is None:
+        return None
+    module, _, function = reference.partition(":")
+    return getattr(importlib.import_module(f".{module}", __package__), function)
 
 
 FORMATS: dict[str, CheckpointFormat] = {}
@@ -57,21 +76,12 @@ def get_format(name: str, role: str) -> CheckpointFormat:
     able = [n for n, f in FORMATS.items() if (f.can_read if role == "read" else f.can_write)]
     if fmt is None or not (fmt.can_read if role == "read" else fmt.can_write):
         done = {"read": "read", "write": "written"}[role]
-        raise ConversionError(f"cannot {role} format {name!r}; formats that can be {done}: {', '.join(able)}.")
+        shown = name if len(name) <= 100 else name[:100] + "..."
+        raise ConversionError(f"cannot {role} format {shown!r}; formats that can be {done}: {', '.join(able)}.")
     return fmt
 
 
-register(CheckpointFormat(
-    "hf", "this project's Hugging Face folder (config.json with auto_map, safetensors shards, remote code)",
-    read=read_hf, target_rows=build_hf_rows, write=write_hf,
-))
-register(CheckpointFormat(
-    "fast_llm", "Fast-LLM's export format: metadata.yaml + model_{n}.safetensors with '{parameter}/weights' tensors",
-    read=read_fast_llm, target_rows=fast_llm_rows, write=write_fast_llm,
-))
-register(CheckpointFormat(
-    "fast_llm_distributed", "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
-    read=read_fast_llm_distributed,
-))
+for _entry in FORMAT_CATALOGUE:
+    register(CheckpointFormat.from_entry(_entry))
 
-__all__ = ["CheckpointFormat", "FORMATS", "register", "get_format"]
+__all__ = ["FORMATS", "CheckpointFormat", "OutputLayout", "get_format", "register"]

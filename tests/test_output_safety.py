@@ -1,0 +1,342 @@
+"""The converter's output folder under hostile input: where DST may be, what --force may replace, the lock on DST,
+leftovers of killed runs, and SIGTERM / SIGHUP in the middle of writing (in a subprocess stopped while it writes)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid_linear_cli.convert import main
+from hybrid_linear_models.conversion import FORMATS, ConversionError, convert_checkpoint
+from hybrid_linear_models.conversion.interrupts import Interrupted, signals_deferred, stop_signals_raise
+
+REPO = Path(__file__).resolve().parents[1]
+SRC = REPO / "tests" / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda" / "fast_llm"
+STARTUP_TIMEOUT = 180  # seconds for a subprocess to import torch and reach the writer, on a loaded 2-core machine
+
+
+def convert(dst, force: bool = True, to_format: str = "hf", src: Path = SRC, **options):
+    return convert_checkpoint(src, dst, from_format="fast_llm", to_format=to_format, force=force, **options)
+
+
+def listing(folder: Path) -> dict[str, bytes | None]:
+    """Every entry under `folder` with its bytes (None for folders), to show that nothing changed."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+def refused(dst, *fragments: str, **options) -> str:
+    with pytest.raises(ConversionError) as caught:
+        convert(dst, **options)
+    message = str(caught.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """A working directory holding a user's file, as the current directory."""
+    folder = tmp_path / "work" / "here"
+    folder.mkdir(parents=True)
+    (folder / "thesis.tex").write_text("years of work")
+    monkeypatch.chdir(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------------------------- where DST may be
+
+
+@pytest.mark.parametrize("dst, what", [(".", "is the working directory"), ("..", "is an ancestor of the working"),
+                                       ("../..", "is an ancestor of the working"), ("/", "is the filesystem root"),
+                                       ("sub/..", "is the working directory")])
+def test_dst_never_the_working_directory_its_ancestors_or_root(workdir, dst, what):
+    before = listing(workdir)
+    refused(dst, what, "give the path of a new folder")
+    assert listing(workdir) == before
+
+
+def test_unset_variable_as_dst_is_refused_with_its_own_message(workdir, capsys):
+    """`hybrid-linear-convert ... SRC "$UNSET" --force` used to replace the current directory with the model."""
+    before = listing(workdir)
+    for empty in ("", "  "):
+        assert main(["--from", "fast_llm", "--to", "hf", str(SRC), empty, "--force", "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "DST is an empty string (an unset shell variable?)" in err
+    assert listing(workdir) == before
+
+
+def test_dst_never_the_home_folder(workdir, tmp_path, monkeypatch):
+    env_home, pw_home = tmp_path / "env-home", tmp_path / "pw-home"
+    for home in (env_home, pw_home):
+        home.mkdir()
+        (home / ".bashrc").write_text("keep")
+    monkeypatch.setenv("HOME", str(env_home))
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: pw_home))  # the password database's home
+    refused(env_home, "is your home folder")
+    refused(pw_home, "is your home folder")
+    assert (env_home / ".bashrc").read_text() == (pw_home / ".bashrc").read_text() == "keep"
+
+
+def test_dst_never_overlaps_src(tmp_path):
+    src = Path(shutil.copytree(SRC, tmp_path / "ckpts" / "src"))
+    before = listing(tmp_path)
+    refused(src, "overlaps SRC", src=src)
+    refused(src / "out", "overlaps SRC", src=src)
+    refused(src.parent, "overlaps SRC", src=src)
+    assert listing(tmp_path) == before
+
+
+def test_dst_that_is_a_file_or_a_symlink_is_refused(tmp_path):
+    file = tmp_path / "model.bin"
+    file.write_text("not a folder")
+    refused(file, "exists and is not a folder")
+    target = tmp_path / "target"
+    convert(target, force=False)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    refused(link, "is a symbolic link")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    refused(tmp_path / "dangling", "is a symbolic link")
+    assert file.read_text() == "not a folder" and link.resolve() == target and not (tmp_path / "nowhere").exists()
+
+
+# --------------------------------------------------------------------------------------------- what --force replaces
+
+
+def test_force_refuses_a_folder_with_a_users_file(tmp_path):
+    dst = tmp_path / "dst"
+    convert(dst)
+    (dst / "notes.txt").write_text("mine")
+    before = listing(dst)
+    refused(dst, "holds 'notes.txt'", "a file that a hf checkpoint does not have", "delete it yourself",
+            "choose another DST")
+    assert listing(dst) == before
+
+
+def test_force_refuses_a_folder_with_a_sub_folder(tmp_path):
+    dst = tmp_path / "dst"
+    convert(dst)
+    (dst / "checkpoints").mkdir()
+    refused(dst, "holds 'checkpoints', a folder")
+    assert (dst / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("config", [None, {"model_type": "llama"}, "{ not json"])
+def test_force_refuses_a_folder_without_the_formats_marker(tmp_path, config):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "model.safetensors").write_bytes(b"someone else's weights")
+    if config is not None:
+        (dst / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    refused(dst, "is not a hf checkpoint", "config.json with model_type 'hybrid_linear'")
+    assert (dst / "model.safetensors").read_bytes() == b"someone else's weights"
+
+
+def test_force_refuses_another_formats_output(tmp_path):
+    dst = tmp_path / "dst"
+    convert(dst, to_format="fast_llm")
+    refused(dst, "holds 'metadata.yaml'", "hf checkpoint")
+    assert (dst / "metadata.yaml").is_file()
+
+
+def test_force_replaces_an_empty_folder(tmp_path):
+    """Allowed: an empty folder holds nothing to lose (a user may create DST first)."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    convert(dst)
+    assert (dst / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("to_format", ["hf", "fast_llm"])
+def test_force_replaces_the_formats_own_output_sharded_with_tokenizer(tmp_path, to_format):
+    dst = tmp_path / "dst"
+    convert(dst, to_format=to_format, max_shard_size="100kB", dtype="float32")
+    written = sorted(p.name for p in dst.iterdir())
+    assert len([name for name in written if name.endswith(".safetensors")]) > 1  # sharded
+    if to_format == "hf":
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            (dst / name).write_text("{}")
+    convert(dst, to_format=to_format, dtype="bfloat16")
+    assert len(list(dst.glob("*.safetensors"))) == 1  # the new, unsharded output replaced the old one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]  # no .old-* folder, lock file or staging left
+
+
+def test_each_writers_output_matches_its_registration(tmp_path):
+    """The files each writer creates (one file or shards) are the ones its registration declares: --force can
+    replace every folder the converter writes."""
+    for name, fmt in FORMATS.items():
+        if not fmt.can_write:
+            continue
+        for shard in ("5GB", "100kB"):
+            dst = tmp_path / f"{name}-{shard}"
+            convert(dst, force=False, to_format=name, max_shard_size=shard)
+            unexpected = [p.name for p in dst.iterdir() if not fmt.output.writes(p.name) or p.is_dir()]
+            assert not unexpected, (name, unexpected)
+            assert (dst / fmt.output.marker).is_file()
+
+
+# --------------------------------------------------------------------------------------------- lock and leftovers
+
+
+def test_leftovers_of_a_killed_run_are_removed_and_only_those(tmp_path):
+    parent = tmp_path / "out"
+    parent.mkdir()
+    own = [".dst.partial-0a1b2c3d", ".dst.old-0a1b2c3d", ".dst.partial-x_9yz0ab"]  # the last: tempfile's naming
+    others = [".other.partial-0a1b2c3d", ".dst.x.partial-0a1b2c3d", ".dst.partial-0a1b2c3d.partial-0a1b2c3d",
+              "dst.partial-0a1b2c3d", ".dst.partial-unfinished-name"]
+    for name in own + others:
+        (parent / name).mkdir()
+        (parent / name / "model_0.safetensors").write_bytes(b"partial")
+    (parent / ".dst.lock").write_text("")  # a killed run's lock file: no one holds it
+    convert(parent / "dst", force=False)
+    assert sorted(p.name for p in parent.iterdir()) == sorted(["dst", *others])
+
+
+def test_two_processes_on_one_dst(tmp_path):
+    """A run on a DST that another process is writing fails at once and leaves it alone; the writer then finishes,
+    and a later run (the newest success) replaces its output. No .old-*, staging folder or lock file stays."""
+    parent = tmp_path / "out"
+    dst = parent / "dst"
+    writer, go = start_blocked_conversion(tmp_path, "cli", dst)
+    assert (parent / ".dst.lock").is_file()
+    started = time.monotonic()
+    refused(dst, "another conversion is writing DST", "wait for it to finish or choose another DST")
+    assert time.monotonic() - started < 5  # does not wait for the lock
+    go.touch()
+    assert writer.wait(timeout=STARTUP_TIMEOUT) == 0, writer.stderr.read()
+    assert '"dtype": "float32"' in (dst / "config.json").read_text()
+    convert(dst, dtype="bfloat16")
+    assert '"dtype": "bfloat16"' in (dst / "config.json").read_text()
+    assert sorted(p.name for p in parent.iterdir()) == ["dst"]
+
+
+def test_a_held_lock_is_respected_and_a_stale_lock_file_is_not(tmp_path):
+    dst = tmp_path / "dst"
+    lock = tmp_path / ".dst.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another open file description: conflicts like another process
+        refused(dst, "another conversion is writing DST", ".dst.lock")
+        assert not dst.exists() and lock.exists()
+    finally:
+        os.close(fd)
+    convert(dst)  # the same file, no longer held
+    assert (dst / "model.safetensors").is_file() and not lock.exists()
+
+
+# --------------------------------------------------------------------------------------------- signals
+
+
+_BLOCKING_RUN = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from hybrid_linear_models.conversion import api
+
+    mode, src, dst, ready, go, *flags = sys.argv[1:]
+    stream = api._with_progress
+
+    def gated(plan, quiet, label):  # the writer's input: stops after the first tensor until `go` exists
+        for index, item in enumerate(stream(plan, quiet, label)):
+            if index == 1:
+                Path(ready).touch()
+                while not Path(go).exists():
+                    time.sleep(0.01)
+            yield item
+
+    api._with_progress = gated
+    if mode == "cli":
+        from hybrid_linear_cli.convert import main
+        sys.exit(main(["--from", "fast_llm", "--to", "hf", src, dst, "--quiet", "--dtype", "float32", *flags]))
+    api.convert_checkpoint(src, dst, from_format="fast_llm", to_format="hf", dtype="float32", force=bool(flags))
+""")
+
+
+def start_blocked_conversion(tmp_path: Path, mode: str, dst: Path, *flags: str) -> tuple[subprocess.Popen, Path]:
+    """A subprocess converting SRC into `dst`, stopped while writing (its staging folder exists); returns it and the
+    file whose creation lets it go on."""
+    control = tmp_path / "control"
+    control.mkdir(exist_ok=True)
+    script, ready, go = control / "blocking_run.py", control / "ready", control / "go"
+    script.write_text(_BLOCKING_RUN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, str(script), mode, str(SRC), str(dst), str(ready), str(go), *flags],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while not ready.exists():
+        if process.poll() is not None:
+            pytest.fail(f"the conversion ended before writing: {process.stderr.read()}")
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail("the conversion did not start writing in time")
+        time.sleep(0.02)
+    assert list(dst.parent.glob(f".{dst.name}.partial-*")), "no staging folder while writing"
+    return process, go
+
+
+@pytest.mark.parametrize("mode, signum, status", [  # each signal once, each way of running once (a subprocess is slow)
+    ("cli", signal.SIGTERM, 128 + signal.SIGTERM),
+    ("api", signal.SIGHUP, -signal.SIGHUP),  # the API cleans up, then lets the signal end the process as usual
+])
+def test_signal_while_writing_cleans_up(tmp_path, mode, signum, status):
+    parent = tmp_path / "out"
+    parent.mkdir()
+    dst = parent / "dst"
+    convert(dst, force=False)  # an old output, to be left as it was
+    before = listing(parent)
+    process, _ = start_blocked_conversion(tmp_path, mode, dst, "--force")
+    process.send_signal(signum)
+    assert process.wait(timeout=60) == status
+    assert listing(parent) == before  # DST unchanged; no .dst.partial-*, .dst.old-* or .dst.lock
+    err = process.stderr.read()
+    assert "Traceback" not in err
+    if mode == "cli":
+        assert err.strip() == f"hybrid-linear-convert: stopped by {signal.Signals(signum).name}; no partial output " \
+                              "was left at DST."
+
+
+def test_a_signal_during_the_final_renames_waits_for_them():
+    previous = signal.getsignal(signal.SIGTERM)
+    finished = []
+    with pytest.raises(Interrupted) as caught, stop_signals_raise(), signals_deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)  # the handler runs here, and defers
+        finished.append(True)
+    assert finished and caught.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_an_ignored_signal_stays_ignored():
+    """Under nohup SIGHUP is ignored: the conversion must not make it fatal again."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with stop_signals_raise():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_failed_run_removes_the_folders_it_made_for_dst(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConversionError, match="not a Fast-LLM checkpoint"):
+        convert_checkpoint(tmp_path / "empty", tmp_path / "a" / "b" / "dst", from_format="fast_llm", to_format="hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_messages_show_long_or_odd_paths_briefly(tmp_path):
+    dst = tmp_path / ("x" * 200) / "line\nbreak"
+    dst.mkdir(parents=True)
+    (dst / "notes.txt").write_text("mine")
+    message = refused(dst, "line\\nbreak", "...")
+    assert len(message) < 400 and "x" * 101 not in message
