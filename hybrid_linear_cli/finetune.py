@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help(argv):
         build_help_parser().print_help()
         return 0
-    from hybrid_linear_models.finetune import run  # torch, transformers: only once there is work to do
+    # torch and transformers load only once there is work to do
+    from hybrid_linear_models.finetune import run
 
     return run(argv)
 

@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from transformers import (
@@ -51,7 +53,7 @@ from hybrid_linear_cli.finetune import (
     main,
 )
 
-__all__ = ["FinetuneError", "LORA_TARGET_MODULES", "load_documents", "main", "parse_arguments", "run"]
+__all__ = ["LORA_TARGET_MODULES", "FinetuneError", "load_documents", "main", "parse_arguments", "run"]
 
 # Every linear projection of the family, as LoRA targets: attention, MLP, Gated DeltaNet and Kimi Delta Attention.
 LORA_TARGET_MODULES = [
@@ -75,8 +77,13 @@ def shown(value: Any, limit: int = 100) -> str:
 
 
 def first_line(error: BaseException) -> str:
+    """The first line of an error's message, followed by that of its direct cause when there is one (datasets'
+    "An error occurred while generating the dataset" says what went wrong only in its cause)."""
     lines = str(error).strip().splitlines()
-    return (lines[0] if lines else type(error).__name__)[:300]
+    text = lines[0] if lines else type(error).__name__
+    if error.__cause__ is not None:
+        text = f"{text} ({first_line(error.__cause__)})"
+    return text if len(text) <= 150 else text[:150] + "..."  # library messages can repeat the user's input
 
 
 def is_main_process() -> bool:
@@ -197,7 +204,7 @@ def read_dataset(source: str, options: FinetuneArguments):
         return datasets.load_dataset(source, options.dataset_config, split=options.dataset_split)
     except FinetuneError:
         raise
-    except Exception as error:  # datasets raises many kinds (not found, offline, parse errors): one line for all
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:  # not found, offline, parse errors
         raise FinetuneError(f"cannot read dataset {shown(source)}: {first_line(error)}") from None
 
 
@@ -209,7 +216,8 @@ def check_text_column(dataset, source: str, column: str) -> None:
                             f"{shown(', '.join(dataset.column_names))}); choose one with --text_column")
     feature = dataset.features[column]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise FinetuneError(f"dataset {shown(source)}: column {shown(column)} holds {shown(feature)}, not text; "
+        kind = getattr(feature, "dtype", type(feature).__name__)
+        raise FinetuneError(f"dataset {shown(source)}: column {shown(column)} holds {kind} values, not text; "
                             "choose a text column with --text_column")
 
 
@@ -258,6 +266,30 @@ def load_model(model_reference: str, options: FinetuneArguments):
     report(f"LoRA rank {options.lora_rank}: training {trainable:,} of {total:,} parameters "
            f"({100 * trainable / total:.2f}%) in {', '.join(targets)}")
     return model
+
+
+class VersionOnlyConfig:
+    """Stands in for `PreTrainedConfig` while Trainer resumes: Trainer reads the checkpoint's config.json with the
+    generic config class only to compare `transformers_version`, and that class's `layer_types` check (written for
+    transformers' own models) refuses gated_deltanet and kimi_delta_attention, so every resume of this family would
+    fail. The version is all it needs."""
+
+    @staticmethod
+    def from_json_file(path: str) -> argparse.Namespace:
+        version = json.loads(Path(path).read_text(encoding="utf-8")).get("transformers_version")
+        return argparse.Namespace(transformers_version=version)
+
+
+class ResumableTrainer(Trainer):
+    """Trainer whose resume reads the checkpoint's config through `VersionOnlyConfig` (see there)."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        import transformers.trainer
+
+        if not hasattr(transformers.trainer, "PreTrainedConfig"):  # a transformers that no longer reads it
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        with mock.patch.object(transformers.trainer, "PreTrainedConfig", VersionOnlyConfig):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 
 def save_result(trainer: Trainer, tokenizer, options: FinetuneArguments, output: Path) -> str:
@@ -316,7 +348,7 @@ def finetune(paths: argparse.Namespace, options: FinetuneArguments, training: Tr
         collator = DataCollatorWithFlattening(return_position_ids=True)
     else:
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    trainer = Trainer(model=model, args=training, train_dataset=documents, data_collator=collator)
+    trainer = ResumableTrainer(model=model, args=training, train_dataset=documents, data_collator=collator)
     batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
     length = f"{training.max_steps} steps" if training.max_steps > 0 else f"{training.num_train_epochs:g} epochs"
     report(f"{len(documents):,} documents from {paths.dataset}; {length} of {batch} documents"
