@@ -124,18 +124,46 @@ def test_the_light_help_states_the_defaults_the_real_parse_applies():
     assert all(shown[name] == default for name, (default, _) in TRAINING_FLAGS.items())
 
 
-def test_old_dashed_and_underscored_spellings_all_parse():
-    paths, options, training = parse_arguments([
-        "m", "d.jsonl", "out", "--max-steps", "7", "--batch-size=3", "--gradient-checkpointing", "--learning-rate",
-        "5e-3", "--text-field", "body", "--lora", "--merge-lora", "--lora-rank", "4", "--no-bf16", "--packing",
-        "--logging_steps", "2", "--report-to", "none", "--lr_scheduler_type", "constant",
-    ])
+# Every flag of the script's first version (argparse, dashed), with a value and where it must land.
+OLD_FLAGS = {
+    "--tokenizer": ("tok", "tokenizer", "tok"),
+    "--text-field": ("body", "text_column", "body"),
+    "--max-length": ("64", "max_length", 64),
+    "--max-steps": ("7", "max_steps", 7),
+    "--batch-size": ("3", "per_device_train_batch_size", 3),
+    "--gradient-accumulation-steps": ("2", "gradient_accumulation_steps", 2),
+    "--learning-rate": ("5e-3", "learning_rate", 5e-3),
+    "--warmup-steps": ("2", "warmup_steps", 2),
+    "--logging-steps": ("2", "logging_steps", 2),
+    "--seed": ("3", "seed", 3),
+    "--packing": (None, "packing", True),
+    "--gradient-checkpointing": (None, "activation_checkpointing", True),
+    "--bf16": (None, "bf16", True),
+    "--no-bf16": (None, "bf16", False),
+    "--lora": (None, "lora", True),
+    "--lora-rank": ("4", "lora_rank", 4),
+    "--lora-alpha": ("8", "lora_alpha", 8),
+    "--merge-lora": (None, "merge_lora", True),
+    "--report-to": ("tensorboard", "report_to", ["tensorboard"]),
+}
+
+
+@pytest.mark.parametrize("flag", OLD_FLAGS)
+def test_every_flag_of_the_first_version_still_works(flag):
+    value, attribute, expected = OLD_FLAGS[flag]
+    extra = ["--lora"] if flag == "--merge-lora" else []
+    paths, options, training = parse_arguments(["m", "d.jsonl", "out", flag, *([value] if value else []), *extra])
     assert (paths.model, paths.dataset, paths.output) == ("m", "d.jsonl", Path("out"))
-    assert (options.text_column, options.lora, options.merge_lora, options.lora_rank, options.packing) == (
-        "body", True, True, 4, True)
-    assert (training.max_steps, training.per_device_train_batch_size, training.learning_rate) == (7, 3, 5e-3)
+    parsed = getattr(options, attribute) if hasattr(options, attribute) else getattr(training, attribute)
+    assert parsed == expected
+
+
+def test_dashed_underscored_and_equals_spellings_all_parse():
+    _, options, training = parse_arguments(["m", "d", "o", "--batch-size=3", "--max_steps", "5", "--text_column=x",
+                                            "--lr-scheduler-type", "constant", "--gradient-checkpointing"])
+    assert (training.per_device_train_batch_size, training.max_steps, options.text_column) == (3, 5, "x")
+    assert training.lr_scheduler_type == "constant"
     assert training.activation_checkpointing and training.activation_checkpointing_kwargs == {"use_reentrant": False}
-    assert (training.bf16, training.logging_steps, training.lr_scheduler_type) == (False, 2, "constant")
 
 
 def test_run_dependent_defaults():
