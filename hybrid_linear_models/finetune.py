@@ -76,14 +76,14 @@ def shown(value: Any, limit: int = 100) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message, followed by that of its direct cause when there is one (datasets'
-    "An error occurred while generating the dataset" says what went wrong only in its cause)."""
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else type(error).__name__
+def one_line(error: BaseException, limit: int = 120) -> str:
+    """An error's message on one line, followed by its direct cause's when there is one (datasets' "An error
+    occurred while generating the dataset" says what went wrong only in its cause), cut to `limit` characters:
+    library messages can run over paragraphs and repeat the user's input."""
+    text = " ".join(str(error).split()) or type(error).__name__
     if error.__cause__ is not None:
-        text = f"{text} ({first_line(error.__cause__)})"
-    return text if len(text) <= 150 else text[:150] + "..."  # library messages can repeat the user's input
+        text = f"{text} ({one_line(error.__cause__, limit)})"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def is_main_process() -> bool:
@@ -131,7 +131,7 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, FinetuneArgume
     try:
         training = TrainingArguments(**{f.name: values[f.name] for f in dataclasses.fields(TrainingArguments) if f.init})
     except ValueError as error:  # TrainingArguments' own checks, e.g. an unknown --save_strategy
-        raise FinetuneError(f"invalid training arguments: {first_line(error)}") from None
+        raise FinetuneError(f"invalid training arguments: {one_line(error)}") from None
     return paths, options, training
 
 
@@ -205,7 +205,7 @@ def read_dataset(source: str, options: FinetuneArguments):
     except FinetuneError:
         raise
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:  # not found, offline, parse errors
-        raise FinetuneError(f"cannot read dataset {shown(source)}: {first_line(error)}") from None
+        raise FinetuneError(f"cannot read dataset {shown(source)}: {one_line(error)}") from None
 
 
 def check_text_column(dataset, source: str, column: str) -> None:
@@ -252,7 +252,7 @@ def load_model(model_reference: str, options: FinetuneArguments):
     try:
         model = AutoModelForCausalLM.from_pretrained(model_reference, dtype=torch.float32)
     except OSError as error:
-        raise FinetuneError(f"cannot load model {shown(model_reference)}: {first_line(error)}") from None
+        raise FinetuneError(f"cannot load model {shown(model_reference)}: {one_line(error)}") from None
     model.config.use_cache = False
     if not options.lora:
         return model
@@ -337,7 +337,7 @@ def finetune(paths: argparse.Namespace, options: FinetuneArguments, training: Tr
         tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or model_reference)
     except OSError as error:
         raise FinetuneError(f"cannot load the tokenizer of {shown(options.tokenizer or paths.model)} "
-                            f"({first_line(error)}); give one with --tokenizer") from None
+                            f"({one_line(error)}); give one with --tokenizer") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     with training.main_process_first(desc="reading the dataset"):

@@ -186,6 +186,14 @@ def test_bad_flags_end_with_one_usage_error(argv, message, capsys):
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_training_arguments_own_checks_end_with_one_line(capsys):
+    assert main(["m", "d", "o", "--load_best_model_at_end"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(
+        "hybrid-linear-finetune: error: invalid training arguments: --load_best_model_at_end requires the save and "
+        "eval strategy to match")
+
+
 def test_merge_lora_without_lora_is_refused(capsys):
     assert main(["m", "d", "o", "--merge_lora"]) == 2
     assert capsys.readouterr().err.strip() == (
