@@ -156,12 +156,14 @@ def check_options(options: FinetuneArguments) -> None:
 
 def resolve_model_reference(model: str) -> str:
     """An existing local folder as an absolute path (so that adapters and configs record where the base model is,
-    wherever they are loaded from later); anything else is a hub id, kept as given."""
+    wherever they are loaded from later); a hub id ("name" or "owner/name") as given."""
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise FinetuneError(f"model folder {shown(model)} has no config.json: give a model folder or a hub id")
         return str(path.resolve())
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:  # a path, not a hub id
+        raise FinetuneError(f"model folder {shown(model)} does not exist")
     return model
 
 

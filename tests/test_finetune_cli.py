@@ -308,6 +308,14 @@ def test_adapter_records_the_base_model_as_an_absolute_path(model_dir, data, tmp
     assert resolve_model_reference("some-org/some-model") == "some-org/some-model"  # a hub id stays as given
 
 
+def test_a_missing_model_folder_is_named(tmp_path, capsys):
+    assert main([str(tmp_path / "no-model"), "data.jsonl", "out"]) == 2
+    assert capsys.readouterr().err == (
+        f"hybrid-linear-finetune: error: model folder {str(tmp_path / 'no-model')!r} does not exist\n")
+    with pytest.raises(FinetuneError, match="has no config.json"):
+        resolve_model_reference(str(tmp_path))
+
+
 # ---------------------------------------------------------------- checkpoints and the summary
 
 
