@@ -1,20 +1,34 @@
-"""Fine-tune a hybrid model folder on a text or JSONL dataset with `transformers.Trainer`.
+"""Fine-tune a hybrid model folder on a text dataset with `transformers.Trainer` (`hybrid-linear-finetune`).
 
-    hybrid-linear-finetune MODEL_DIR DATA OUTPUT_DIR [--max-steps N] [--packing] [--gradient-checkpointing]
-                           [--lora] [--merge-lora] [--bf16] ...
+    hybrid-linear-finetune MODEL DATASET OUTPUT [--packing] [--lora [--merge_lora]] [any TrainingArguments flag]
+    accelerate launch -m hybrid_linear_models.finetune MODEL DATASET OUTPUT ...     # several GPUs: DDP or FSDP2
 
-DATA is a .txt file (one document per non-empty line) or a .jsonl file (one object per line, text under --text-field).
-With --packing, documents are concatenated without padding (`DataCollatorWithFlattening`): position ids restart at
-every document and every mixer keeps the documents apart. Multi-GPU runs go through accelerate
-(`accelerate launch -m hybrid_linear_models.finetune ...`, DDP or FSDP2 from your accelerate config).
+Design:
+- Arguments: the script's own options (`hybrid_linear_cli.finetune.FinetuneArguments`) and every `TrainingArguments`
+  field go through one `HfArgumentParser`, so any Trainer setting (schedulers, checkpointing, FSDP, ...) is a flag
+  and nothing is hard-coded. The defaults this script changes, and the `--help` that needs no torch, live in the light
+  front end `hybrid_linear_cli.finetune`; every way in (console script, `python -m`, `accelerate launch -m`) starts
+  at its `main`.
+- Data: the `datasets` library reads every format (json/jsonl, parquet, csv, text, a folder, a hub id), imported
+  here lazily so that `import hybrid_linear_models` never needs it; documents are tokenized with `Dataset.map`
+  (streamed through Arrow on disk, not held as Python lists).
+- Bad input (missing peft or datasets, a missing column, a checkpoint that is not there) is found before the model
+  loads where it can be, and ends the run with one line naming the input and the fix (`FinetuneError`).
+- Checkpoints: Trainer's own (`--save_strategy`, `--save_steps`, ...) under OUTPUT/checkpoints by default;
+  `--resume_from_checkpoint PATH|last` continues a run where it stopped, with the same result as an unbroken one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 from transformers import (
@@ -22,11 +36,24 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     DataCollatorWithFlattening,
+    HfArgumentParser,
     Trainer,
     TrainingArguments,
 )
+from transformers.trainer_utils import get_last_checkpoint
 
 import hybrid_linear_models  # noqa: F401  (registers the model family)
+from hybrid_linear_cli.finetune import (
+    DERIVED,
+    PROG,
+    TRAINING_FLAGS,
+    FinetuneArguments,
+    add_positionals,
+    expand_old_spellings,
+    main,
+)
+
+__all__ = ["LORA_TARGET_MODULES", "FinetuneError", "load_documents", "main", "parse_arguments", "run"]
 
 # Every linear projection of the family, as LoRA targets: attention, MLP, Gated DeltaNet and Kimi Delta Attention.
 LORA_TARGET_MODULES = [
@@ -34,130 +61,305 @@ LORA_TARGET_MODULES = [
     "in_proj_qkvz", "in_proj_ba", "out_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj",
 ]
 
-
-class TokenizedDocuments(torch.utils.data.Dataset):
-    def __init__(self, documents: list[list[int]]):
-        self.documents = documents
-
-    def __len__(self) -> int:
-        return len(self.documents)
-
-    def __getitem__(self, index: int) -> dict:
-        return {"input_ids": self.documents[index]}
+# A local dataset file's suffix -> the `datasets` builder that reads it.
+DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+INSTALL_HINT = 'pip install "hybrid_linear_models[train]" (or pip install {package})'
 
 
-def read_documents(path: Path, text_field: str = "text") -> list[str]:
-    """Documents of a .txt (one per non-empty line) or .jsonl (one JSON object per line) file."""
-    if not path.is_file():
-        raise SystemExit(f"error: dataset {path} does not exist")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if path.suffix != ".jsonl":
-        return lines
-    documents = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise SystemExit(f"error: {path}:{number} is not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise SystemExit(f"error: {path}:{number} has no string field {text_field!r} (see --text-field)")
-        documents.append(record[text_field])
-    return documents
+class FinetuneError(ValueError):
+    """Bad input to the fine-tuning script: `run` prints the message as one line and exits with status 2."""
 
 
-def tokenize(tokenizer, documents: list[str], max_length: int) -> list[list[int]]:
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return [(tokenizer(text, add_special_tokens=True)["input_ids"] + eos)[:max_length] for text in documents]
+def shown(value: Any, limit: int = 100) -> str:
+    """`value` for an error message: quoted, and cut to `limit` characters (user input can be any length)."""
+    text = str(value)
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid-linear-finetune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", type=Path, help="model folder (config, weights and tokenizer)")
-    parser.add_argument("data", type=Path, help=".txt (one document per line) or .jsonl file")
-    parser.add_argument("output", type=Path, help="where the fine-tuned model folder is written")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder, if not in the model folder")
-    parser.add_argument("--text-field", default="text", help="JSONL field holding the text (default: text)")
-    parser.add_argument("--max-length", type=int, default=2048, help="documents are truncated to this many tokens")
-    parser.add_argument("--max-steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=8, help="documents per device and step")
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--warmup-steps", type=int, default=0)
-    parser.add_argument("--logging-steps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--packing", action="store_true", help="padding-free packing (DataCollatorWithFlattening)")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="bfloat16 mixed precision (default: on when CUDA is available)")
-    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
-    parser.add_argument("--lora-rank", type=int, default=16)
-    parser.add_argument("--lora-alpha", type=int, default=32)
-    parser.add_argument("--merge-lora", action="store_true", help="merge the adapters into the saved model")
-    parser.add_argument("--report-to", default="none", help="Trainer's report_to (default: none)")
+def one_line(error: BaseException, limit: int = 120) -> str:
+    """An error's message on one line, followed by its direct cause's when there is one (datasets' "An error
+    occurred while generating the dataset" says what went wrong only in its cause), cut to `limit` characters:
+    library messages can run over paragraphs and repeat the user's input."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if error.__cause__ is not None:
+        text = f"{text} ({one_line(error.__cause__, limit)})"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def is_main_process() -> bool:
+    """Rank 0 (or a single process): the one that reports, read from the launcher's environment."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def report(message: str) -> None:
+    if is_main_process():
+        print(f"{PROG}: {message}", flush=True)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def build_parser() -> HfArgumentParser:
+    """The full parser: positionals, the script's options and every TrainingArguments flag, with this script's
+    defaults (a DERIVED default parses to None and is resolved by `resolve_derived_defaults`)."""
+    parser = HfArgumentParser((FinetuneArguments, TrainingArguments), prog=PROG,
+                              usage=f"{PROG} MODEL DATASET OUTPUT [options]")
+    add_positionals(parser)
+    parser.set_defaults(**{name: None if default == DERIVED else default
+                           for name, (default, _) in TRAINING_FLAGS.items()})
+    parser.add_argument("--help-training", action="help", help="show this list of every flag, then exit")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+def resolve_derived_defaults(values: dict[str, Any], output: Path) -> None:
+    """Fills the run-dependent defaults that the parse left as None (see TRAINING_FLAGS)."""
+    cuda = torch.cuda.is_available()
+    derived = {"bf16": cuda, "use_cpu": not cuda,  # several CPU processes then train with DDP over gloo
+               "output_dir": str(output / "checkpoints")}
+    for name, value in derived.items():
+        if values.get(name) is None:
+            values[name] = value
+
+
+def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, FinetuneArguments, TrainingArguments]:
+    """(model, dataset, output), the script's options and the TrainingArguments of a command line."""
+    parser = build_parser()
+    values = vars(parser.parse_args(expand_old_spellings(argv)))
+    paths = argparse.Namespace(model=values.pop("model"), dataset=values.pop("dataset"), output=Path(values.pop("output")))
+    resolve_derived_defaults(values, paths.output)
+    options = FinetuneArguments(**{f.name: values[f.name] for f in dataclasses.fields(FinetuneArguments)})
+    try:
+        training = TrainingArguments(**{f.name: values[f.name] for f in dataclasses.fields(TrainingArguments) if f.init})
+    except ValueError as error:  # TrainingArguments' own checks, e.g. an unknown --save_strategy
+        raise FinetuneError(f"invalid training arguments: {one_line(error)}") from None
+    return paths, options, training
+
+
+# ---------------------------------------------------------------- checks before the model loads
+
+
+def require(package: str, needed_for: str) -> None:
+    """Imports an optional package, or stops with how to install it."""
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        raise FinetuneError(f"{needed_for} needs the {package} package: {INSTALL_HINT.format(package=package)}") from None
+
+
+def check_options(options: FinetuneArguments) -> None:
+    if options.merge_lora and not options.lora:
+        raise FinetuneError("--merge_lora merges LoRA adapters: add --lora, or drop --merge_lora")
+    if options.lora:
+        require("peft", "--lora")
+    require("datasets", "reading the dataset")
+
+
+def resolve_model_reference(model: str) -> str:
+    """An existing local folder as an absolute path (so that adapters and configs record where the base model is,
+    wherever they are loaded from later); a hub id ("name" or "owner/name") as given."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FinetuneError(f"model folder {shown(model)} has no config.json: give a model folder or a hub id")
+        return str(path.resolve())
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:  # a path, not a hub id
+        raise FinetuneError(f"model folder {shown(model)} does not exist")
+    return model
+
+
+def resolve_checkpoint(value: str | None, output_dir: str) -> str | None:
+    """The checkpoint folder that --resume_from_checkpoint names: a path, or last/true for the newest one in
+    --output_dir; None to start afresh."""
+    if value is None or value.lower() in ("false", "none", ""):
+        return None
+    if value.lower() in ("last", "true"):
+        latest = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+        if latest is None:
+            raise FinetuneError(f"--resume_from_checkpoint {value}: no checkpoint-N folder in {shown(output_dir)} "
+                                "(give a checkpoint folder, or the --output_dir of the earlier run)")
+        return latest
+    if not (Path(value) / "trainer_state.json").is_file():
+        raise FinetuneError(f"--resume_from_checkpoint: {shown(value)} is not a checkpoint folder (it has no "
+                            "trainer_state.json); give OUTPUT/checkpoints/checkpoint-N, or 'last'")
+    return value
+
+
+# ---------------------------------------------------------------- data
+
+
+def read_dataset(source: str, options: FinetuneArguments):
+    """The dataset `source` names, through `datasets`: a local file (by suffix), a local folder or a hub id."""
+    import datasets
+
+    path = Path(source).expanduser()
+    builder = DATASET_BUILDERS.get(path.suffix.lower())
+    try:
+        if path.is_file():
+            if builder is None:
+                raise FinetuneError(f"dataset {shown(source)}: unknown file type; use one of "
+                                    f"{', '.join(DATASET_BUILDERS)} (or a folder of them, or a hub dataset id)")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if builder is not None:  # a file name, not a hub id
+            raise FinetuneError(f"dataset file {shown(source)} does not exist")
+        if path.is_dir():
+            return datasets.load_dataset(str(path), split=options.dataset_split)
+        return datasets.load_dataset(source, options.dataset_config, split=options.dataset_split)
+    except FinetuneError:
+        raise
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as error:  # not found, offline, parse errors
+        raise FinetuneError(f"cannot read dataset {shown(source)}: {one_line(error)}") from None
+
+
+def check_text_column(dataset, source: str, column: str) -> None:
+    import datasets
+
+    if column not in dataset.column_names:
+        raise FinetuneError(f"dataset {shown(source)} has no column {shown(column)} (its columns: "
+                            f"{shown(', '.join(dataset.column_names))}); choose one with --text_column")
+    feature = dataset.features[column]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        kind = getattr(feature, "dtype", type(feature).__name__)
+        raise FinetuneError(f"dataset {shown(source)}: column {shown(column)} holds {kind} values, not text; "
+                            "choose a text column with --text_column")
+
+
+def load_documents(source: str, tokenizer, options: FinetuneArguments):
+    """The dataset's documents tokenized (an `input_ids` column; + EOS, cut to --max_length); empty texts are
+    skipped, a missing (null) text stops the run with its row number."""
+    dataset = read_dataset(source, options)
+    column = options.text_column
+    check_text_column(dataset, source, column)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def tokenize(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        for text, index in zip(batch[column], indices):
+            if text is None:
+                raise FinetuneError(f"dataset {shown(source)}: row {index + 1} has no value in column "
+                                    f"{shown(column)}; fill it or drop the row")
+        texts = [text for text in batch[column] if text.strip()]
+        ids = tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
+        return {"input_ids": [(tokens + eos)[: options.max_length] for tokens in ids]}
+
+    documents = dataset.map(tokenize, batched=True, with_indices=True, remove_columns=dataset.column_names,
+                            desc="tokenizing")
+    if len(documents) == 0:
+        raise FinetuneError(f"dataset {shown(source)} holds no documents (column {shown(column)} is empty)")
+    return documents
+
+
+# ---------------------------------------------------------------- model
+
+
+def load_model(model_reference: str, options: FinetuneArguments):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_reference, dtype=torch.float32)
+    except OSError as error:
+        raise FinetuneError(f"cannot load model {shown(model_reference)}: {one_line(error)}") from None
+    model.config.use_cache = False
+    if not options.lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [name for name in LORA_TARGET_MODULES if name in present]
+    model = get_peft_model(model, LoraConfig(r=options.lora_rank, lora_alpha=options.lora_alpha,
+                                             target_modules=targets, task_type="CAUSAL_LM"))
+    trainable, total = model.get_nb_trainable_parameters()
+    report(f"LoRA rank {options.lora_rank}: training {trainable:,} of {total:,} parameters "
+           f"({100 * trainable / total:.2f}%) in {', '.join(targets)}")
+    return model
+
+
+class VersionOnlyConfig:
+    """Stands in for `PreTrainedConfig` while Trainer resumes: Trainer reads the checkpoint's config.json with the
+    generic config class only to compare `transformers_version`, and that class's `layer_types` check (written for
+    transformers' own models) refuses gated_deltanet and kimi_delta_attention, so every resume of this family would
+    fail. The version is all it needs."""
+
+    @staticmethod
+    def from_json_file(path: str) -> argparse.Namespace:
+        version = json.loads(Path(path).read_text(encoding="utf-8")).get("transformers_version")
+        return argparse.Namespace(transformers_version=version)
+
+
+class ResumableTrainer(Trainer):
+    """Trainer whose resume reads the checkpoint's config through `VersionOnlyConfig` (see there)."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        import transformers.trainer
+
+        if not hasattr(transformers.trainer, "PreTrainedConfig"):  # a transformers that no longer reads it
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        with mock.patch.object(transformers.trainer, "PreTrainedConfig", VersionOnlyConfig):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+def save_result(trainer: Trainer, tokenizer, options: FinetuneArguments, output: Path) -> str:
+    """Writes the model (or the adapter, or the merged model) and the tokenizer; returns what was written."""
+    if options.lora and options.merge_lora:
+        merged = trainer.model.merge_and_unload()
+        merged.config.use_cache = True
+        if trainer.is_world_process_zero():
+            merged.save_pretrained(output)
+        written = "the merged model"
+    else:
+        if not options.lora:
+            trainer.model.config.use_cache = True
+        trainer.save_model(str(output))
+        written = "the LoRA adapter" if options.lora else "the model"
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(output)
+    return written
+
+
+def final_loss(trainer: Trainer, mean_loss: float) -> float:
+    """The last logged loss (the mean over the last logging window), or the run's mean loss if none was logged."""
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return logged[-1] if logged else mean_loss
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(argv: list[str]) -> int:
+    """Parses `argv` and fine-tunes; bad input ends with one error line and status 2."""
+    try:
+        return finetune(*parse_arguments(argv))
+    except FinetuneError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def finetune(paths: argparse.Namespace, options: FinetuneArguments, training: TrainingArguments) -> int:
+    check_options(options)
+    checkpoint = resolve_checkpoint(training.resume_from_checkpoint, training.output_dir)
+    model_reference = resolve_model_reference(paths.model)
+    torch.manual_seed(training.seed)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(options.tokenizer or model_reference)
+    except OSError as error:
+        raise FinetuneError(f"cannot load the tokenizer of {shown(options.tokenizer or paths.model)} "
+                            f"({one_line(error)}); give one with --tokenizer") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    documents = tokenize(tokenizer, read_documents(args.data, args.text_field), args.max_length)
-    if not documents:
-        raise SystemExit(f"error: {args.data} holds no documents")
+    with training.main_process_first(desc="reading the dataset"):
+        documents = load_documents(paths.dataset, tokenizer, options)
+    model = load_model(model_reference, options)
 
-    bf16 = torch.cuda.is_available() if args.bf16 is None else args.bf16
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.config.use_cache = False
-    if args.lora:
-        from peft import LoraConfig, get_peft_model
-
-        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-        targets = [name for name in LORA_TARGET_MODULES if name in present]
-        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
-        model.print_trainable_parameters()
-
-    if args.packing:
+    if options.packing:
         collator = DataCollatorWithFlattening(return_position_ids=True)
     else:
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    training_args = TrainingArguments(
-        output_dir=str(args.output / "checkpoints"),
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_steps=args.max_steps,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-        logging_steps=args.logging_steps,
-        bf16=bf16,
-        use_cpu=not torch.cuda.is_available(),  # several CPU processes then train with DDP over gloo
-        ddp_find_unused_parameters=False,  # every parameter takes part in each step: no extra graph traversal
-        activation_checkpointing=args.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
-        save_strategy="no",
-        report_to=args.report_to,
-        seed=args.seed,
-        remove_unused_columns=False,
-        dataloader_drop_last=False,
-    )
-    trainer = Trainer(model=model, args=training_args, train_dataset=TokenizedDocuments(documents),
-                      data_collator=collator)
-    trainer.train()
-
-    if args.lora and args.merge_lora:
-        model = trainer.model.merge_and_unload()
-        model.config.use_cache = True
-        model.save_pretrained(args.output)
-    else:
-        if not args.lora:
-            trainer.model.config.use_cache = True
-        trainer.save_model(str(args.output))
-    if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(args.output)
-        print(f"saved the fine-tuned model to {args.output}")
+    trainer = ResumableTrainer(model=model, args=training, train_dataset=documents, data_collator=collator)
+    batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
+    length = f"{training.max_steps} steps" if training.max_steps > 0 else f"{training.num_train_epochs:g} epochs"
+    report(f"{len(documents):,} documents from {paths.dataset}; {length} of {batch} documents"
+           + (f"; resuming from {checkpoint}" if checkpoint else "")
+           + (f"; checkpoints in {training.output_dir}" if training.save_strategy != "no" else ""))
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    written = save_result(trainer, tokenizer, options, paths.output)
+    report(f"done: {trainer.state.global_step} steps, final loss {final_loss(trainer, result.training_loss):.4g}; "
+           f"saved {written} to {paths.output}")
     return 0
 
 

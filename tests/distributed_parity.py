@@ -12,13 +12,12 @@ import sys
 from pathlib import Path
 
 import torch
+from datasets import Dataset
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_helpers import leave  # noqa: E402
-from model_helpers import tiny_model  # noqa: E402
-
-from hybrid_linear_models.finetune import TokenizedDocuments  # noqa: E402
+from distributed_helpers import leave
+from model_helpers import tiny_model
 
 
 class SequentialTrainer(Trainer):
@@ -47,9 +46,9 @@ def main():
         logging_steps=1, save_strategy="no", report_to="none", seed=0, remove_unused_columns=False,
         use_cpu=not args.cuda, fsdp=args.fsdp, fsdp_config={"version": 2} if args.fsdp else None,
         ddp_backend=("nccl" if args.cuda else "gloo") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
-        ddp_find_unused_parameters=False,  # every parameter takes part in each step, as in finetune.py
+        ddp_find_unused_parameters=False,  # every parameter takes part in each step, as in the fine-tuning script
     )
-    trainer = SequentialTrainer(model=model, args=training, train_dataset=TokenizedDocuments(documents),
+    trainer = SequentialTrainer(model=model, args=training, train_dataset=Dataset.from_dict({"input_ids": documents}),
                                 data_collator=DataCollatorWithFlattening(return_position_ids=True))
     trainer.train()
     if trainer.is_world_process_zero():
