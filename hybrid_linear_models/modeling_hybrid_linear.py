@@ -145,40 +145,73 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
 
 
 def _check_inputs(config: HybridLinearConfig, input_ids, inputs_embeds, attention_mask, position_ids) -> None:
-    """Clear errors for malformed inputs, before they reach a kernel."""
+    """Clear errors for malformed inputs, before they reach a kernel: every mixer (attention, GDN, KDA) would otherwise
+    fail later with a reshape or indexing error that names none of the inputs."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids [batch, seq_len] or inputs_embeds [batch, seq_len, hidden].")
     if input_ids is not None:
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(
-                f"input_ids must be a 2-D tensor of integer token ids [batch, seq_len], got dtype {input_ids.dtype} "
-                f"and shape {tuple(input_ids.shape)}."
-            )
-        if input_ids.numel() and not torch.compiler.is_compiling() and input_ids.device.type != "cuda":
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= config.vocab_size:
-                raise ValueError(f"input_ids must lie in [0, {config.vocab_size}), got values in [{low}, {high}].")
+        _check_input_ids(config, input_ids)
         batch, seq_len = input_ids.shape
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must be [batch, seq_len, {config.hidden_size}], got {tuple(inputs_embeds.shape)}."
-            )
+        _check_inputs_embeds(config, inputs_embeds)
         batch, seq_len = inputs_embeds.shape[:2]
+    if batch == 0 or seq_len == 0:
+        name = "input_ids" if input_ids is not None else "inputs_embeds"
+        raise ValueError(
+            f"{name} of shape [batch, seq_len] = [{batch}, {seq_len}] holds no tokens; give at least one row of at "
+            "least one token (to generate() from nothing, start the prompt with the BOS token: [[bos_token_id]])."
+        )
     if attention_mask is not None and not isinstance(attention_mask, dict):
-        if attention_mask.dim() == 2 and (attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len):
-            raise ValueError(
-                f"attention_mask must be [batch, past + seq_len] = [{batch}, >= {seq_len}] for inputs of shape "
-                f"[{batch}, {seq_len}], got {tuple(attention_mask.shape)}."
-            )
-        if attention_mask.dim() not in (2, 4):
-            raise ValueError(f"attention_mask must be 2-D [batch, length] or 4-D, got {tuple(attention_mask.shape)}.")
-    if position_ids is not None and (
-        position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch)
-    ):
+        _check_attention_mask(attention_mask, batch, seq_len)
+    if position_ids is not None:
+        _check_position_ids(position_ids, batch, seq_len)
+
+
+def _check_input_ids(config: HybridLinearConfig, input_ids: torch.Tensor) -> None:
+    if input_ids.dim() == 1 and not input_ids.dtype.is_floating_point:
+        raise ValueError(
+            f"input_ids must be a 2-D tensor [batch, seq_len], got a 1-D tensor of shape {tuple(input_ids.shape)}; "
+            "add the batch dimension: input_ids.unsqueeze(0)."
+        )
+    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(
+            f"input_ids must be a 2-D tensor of integer token ids [batch, seq_len], got dtype {input_ids.dtype} "
+            f"and shape {tuple(input_ids.shape)}."
+        )
+    if input_ids.numel() and not torch.compiler.is_compiling() and input_ids.device.type != "cuda":
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= config.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, {config.vocab_size}), got values in [{low}, {high}].")
+
+
+def _check_inputs_embeds(config: HybridLinearConfig, inputs_embeds: torch.Tensor) -> None:
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        fix = " (add the batch dimension: inputs_embeds.unsqueeze(0))" if inputs_embeds.dim() == 2 else ""
+        raise ValueError(
+            f"inputs_embeds must be [batch, seq_len, {config.hidden_size}] (hidden_size), got "
+            f"{tuple(inputs_embeds.shape)}{fix}."
+        )
+    if not inputs_embeds.dtype.is_floating_point:
+        raise ValueError(f"inputs_embeds must be a floating-point tensor, got dtype {inputs_embeds.dtype}.")
+
+
+def _check_attention_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> None:
+    if attention_mask.dim() == 2 and (attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len):
+        raise ValueError(
+            f"attention_mask must be [batch, past + seq_len] = [{batch}, >= {seq_len}] for inputs of shape "
+            f"[{batch}, {seq_len}], got {tuple(attention_mask.shape)}."
+        )
+    if attention_mask.dim() not in (2, 4):
+        raise ValueError(f"attention_mask must be 2-D [batch, length] or 4-D, got {tuple(attention_mask.shape)}.")
+
+
+def _check_position_ids(position_ids: torch.Tensor, batch: int, seq_len: int) -> None:
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch):
         raise ValueError(
             f"position_ids must be [batch or 1, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}."
         )
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must be integer positions, got dtype {position_ids.dtype}.")
 
 
 def _is_padded(attention_mask) -> bool:
@@ -343,6 +376,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)  # before any shape is read
         if labels is not None:
             expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
             if tuple(labels.shape) != expected:
