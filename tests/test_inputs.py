@@ -33,8 +33,8 @@ CASES = {
                          "position_ids must be"),
     "float position_ids": (lambda m: m(torch.zeros(1, 5, dtype=torch.long), position_ids=torch.zeros(1, 5)),
                            "integer positions"),
-    "labels of another shape": (lambda m: m(torch.zeros(2, 5, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)),
-                                "labels must"),
+    "labels of another shape": (
+        lambda m: m(torch.zeros(2, 5, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)), "labels must"),
 }
 
 
