@@ -10,7 +10,12 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+    prepare_padding_mask,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -23,7 +28,7 @@ from .block_ops import fused_causal_lm_loss, silu_and_mul
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
-from .mixer_attention import HybridLinearAttention
+from .mixer_attention import HybridLinearAttention, SlidingWindowMask
 from .mixer_gated_deltanet import HybridLinearGatedDeltaNet
 from .mixer_kimi_delta import HybridLinearKimiDeltaAttention
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
@@ -236,7 +241,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def _attention_masks(self, inputs_embeds, attention_mask, cache, position_ids) -> dict:
+    def _attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> dict:
         if isinstance(attention_mask, dict):
             return attention_mask
         kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
@@ -246,8 +251,37 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         if "full_attention" in types:
             masks["full_attention"] = create_causal_mask(**kwargs)
         if "sliding_attention" in types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            described = None if weights_wanted else self._sliding_window_mask(inputs_embeds, attention_mask, cache,
+                                                                               position_ids)
+            masks["sliding_attention"] = described or create_sliding_window_causal_mask(**kwargs)
         return masks
+
+    def _sliding_window_mask(self, inputs_embeds, attention_mask, cache, position_ids) -> SlidingWindowMask | None:
+        """The sliding-window mask described, not built (attention applies it block by block in O(T * window)
+        memory), wherever transformers would materialise a [batch, 1, T, keys] mask: eager and sdpa, several query
+        tokens, no cache or a dynamic one; padded, packed or continuing a cache alike. None otherwise (one-token
+        steps, whose mask is one row; static caches, whose key slots do not follow the positions; other attention
+        implementations, which take no 4-D mask; and eager attention asked for its weights, which are T x T anyway).
+        The sizes and offsets come from the cache exactly as transformers' mask builder takes them."""
+        batch, q_length = inputs_embeds.shape[:2]
+        if (self.config._attn_implementation not in ("sdpa", "eager") or q_length == 1
+                or getattr(cache, "is_compileable", False) or (attention_mask is not None and attention_mask.dim() != 2)):
+            return None
+        if cache is not None:
+            sliding = getattr(cache, "is_sliding", [])
+            layer_idx = sliding.index(True) if True in sliding else 0  # the layer transformers sizes the mask by
+            q_offset = cache.get_query_offset(layer_idx)
+            kv_length, kv_offset = cache.get_mask_sizes(q_length, layer_idx)
+        else:
+            q_offset = kv_offset = 0
+            kv_length = attention_mask.shape[-1] if attention_mask is not None else q_length
+        key_padding = documents = None
+        if attention_mask is not None:
+            key_padding = prepare_padding_mask(attention_mask.to(inputs_embeds.device, torch.bool), kv_length, kv_offset)
+        elif cache is None and position_ids is not None:  # packed documents, detected as transformers does
+            documents = find_packed_sequence_indices(position_ids.expand(batch, -1))
+        return SlidingWindowMask(self.config.sliding_window, int(q_offset), kv_offset, kv_length, key_padding,
+                                 documents)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -287,7 +321,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
 
-        masks = self._attention_masks(inputs_embeds, attention_mask, cache, position_ids)
+        weights_wanted = bool(kwargs.get("output_attentions", self.config.output_attentions))
+        masks = self._attention_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:
