@@ -53,6 +53,17 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention
 _BOOL_FIELDS = ("attention_bias", "mlp_bias", "attention_output_gate", "attention_qk_norm", "zero_centered_norms",
                 "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache")
 
+# The fields a layer's weight count grows with (named when the count is over MAX_PARAMETERS).
+_ATTENTION_SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+_LAYER_SIZE_FIELDS = {
+    "full_attention": _ATTENTION_SIZE_FIELDS,
+    "sliding_attention": _ATTENTION_SIZE_FIELDS,
+    "gated_deltanet": ("hidden_size", "intermediate_size", "gdn_num_key_heads", "gdn_num_value_heads",
+                       "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_size"),
+    "kimi_delta_attention": ("hidden_size", "intermediate_size", "kda_num_heads", "kda_head_dim",
+                             "kda_conv_kernel_size"),
+}
+
 # Messages show user-supplied values through this: a bounded repr, however long the list or string.
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 80
@@ -233,7 +244,7 @@ class HybridLinearConfig(PreTrainedConfig):
                 self.layer_types = [_DEFAULT_LAYER_TYPES[i % len(_DEFAULT_LAYER_TYPES)] for i in range(count)]
         if isinstance(self.layer_types, tuple):
             self.layer_types = list(self.layer_types)
-        if self.num_hidden_layers is None and isinstance(self.layer_types, list):
+        if self.num_hidden_layers is None and isinstance(self.layer_types, list) and self.layer_types:
             self.num_hidden_layers = len(self.layer_types)
         legacy = kwargs.pop("rope_scaling", None)  # transformers' older name, taken as the base class would
         if self.rope_parameters is None and legacy is not None:
@@ -381,15 +392,16 @@ class HybridLinearConfig(PreTrainedConfig):
 
     def _size_problems(self) -> list[str]:
         """Bounds the weights a model of this config would allocate, so a hostile config fails here, not in torch."""
-        sizes = {"embeddings": self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)}
-        for layer_type in set(self.layer_types):
-            sizes[f"one {layer_type} layer"] = self._layer_parameter_count(layer_type)
-        too_big = {what: count for what, count in sizes.items() if count > MAX_PARAMETERS}
-        if too_big:
-            what, count = next(iter(too_big.items()))
-            return [(f"the sizes give {what} {_shown(count)} parameters, more than the limit of 2**40; check "
-                     "vocab_size, hidden_size, intermediate_size and the head counts and dims")]
-        return []
+        counts = {"the embeddings": (("vocab_size", "hidden_size"),
+                                     self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2))}
+        for layer_type in dict.fromkeys(self.layer_types):
+            counts[f"one {layer_type} layer"] = (_LAYER_SIZE_FIELDS[layer_type], self._layer_parameter_count(layer_type))
+        over = {what: (fields, count) for what, (fields, count) in counts.items() if count > MAX_PARAMETERS}
+        if not over:
+            return []
+        fields = dict.fromkeys(field for names, _ in over.values() for field in names)
+        holding = ", ".join(f"{what} {_shown(count)}" for what, (_, count) in over.items())
+        return [f"the sizes give more weights than the limit of 2**40 ({holding}): reduce {', '.join(fields)}"]
 
     def _layer_parameter_count(self, layer_type: str) -> int:
         """Weights of one decoder layer (norms and biases left out: they are small next to the projections)."""

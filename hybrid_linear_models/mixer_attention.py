@@ -75,7 +75,7 @@ class SlidingWindowMask:
     documents: torch.Tensor | None = None  # [B, T] packed-document index per token (packing: no cache, keys = queries)
 
     def key_range(self, q_start: int, q_end: int) -> tuple[int, int]:
-        """The keys (local indices) that queries q_start..q_end-1 can see: the window before the first, up to the last."""
+        """The keys (local indices) that queries q_start..q_end-1 can see: from the window of the first to the last."""
         first = max(0, self.q_offset + q_start - self.window + 1 - self.kv_offset)
         return first, min(self.kv_length, self.q_offset + q_end - self.kv_offset)
 

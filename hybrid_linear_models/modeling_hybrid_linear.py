@@ -264,8 +264,9 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         implementations, which take no 4-D mask; and eager attention asked for its weights, which are T x T anyway).
         The sizes and offsets come from the cache exactly as transformers' mask builder takes them."""
         batch, q_length = inputs_embeds.shape[:2]
-        if (self.config._attn_implementation not in ("sdpa", "eager") or q_length == 1
-                or getattr(cache, "is_compileable", False) or (attention_mask is not None and attention_mask.dim() != 2)):
+        four_d_mask = attention_mask is not None and attention_mask.dim() != 2
+        if (self.config._attn_implementation not in ("sdpa", "eager") or q_length == 1 or four_d_mask
+                or getattr(cache, "is_compileable", False)):
             return None
         if cache is not None:
             sliding = getattr(cache, "is_sliding", [])
@@ -277,7 +278,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             kv_length = attention_mask.shape[-1] if attention_mask is not None else q_length
         key_padding = documents = None
         if attention_mask is not None:
-            key_padding = prepare_padding_mask(attention_mask.to(inputs_embeds.device, torch.bool), kv_length, kv_offset)
+            padding = attention_mask.to(inputs_embeds.device, torch.bool)
+            key_padding = prepare_padding_mask(padding, kv_length, kv_offset)
         elif cache is None and position_ids is not None:  # packed documents, detected as transformers does
             documents = find_packed_sequence_indices(position_ids.expand(batch, -1))
         return SlidingWindowMask(self.config.sliding_window, int(q_offset), kv_offset, kv_length, key_padding,
