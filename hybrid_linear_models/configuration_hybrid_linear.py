@@ -109,7 +109,7 @@ def _positive_int_problem(name: str, value: Any, limit: int | None = None) -> st
     if not _is_int(value) or value <= 0:
         return f"{name} must be a positive integer, got {_shown(value)}"
     if limit is not None and value > limit:
-        return f"{name} must be at most {limit}, got {_shown(value)}"
+        return f"{name} must be at most {_shown(limit)}, got {_shown(value)}"
     return None
 
 
@@ -285,7 +285,8 @@ class HybridLinearConfig(PreTrainedConfig):
             raise ValueError("Invalid HybridLinearConfig: " + "; ".join(problems) + ".")
 
     def _field_problems(self) -> list[str]:
-        problems = [problem for name in _SIZE_FIELDS if (problem := _positive_int_problem(name, getattr(self, name)))]
+        problems = [problem for name in _SIZE_FIELDS
+                    if (problem := _positive_int_problem(name, getattr(self, name), MAX_PARAMETERS))]
         problems += self._layer_types_problems()
         for name in ("rms_norm_eps", "gdn_norm_eps", "kda_norm_eps"):
             problems += _number_problems(name, getattr(self, name), low=0.0, low_inclusive=False)
@@ -364,10 +365,11 @@ class HybridLinearConfig(PreTrainedConfig):
                             f"gdn_num_key_heads={self.gdn_num_key_heads}")
         factor = self.rope_parameters["partial_rotary_factor"]
         rotated = int(self.head_dim * factor)
-        if rotated % 2:
-            problems.append(f"head_dim * partial_rotary_factor = {self.head_dim} * {factor} must give an even number "
-                            "of rotated dims")
         rope = self.rope_parameters
+        least = 4 if rope["rope_type"] == "dynamic" else 2  # dynamic NTK scales the base by a power dim / (dim - 2)
+        if rotated % 2 or rotated < least:
+            problems.append(f"head_dim * partial_rotary_factor = {self.head_dim} * {factor} must give an even number "
+                            f"of rotated dims, at least {least} for rope_type {rope['rope_type']!r}")
         if rope["rope_type"] == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
             problems.append("rope_parameters['high_freq_factor'] must be greater than ['low_freq_factor'] (llama3)")
         for key in ("short_factor", "long_factor"):

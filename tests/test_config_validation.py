@@ -34,6 +34,9 @@ INVALID = [
     ("partial_rotary_factor", dict(rope_parameters={**ROPE, "partial_rotary_factor": True})),
     ("partial_rotary_factor", dict(rope_parameters={**ROPE, "partial_rotary_factor": 1.5})),
     ("rope_parameters", dict(rope_parameters="default")),
+    ("partial_rotary_factor", dict(rope_parameters={**ROPE, "rope_type": "dynamic", "factor": 2.0,
+                                                    "partial_rotary_factor": 0.125})),  # 2 dims: dim / (dim - 2)
+    ("head_dim", dict(head_dim=10**400)),  # not to overflow in head_dim * partial_rotary_factor
     ("sliding_window", dict(sliding_window=0)),
     ("sliding_window", dict(layer_types=["full_attention"], sliding_window=0)),
     ("sliding_window", dict(sliding_window=True)),

@@ -146,9 +146,10 @@ def tiny_valid_kwargs(draw) -> dict:
     kv_heads = draw(st.integers(1, 2))
     gdn_keys = draw(st.integers(1, 2))
     head_dim = draw(st.sampled_from([4, 8, 12]))
-    factor = draw(st.sampled_from([0.5, 1.0] if head_dim % 4 == 0 else [1.0]))  # an even number of rotated dims
-    rotated_pairs = int(head_dim * factor) // 2
     rope_type = draw(st.sampled_from(list(ROPE_REQUIRED_KEYS)))
+    least = 4 if rope_type == "dynamic" else 2  # rotated dims: even, and as many as the rope type needs
+    factor = draw(st.sampled_from([f for f in (0.5, 1.0) if int(head_dim * f) % 2 == 0 and head_dim * f >= least]))
+    rotated_pairs = int(head_dim * factor) // 2
     rope = {"rope_type": rope_type, "rope_theta": draw(st.floats(10.0, 1e6)), "partial_rotary_factor": factor,
             "factor": draw(st.floats(1.0, 8.0)), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "short_factor": [1.0] * rotated_pairs, "long_factor": [2.0] * rotated_pairs}
