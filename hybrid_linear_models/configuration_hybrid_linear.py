@@ -394,10 +394,10 @@ class HybridLinearConfig(PreTrainedConfig):
 
     def _size_problems(self) -> list[str]:
         """Bounds the weights a model of this config would allocate, so a hostile config fails here, not in torch."""
-        counts = {"the embeddings": (("vocab_size", "hidden_size"),
-                                     self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2))}
-        for layer_type in dict.fromkeys(self.layer_types):
-            counts[f"one {layer_type} layer"] = (_LAYER_SIZE_FIELDS[layer_type], self._layer_parameter_count(layer_type))
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        counts = {"the embeddings": (("vocab_size", "hidden_size"), embeddings)}
+        for kind in dict.fromkeys(self.layer_types):
+            counts[f"one {kind} layer"] = (_LAYER_SIZE_FIELDS[kind], self._layer_parameter_count(kind))
         over = {what: (fields, count) for what, (fields, count) in counts.items() if count > MAX_PARAMETERS}
         if not over:
             return []
