@@ -15,6 +15,7 @@ The row "sliding_attention (4-D mask)" runs sliding-window attention through tra
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -70,13 +71,13 @@ def run_all(lengths: list[int], window: int, attn: str) -> dict[str, list[float]
 
 
 def print_table(table: dict[str, list[float]], lengths: list[int], window: int, attn: str) -> None:
-    growth = [f"x{b // a} T" for a, b in zip(lengths, lengths[1:])]
+    growth = [f"{b}/{a}" for a, b in itertools.pairwise(lengths)]
     header = ["layer (one, hidden 512, batch 1)"] + [f"T={n}" for n in lengths] + [f"growth {g}" for g in growth]
     print(f"Peak memory of one forward (MiB over the RSS before it), window {window}, {attn}, CPU float32")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row, values in table.items():
-        factors = [f"{b / a:.1f}x" if a > 0 else "-" for a, b in zip(values, values[1:])]
+        factors = [f"{b / a:.1f}x" if a > 0 else "-" for a, b in itertools.pairwise(values)]
         print("| " + " | ".join([row] + [f"{v:.0f}" for v in values] + factors) + " |")
 
 
