@@ -12,6 +12,13 @@ followed by a gated MLP, each sub-block pre-normed with RMSNorm and added to the
 
 Every switch that changes the math is a field, written explicitly into config.json (defaults are resolved here, never
 left for the modeling code to guess).
+
+Every such field is validated (`HybridLinearConfig.validate`), at construction, at load (overrides included) and before
+config.json is written, with one ValueError naming each bad field, the problem and the fix: a bad value must fail
+here, in words, not later as a NaN in the logits (a zero epsilon, a NaN rope_theta), a crash inside a mixer (a rope
+type the rotary embedding cannot run, a string where a bool belongs: "false" is truthy), or an allocation of
+terabytes (sizes are bounded before any tensor exists). Messages show user-supplied values through a bounded repr,
+so a hostile config.json cannot make them huge.
 """
 
 from __future__ import annotations
@@ -234,7 +241,7 @@ class HybridLinearConfig(PreTrainedConfig):
         self._resolve_defaults(kwargs)
         self.validate()  # before the base class, which rewrites some legacy layer-type names
         super().__post_init__(**kwargs)
-        self.validate()  # again: the base class merges legacy kwargs (rope_scaling) into rope_parameters
+        self.validate()  # again: the base class standardises rope_parameters (adds keys some rope types read)
 
     def _resolve_defaults(self, kwargs: dict) -> None:
         """Fills the fields whose defaults follow from others; leaves malformed values for validate() to name."""
