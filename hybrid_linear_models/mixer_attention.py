@@ -95,8 +95,8 @@ class SlidingWindowMask:
         return mask | ~mask.any(-1, keepdim=True)
 
 
-# queries per block: at least the window (each block then reads at most twice its size in keys), capped so that a
-# block's scores stay small for wide windows
+# Queries per block: at least the window, so that a block reads at most twice its size in keys (few blocks, little
+# recomputed), and at most 1024, so that a wide window's block holds 1024 x (1024 + window) scores, not window squared.
 _MIN_QUERY_BLOCK, _MAX_QUERY_BLOCK = 256, 1024
 
 
