@@ -1,9 +1,18 @@
 """Softmax attention mixer: GQA, optional per-head q/k RMSNorm, partial rotary embedding, optional sigmoid output
-gate (Qwen3-Next's gated attention), optional sliding window, through transformers' attention interface."""
+gate (Qwen3-Next's gated attention), optional sliding window, through transformers' attention interface.
+
+Sliding-window attention in linear memory: for eager and sdpa, transformers expresses the window as a 4-D
+[batch, 1, queries, keys] mask, T x T elements for a prefill of T tokens (5.5 GB at T=32768), though each query sees
+at most `window` keys. The model hands such layers a `SlidingWindowMask` instead (a description of the mask, O(T)),
+and `sliding_window_attention` runs the same attention function over blocks of queries, each against only the keys
+its window can reach, with that block's slice of the mask: O(T * window) memory. The keys it skips are exactly those
+the full mask hides, so the result is the same up to floating-point summation order.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,6 +57,70 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     weights = nn.functional.softmax(weights, dim=-1, dtype=softmax_dtype).to(query.dtype)
     weights = nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+@dataclass
+class SlidingWindowMask:
+    """The mask of a sliding-window attention layer, described instead of materialised (see the module docstring).
+
+    Query i (absolute position q_offset + i) sees key j (absolute position kv_offset + j) when 0 <= q - k < window,
+    the key is not padding, and both are in the same packed document: transformers' sliding-window mask, element for
+    element."""
+
+    window: int
+    q_offset: int
+    kv_offset: int
+    kv_length: int
+    key_padding: torch.Tensor | None = None  # [B, >= kv_offset + kv_length] bool, True for real tokens, by absolute key
+    documents: torch.Tensor | None = None  # [B, T] packed-document index per token (packing: no cache, keys = queries)
+
+    def key_range(self, q_start: int, q_end: int) -> tuple[int, int]:
+        """The keys (local indices) that queries q_start..q_end-1 can see: from the window of the first to the last."""
+        first = max(0, self.q_offset + q_start - self.window + 1 - self.kv_offset)
+        return first, min(self.kv_length, self.q_offset + q_end - self.kv_offset)
+
+    def block(self, q_start: int, q_end: int, k_start: int, k_end: int, device: torch.device) -> torch.Tensor:
+        """[B or 1, 1, q_end - q_start, k_end - k_start] bool, True where the query sees the key."""
+        q_abs = torch.arange(q_start, q_end, device=device) + self.q_offset
+        k_abs = torch.arange(k_start, k_end, device=device) + self.kv_offset
+        distance = q_abs[:, None] - k_abs[None, :]
+        mask = ((distance >= 0) & (distance < self.window))[None, None]
+        if self.key_padding is not None:
+            mask = mask & self.key_padding[:, None, None, k_abs]
+        if self.documents is not None:
+            documents = self.documents
+            mask = mask & (documents[:, None, q_start:q_end, None] == documents[:, None, None, k_start:k_end])
+        # a query that sees no key at all (a left pad) would give NaN through sdpa; let it see its block instead (its
+        # output is never read: pads are masked as keys and ignored by the recurrent mixers)
+        return mask | ~mask.any(-1, keepdim=True)
+
+
+# Queries per block: at least the window, so that a block reads at most twice its size in keys (few blocks, little
+# recomputed), and at most 1024, so that a wide window's block holds 1024 x (1024 + window) scores, not window squared.
+_MIN_QUERY_BLOCK, _MAX_QUERY_BLOCK = 256, 1024
+
+
+def sliding_window_attention(module: nn.Module, attention: Callable, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, mask: SlidingWindowMask, additive: bool,
+                             **kwargs) -> tuple[torch.Tensor, None]:
+    """`attention` (an eager/sdpa attention function) block by block over the queries; query [B, H, T, hd], key and
+    value [B, kv_heads, keys, hd]. Returns the output [B, T, H, hd] (no attention weights: they would be T x keys)."""
+    if key.shape[2] != mask.kv_length:
+        raise RuntimeError(f"sliding-window attention got {key.shape[2]} keys, its mask describes {mask.kv_length}")
+    length = query.shape[2]
+    block = min(max(mask.window, _MIN_QUERY_BLOCK), _MAX_QUERY_BLOCK)
+    outputs = []
+    for q_start in range(0, length, block):
+        q_end = min(q_start + block, length)
+        k_start, k_end = mask.key_range(q_start, q_end)
+        block_mask = mask.block(q_start, q_end, k_start, k_end, query.device)
+        if additive:  # eager attention adds the mask to the scores, as transformers' eager mask does
+            block_mask = torch.zeros(block_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~block_mask, torch.finfo(query.dtype).min)
+        output, _ = attention(module, query[:, :, q_start:q_end], key[:, :, k_start:k_end],
+                              value[:, :, k_start:k_end], block_mask, **kwargs)
+        outputs.append(output)
+    return torch.cat(outputs, dim=1), None
 
 
 class HybridLinearAttention(nn.Module):
@@ -102,17 +175,14 @@ class HybridLinearAttention(nn.Module):
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        output, weights = attention(
-            self,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            **kwargs,
-        )
+        settings = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+                        sliding_window=self.sliding_window, **kwargs)
+        if isinstance(attention_mask, SlidingWindowMask):
+            additive = self.config._attn_implementation == "eager"
+            output, weights = sliding_window_attention(self, attention, query, key, value, attention_mask, additive,
+                                                       **settings)
+        else:
+            output, weights = attention(self, query, key, value, attention_mask, **settings)
         output = output.reshape(B, T, -1)
         if gate is not None:
             output = output * torch.sigmoid(gate)

@@ -12,7 +12,12 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+    prepare_padding_mask,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
@@ -25,7 +30,7 @@ from .block_ops import fused_causal_lm_loss, silu_and_mul
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
-from .mixer_attention import HybridLinearAttention
+from .mixer_attention import HybridLinearAttention, SlidingWindowMask
 from .mixer_gated_deltanet import HybridLinearGatedDeltaNet
 from .mixer_kimi_delta import HybridLinearKimiDeltaAttention
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
@@ -156,40 +161,73 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
 
 
 def _check_inputs(config: HybridLinearConfig, input_ids, inputs_embeds, attention_mask, position_ids) -> None:
-    """Clear errors for malformed inputs, before they reach a kernel."""
+    """Clear errors for malformed inputs, before they reach a kernel: every mixer (attention, GDN, KDA) would otherwise
+    fail later with a reshape or indexing error that names none of the inputs."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("Pass exactly one of input_ids [batch, seq_len] or inputs_embeds [batch, seq_len, hidden].")
     if input_ids is not None:
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(
-                f"input_ids must be a 2-D tensor of integer token ids [batch, seq_len], got dtype {input_ids.dtype} "
-                f"and shape {tuple(input_ids.shape)}."
-            )
-        if input_ids.numel() and not torch.compiler.is_compiling() and input_ids.device.type != "cuda":
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= config.vocab_size:
-                raise ValueError(f"input_ids must lie in [0, {config.vocab_size}), got values in [{low}, {high}].")
+        _check_input_ids(config, input_ids)
         batch, seq_len = input_ids.shape
     else:
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must be [batch, seq_len, {config.hidden_size}], got {tuple(inputs_embeds.shape)}."
-            )
+        _check_inputs_embeds(config, inputs_embeds)
         batch, seq_len = inputs_embeds.shape[:2]
+    if batch == 0 or seq_len == 0:
+        name = "input_ids" if input_ids is not None else "inputs_embeds"
+        raise ValueError(
+            f"{name} of shape [batch, seq_len] = [{batch}, {seq_len}] holds no tokens; give at least one row of at "
+            "least one token (to generate() from nothing, start the prompt with the BOS token: [[bos_token_id]])."
+        )
     if attention_mask is not None and not isinstance(attention_mask, dict):
-        if attention_mask.dim() == 2 and (attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len):
-            raise ValueError(
-                f"attention_mask must be [batch, past + seq_len] = [{batch}, >= {seq_len}] for inputs of shape "
-                f"[{batch}, {seq_len}], got {tuple(attention_mask.shape)}."
-            )
-        if attention_mask.dim() not in (2, 4):
-            raise ValueError(f"attention_mask must be 2-D [batch, length] or 4-D, got {tuple(attention_mask.shape)}.")
-    if position_ids is not None and (
-        position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch)
-    ):
+        _check_attention_mask(attention_mask, batch, seq_len)
+    if position_ids is not None:
+        _check_position_ids(position_ids, batch, seq_len)
+
+
+def _check_input_ids(config: HybridLinearConfig, input_ids: torch.Tensor) -> None:
+    if input_ids.dim() == 1 and not input_ids.dtype.is_floating_point:
+        raise ValueError(
+            f"input_ids must be a 2-D tensor [batch, seq_len], got a 1-D tensor of shape {tuple(input_ids.shape)}; "
+            "add the batch dimension: input_ids.unsqueeze(0)."
+        )
+    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(
+            f"input_ids must be a 2-D tensor of integer token ids [batch, seq_len], got dtype {input_ids.dtype} "
+            f"and shape {tuple(input_ids.shape)}."
+        )
+    if input_ids.numel() and not torch.compiler.is_compiling() and input_ids.device.type != "cuda":
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= config.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, {config.vocab_size}), got values in [{low}, {high}].")
+
+
+def _check_inputs_embeds(config: HybridLinearConfig, inputs_embeds: torch.Tensor) -> None:
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        fix = " (add the batch dimension: inputs_embeds.unsqueeze(0))" if inputs_embeds.dim() == 2 else ""
+        raise ValueError(
+            f"inputs_embeds must be [batch, seq_len, {config.hidden_size}] (hidden_size), got "
+            f"{tuple(inputs_embeds.shape)}{fix}."
+        )
+    if not inputs_embeds.dtype.is_floating_point:
+        raise ValueError(f"inputs_embeds must be a floating-point tensor, got dtype {inputs_embeds.dtype}.")
+
+
+def _check_attention_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> None:
+    if attention_mask.dim() == 2 and (attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len):
+        raise ValueError(
+            f"attention_mask must be [batch, past + seq_len] = [{batch}, >= {seq_len}] for inputs of shape "
+            f"[{batch}, {seq_len}], got {tuple(attention_mask.shape)}."
+        )
+    if attention_mask.dim() not in (2, 4):
+        raise ValueError(f"attention_mask must be 2-D [batch, length] or 4-D, got {tuple(attention_mask.shape)}.")
+
+
+def _check_position_ids(position_ids: torch.Tensor, batch: int, seq_len: int) -> None:
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch):
         raise ValueError(
             f"position_ids must be [batch or 1, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}."
         )
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must be integer positions, got dtype {position_ids.dtype}.")
 
 
 def _is_padded(attention_mask) -> bool:
@@ -218,7 +256,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def _attention_masks(self, inputs_embeds, attention_mask, cache, position_ids) -> dict:
+    def _attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> dict:
         if isinstance(attention_mask, dict):
             return attention_mask
         kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
@@ -228,8 +266,39 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         if "full_attention" in types:
             masks["full_attention"] = create_causal_mask(**kwargs)
         if "sliding_attention" in types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            described = None if weights_wanted else self._sliding_window_mask(inputs_embeds, attention_mask, cache,
+                                                                               position_ids)
+            masks["sliding_attention"] = described or create_sliding_window_causal_mask(**kwargs)
         return masks
+
+    def _sliding_window_mask(self, inputs_embeds, attention_mask, cache, position_ids) -> SlidingWindowMask | None:
+        """The sliding-window mask described, not built (attention applies it block by block in O(T * window)
+        memory), wherever transformers would materialise a [batch, 1, T, keys] mask: eager and sdpa, several query
+        tokens, no cache or a dynamic one; padded, packed or continuing a cache alike. None otherwise (one-token
+        steps, whose mask is one row; static caches, whose key slots do not follow the positions; other attention
+        implementations, which take no 4-D mask; and eager attention asked for its weights, which are T x T anyway).
+        The sizes and offsets come from the cache exactly as transformers' mask builder takes them."""
+        batch, q_length = inputs_embeds.shape[:2]
+        four_d_mask = attention_mask is not None and attention_mask.dim() != 2
+        if (self.config._attn_implementation not in ("sdpa", "eager") or q_length == 1 or four_d_mask
+                or getattr(cache, "is_compileable", False)):
+            return None
+        if cache is not None:
+            sliding = getattr(cache, "is_sliding", [])
+            layer_idx = sliding.index(True) if True in sliding else 0  # the layer transformers sizes the mask by
+            q_offset = cache.get_query_offset(layer_idx)
+            kv_length, kv_offset = cache.get_mask_sizes(q_length, layer_idx)
+        else:
+            q_offset = kv_offset = 0
+            kv_length = attention_mask.shape[-1] if attention_mask is not None else q_length
+        key_padding = documents = None
+        if attention_mask is not None:
+            padding = attention_mask.to(inputs_embeds.device, torch.bool)
+            key_padding = prepare_padding_mask(padding, kv_length, kv_offset)
+        elif cache is None and position_ids is not None:  # packed documents, detected as transformers does
+            documents = find_packed_sequence_indices(position_ids.expand(batch, -1))
+        return SlidingWindowMask(self.config.sliding_window, int(q_offset), kv_offset, kv_length, key_padding,
+                                 documents)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -269,7 +338,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
 
-        masks = self._attention_masks(inputs_embeds, attention_mask, cache, position_ids)
+        weights_wanted = bool(kwargs.get("output_attentions", self.config.output_attentions))
+        masks = self._attention_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:
@@ -359,6 +429,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)  # before any shape is read
         if labels is not None:
             expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
             if tuple(labels.shape) != expected:
