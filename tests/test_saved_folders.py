@@ -1,0 +1,28 @@
+"""Folders saved by earlier versions of this package load unchanged: the config gives the same model and the same
+logits (float32, recorded when the folder was saved; the tolerance only covers summation-order changes of the
+kernels since)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+
+SAVED = Path(__file__).parent / "fixtures" / "saved_models"
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in SAVED.iterdir()))
+def test_a_folder_saved_by_an_earlier_version_loads_with_its_logits(folder, tmp_path):
+    path = SAVED / folder
+    model = HybridLinearForCausalLM.from_pretrained(path).eval()
+    reference = load_file(path / "reference_logits.safetensors")
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+    torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
+    # and saves back to a config that reads as the same config
+    model.save_pretrained(tmp_path)
+    assert HybridLinearConfig.from_pretrained(tmp_path).to_dict() == model.config.to_dict()
