@@ -163,12 +163,17 @@ def _metadata(config: HybridLinearConfig, state_index: dict[str, str] | None) ->
     }
 
 
+def metadata_yaml(config: HybridLinearConfig, state_index: dict[str, str] | None) -> str:
+    """The text of the metadata.yaml the writer writes for `config`."""
+    return yaml.safe_dump(_metadata(config, state_index))
+
+
 def write_fast_llm(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, torch.Tensor]],
                    options: WriteOptions) -> None:
     config = plan.source.config
     files = plan_files(plan.targets, options.max_shard_bytes, lambda index, count: f"model_{index}.safetensors")
     state_index = {name: file.name for file in files for name, _ in file.tensors}
-    metadata_text = yaml.safe_dump(_metadata(config, state_index))
+    metadata_text = metadata_yaml(config, state_index)
     check_metadata_reads_back(config, metadata_text)  # before any file is written
     # Fast-LLM repeats its metadata (as YAML strings, without the state index) in each safetensors header.
     header = {key: value if isinstance(value, str) else yaml.safe_dump(value)
@@ -195,4 +200,4 @@ def check_metadata_reads_back(config: HybridLinearConfig, metadata_text: str) ->
 
 
 __all__ = ["read_fast_llm", "write_fast_llm", "fast_llm_rows", "load_metadata", "check_metadata_reads_back",
-           "METADATA_FILE"]
+           "metadata_yaml", "METADATA_FILE"]

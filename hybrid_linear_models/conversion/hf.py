@@ -63,18 +63,29 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention
                 "gdn_conv_kernel_size", "kda_num_heads", "kda_head_dim", "kda_conv_kernel_size")
 
 
-def _check_layer_counts(fields: Fields, census: TensorCensus | None) -> None:
+def _check_before_building(fields: Fields, census: TensorCensus | None) -> None:
+    """The fields HybridLinearConfig or transformers' PreTrainedConfig build from before validating (per-layer lists,
+    mappings, the dtype): type-checked here, and the sizes bounded by the stored tensors."""
     layers = fields.integer("num_hidden_layers", None, minimum=1)
-    layer_types = fields.sequence("layer_types", None, item=str, non_empty=True)
-    if census is None:
-        return
-    if layers is not None:
-        census.check_block_count(layers, f"{fields.file}: num_hidden_layers is {layers}")
+    layer_types = fields.sequence("layer_types", None, non_empty=True)
+    if census is not None:
+        if layers is not None:
+            census.check_block_count(layers, f"{fields.file}: num_hidden_layers is {layers}")
+        if layer_types is not None:
+            census.check_block_count(len(layer_types), f"{fields.file}: layer_types lists {len(layer_types)} layers")
     if layer_types is not None:
-        census.check_block_count(len(layer_types), f"{fields.file}: layer_types lists {len(layer_types)} layers")
+        fields.sequence("layer_types", item=str)  # each entry, once the length is known to be sane
+    for name in ("rope_parameters", "id2label", "label2id"):
+        if fields.get(name) is not None:
+            fields.mapping(name)
+    fields.string("hidden_act", None)
+    dtype = fields.string("dtype", None)
+    if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise fields.wrong("dtype", "the name of a torch dtype (float32, bfloat16, ...)", dtype)
     for name in _SIZE_FIELDS:
         if fields.has(name):
-            fields.integer(name, minimum=1, maximum=census.elements, too_large=census.elements_phrase)
+            fields.integer(name, minimum=1, maximum=census.elements if census else None,
+                           too_large=census.elements_phrase if census else "")
 
 
 def _config_fields(text: str, label: str) -> Fields:
@@ -88,15 +99,21 @@ def _config_fields(text: str, label: str) -> Fields:
 
 def parse_hf_config(text: str, label: str, census: TensorCensus | None = None) -> HybridLinearConfig:
     """config.json's text -> our config (the reader's path, also used to check what the writer writes)."""
-    fields = _config_fields(text, label)
-    data = fields.data
-    _check_layer_counts(fields, census)
+    return _build_config(_config_fields(text, label), census)
+
+
+def _build_config(fields: Fields, census: TensorCensus | None) -> HybridLinearConfig:
+    _check_before_building(fields, census)
     try:
-        return HybridLinearConfig.from_dict(data)
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
-        # ValueError: the config's own validation; the others: transformers' config machinery meeting a value of
-        # the wrong type in a field it handles itself (a mapping where it expects a list, ...).
-        raise ConversionError(f"{label} is not a valid HybridLinearConfig: {clip(str(error))}") from None
+        return HybridLinearConfig.from_dict(dict(fields.data))
+    except ValueError as error:  # the config's own validation, naming the field
+        raise ConversionError(f"{fields.file} is not a valid HybridLinearConfig: {clip(str(error))}") from None
+    except Exception as error:  # noqa: BLE001
+        # transformers' PreTrainedConfig handles many base fields itself (dtype, id2label, ...) and fails in its own
+        # ways when one holds a value of the wrong type; we cannot vouch for every such path, so any failure of
+        # building the config from this file is reported as the file's problem, with the original error.
+        raise ConversionError(f"{fields.file} is not a valid HybridLinearConfig: a field has a value of the wrong "
+                              f"type ({type(error).__name__}: {clip(str(error), 200)}).") from None
 
 
 def _config_text(path: Path) -> str:
@@ -157,11 +174,10 @@ def read_hf(path: Path) -> SourceCheckpoint:
     path = Path(path)
     if not path.is_dir():
         raise ConversionError(f"SRC {path} is not a folder; a Hugging Face checkpoint is a folder with {CONFIG_FILE}.")
-    config_text, label = _config_text(path), str(path / CONFIG_FILE)
-    _config_fields(config_text, label)  # is it our format at all, before the weights are opened
+    fields = _config_fields(_config_text(path), str(path / CONFIG_FILE))  # our format at all? before the weights
     files, _ = _open_weights(path)  # headers only: the census bounds the config's sizes before it is built
     census = TensorCensus.of(((key, file.info(key)) for key, file in files.items()), "model.layers.")
-    config = parse_hf_config(config_text, label, census)
+    config = _build_config(fields, census)
     check_tensor_sizes(config, census, str(path / CONFIG_FILE))
     return SourceCheckpoint("hf", path, config, SafetensorsTensors(files), build_hf_rows(config))
 
