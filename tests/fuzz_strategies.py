@@ -100,5 +100,12 @@ def split_safetensors(blob: bytes) -> tuple[dict, bytes]:
     return json.loads(blob[8:8 + length]), blob[8 + length:]
 
 
-__all__ = ["FUZZ_SETTINGS", "scalars", "hostile_values", "paths", "mutated", "safetensors_file",
-           "split_safetensors"]
+__all__ = [
+    "FUZZ_SETTINGS",
+    "hostile_values",
+    "mutated",
+    "paths",
+    "safetensors_file",
+    "scalars",
+    "split_safetensors",
+]

@@ -5,6 +5,7 @@ and with bounded memory."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import struct
@@ -30,6 +31,7 @@ from hybrid_linear_models.conversion.hf import check_config_reads_back, export_c
 from hybrid_linear_models.conversion.pipeline import plan_conversion
 from hybrid_linear_models.conversion.safetensors_io import SafetensorsFile
 from hybrid_linear_models.conversion.synthetic import write_random_checkpoint
+from hybrid_linear_models.conversion import untrusted
 from hybrid_linear_models.conversion.untrusted import MAX_DEPTH, brief, clip, describe, parse_json, parse_yaml
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda"
@@ -51,9 +53,11 @@ def hf_sharded(tmp_path_factory) -> Path:
 @pytest.fixture
 def copy_of(tmp_path, hf_folder, hf_sharded):
     """copy_of(kind) -> a writable copy of a checkpoint folder: fast_llm, distributed, hf or hf_sharded."""
+    copies = itertools.count()
+
     def make(kind: str) -> Path:
         source = {"hf": hf_folder, "hf_sharded": hf_sharded}.get(kind) or FIXTURE / kind
-        return Path(shutil.copytree(source, tmp_path / kind))
+        return Path(shutil.copytree(source, tmp_path / f"{kind}_{next(copies)}"))
     return make
 
 
@@ -411,6 +415,20 @@ def test_state_index_names_only_files_inside_the_folder(copy_of):
     refused(folder, "fast_llm", "metadata.state_index['decoder.0.norm_1.weight/weights'] should be a plain file name")
 
 
+def test_oversized_text_files_are_refused_before_reading(copy_of, monkeypatch):
+    monkeypatch.setattr(untrusted, "MAX_TEXT_BYTES", 1000)
+    refused(copy_of("fast_llm"), "fast_llm", "metadata.yaml has", "bytes, more than the 1000")
+    refused(copy_of("hf"), "hf", "config.json has", "bytes, more than the 1000")
+
+
+def test_overlong_file_names_in_an_index_are_refused(copy_of):
+    folder = copy_of("hf_sharded")
+    edit_json(folder / "model.safetensors.index.json",
+              lambda i: i["weight_map"].__setitem__("model.norm.weight", "m" * 100_000 + ".safetensors"))
+    message = refused(folder, "hf", "should be a plain file name")
+    assert len(message) < 600
+
+
 # --------------------------------------------------------------------------------------------- 5. dtypes
 
 
@@ -456,6 +474,15 @@ def test_huge_user_values_are_cut_in_messages(copy_of):
         "mixer"].__setitem__("type", "mamba" * 100_000))
     message = refused(folder, "fast_llm", "blocks.gdn.mixer.type = 'mambamamba", "...")
     assert len(message) < 400
+    folder = copy_of("fast_llm")
+
+    def rename_block(metadata):
+        decoder = metadata["config"]["base_model"]["decoder"]
+        decoder["blocks"]["b" * 100_000] = decoder["blocks"].pop("kda")
+        decoder["blocks"]["b" * 100_000]["mixer"]["surprise"] = 1
+    edit_yaml(folder / "metadata.yaml", rename_block)
+    message = refused(folder, "fast_llm", "config.base_model.decoder.blocks.bbbb", "not supported")
+    assert len(message) < 600
     folder = copy_of("hf")
     tensors = load_file(folder / "model.safetensors")
     tensors["x\n" * 100_000] = torch.zeros(1)

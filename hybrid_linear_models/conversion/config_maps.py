@@ -78,7 +78,7 @@ class _Fields(Fields):
         unknown = self.unread(_TRAINING_ONLY | extra_ignorable)
         if unknown:
             raise ConversionError(
-                f"metadata.yaml: field(s) {brief(', '.join(unknown), 300)} not supported by this converter "
+                f"metadata.yaml: field(s) {clip(', '.join(unknown))} not supported by this converter "
                 "(they may change the model's math, and HybridLinearConfig cannot express them)."
             )
 

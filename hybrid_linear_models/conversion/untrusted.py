@@ -225,7 +225,7 @@ class Fields:
         self.data, self.path, self.file, self._used = data, path, file, set()
 
     def where(self, key: Any) -> str:
-        name = key if isinstance(key, str) else brief(key)
+        name = clip(key, BRIEF_CHARS) if isinstance(key, str) else brief(key)
         return f"{self.path}.{name}" if self.path else name
 
     def wrong(self, key: Any, expected: str, value: Any, hint: str = "") -> ConversionError:
@@ -359,13 +359,28 @@ def _looks_like_a_float(text: str) -> bool:
 
 
 def plain_file_name(value: Any, where: str) -> str:
-    """A file name inside the checkpoint folder: no path separators, no '..', nothing absolute."""
-    if (not isinstance(value, str) or not value or value in (".", "..") or "/" in value or "\\" in value
-            or "\0" in value or Path(value).name != value):
+    """A file name inside the checkpoint folder: no path separators, no '..', nothing absolute, at most 255
+    characters (no file system allows more)."""
+    if (not isinstance(value, str) or not value or len(value) > 255 or value in (".", "..") or "/" in value
+            or "\\" in value or "\0" in value or Path(value).name != value):
         raise ConversionError(f"{where} should be a plain file name inside the checkpoint folder, got "
                               f"{describe(value)}; an index may not point outside its folder.")
     return value
 
 
-__all__ = ["brief", "clip", "describe", "REQUIRED", "read_text", "parse_json", "parse_yaml", "json_depth", "Fields",
-           "matches", "plain_file_name", "MAX_DEPTH", "MAX_YAML_NODES", "MAX_TEXT_BYTES"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_TEXT_BYTES",
+    "MAX_YAML_NODES",
+    "REQUIRED",
+    "Fields",
+    "brief",
+    "clip",
+    "describe",
+    "json_depth",
+    "matches",
+    "parse_json",
+    "parse_yaml",
+    "plain_file_name",
+    "read_text",
+]
