@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models import HybridLinearConfig
-from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
+from hybrid_linear_models.conversion import ConversionError, convert_checkpoint, untrusted
 from hybrid_linear_models.conversion.fast_llm import check_metadata_reads_back, metadata_yaml, read_fast_llm
 from hybrid_linear_models.conversion.fast_llm_distributed import read_fast_llm_distributed
 from hybrid_linear_models.conversion.formats import get_format
@@ -31,7 +31,6 @@ from hybrid_linear_models.conversion.hf import check_config_reads_back, export_c
 from hybrid_linear_models.conversion.pipeline import plan_conversion
 from hybrid_linear_models.conversion.safetensors_io import SafetensorsFile
 from hybrid_linear_models.conversion.synthetic import write_random_checkpoint
-from hybrid_linear_models.conversion import untrusted
 from hybrid_linear_models.conversion.untrusted import MAX_DEPTH, brief, clip, describe, parse_json, parse_yaml
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda"

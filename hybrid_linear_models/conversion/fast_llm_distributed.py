@@ -11,6 +11,10 @@ holding one flat buffer per state shard (`weights_shard`, optimizer shards). Sup
 Tensor-parallel means "has a dimension Fast-LLM can split over heads", independent of the actual parallelism. The
 layouts are checked against both fixtures; configurations the fixtures do not cover (a GDN/KDA mixer with a single
 head) are refused rather than guessed.
+
+A flat buffer's names say nothing about the blocks, so the config's sizes are bounded by the buffer's length while
+they are read, and the buffer length the config implies is computed by arithmetic per layer type and compared before
+`stage_layout` builds its per-layer table.
 """
 
 from __future__ import annotations
