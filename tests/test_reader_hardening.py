@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models import HybridLinearConfig
-from hybrid_linear_models.conversion import ConversionError, convert_checkpoint, untrusted
+from hybrid_linear_models.conversion import ConversionError, convert_checkpoint, fast_llm, untrusted
 from hybrid_linear_models.conversion.fast_llm import check_metadata_reads_back, metadata_yaml, read_fast_llm
 from hybrid_linear_models.conversion.fast_llm_distributed import read_fast_llm_distributed
 from hybrid_linear_models.conversion.formats import get_format
@@ -262,6 +262,18 @@ def test_deep_index_and_header_are_refused(copy_of):
     raw = b'{"a": ' + b"[" * 100_000
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(blob[8:]))
     refused(folder, "hf", "model.safetensors is not a valid safetensors file", "nests deeper")
+
+
+def test_depth_limit_is_exact():
+    for depth, accepted in ((MAX_DEPTH, True), (MAX_DEPTH + 1, False)):
+        json_text, yaml_text = "[" * depth + "]" * depth, "[" * depth + "]" * depth
+        block_yaml = "".join("  " * i + f"k{i}:\n" for i in range(depth - 1)) + "  " * (depth - 1) + "k: 1\n"
+        for parse, text in ((parse_json, json_text), (parse_yaml, yaml_text), (parse_yaml, block_yaml)):
+            if accepted:
+                parse(text, "x")
+            else:
+                with pytest.raises(ConversionError, match="nests deeper"):
+                    parse(text, "x")
 
 
 def test_brackets_inside_strings_are_not_nesting():
@@ -541,17 +553,35 @@ def test_fast_llm_metadata_written_reads_back_equal(config):
 
 
 def test_a_field_that_does_not_survive_is_refused_before_writing(tmp_path):
-    config = HybridLinearConfig(vocab_size=64, hidden_size=16, intermediate_size=24, layer_types=["full_attention"],
-                                num_attention_heads=2, num_key_value_heads=1, head_dim=8, zero_centered_norms=False,
-                                attention_output_gate=False, attention_qk_norm=False,
-                                rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                 "partial_rotary_factor": 1.0, "factor": 2.0})
+    """A rope parameter Fast-LLM has no place for: hf -> fast_llm would silently drop it."""
+    try:
+        config = HybridLinearConfig(vocab_size=64, hidden_size=16, intermediate_size=24,
+                                    layer_types=["full_attention"], num_attention_heads=2, num_key_value_heads=1,
+                                    head_dim=8, zero_centered_norms=False, attention_output_gate=False,
+                                    attention_qk_norm=False, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                              "partial_rotary_factor": 1.0,
+                                                                              "factor": 2.0})
+    except ValueError:
+        pytest.skip("HybridLinearConfig refuses extra rope parameters itself")
     src = write_random_checkpoint(tmp_path / "hf", config, "hf")
     with pytest.raises(ConversionError, match=r"refusing to write metadata.yaml: the config field rope_parameters"):
         convert_checkpoint(src, tmp_path / "dst", from_format="hf", to_format="fast_llm")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing written, no staging folder left
-    exported = export_config(config, torch.float32)
-    text = exported.to_json_string(use_diff=False).replace('"head_dim": 8', '"head_dim": 4')
-    with pytest.raises(ConversionError, match=r"refusing to write config.json: the config field head_dim \(8 reads "
-                                              r"back as 4\)"):
+
+
+def test_a_writer_whose_config_would_not_read_back_writes_nothing(tmp_path, monkeypatch):
+    def wrong_metadata(config, state_index):
+        return metadata_yaml(config, state_index).replace("hidden_size: 64", "hidden_size: 32")
+    monkeypatch.setattr(fast_llm, "metadata_yaml", wrong_metadata)
+    with pytest.raises(ConversionError, match=r"refusing to write metadata.yaml: the config field hidden_size \(64 "
+                                              r"reads back as 32\)"):
+        convert_checkpoint(FIXTURE / "fast_llm", tmp_path / "dst", from_format="fast_llm", to_format="fast_llm")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(fast_llm, "metadata_yaml", lambda config, state_index: "config: [")
+    with pytest.raises(ConversionError, match=r"refusing to write metadata.yaml: it would not read back"):
+        convert_checkpoint(FIXTURE / "fast_llm", tmp_path / "dst", from_format="fast_llm", to_format="fast_llm")
+    exported = export_config(HybridLinearConfig(layer_types=["full_attention"], head_dim=16), torch.float32)
+    text = exported.to_json_string(use_diff=False).replace('"head_dim": 16', '"head_dim": 8')
+    with pytest.raises(ConversionError, match=r"refusing to write config.json: the config field head_dim \(16 reads "
+                                              r"back as 8\)"):
         check_config_reads_back(exported, text)

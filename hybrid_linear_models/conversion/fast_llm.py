@@ -190,7 +190,7 @@ def check_metadata_reads_back(config: HybridLinearConfig, metadata_text: str) ->
         metadata = parse_yaml(metadata_text, METADATA_FILE)
         again = fast_llm_to_hybrid_config(metadata["config"]["base_model"])
     except ConversionError as error:
-        raise ConversionError(f"refusing to write {METADATA_FILE}: it would not read back ({error}). This is a bug in "
+        raise ConversionError(f"refusing to write {METADATA_FILE}: it would not read back ({str(error).rstrip('.')}). This is a bug in "
                               "the converter; please report it with the source config.") from None
     difference = config_difference(config, again, fast_llm_carried_fields(config))
     if difference is not None:

@@ -53,7 +53,7 @@ _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def _read_json(path: Path) -> Any:
-    return parse_json(read_text(path, " JSON"), str(path))
+    return parse_json(read_text(path, "JSON"), str(path))
 
 
 # The config.json fields that size the model: read (type-checked, bounded by the stored tensors) before
@@ -122,7 +122,7 @@ def _config_text(path: Path) -> str:
         hint = " It contains metadata.yaml: if it is a Fast-LLM checkpoint, use --from fast_llm." if (
             path / "metadata.yaml").exists() else ""
         raise ConversionError(f"SRC {path} is not a Hugging Face checkpoint: it has no {CONFIG_FILE}.{hint}")
-    return read_text(config_path, " JSON")
+    return read_text(config_path, "JSON")
 
 
 def read_hf_config(path: Path, census: TensorCensus | None = None) -> HybridLinearConfig:
@@ -205,7 +205,7 @@ def check_config_reads_back(config: HybridLinearConfig, config_text: str) -> Non
     try:
         again = parse_hf_config(config_text, CONFIG_FILE)
     except ConversionError as error:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: it would not read back ({error}). This is a bug in "
+        raise ConversionError(f"refusing to write {CONFIG_FILE}: it would not read back ({str(error).rstrip('.')}). This is a bug in "
                               "the converter; please report it with the source config.") from None
     difference = config_difference(config, again)
     if difference is not None:

@@ -81,13 +81,13 @@ def describe(value: Any) -> str:
 # ------------------------------------------------------------------------------------------------ parsing
 
 
-def read_text(path: Path, what: str = "") -> str:
-    """The text of a small file, refusing one too large to be what it claims to be."""
+def read_text(path: Path, kind: str = "metadata") -> str:
+    """The text of a small file (`kind`: what it is, for the message), refusing one too large to be that."""
     try:
         size = path.stat().st_size
         if size > MAX_TEXT_BYTES:
-            raise ConversionError(f"{path} has {size} bytes, more than the {MAX_TEXT_BYTES} a{what or ' metadata'} "
-                                  "file can reasonably have; it is not the file this reader expects.")
+            raise ConversionError(f"{path} has {size} bytes, more than the {MAX_TEXT_BYTES} a {kind} file can "
+                                  "reasonably have; it is not the file this reader expects.")
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
         raise ConversionError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); the file is "
@@ -111,9 +111,10 @@ _DEPTH_STEP[[ord("]"), ord("}")]] = -1
 
 def json_depth(text: str) -> int:
     """The deepest bracket nesting of a JSON text, from its token stream (vectorised: a hostile 100 MB header holds
-    tens of millions of brackets)."""
-    if text.count("[") + text.count("{") <= MAX_DEPTH:
-        return MAX_DEPTH  # cannot nest deeper than it has brackets
+    tens of millions of brackets); for a text with few brackets, their count (an upper bound) is enough."""
+    openers = text.count("[") + text.count("{")
+    if openers <= MAX_DEPTH:
+        return openers  # cannot nest deeper than it has brackets
     brackets = _JSON_STRING_OR_FILLER.sub("", text).encode("ascii")
     if not brackets:
         return 0
