@@ -15,8 +15,11 @@ from typing import Any
 
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
+from .pipeline import TensorCensus
+from .untrusted import REQUIRED, Fields, brief, clip
 
 FAST_LLM_VERSION = "0.4.0"
+METADATA = "metadata.yaml"
 _DEFAULT_NORM_EPS = 1e-5
 _DEFAULT_CONV_KERNEL = 4
 _DEFAULT_ROPE_THETA = 10_000.0
@@ -47,51 +50,35 @@ _TRAINING_ONLY = frozenset({
 })
 
 
-class _Fields:
-    """A config mapping read field by field; `finish()` rejects the fields nobody read."""
+class _Fields(Fields):
+    """A `config.base_model` mapping of metadata.yaml, read through typed getters; sizes are bounded by what the
+    stored tensors can hold (`census`), so that no size read here can make a later table or allocation explode."""
 
-    def __init__(self, data: Any, path: str):
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConversionError(f"metadata.yaml: {path} should be a mapping, got {data!r}")
-        self.data, self.path, self._used = data, path, set()
+    def __init__(self, data: Any, path: str, census: TensorCensus | None = None):
+        super().__init__(data, path, METADATA)
+        self.census = census
 
-    def where(self, key: str) -> str:
-        return f"{self.path}.{key}"
+    def _child(self, data: Any, path: str) -> _Fields:
+        return _Fields(data, path, self.census)
 
-    def get(self, key: str, default: Any = None) -> Any:
-        self._used.add(key)
-        return self.data.get(key, default)
+    def missing(self, key: str, hint: str = "") -> ConversionError:
+        return ConversionError(
+            f"metadata.yaml does not give {self.where(key)}. Fast-LLM omits fields left at their default and this "
+            f"converter does not assume that default; add the value the model was trained with to metadata.yaml"
+            f"{hint}."
+        )
 
-    def has(self, key: str) -> bool:
-        return key in self.data
-
-    def require(self, key: str, hint: str = "") -> Any:
-        self._used.add(key)
-        if key not in self.data:
-            raise ConversionError(
-                f"metadata.yaml does not give {self.where(key)}. Fast-LLM omits fields left at their default and this "
-                f"converter does not assume that default; add the value the model was trained with to metadata.yaml"
-                f"{hint}."
-            )
-        return self.data[key]
-
-    def sub(self, key: str) -> _Fields:
-        return _Fields(self.get(key), self.where(key))
-
-    def expect(self, key: str, allowed: tuple, default: Any, meaning: str) -> Any:
-        value = self.get(key, default)
-        if value not in allowed:
-            raise ConversionError(f"metadata.yaml: {self.where(key)} = {value!r} is not supported ({meaning}); "
-                                  f"HybridLinearConfig can only express {allowed[0]!r}.")
-        return value
+    def size(self, key: str, default: Any = REQUIRED, hint: str = "") -> int:
+        """A positive integer no larger than the number of weight elements stored (a dimension of some tensor)."""
+        census = self.census
+        return self.integer(key, default, minimum=1, maximum=census.elements if census else None,
+                            too_large=census.elements_phrase if census else "", hint=hint)
 
     def finish(self, extra_ignorable: frozenset = frozenset()) -> None:
-        unknown = sorted(set(self.data) - self._used - _TRAINING_ONLY - extra_ignorable)
+        unknown = self.unread(_TRAINING_ONLY | extra_ignorable)
         if unknown:
             raise ConversionError(
-                f"metadata.yaml: field(s) {', '.join(self.where(k) for k in unknown)} not supported by this converter "
+                f"metadata.yaml: field(s) {clip(', '.join(unknown))} not supported by this converter "
                 "(they may change the model's math, and HybridLinearConfig cannot express them)."
             )
 
@@ -99,7 +86,7 @@ class _Fields:
 def _check_no_bias(layer: _Fields, default_enabled: bool) -> None:
     """A linear/conv sub-config (`query_layer`, `layer_1`, ...): no bias, nothing else that changes the math."""
     bias = layer.sub("bias")
-    enabled = bias.get("enabled")
+    enabled = bias.boolean("enabled", None)
     bias.finish()
     if enabled or (enabled is None and default_enabled):
         origin = f"{bias.path}.enabled" if enabled else "add_linear_biases, which Fast-LLM defaults to true"
@@ -118,7 +105,7 @@ def _linear_layers(mixer: _Fields, names: tuple[str, ...], default_bias: bool) -
 
 def _convolution(mixer: _Fields) -> int:
     conv = mixer.sub("convolution_layer")
-    kernel = conv.get("kernel_size", _DEFAULT_CONV_KERNEL)
+    kernel = conv.size("kernel_size", _DEFAULT_CONV_KERNEL)
     conv.expect("activation", ("silu", None), None, "the short convolution's activation")
     _check_no_bias(conv, default_enabled=False)
     return kernel
@@ -127,11 +114,8 @@ def _convolution(mixer: _Fields) -> int:
 def _gated_norm(mixer: _Fields) -> tuple[float, str]:
     norm = mixer.sub("normalization")
     norm.expect("type", ("gated_rms_norm", None), None, "the output norm type")
-    eps = float(norm.get("epsilon", _DEFAULT_NORM_EPS))
-    activation = norm.get("activation", "silu")
-    if activation not in ("silu", "sigmoid"):
-        raise ConversionError(f"metadata.yaml: {norm.where('activation')} = {activation!r} is not supported; "
-                              "the gated norm's gate must be 'silu' or 'sigmoid'.")
+    eps = float(norm.number("epsilon", _DEFAULT_NORM_EPS, positive=True))
+    activation = norm.name("activation", ("silu", "sigmoid"), "silu")
     norm.sub("weight").finish()
     norm.finish()
     return eps, activation
@@ -146,35 +130,35 @@ def _attention_settings(mixer: _Fields) -> dict[str, Any]:
     for name in ("query_norm", "key_norm", "value_norm"):
         mixer.expect(name, (None,), None, "per-head q/k/v norms in Fast-LLM's layout")
     mixer.expect("shared_key_value", (False,), False, "one projection shared by keys and values")
-    biases = bool(mixer.get("add_linear_biases", True))
+    biases = mixer.boolean("add_linear_biases", True)
     _linear_layers(mixer, ("query_layer", "key_layer", "value_layer", "dense_layer"), biases)
     rotary = mixer.sub("rotary")
-    rotary_type = rotary.get("type", "none")
+    rotary_type = rotary.string("type", "none")
     if rotary_type != "default":
         raise ConversionError(
-            f"metadata.yaml: {rotary.where('type')} = {rotary_type!r} is not supported; the model uses Llama-style "
-            "('default', rotate_half) rotary embeddings over the whole head. A missing rotary section means no rotary "
-            "in Fast-LLM."
+            f"metadata.yaml: {rotary.where('type')} = {brief(rotary_type)} is not supported; the model uses "
+            "Llama-style ('default', rotate_half) rotary embeddings over the whole head. A missing rotary section "
+            "means no rotary in Fast-LLM."
         )
-    theta = float(rotary.get("theta", _DEFAULT_ROPE_THETA))
+    theta = float(rotary.number("theta", _DEFAULT_ROPE_THETA, positive=True))
     rotary.finish()
     settings = {
-        "num_attention_heads": mixer.get("heads", _ATTENTION_DEFAULTS["heads"]),
-        "num_key_value_heads": mixer.get("head_groups", _ATTENTION_DEFAULTS["head_groups"]),
-        "head_dim": mixer.get("head_size", _ATTENTION_DEFAULTS["head_size"]),
+        "num_attention_heads": mixer.size("heads", _ATTENTION_DEFAULTS["heads"]),
+        "num_key_value_heads": mixer.size("head_groups", _ATTENTION_DEFAULTS["head_groups"]),
+        "head_dim": mixer.size("head_size", _ATTENTION_DEFAULTS["head_size"]),
         "rope_theta": theta,
     }
-    window = mixer.get("window_size")
+    window = mixer.integer("window_size", None, minimum=1)
     mixer.finish(frozenset({"type"}))
     return {"settings": settings, "window": window}
 
 
 def _gdn_settings(mixer: _Fields) -> dict[str, Any]:
     settings = {
-        "gdn_num_key_heads": mixer.require("key_heads"),
-        "gdn_num_value_heads": mixer.require("value_heads"),
-        "gdn_key_head_dim": mixer.require("key_head_dim"),
-        "gdn_value_head_dim": mixer.require("value_head_dim"),
+        "gdn_num_key_heads": mixer.size("key_heads"),
+        "gdn_num_value_heads": mixer.size("value_heads"),
+        "gdn_key_head_dim": mixer.size("key_head_dim"),
+        "gdn_value_head_dim": mixer.size("value_head_dim"),
         "gdn_conv_kernel_size": _convolution(mixer),
     }
     settings["gdn_norm_eps"], settings["gdn_gate_activation"] = _gated_norm(mixer)
@@ -185,8 +169,8 @@ def _gdn_settings(mixer: _Fields) -> dict[str, Any]:
 
 def _kda_settings(mixer: _Fields) -> dict[str, Any]:
     settings = {
-        "kda_num_heads": mixer.require("heads"),
-        "kda_head_dim": mixer.require("head_dim"),
+        "kda_num_heads": mixer.size("heads"),
+        "kda_head_dim": mixer.size("head_dim"),
         "kda_conv_kernel_size": _convolution(mixer),
     }
     settings["kda_norm_eps"], settings["kda_gate_activation"] = _gated_norm(mixer)
@@ -202,54 +186,58 @@ _MIXER_READERS = {"attention": _attention_settings, "gdn": _gdn_settings, "kda":
 def _block_settings(block: _Fields) -> dict[str, Any]:
     block.expect("type", ("decoder", None), None, "the block type")
     mixer = block.sub("mixer")
-    mixer_type = mixer.get("type", "attention")
+    mixer_type = mixer.string("type", "attention")
     if mixer_type not in _MIXER_READERS:
         raise ConversionError(
-            f"metadata.yaml: {mixer.where('type')} = {mixer_type!r}: unknown mixer type; this converter supports "
-            f"{', '.join(sorted(_MIXER_READERS))} (attention, Gated DeltaNet, Kimi Delta Attention)."
+            f"metadata.yaml: {mixer.where('type')} = {brief(mixer_type)}: unknown mixer type; this converter "
+            f"supports {', '.join(sorted(_MIXER_READERS))} (attention, Gated DeltaNet, Kimi Delta Attention)."
         )
     result = {"mixer_type": mixer_type, **_MIXER_READERS[mixer_type](mixer)}
     mlp = block.sub("mlp")
     mlp.expect("type", ("mlp", None), None, "mixture-of-experts or other MLP types")
     mlp.expect("gated", (True,), False, "a non-gated MLP")
     mlp.expect("activation", ("silu",), "silu", "the gated MLP's activation")
-    _linear_layers(mlp, ("layer_1", "layer_2"), bool(mlp.get("add_linear_biases", True)))
-    result["intermediate_size"] = mlp.require("intermediate_size")
+    _linear_layers(mlp, ("layer_1", "layer_2"), mlp.boolean("add_linear_biases", True))
+    result["intermediate_size"] = mlp.size("intermediate_size")
     mlp.finish()
     norm = block.sub("normalization")
     norm.expect("type", ("rms_norm",), None, "the block norm must be RMSNorm; Fast-LLM's default is LayerNorm")
     norm.expect("zero_centered", (False,), False, "zero-centred norms")
-    result["rms_norm_eps"] = float(norm.get("epsilon", _DEFAULT_NORM_EPS))
+    result["rms_norm_eps"] = float(norm.number("epsilon", _DEFAULT_NORM_EPS, positive=True))
     norm.sub("weight").finish()
     norm.finish()
     block.finish()
     return result
 
 
+def _num_blocks(decoder: _Fields) -> int:
+    num_blocks = decoder.integer("num_blocks", minimum=1)
+    if decoder.census is not None:  # before any per-block list is built
+        decoder.census.check_block_count(num_blocks, f"metadata.yaml: {decoder.where('num_blocks')} is "
+                                                     f"{brief(num_blocks)}")
+    return num_blocks
+
+
 def _decoder_blocks(decoder: _Fields) -> list[tuple[str, dict[str, Any]]]:
     """(block name, settings) per layer, for `pattern` and `fixed` decoders."""
-    decoder_type = decoder.get("type", "fixed")
-    num_blocks = decoder.require("num_blocks")
-    if not isinstance(num_blocks, int) or num_blocks <= 0:
-        raise ConversionError(f"metadata.yaml: {decoder.where('num_blocks')} must be a positive integer")
+    decoder_type = decoder.string("type", "fixed")
+    num_blocks = _num_blocks(decoder)
     if decoder_type == "fixed":
         block = _block_settings(decoder.sub("block"))
         decoder.finish()
         return [("block", block)] * num_blocks
     if decoder_type != "pattern":
-        raise ConversionError(f"metadata.yaml: {decoder.where('type')} = {decoder_type!r} is not supported; use a "
+        raise ConversionError(f"metadata.yaml: {decoder.where('type')} = {brief(decoder_type)} is not supported; use a "
                               "'pattern' or 'fixed' decoder.")
     blocks_field = decoder.sub("blocks")
-    pattern = decoder.require("pattern")
-    if not isinstance(pattern, list) or not pattern:
-        raise ConversionError(f"metadata.yaml: {decoder.where('pattern')} must be a non-empty list of block names")
+    pattern = decoder.sequence("pattern", item=str, non_empty=True)
     settings = {}
     for name in blocks_field.data:
         settings[name] = _block_settings(blocks_field.sub(name))
     blocks_field.finish()
     missing = [name for name in pattern if name not in settings]
     if missing:
-        raise ConversionError(f"metadata.yaml: {decoder.where('pattern')} names block(s) {missing} that "
+        raise ConversionError(f"metadata.yaml: {decoder.where('pattern')} names block(s) {brief(missing)} that "
                               f"{blocks_field.path} does not define")
     decoder.finish()
     return [(pattern[i % len(pattern)], settings[pattern[i % len(pattern)]]) for i in range(num_blocks)]
@@ -261,26 +249,29 @@ def _merge(per_layer: list[tuple[str, dict[str, Any]]], field: str, value_of) ->
     for name, block in per_layer[1:]:
         if value_of(block) != value_of(first):
             raise ConversionError(
-                f"metadata.yaml: blocks {first_name!r} and {name!r} differ in {field} ({value_of(first)!r} vs "
-                f"{value_of(block)!r}); HybridLinearConfig has one value of it per model."
+                f"metadata.yaml: blocks {brief(first_name)} and {brief(name)} differ in {field} "
+                f"({brief(value_of(first))} vs {brief(value_of(block))}); HybridLinearConfig has one value of it per "
+                "model."
             )
     return value_of(first)
 
 
-def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str = "") -> HybridLinearConfig:
+def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str = "",
+                              census: TensorCensus | None = None) -> HybridLinearConfig:
     """Builds our config from Fast-LLM's `config.base_model`. `weights_hint` is appended to the message when
-    `tied_embedding_weight` is missing (the reader knows whether an output weight was saved)."""
-    base = _Fields(base_model, "config.base_model")
+    `tied_embedding_weight` is missing (the reader knows whether an output weight was saved). With a `census` of the
+    stored tensors, every size is checked against it as it is read, before any per-block table is built."""
+    base = _Fields(base_model, "config.base_model", census)
     peft = base.sub("peft")
     peft.expect("type", ("none", None), None, "a PEFT (LoRA) adapter must be merged before export")
     peft.finish()
     embeddings = base.sub("embeddings")
-    vocab_size = embeddings.require("vocab_size")
+    vocab_size = embeddings.size("vocab_size")
     position = embeddings.sub("position_embeddings")
     position.expect("enabled", (False, None), None, "absolute position embeddings")
     position.finish()
     embeddings.expect("embedding_scale", (1.0,), 1.0, "scaled embeddings")
-    max_positions = embeddings.get("num_position_embeddings")
+    max_positions = embeddings.integer("num_position_embeddings", None, minimum=1)
     embeddings.finish()
     head = base.sub("head")
     head.expect("logits_scale_factor", (1.0,), 1.0, "scaled logits")
@@ -289,7 +280,7 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     head_norm = head.sub("normalization")
     head_norm.expect("type", ("rms_norm",), None, "the final norm must be RMSNorm; Fast-LLM's default is LayerNorm")
     head_norm.expect("zero_centered", (False,), False, "zero-centred norms")
-    final_eps = float(head_norm.get("epsilon", _DEFAULT_NORM_EPS))
+    final_eps = float(head_norm.number("epsilon", _DEFAULT_NORM_EPS, positive=True))
     head_norm.sub("weight").finish()
     head_norm.finish()
     head.finish()
@@ -304,8 +295,8 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
 
     kwargs: dict[str, Any] = {
         "vocab_size": vocab_size,
-        "hidden_size": base.require("hidden_size"),
-        "tie_word_embeddings": bool(base.require("tied_embedding_weight", weights_hint)),
+        "hidden_size": base.size("hidden_size"),
+        "tie_word_embeddings": base.boolean("tied_embedding_weight", hint=weights_hint),
         "layer_types": layer_types,
         "intermediate_size": _merge(layers, "mlp.intermediate_size", lambda b: b["intermediate_size"]),
         "rms_norm_eps": _merge(layers, "normalization.epsilon", lambda b: b["rms_norm_eps"]),
@@ -339,7 +330,32 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     try:
         return HybridLinearConfig(**kwargs)
     except (ValueError, TypeError) as error:
-        raise ConversionError(f"metadata.yaml describes a model HybridLinearConfig rejects: {error}") from None
+        raise ConversionError(f"metadata.yaml describes a model HybridLinearConfig rejects: {clip(str(error))}"
+                              ) from None
+
+
+# The HybridLinearConfig fields a Fast-LLM metadata.yaml carries, by the layer types that use them; the others
+# (token ids, initializer_range, use_cache, ...) are not part of Fast-LLM's model config and are not written.
+_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "intermediate_size", "layer_types", "num_hidden_layers",
+                   "rms_norm_eps", "tie_word_embeddings", "hidden_act", "mlp_bias", "zero_centered_norms")
+_CARRIED_BY_LAYER_TYPE = {
+    "full_attention": ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters", "attention_bias",
+                       "attention_output_gate", "attention_qk_norm"),
+    "sliding_attention": ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters",
+                          "attention_bias", "attention_output_gate", "attention_qk_norm", "sliding_window"),
+    "gated_deltanet": ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
+                       "gdn_conv_kernel_size", "gdn_norm_eps", "gdn_gate_activation"),
+    "kimi_delta_attention": ("kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "kda_norm_eps",
+                             "kda_gate_activation"),
+}
+
+
+def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
+    """The fields of `config` that its Fast-LLM metadata expresses (and must read back unchanged)."""
+    fields = dict.fromkeys(_CARRIED_ALWAYS)
+    for layer_type in dict.fromkeys(config.layer_types):
+        fields.update(dict.fromkeys(_CARRIED_BY_LAYER_TYPE[layer_type]))
+    return list(fields)
 
 
 # -------------------------------------------------------------------------------------------- -> Fast-LLM
@@ -350,7 +366,7 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
     if config.zero_centered_norms:
         problems.append("zero_centered_norms=True (Fast-LLM's RMSNorm is x_hat * w)")
     if config.hidden_act != "silu":
-        problems.append(f"hidden_act={config.hidden_act!r} (only a gated silu MLP converts)")
+        problems.append(f"hidden_act={brief(config.hidden_act)} (only a gated silu MLP converts)")
     if config.mlp_bias:
         problems.append("mlp_bias=True")
     if config.layers_of_type("full_attention", "sliding_attention"):
@@ -362,9 +378,9 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
             problems.append("attention_bias=True")
         rope = config.rope_parameters
         if rope.get("rope_type", "default") != "default":
-            problems.append(f"rope_parameters['rope_type']={rope.get('rope_type')!r}")
+            problems.append(f"rope_parameters['rope_type']={brief(rope.get('rope_type'))}")
         if rope.get("partial_rotary_factor") != 1.0:
-            problems.append(f"rope_parameters['partial_rotary_factor']={rope.get('partial_rotary_factor')} "
+            problems.append(f"rope_parameters['partial_rotary_factor']={brief(rope.get('partial_rotary_factor'))} "
                             "(Fast-LLM rotates the whole head)")
     return problems
 
@@ -428,5 +444,5 @@ def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
     }
 
 
-__all__ = ["fast_llm_to_hybrid_config", "hybrid_config_to_fast_llm", "FAST_LLM_VERSION", "MIXER_TO_LAYER_TYPE",
-           "FAST_LLM_BLOCK_NAMES"]
+__all__ = ["fast_llm_to_hybrid_config", "hybrid_config_to_fast_llm", "fast_llm_carried_fields", "FAST_LLM_VERSION",
+           "MIXER_TO_LAYER_TYPE", "FAST_LLM_BLOCK_NAMES"]

@@ -11,6 +11,10 @@ holding one flat buffer per state shard (`weights_shard`, optimizer shards). Sup
 Tensor-parallel means "has a dimension Fast-LLM can split over heads", independent of the actual parallelism. The
 layouts are checked against both fixtures; configurations the fixtures do not cover (a GDN/KDA mixer with a single
 head) are refused rather than guessed.
+
+A flat buffer's names say nothing about the blocks, so the config's sizes are bounded by the buffer's length while
+they are read, and the buffer length the config implies is computed by arithmetic per layer type and compared before
+`stage_layout` builds its per-layer table.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from pathlib import Path
 import torch
 
 from ..configuration_hybrid_linear import HybridLinearConfig
-from .errors import ConversionError
 from .config_maps import fast_llm_to_hybrid_config
+from .errors import ConversionError
 from .fast_llm import WEIGHTS_SHARD, load_metadata
-from .hf_layout import hf_tensor_shapes
+from .hf_layout import elements_per_layer_type, hf_tensor_shapes
 from .name_maps import MapRow, build_fast_llm_rows, fast_llm_block_prefix
-from .pipeline import SourceCheckpoint
+from .pipeline import SourceCheckpoint, TensorCensus
 from .safetensors_io import SafetensorsFile, TensorInfo
+from .untrusted import Fields, brief, matches
 
 STAGE_PAD = 32
 _Rule = Callable[[HybridLinearConfig], bool]
@@ -130,21 +135,35 @@ class DistributedTensors:
 
 
 def _check_single_rank(path: Path, metadata: dict) -> None:
-    config = metadata["config"]
-    distributed = config.get("distributed") or {}
+    config = Fields(metadata["config"], "config", str(path / "metadata.yaml"))
+    distributed = config.mapping("distributed")
     for field, single in (("world_size", 1), ("tensor_parallel", 1), ("pipeline_parallel", 1),
                           ("sequence_tensor_parallel", False)):
-        if distributed.get(field, single) != single:
-            raise ConversionError(f"{path / 'metadata.yaml'}: config.distributed.{field} = {distributed[field]!r}; "
-                                  "only single-rank distributed checkpoints convert. Save it in the `fast_llm` "
-                                  "format instead.")
+        if not matches(distributed.get(field, single), single):
+            raise ConversionError(f"{path / 'metadata.yaml'}: config.distributed.{field} = "
+                                  f"{brief(distributed.get(field))}; only single-rank distributed checkpoints "
+                                  "convert. Save it in the `fast_llm` format instead.")
     if config.get("multi_stage"):
-        raise ConversionError(f"{path / 'metadata.yaml'}: config.multi_stage is set ({config['multi_stage']!r}), "
-                              "which changes the stage layout; save the checkpoint in the `fast_llm` format instead.")
+        raise ConversionError(f"{path / 'metadata.yaml'}: config.multi_stage is set ({brief(config.get('multi_stage'))}"
+                              "), which changes the stage layout; save the checkpoint in the `fast_llm` format "
+                              "instead.")
     ranks = sorted(p.name for p in path.glob("rank_*.safetensors"))
     if ranks != ["rank_0.safetensors"]:
-        raise ConversionError(f"SRC {path} has rank files {ranks}; a single-rank checkpoint has exactly "
+        raise ConversionError(f"SRC {path} has rank files {brief(ranks)}; a single-rank checkpoint has exactly "
                               "rank_0.safetensors.")
+
+
+def _padded(elements: int) -> int:
+    return -(-elements // STAGE_PAD) * STAGE_PAD
+
+
+def buffer_elements(config: HybridLinearConfig) -> int:
+    """The flat buffer's length for `config`, by arithmetic per layer type (no per-layer table: it is compared with
+    the stored buffer before `stage_layout` builds one)."""
+    per_type = elements_per_layer_type(config)
+    head = config.hidden_size + (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    blocks = sum(_padded(per_type[layer_type]) for layer_type in config.layer_types)
+    return _padded(config.vocab_size * config.hidden_size) + blocks + _padded(head)
 
 
 def read_fast_llm_distributed(path: Path) -> SourceCheckpoint:
@@ -156,11 +175,22 @@ def read_fast_llm_distributed(path: Path) -> SourceCheckpoint:
     expected_buffers = {f"{shard}_shard" for shard in metadata.get("shards", [])}
     unknown = sorted(set(file.keys()) - expected_buffers)
     if buffer not in file.keys() or unknown:
-        raise ConversionError(f"{file.path} holds {sorted(file.keys())}; expected one flat buffer per shard listed "
-                              f"in metadata.yaml ({sorted(expected_buffers)}).")
+        raise ConversionError(f"{file.path} holds {brief(sorted(file.keys()))}; expected one flat buffer per shard "
+                              f"listed in metadata.yaml ({brief(sorted(expected_buffers))}).")
     skipped = sorted(set(file.keys()) - {buffer})
+    info = file.info(buffer)
+    if len(info.shape) != 1:
+        raise ConversionError(f"{file.path}: {buffer} has shape {brief(list(info.shape))}; a flat buffer has one "
+                              "dimension. The checkpoint is corrupt.")
+    # The names of a flat buffer do not tell the blocks: the census bounds sizes by the buffer's length only.
+    census = TensorCensus(info.numel)
     # The config decides the layout; whether the output weight is tied cannot be read from a flat buffer.
-    config = fast_llm_to_hybrid_config(metadata["config"]["base_model"], " (it decides the buffer layout)")
+    config = fast_llm_to_hybrid_config(metadata["config"]["base_model"], " (it decides the buffer layout)", census)
+    expected = buffer_elements(config)
+    if info.shape != (expected,):
+        raise ConversionError(f"{file.path}: {buffer} has shape {list(info.shape)}, but the config in metadata.yaml "
+                              f"implies [{expected}]. The config does not match the weights, or the checkpoint was "
+                              "saved with a parallel layout; save it in the `fast_llm` format instead.")
     _check_verified(config)
     rows = build_fast_llm_rows(config)
     shapes = _format_shapes(config, rows)
@@ -172,14 +202,11 @@ def read_fast_llm_distributed(path: Path) -> SourceCheckpoint:
         for name in stage:
             slices[name] = (offset, shapes[name])
             offset += math.prod(shapes[name])
-        end = begin + -(-(offset - begin) // STAGE_PAD) * STAGE_PAD
+        end = begin + _padded(offset - begin)
         padding.append((offset, end))
         offset = end
-    info = file.info(buffer)
-    if info.shape != (offset,):
-        raise ConversionError(f"{file.path}: {buffer} has shape {list(info.shape)}, but the config in metadata.yaml "
-                              f"implies [{offset}]. The config does not match the weights, or the checkpoint was "
-                              "saved with a parallel layout; save it in the `fast_llm` format instead.")
+    if offset != expected:
+        raise RuntimeError(f"stage layout of {offset} elements, arithmetic gives {expected}")
     for begin, end in padding:
         if end > begin and torch.count_nonzero(file.read(buffer, begin, (end - begin,))):
             raise ConversionError(f"{file.path}: the stage padding at elements [{begin}, {end}) is not zero, so the "
@@ -199,4 +226,4 @@ def _format_shapes(config: HybridLinearConfig, rows: list[MapRow]) -> dict[str, 
     return shapes
 
 
-__all__ = ["read_fast_llm_distributed", "stage_layout"]
+__all__ = ["read_fast_llm_distributed", "stage_layout", "buffer_elements"]

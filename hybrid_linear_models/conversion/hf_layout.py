@@ -4,6 +4,9 @@ given config. Every format is converted to and from this layout; the tests check
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from ..configuration_hybrid_linear import HybridLinearConfig
 
 Shape = tuple[int, ...]
@@ -75,11 +78,12 @@ MIXER_SHAPES = {
 }
 
 
-def hf_tensor_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
-    """Every tensor of the model in `config`, in a stable order: embeddings, layers, final norm, LM head (absent when
-    the embeddings are tied)."""
+def hf_tensor_shapes(config: HybridLinearConfig, layers: Iterable[int] | None = None) -> dict[str, Shape]:
+    """Every tensor of the model in `config`, in a stable order: embeddings, layers (only `layers` if given), final
+    norm, LM head (absent when the embeddings are tied)."""
     shapes: dict[str, Shape] = {EMBEDDINGS: (config.vocab_size, config.hidden_size)}
-    for index, layer_type in enumerate(config.layer_types):
+    for index in range(len(config.layer_types)) if layers is None else layers:
+        layer_type = config.layer_types[index]
         prefix = layer_prefix(index)
         for name, shape in {**MIXER_SHAPES[layer_type](config), **_block_shapes(config)}.items():
             shapes[prefix + name] = shape
@@ -89,4 +93,17 @@ def hf_tensor_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
     return shapes
 
 
-__all__ = ["hf_tensor_shapes", "layer_prefix", "EMBEDDINGS", "FINAL_NORM", "LM_HEAD", "MIXER_SHAPES"]
+def one_layer_per_type(config: HybridLinearConfig) -> dict[str, Shape]:
+    """The shapes of the model's tensors with one layer of each mixer type: every distinct tensor shape, cheaply."""
+    first_of_type = {layer_type: index for index, layer_type in reversed(list(enumerate(config.layer_types)))}
+    return hf_tensor_shapes(config, sorted(first_of_type.values()))
+
+
+def elements_per_layer_type(config: HybridLinearConfig) -> dict[str, int]:
+    """Weight elements of one layer of each mixer type present (all layers of a type have the same shapes)."""
+    return {layer_type: sum(math.prod(shape) for shape in {**MIXER_SHAPES[layer_type](config),
+                                                            **_block_shapes(config)}.values())
+            for layer_type in dict.fromkeys(config.layer_types)}
+
+
+__all__ = ["hf_tensor_shapes", "one_layer_per_type", "elements_per_layer_type", "layer_prefix", "EMBEDDINGS", "FINAL_NORM", "LM_HEAD", "MIXER_SHAPES"]

@@ -3,13 +3,20 @@
 
 Planning works on shapes only, before any data is read: every source tensor must be consumed by exactly one source
 row and every target tensor produced by exactly one target row (a leftover or missing tensor is an error naming it),
-and every source tensor's shape must be the one the config implies. The schedule then loads one source row at a time
+every source tensor's shape must be the one the config implies, and every weight must be floating point (an integer
+or bool tensor is not a weight, and casting it would silently change its meaning).
+
+Before that, while a reader builds the config, a `TensorCensus` of the stored tensors (from their headers) bounds the
+config's sizes: a config claiming a million blocks or a 10^12 hidden size is refused by name before any per-layer
+table, row permutation or buffer offset of that size is built. The schedule then loads one source row at a time
 and emits each target row as soon as all its canonical inputs exist, so only a few tensors are in memory at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -18,9 +25,10 @@ import torch
 
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
-from .hf_layout import hf_tensor_shapes
+from .hf_layout import hf_tensor_shapes, one_layer_per_type
 from .name_maps import MapRow
 from .safetensors_io import TensorInfo
+from .untrusted import brief, clip
 
 _LISTED = 8  # names shown in one error message
 
@@ -33,6 +41,69 @@ class TensorSource(Protocol):
     def info(self, key: str) -> TensorInfo: ...
 
     def load(self, key: str) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TensorCensus:
+    """What the stored tensors' headers say about the model's size, known before the config is built."""
+
+    elements: int  # weight elements stored in all
+    block_indices: frozenset[int] | None = None  # block numbers in tensor names; None: the names do not tell
+    block_prefix: str = ""  # "decoder." or "model.layers."
+
+    @classmethod
+    def of(cls, tensors: Iterable[tuple[str, TensorInfo]], block_prefix: str) -> TensorCensus:
+        """Counts elements and the blocks named `{block_prefix}{index}.*`."""
+        pattern = re.compile(re.escape(block_prefix) + r"(\d{1,18})\.")
+        elements, indices = 0, set()
+        for name, info in tensors:
+            elements += info.numel
+            match = pattern.match(name)
+            if match:
+                indices.add(int(match.group(1)))
+        return cls(elements, frozenset(indices), block_prefix)
+
+    @property
+    def elements_phrase(self) -> str:
+        return f"the {self.elements} weight elements the checkpoint holds in all"
+
+    def blocks_phrase(self) -> str:
+        if not self.block_indices:
+            return f"no tensors of blocks ({self.block_prefix}N.*)"
+        first, last = min(self.block_indices), max(self.block_indices)
+        span = f"{self.block_prefix}{first}" + (f" ... {self.block_prefix}{last}" if last != first else "")
+        return f"tensors for {len(self.block_indices)} blocks ({span})"
+
+    def check_block_count(self, count: int, claim: str) -> None:
+        """`claim` ("metadata.yaml: ...num_blocks is 1000000") must not ask for more blocks than the tensors hold."""
+        if self.block_indices is None:
+            if count > self.elements:  # every block holds weights
+                raise ConversionError(f"{claim}, more blocks than {self.elements_phrase}; the config does not match "
+                                      "the weights, fix the config.")
+        elif count > len(self.block_indices):
+            raise ConversionError(f"{claim} but the checkpoint holds {self.blocks_phrase()}; the config does not "
+                                  "match the weights, fix the config (or add the missing blocks' tensors).")
+
+
+def check_tensor_sizes(config: HybridLinearConfig, census: TensorCensus, where: str) -> None:
+    """No tensor the config implies may be larger than all stored tensors together: this bounds the products of
+    sizes (heads x head_dim x hidden_size) that the per-field checks cannot, before any row table is built."""
+    for name, shape in one_layer_per_type(config).items():
+        if math.prod(shape) > census.elements:
+            raise ConversionError(
+                f"{where}: the config implies {name} of shape {brief(list(shape))} ({math.prod(shape)} elements), "
+                f"more than {census.elements_phrase}; the config does not match the weights, fix its sizes."
+            )
+
+
+def config_difference(expected: HybridLinearConfig, got: HybridLinearConfig, fields: Iterable[str] | None = None
+                      ) -> str | None:
+    """The first field (of `fields`, default all) whose value differs, described for an error message."""
+    want, have = expected.to_dict(), got.to_dict()
+    for name in want if fields is None else fields:
+        if name not in have or have[name] != want[name]:
+            return f"{name} ({brief(want.get(name))} reads back as {brief(have.get(name, '<missing>'))})"
+    return None
 
 
 @dataclass
@@ -67,7 +138,7 @@ class ConversionPlan:
 
 
 def _listing(names: Sequence[str]) -> str:
-    shown = ", ".join(sorted(names)[:_LISTED])
+    shown = ", ".join(clip(name, 100) for name in sorted(names)[:_LISTED])
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
 
 
@@ -83,7 +154,7 @@ def _check_accounting(source: SourceCheckpoint) -> None:
     if missing:
         raise ConversionError(
             f"{where} is missing tensor(s) {_listing(missing)} that its config requires "
-            f"(layer types {source.config.layer_types}). The checkpoint is incomplete or its config does not match "
+            f"(layer types {brief(source.config.layer_types)}). The checkpoint is incomplete or its config does not match "
             "its weights; export it again."
         )
     if extra:
@@ -94,6 +165,17 @@ def _check_accounting(source: SourceCheckpoint) -> None:
         )
 
 
+def _check_floating_point(source: SourceCheckpoint) -> None:
+    for row in source.rows:
+        for key in row.format_keys:
+            dtype = source.tensors.info(key).dtype
+            if not dtype.is_floating_point:
+                raise ConversionError(
+                    f"{source.path}: tensor {brief(key)} has dtype {str(dtype).removeprefix('torch.')}, but model "
+                    "weights are floating point; the checkpoint is corrupt or is not a model checkpoint."
+                )
+
+
 def _check_shapes(source: SourceCheckpoint, canonical: dict[str, tuple[int, ...]]) -> None:
     for row in source.rows:
         expected = row.converter.inverse_shapes([canonical[key] for key in row.canonical_keys])
@@ -101,7 +183,7 @@ def _check_shapes(source: SourceCheckpoint, canonical: dict[str, tuple[int, ...]
             actual = source.tensors.info(key).shape
             if tuple(actual) != tuple(shape):
                 raise ConversionError(
-                    f"{source.path}: tensor {key} has shape {list(actual)}, but the config implies {list(shape)}. "
+                    f"{source.path}: tensor {key} has shape {brief(list(actual))}, but the config implies {list(shape)}. "
                     "The config does not match the weights; fix the config (or the tensor) so they agree."
                 )
 
@@ -110,6 +192,7 @@ def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: 
                     ) -> ConversionPlan:
     canonical = hf_tensor_shapes(source.config)
     _check_accounting(source)
+    _check_floating_point(source)
     _check_shapes(source, canonical)
     produced = [key for row in source.rows for key in row.canonical_keys]
     needed = [key for row in target_rows for key in row.canonical_keys]
@@ -169,8 +252,6 @@ def stream_tensors(plan: ConversionPlan) -> Iterator[tuple[str, torch.Tensor]]:
             del tensor
 
 
-
-
 @dataclass(frozen=True)
 class WriteOptions:
     """What a writer needs beyond the plan and the tensors."""
@@ -180,4 +261,4 @@ class WriteOptions:
     source_description: str = ""  # one line on the source format, for the model card
 
 
-__all__ = ["TensorSource", "SourceCheckpoint", "ConversionPlan", "WriteOptions", "plan_conversion", "stream_tensors"]
+__all__ = ["TensorSource", "TensorCensus", "check_tensor_sizes", "config_difference", "SourceCheckpoint", "ConversionPlan", "WriteOptions", "plan_conversion", "stream_tensors"]

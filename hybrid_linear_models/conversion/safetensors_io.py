@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
+from .untrusted import brief, describe, parse_json
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -80,53 +81,62 @@ class SafetensorsFile:
                 if len(prefix) < 8:
                     raise _corrupt(self.path, f"it has {size} bytes, fewer than the 8-byte header length")
                 (header_len,) = struct.unpack("<Q", prefix)
-                if header_len > _MAX_HEADER_BYTES or header_len > size - 8:
+                if header_len > _MAX_HEADER_BYTES:
+                    raise _corrupt(self.path, f"its header length field says {header_len} bytes, more than the "
+                                              f"{_MAX_HEADER_BYTES} a safetensors header may have")
+                if header_len > size - 8:
                     raise _corrupt(self.path, f"its header length field says {header_len} bytes but the file has "
                                               f"{size} bytes")
                 raw = file.read(header_len)
         except OSError as error:
             raise ConversionError(f"cannot read {self.path}: {error}") from error
         try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise _corrupt(self.path, f"its header is not valid JSON ({error})") from None
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise _corrupt(self.path, f"its header is not UTF-8 ({error.reason} at byte {error.start})") from None
+        header = parse_json(text, f"{self.path} is not a valid safetensors file: its JSON header")
         if not isinstance(header, dict):
-            raise _corrupt(self.path, "its header is not a JSON object")
+            raise _corrupt(self.path, f"its header should be a JSON object, got {describe(header)}")
         metadata = header.pop("__metadata__", None) or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise _corrupt(self.path, "its __metadata__ is not a mapping of strings")
+            raise _corrupt(self.path, f"its __metadata__ should map names to strings, got {describe(metadata)}")
         self.metadata: dict[str, str] = metadata
         data_start = 8 + header_len
         entries: dict[str, _Entry] = {}
         for name, spec in header.items():
-            entries[name] = self._parse_entry(name, spec, data_start)
+            entries[name] = self._parse_entry(name, spec, data_start, size)
         # The tensors must tile the data area exactly: no gap, no overlap, nothing missing at the end.
         position = data_start
         for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
             if entry.begin != position:
-                raise _corrupt(self.path, f"tensor {name!r} starts at data offset {entry.begin - data_start}, "
+                raise _corrupt(self.path, f"tensor {brief(name)} starts at data offset {entry.begin - data_start}, "
                                           f"expected {position - data_start} (gap or overlap)")
             position = entry.end
         if position != size:
             raise _corrupt(self.path, f"the header describes {position} bytes of file but the file has {size} bytes")
         self._entries = entries
 
-    def _parse_entry(self, name: str, spec: object, data_start: int) -> _Entry:
+    def _parse_entry(self, name: str, spec: object, data_start: int, size: int) -> _Entry:
+        """One header entry, every value type-checked (a bool is not a dimension) and its bytes inside the file."""
         if not isinstance(spec, dict):
-            raise _corrupt(self.path, f"the header entry of {name!r} is not an object")
-        dtype = DTYPES.get(spec.get("dtype"))
-        shape = spec.get("shape")
-        offsets = spec.get("data_offsets")
+            raise _corrupt(self.path, f"the header entry of {brief(name)} should be an object, got {describe(spec)}")
+        dtype_name, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise _corrupt(self.path, f"tensor {name!r} has unsupported dtype {spec.get('dtype')!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise _corrupt(self.path, f"tensor {name!r} has an invalid shape {shape!r}")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):
-            raise _corrupt(self.path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+            raise _corrupt(self.path, f"tensor {brief(name)} has dtype {describe(dtype_name)}, not one of "
+                                      f"{', '.join(DTYPES)}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise _corrupt(self.path, f"tensor {brief(name)} has shape {describe(shape)}, not a list of integers >= 0")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) or (
+                offsets[0] > offsets[1]):
+            raise _corrupt(self.path, f"tensor {brief(name)} has data_offsets {describe(offsets)}, not [begin, end] "
+                                      "with 0 <= begin <= end")
+        if data_start + offsets[1] > size:
+            raise _corrupt(self.path, f"tensor {brief(name)} ends at data offset {offsets[1]}, past the end of the "
+                                      f"file's {size - data_start} bytes of data")
         info = TensorInfo(tuple(shape), dtype)
         if offsets[1] - offsets[0] != info.nbytes:
-            raise _corrupt(self.path, f"tensor {name!r} of shape {list(shape)} {spec['dtype']} needs {info.nbytes} "
+            raise _corrupt(self.path, f"tensor {brief(name)} of shape {brief(shape)} {dtype_name} needs {info.nbytes} "
                                       f"bytes but its data_offsets span {offsets[1] - offsets[0]}")
         return _Entry(info, data_start + offsets[0], data_start + offsets[1])
 
@@ -146,8 +156,12 @@ class SafetensorsFile:
         end = begin + count * dtype.itemsize
         if element_offset < 0 or end > entry.end:
             raise ConversionError(f"{self.path}: elements [{element_offset}, {element_offset + count}) lie outside "
-                                  f"tensor {name!r} of {entry.info.numel} elements")
+                                  f"tensor {brief(name)} of {entry.info.numel} elements")
         return read_bytes_as_tensor(self.path, begin, end - begin, dtype, shape)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_bytes_as_tensor(path: Path, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
