@@ -24,11 +24,12 @@ so a hostile config.json cannot make them huge.
 from __future__ import annotations
 
 import math
-import reprlib
 from typing import Any
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
+
+from .shown_values import brief
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "gated_deltanet", "kimi_delta_attention")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -71,27 +72,11 @@ _LAYER_SIZE_FIELDS = {
                              "kda_conv_kernel_size"),
 }
 
-# Messages show user-supplied values through this: a bounded repr, however long the list or string.
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-_REPR.maxlevel = 2
-_MAX_SHOWN = 100
-
-
-def _shown(value: Any) -> str:
-    """repr of a user-supplied value, at most ~100 characters (huge ints by their size: their repr can fail)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"<an integer of {value.bit_length()} bits>"
-    text = _REPR.repr(value)
-    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
-
-
 def _distinct(values: list) -> list:
     """The distinct values in order of appearance (unhashable ones compared by repr), a few at most."""
     seen, kept = set(), []
     for value in values:
-        key = _shown(value)
+        key = brief(value)
         if key not in seen:
             seen.add(key)
             kept.append(value)
@@ -114,9 +99,9 @@ def _is_finite_number(value: Any) -> bool:
 
 def _positive_int_problem(name: str, value: Any, limit: int | None = None) -> str | None:
     if not _is_int(value) or value <= 0:
-        return f"{name} must be a positive integer, got {_shown(value)}"
+        return f"{name} must be a positive integer, got {brief(value)}"
     if limit is not None and value > limit:
-        return f"{name} must be at most {_shown(limit)}, got {_shown(value)}"
+        return f"{name} must be at most {brief(limit)}, got {brief(value)}"
     return None
 
 
@@ -124,11 +109,11 @@ def _number_problems(name: str, value: Any, low: float | None = None, high: floa
                      low_inclusive: bool = True) -> list[str]:
     """[] when value is a finite real number in [low, high) (or (low, high) without low_inclusive), else the problem."""
     if not _is_finite_number(value):
-        return [f"{name} must be a finite number, got {_shown(value)}"]
+        return [f"{name} must be a finite number, got {brief(value)}"]
     too_low = low is not None and (value < low or (value == low and not low_inclusive))
     if too_low or (high is not None and value >= high):
         interval = f"{'[' if low_inclusive else '('}{low if low is not None else '-inf'}, {high or 'inf'})"
-        return [f"{name} must be in {interval}, got {_shown(value)}"]
+        return [f"{name} must be in {interval}, got {brief(value)}"]
     return []
 
 
@@ -299,16 +284,16 @@ class HybridLinearConfig(PreTrainedConfig):
             problems += _number_problems(name, getattr(self, name), low=0.0, low_inclusive=False)
         problems += _number_problems("initializer_range", self.initializer_range, low=0.0)
         problems += _number_problems("attention_dropout", self.attention_dropout, low=0.0, high=1.0)
-        problems += [f"{name} must be True or False (a bool), got {_shown(getattr(self, name))}"
+        problems += [f"{name} must be True or False (a bool), got {brief(getattr(self, name))}"
                      for name in _BOOL_FIELDS if not isinstance(getattr(self, name), bool)]
         window = self.sliding_window
         if window is not None and (problem := _positive_int_problem("sliding_window", window)):
             problems.append(problem + " (or None when no layer is 'sliding_attention')")
         for name in ("gdn_gate_activation", "kda_gate_activation"):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in GATE_ACTIVATIONS:
-                problems.append(f"{name} must be one of {GATE_ACTIVATIONS}, got {_shown(getattr(self, name))}")
+                problems.append(f"{name} must be one of {GATE_ACTIVATIONS}, got {brief(getattr(self, name))}")
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
-            problems.append(f"hidden_act={_shown(self.hidden_act)} is not a known activation; use e.g. 'silu'")
+            problems.append(f"hidden_act={brief(self.hidden_act)} is not a known activation; use e.g. 'silu'")
         problems += self._rope_problems()
         return problems
 
@@ -319,11 +304,11 @@ class HybridLinearConfig(PreTrainedConfig):
         if layers is not None and (problem := _positive_int_problem("num_hidden_layers", layers, MAX_LAYERS)):
             return [problem]
         if not isinstance(self.layer_types, list) or not self.layer_types:
-            return [f"layer_types must be a non-empty list of {LAYER_TYPES}, got {_shown(self.layer_types)}"]
+            return [f"layer_types must be a non-empty list of {LAYER_TYPES}, got {brief(self.layer_types)}"]
         unknown = [t for t in self.layer_types if not isinstance(t, str) or t not in LAYER_TYPES]
         problems = []
         if unknown:
-            problems.append(f"layer_types has unknown entries {_shown(_distinct(unknown))}; each entry must be one of "
+            problems.append(f"layer_types has unknown entries {brief(_distinct(unknown))}; each entry must be one of "
                             f"{LAYER_TYPES}")
         if layers is not None and layers != len(self.layer_types):
             problems.append(f"num_hidden_layers={layers} but layer_types has {len(self.layer_types)} entries; "
@@ -336,12 +321,12 @@ class HybridLinearConfig(PreTrainedConfig):
     def _rope_problems(self) -> list[str]:
         rope = self.rope_parameters
         if not isinstance(rope, dict):
-            return [f"rope_parameters must be a dict with rope_type and rope_theta, got {_shown(rope)}"]
+            return [f"rope_parameters must be a dict with rope_type and rope_theta, got {brief(rope)}"]
         rope_type = rope.get("rope_type")
         if not isinstance(rope_type, str) or rope_type not in ROPE_REQUIRED_KEYS:
             known = tuple(ROPE_REQUIRED_KEYS)
             return [(f"rope_parameters['rope_type'] must be one of {known} (the types this model's rotary embedding "
-                     f"runs), got {_shown(rope_type)}")]
+                     f"runs), got {brief(rope_type)}")]
         missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in rope]
         if missing:
             return [f"rope_parameters with rope_type {rope_type!r} needs the keys {missing}"]
@@ -358,7 +343,7 @@ class HybridLinearConfig(PreTrainedConfig):
             problems += [problem] if problem else []
         factor = rope.get("partial_rotary_factor")
         if not _is_number(factor) or not 0 < factor <= 1:
-            problems.append(f"rope_parameters['partial_rotary_factor'] must be in (0, 1], got {_shown(factor)}")
+            problems.append(f"rope_parameters['partial_rotary_factor'] must be in (0, 1], got {brief(factor)}")
         return problems
 
     def _relation_problems(self) -> list[str]:
@@ -383,7 +368,7 @@ class HybridLinearConfig(PreTrainedConfig):
             if key in rope and not (isinstance(rope[key], list) and len(rope[key]) == rotated // 2
                                     and all(_is_finite_number(x) for x in rope[key])):
                 problems.append(f"rope_parameters['{key}'] must be a list of {rotated // 2} finite numbers (one per "
-                                f"rotated pair), got {_shown(rope[key])}")
+                                f"rotated pair), got {brief(rope[key])}")
         problems += self._token_id_problems()
         problems += self._size_problems()
         return problems
@@ -396,7 +381,7 @@ class HybridLinearConfig(PreTrainedConfig):
             if value is not None and not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
                 kind = "an integer or a non-empty list of integers" if name == "eos_token_id" else "an integer"
                 problems.append(f"{name} must be None or {kind} in [0, vocab_size={self.vocab_size}), "
-                                f"got {_shown(value)}")
+                                f"got {brief(value)}")
         return problems
 
     def _size_problems(self) -> list[str]:
@@ -409,7 +394,7 @@ class HybridLinearConfig(PreTrainedConfig):
         if not over:
             return []
         fields = dict.fromkeys(field for names, _ in over.values() for field in names)
-        holding = ", ".join(f"{what} {_shown(count)}" for what, (_, count) in over.items())
+        holding = ", ".join(f"{what} {brief(count)}" for what, (_, count) in over.items())
         return [f"the sizes give more weights than the limit of 2**40 ({holding}): reduce {', '.join(fields)}"]
 
     def _layer_parameter_count(self, layer_type: str) -> int:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from transformers import TokenizersBackend
 
+from .shown_values import clip
+
 # A folder holds a tokenizer when it has one of these (tokenizer_config.json alone names a class but no vocabulary).
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 ADD_TOKENIZER_HINT = ("save the tokenizer the model was trained with into it (tokenizer.save_pretrained(FOLDER)), or "
@@ -31,8 +33,7 @@ class HybridLinearTokenizer(TokenizersBackend):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs) -> TokenizersBackend:
         folder = Path(pretrained_model_name_or_path)
         if folder.is_dir() and not has_tokenizer(folder):
-            shown = str(folder) if len(str(folder)) <= 100 else "..." + str(folder)[-97:]
-            raise OSError(f"{shown} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}): {ADD_TOKENIZER_HINT}.")
+            raise OSError(f"{clip(folder)} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}): {ADD_TOKENIZER_HINT}.")
         return TokenizersBackend.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
 

@@ -23,7 +23,8 @@ from .errors import ConversionError
 from .formats import get_format
 from .interrupts import stop_signals_raise
 from .pipeline import ConversionPlan, WriteOptions, plan_conversion, stream_tensors
-from .safety import atomic_output_dir, brief, check_existing, check_paths
+from ..shown_values import brief
+from .safety import atomic_output_dir, check_existing, check_paths
 from .tokenizer_files import copy_tokenizer, tokenizer_to_copy
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -39,11 +40,11 @@ def parse_size(text: str | int) -> int:
     else:
         match = _SIZE.match(str(text))
         if not match:
-            raise ConversionError(f"cannot read size {brief(text)!r}; write it like 5GB, 500MB or 2GiB.")
+            raise ConversionError(f"cannot read size {brief(text)}; write it like 5GB, 500MB or 2GiB.")
         unit = (match.group(2) or "").upper().removesuffix("B")
         size = int(float(match.group(1)) * _UNITS[unit])
     if size <= 0:
-        raise ConversionError(f"size {brief(text)!r} must be positive.")
+        raise ConversionError(f"size {brief(text)} must be positive.")
     return size
 
 
@@ -71,7 +72,7 @@ def _with_progress(plan: ConversionPlan, quiet: bool, label: str) -> Iterator[tu
 def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ConversionError(f"unknown dtype {brief(dtype)!r}; choose one of {', '.join(DTYPES)}.")
+            raise ConversionError(f"unknown dtype {brief(dtype)}; choose one of {', '.join(DTYPES)}.")
         return DTYPES[dtype]
     return dtype
 

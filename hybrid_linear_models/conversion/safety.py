@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..shown_values import clip
 from .errors import ConversionError
 from .interrupts import signals_deferred
 
@@ -34,18 +35,8 @@ if TYPE_CHECKING:
 
     from .formats import CheckpointFormat
 
-_SHOWN = 100  # characters of a user-supplied value shown in a message
 _MARKER_READ_LIMIT = 10**7  # bytes of a marker file read to check its fields (a config.json is a few kB)
 _TOKEN_CHARS = 8  # random characters in a staging or retired folder's name
-
-
-def brief(value: object) -> str:
-    """`value` as one line of at most about 100 characters (the middle elided, control characters escaped), for
-    error messages."""
-    text = re.sub(r"[\x00-\x1f\x7f]", lambda match: repr(match.group())[1:-1], str(value))
-    if len(text) <= _SHOWN:
-        return text
-    return f"{text[:40]}...{text[-(_SHOWN - 43):]}"
 
 
 # --------------------------------------------------------------------------------------------- where DST may be
@@ -71,14 +62,14 @@ def check_destination(dst: str | Path) -> Path:
                               "the output.")
     path = Path(os.path.abspath(dst))  # absolute, ".." folded, symlinks kept (DST itself must not be one)
     if path.is_symlink():
-        raise ConversionError(f"DST {brief(path)} is a symbolic link; give the path of a new folder for the output.")
+        raise ConversionError(f"DST {clip(path)} is a symbolic link; give the path of a new folder for the output.")
     if path.exists() and not path.is_dir():
-        raise ConversionError(f"DST {brief(path)} exists and is not a folder; give the path of a new folder for the "
+        raise ConversionError(f"DST {clip(path)} exists and is not a folder; give the path of a new folder for the "
                               "output.")
     resolved = path.resolve()
     what = _protected_places().get(resolved)
     if what is not None:
-        raise ConversionError(f"DST {brief(dst)} is {what} ({brief(resolved)}), which the output would replace as a "
+        raise ConversionError(f"DST {clip(dst)} is {what} ({clip(resolved)}), which the output would replace as a "
                               "whole; give the path of a new folder, e.g. my-model-hf.")
     return path
 
@@ -88,10 +79,10 @@ def check_paths(src: str | Path, dst: str | Path) -> Path:
     path = check_destination(dst)
     src_resolved, dst_resolved = Path(src).resolve(), path.resolve()
     if not src_resolved.exists():
-        raise ConversionError(f"SRC {brief(src_resolved)} does not exist; give the path of the checkpoint folder to "
+        raise ConversionError(f"SRC {clip(src_resolved)} does not exist; give the path of the checkpoint folder to "
                               "convert.")
     if dst_resolved == src_resolved or src_resolved in dst_resolved.parents or dst_resolved in src_resolved.parents:
-        raise ConversionError(f"DST {brief(dst_resolved)} overlaps SRC {brief(src_resolved)}; choose an output folder "
+        raise ConversionError(f"DST {clip(dst_resolved)} overlaps SRC {clip(src_resolved)}; choose an output folder "
                               "outside the checkpoint.")
     return path
 
@@ -127,11 +118,11 @@ def check_replaceable(dst: Path, fmt: CheckpointFormat) -> None:
     for entry in entries:
         if entry.is_dir(follow_symlinks=False) or not layout.writes(entry.name):
             kind = "folder" if entry.is_dir(follow_symlinks=False) else "file"
-            raise ConversionError(f"--force replaces only a folder the converter wrote, and DST {brief(dst)} holds "
-                                  f"{brief(entry.name)!r}, a {kind} that a {fmt.name} checkpoint does not have; "
+            raise ConversionError(f"--force replaces only a folder the converter wrote, and DST {clip(dst)} holds "
+                                  f"{clip(entry.name)!r}, a {kind} that a {fmt.name} checkpoint does not have; "
                                   "delete it yourself or choose another DST.")
     if not _has_marker(dst, layout):
-        raise ConversionError(f"--force replaces only a folder the converter wrote, and DST {brief(dst)} is not a "
+        raise ConversionError(f"--force replaces only a folder the converter wrote, and DST {clip(dst)} is not a "
                               f"{fmt.name} checkpoint (no {_describe_marker(layout)}); delete its contents yourself "
                               "or choose another DST.")
 
@@ -141,7 +132,7 @@ def check_existing(dst: Path, replace: CheckpointFormat | None) -> None:
     if not (dst.exists() or dst.is_symlink()):
         return
     if replace is None:
-        raise ConversionError(f"DST {brief(dst)} already exists; choose another path or pass --force to replace it.")
+        raise ConversionError(f"DST {clip(dst)} already exists; choose another path or pass --force to replace it.")
     check_destination(dst)  # it may have become a file or a link since it was first checked
     check_replaceable(dst, replace)
 
@@ -161,13 +152,13 @@ def _acquire(lock_path: Path, dst: Path) -> int:
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError as error:
-            raise ConversionError(f"cannot create the lock file {brief(lock_path)}: {error.strerror}; check that "
+            raise ConversionError(f"cannot create the lock file {clip(lock_path)}: {error.strerror}; check that "
                                   "the folder of DST is writable.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConversionError(f"another conversion is writing DST {brief(dst)} (it holds {lock_path.name}); wait "
+            raise ConversionError(f"another conversion is writing DST {clip(dst)} (it holds {lock_path.name}); wait "
                                   "for it to finish or choose another DST.") from None
         # The previous holder unlinks the lock file before it lets go: if ours is no longer the file at that path,
         # another run can lock the new one, so start again with it.
@@ -273,7 +264,7 @@ def atomic_output_dir(dst: str | Path, replace: CheckpointFormat | None = None) 
         with signals_deferred():
             created = _make_parents(dst.parent)
     except OSError as error:
-        raise ConversionError(f"cannot create the folder of DST {brief(dst)}: {error.strerror}.") from None
+        raise ConversionError(f"cannot create the folder of DST {clip(dst)}: {error.strerror}.") from None
     try:
         with _destination_lock(dst):
             check_existing(dst, replace)  # again: DST may have changed before the lock was ours
@@ -298,7 +289,6 @@ def atomic_output_dir(dst: str | Path, replace: CheckpointFormat | None = None) 
 
 __all__ = [
     "atomic_output_dir",
-    "brief",
     "check_destination",
     "check_existing",
     "check_paths",

@@ -14,6 +14,7 @@ import json
 import shutil
 from pathlib import Path
 
+from ..shown_values import clip
 from ..tokenizer_loading import ADD_TOKENIZER_HINT, VOCABULARY_FILES
 from .errors import ConversionError
 
@@ -22,12 +23,6 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
 )
-
-
-def _shown(path: Path) -> str:
-    """A user-supplied path for a message, at most about 100 characters."""
-    text = str(path)
-    return text if len(text) <= 100 else "..." + text[-97:]
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
@@ -42,11 +37,11 @@ def find_tokenizer(source: Path, tokenizer: Path | None) -> list[Path]:
     if tokenizer is None:
         return tokenizer_files(source) if source.is_dir() else []
     if not tokenizer.is_dir():
-        raise ConversionError(f"tokenizer {_shown(tokenizer)} is not a folder; pass the folder that "
+        raise ConversionError(f"tokenizer {clip(tokenizer)} is not a folder; pass the folder that "
                               "tokenizer.save_pretrained(...) wrote.")
     files = tokenizer_files(tokenizer)
     if not files:
-        raise ConversionError(f"tokenizer folder {_shown(tokenizer)} holds no tokenizer (none of "
+        raise ConversionError(f"tokenizer folder {clip(tokenizer)} holds no tokenizer (none of "
                               f"{', '.join(VOCABULARY_FILES)}); pass the folder that tokenizer.save_pretrained(...) "
                               "wrote.")
     return files
@@ -62,7 +57,7 @@ def largest_token_id(tokenizer_json: Path) -> int | None:
         ids += [token["id"] for token in data.get("added_tokens") or []]
         return max(int(i) for i in ids) if ids else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
-        raise ConversionError(f"{_shown(tokenizer_json)} is not a readable tokenizer.json "
+        raise ConversionError(f"{clip(tokenizer_json)} is not a readable tokenizer.json "
                               f"({type(error).__name__}); re-save the tokenizer with save_pretrained.") from None
 
 
@@ -70,7 +65,7 @@ def check_fits_vocabulary(files: list[Path], vocab_size: int) -> None:
     """Token ids beyond the embedding would fail at the first generation: refuse such a tokenizer now."""
     for path in files:
         if path.name == "tokenizer.json" and (largest := largest_token_id(path)) is not None and largest >= vocab_size:
-            raise ConversionError(f"{_shown(path)} has token ids up to {largest}, but the model's vocab_size is "
+            raise ConversionError(f"{clip(path)} has token ids up to {largest}, but the model's vocab_size is "
                                   f"{vocab_size}: it is another model's tokenizer; pass the tokenizer the model was "
                                   "trained with.")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import reprlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,51 +24,20 @@ from typing import Any
 import torch
 import yaml
 
+from ..shown_values import BRIEF_CHARS, brief, clip  # noqa: F401  (re-exported for the readers)
 from .errors import ConversionError
 
 MAX_TEXT_BYTES = 64 * 2**20  # metadata.yaml / config.json / index files: real ones are kilobytes
 MAX_DEPTH = 64  # real files nest at most ~10 levels
 MAX_YAML_NODES = 1_000_000  # after alias expansion; a real metadata.yaml has a few thousand
-BRIEF_CHARS = 100
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 # ------------------------------------------------------------------------------------------------ showing values
 
 
-class _BoundedRepr(reprlib.Repr):
-    """reprlib bounds the work as well as the text (a huge nested value is never fully walked); integers beyond
-    Python's 4300-digit str limit are described instead of converted."""
-
-    def __init__(self):
-        super().__init__()
-        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict = 3, 6, 6, 6
-        self.maxstring, self.maxother, self.maxlong = BRIEF_CHARS, BRIEF_CHARS, BRIEF_CHARS
-
-    def repr_int(self, x: int, level: int) -> str:
-        if abs(x).bit_length() > 1000:
-            return f"<integer of about {int(abs(x).bit_length() * math.log10(2))} digits>"
-        return super().repr_int(x, level)
-
-
-_REPR = _BoundedRepr()
-
-
-def brief(value: Any, limit: int = BRIEF_CHARS) -> str:
-    """repr() of an untrusted value, at most `limit` characters."""
-    text = _REPR.repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 _KINDS = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"),
           (Mapping, "a mapping"), (type(None), "null"))
-
-
-def clip(text: str, limit: int = 300) -> str:
-    """Untrusted text shown as is (a tensor name, another component's error message): on one line, at most `limit`
-    characters."""
-    text = text.replace("\r", "\\r").replace("\n", "\\n")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def describe(value: Any) -> str:
