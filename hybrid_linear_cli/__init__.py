@@ -2,6 +2,6 @@
 
 A separate top-level package because importing anything under `hybrid_linear_models` runs that package's
 `__init__`, which imports torch and transformers to register the model family with the Auto classes (seconds).
-The front ends parse their arguments with the standard library alone, so `--help` and argument errors answer at once,
-and import the heavy modules only when work starts.
+The front ends build their parsers with the standard library alone, so `--help` answers at once (and the
+converter's argument errors too), and import the heavy modules only when work starts.
 """
