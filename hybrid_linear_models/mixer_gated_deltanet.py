@@ -27,6 +27,7 @@ class HybridLinearGatedDeltaNet(nn.Module):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        config = config.per_layer_config[layer_idx]  # this layer's settings
         self.num_k_heads, self.num_v_heads = config.gdn_num_key_heads, config.gdn_num_value_heads
         self.head_k_dim, self.head_v_dim = config.gdn_key_head_dim, config.gdn_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim

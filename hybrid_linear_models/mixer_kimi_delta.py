@@ -27,6 +27,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        config = config.per_layer_config[layer_idx]  # this layer's settings
         self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
         P = self.num_heads * self.head_dim
         H, d, K = config.hidden_size, self.head_dim, config.kda_conv_kernel_size
