@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_hybrid_linear import HybridLinearConfig
 from .norms import HybridLinearRMSNorm
+from .tensor_parallel_heads import local_heads
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +134,7 @@ class HybridLinearAttention(nn.Module):
         settings = config.per_layer_config[layer_idx]
         self.head_dim = settings.head_dim
         self.num_heads = settings.num_attention_heads
+        self.num_key_value_heads = settings.num_key_value_heads
         self.num_key_value_groups = settings.num_attention_heads // settings.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = settings.attention_dropout
@@ -161,6 +163,7 @@ class HybridLinearAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = hidden_states.shape[:2]
+        local_heads(self.k_proj, self.num_key_value_heads, self.layer_idx, "num_key_value_heads")  # TP: divisible
         # head counts follow from the projections' sizes, so a tensor-parallel shard runs its local heads
         query = self.q_proj(hidden_states).view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
         gate = None

@@ -67,7 +67,8 @@ class HybridLinearGatedDeltaNet(nn.Module):
         hidden_states = mask_padding(hidden_states, info)
         B, T = hidden_states.shape[:2]
         r, dk, dv = self.values_per_key, self.head_k_dim, self.head_v_dim
-        heads = local_heads(self.in_proj_qkvz, self.num_k_heads)  # key heads (all of them unless tensor parallel)
+        # key heads (all of them unless tensor parallel)
+        heads = local_heads(self.in_proj_qkvz, self.num_k_heads, self.layer_idx, "gdn_num_key_heads")
         nk, nv = heads.count, heads.count * r
         projected = self.in_proj_qkvz(hidden_states)
         q, k, v, z = projected.view(B, T, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)

@@ -6,10 +6,14 @@ and a 2-KV-head full block (plus a KDA block and different MLP widths, epsilons 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from model_helpers import randomize, tiny_config
+from safetensors.torch import load_file, save_file
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM, HybridLinearModel
@@ -256,3 +260,55 @@ def test_a_saved_heterogeneous_model_loads_with_its_logits(tmp_path):
     assert loaded.model.layers[1].self_attn.k_proj.weight.shape == (8, 64)
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=1e-9, atol=1e-9)
+
+
+def test_a_saved_heterogeneous_folder_loads_as_remote_code_without_the_package(tmp_path):
+    """The folder's own sources (auto_map, trust_remote_code) run the per-layer settings where the package cannot be
+    imported: the subprocess of test_first_hour.py, on this folder."""
+    from test_first_hour import _WITHOUT_THE_PACKAGE
+
+    model = heterogeneous_model().float()
+    model.config.tie_word_embeddings = True  # AutoModel's hidden states then feed the LM head exactly
+    model.save_pretrained(tmp_path / "het")
+    input_ids = torch.tensor([[3, 5, 7, 2, 11, 4, 9, 1, 6, 8]])
+    save_file({"input_ids": input_ids}, tmp_path / "input_ids.safetensors")
+    job = {"models": {"het": str(tmp_path / "het")}, "resaved": {"het": str(tmp_path / "resaved")}, "tokenizers": {},
+           "text": "", "input_ids": str(tmp_path / "input_ids.safetensors"),
+           "tensors": str(tmp_path / "outputs.safetensors"), "report": str(tmp_path / "report.json")}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    (tmp_path / "run.py").write_text(_WITHOUT_THE_PACKAGE)
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.json")], check=False,
+                            cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert not report["package_imported"]
+    loaded = HybridLinearForCausalLM.from_pretrained(tmp_path / "het").eval()
+    with torch.no_grad():
+        expected = loaded(input_ids).logits
+    # the same code on the same weights in the same dtype: equal
+    assert torch.equal(load_file(tmp_path / "outputs.safetensors")["het/AutoModelForCausalLM"], expected)
+
+
+def test_tensor_parallelism_names_the_layer_whose_heads_do_not_divide(monkeypatch):
+    """A layer's head count that the tensor-parallel size does not divide fails in its first forward, naming the layer
+    and its field (the mesh of a 2-rank shard stood in, as the check reads only its size and rank)."""
+    from hybrid_linear_models import tensor_parallel_heads
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 0
+
+    model = heterogeneous_model()
+    monkeypatch.setattr(tensor_parallel_heads, "device_mesh", lambda tensor: TwoRanks())
+    with pytest.raises(ValueError, match=r"needs layer 0's gdn_num_key_heads divisible by 2, got 1.*"
+                                         r"per_layer_config\[0\]\.gdn_num_key_heads"):
+        model(torch.tensor([[1, 2, 3]]))
+    attention = model.model.layers[1].self_attn
+    with pytest.raises(ValueError, match=r"layer 1's num_key_value_heads divisible by 2, got 1"):
+        attention(torch.zeros(1, 3, 64, dtype=torch.float64), None, None)
