@@ -33,7 +33,9 @@ class MixerSpec:
     #             "recurrent": called (x, sequence_info, cache_layer) with `cache_layer` below
     parameter_count: Callable[[Any], int]  # weights of the mixer for a layer's settings (bounds sizes before torch)
     relation_problems: Callable[[Any, str], list[str]] = lambda settings, prefix: []  # checks between its fields
-    init_weights: Callable[[Any], None] | None = None  # its own parameters' initialisation (under torch.no_grad)
+    # the initialisation of the parameters it holds directly (A_log, dt_bias); its submodules (Linear, norms,
+    # convolutions) get the model's generic initialisation
+    init_weights: Callable[[Any], None] | None = None
     cache_layer: type | None = None  # the transformers cache layer of its state ("recurrent"; "kv" uses theirs)
     tensor_parallel_plan: dict[str, str] = field(default_factory=dict)  # submodule -> transformers TP style
     lora_targets: tuple[str, ...] = ()  # its projections that LoRA adapts
