@@ -28,7 +28,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .block_ops import fused_causal_lm_loss, silu_and_mul
 from .cache_hybrid_linear import linear_layer_cache, past_length
-from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, HybridLinearConfig
+from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
 from .mixer_attention import HybridLinearAttention, SlidingWindowMask
 from .mixer_registry import MIXERS
@@ -252,7 +252,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         # per forward; rotary_of_layer[i] picks layer i's (None for GDN/KDA layers)
         rotary_settings, self.rotary_of_layer = {}, []
         for i, layer_type in enumerate(config.layer_types):
-            if layer_type not in ATTENTION_LAYER_TYPES:
+            if MIXERS[layer_type].state != "kv":
                 self.rotary_of_layer.append(None)
                 continue
             settings = config.per_layer_config[i]
@@ -393,7 +393,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             mask = torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
         info = SequenceInfo(input_ids.shape[0], 1)
         for layer in self.layers[: self.config.num_hidden_layers]:
-            attention_mask = mask if layer.layer_type in ATTENTION_LAYER_TYPES else None
+            attention_mask = mask if layer.mixer_state == "kv" else None
             rotary = self.rotary_of_layer[layer.layer_idx]
             hidden_states = layer(hidden_states, attention_mask=attention_mask, sequence_info=info, cache=cache,
                                   position_embeddings=position_embeddings[rotary] if rotary is not None else None)
