@@ -1,10 +1,12 @@
 """Property-based fuzzing of HybridLinearConfig (hypothesis).
 
-1. Any keyword arguments, valid or not (wrong types, huge numbers, NaN/inf, strings for numbers, unknown rope types):
+1. Any keyword arguments, valid or not (wrong types, huge numbers, NaN/inf, strings for numbers, unknown rope types;
+   per_layer_config with any keys and fields):
    HybridLinearConfig(**kwargs) either raises a ValueError naming one of the fuzzed fields, or builds a config that
    round-trips unchanged through to_dict/from_dict and save_pretrained/from_pretrained. Nothing else escapes
    (TypeError, KeyError, OverflowError, a giant message).
-2. Valid tiny configs (sizes capped) build a model that runs a forward on a few tokens with finite logits.
+2. Valid tiny configs (sizes capped, some layers with settings of their own) build a model that runs a forward on a
+   few tokens with finite logits.
 
 Runs are reproducible (derandomize=True) and bounded (max_examples, deadline) to stay within seconds on a CPU.
 """
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 from model_helpers import tiny_config
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES, ROPE_REQUIRED_KEYS
+from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES, PER_LAYER_FIELDS, ROPE_REQUIRED_KEYS
 
 FUZZ = settings(max_examples=1000, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 MODELS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -97,6 +99,38 @@ FIELDS = {
     "layer_types": layer_types_values,
 }
 
+# per_layer_config: layer keys valid or not (ints, their JSON strings, out of range, junk), each with a few fields
+# (per-layer ones, fields that cannot vary, unknown names) set to values fuzzed as the flat fields are.
+layer_keys = st.one_of(st.integers(0, 3), st.sampled_from(["0", "1", "03", "-1", "x", ""]), st.integers(-2, 9))
+per_layer_names = st.sampled_from([*PER_LAYER_FIELDS, "hidden_size", "vocab_size", "tie_word_embeddings", "skip",
+                                   "bogus"])
+
+
+@st.composite
+def layer_settings(draw) -> dict:
+    names = draw(st.lists(per_layer_names, max_size=3, unique=True))
+    return {name: draw(FIELDS.get(name, int_values())) for name in names}
+
+
+# mostly valid overrides of tiny_config's layers (GDN, full attention, KDA, sliding), so that many configs build
+block_overrides = {"intermediate_size": st.integers(1, 64), "rms_norm_eps": st.floats(1e-6, 0.1),
+                   "hidden_act": st.sampled_from(["silu", "gelu"]), "mlp_bias": st.booleans()}
+attention_overrides = {"num_key_value_heads": st.sampled_from([1, 2, 4, 3]), "head_dim": st.sampled_from([8, 16, 6]),
+                       "attention_output_gate": st.booleans(), "attention_qk_norm": st.booleans(),
+                       "rope_parameters": st.fixed_dictionaries({"rope_theta": st.floats(10.0, 1e6)}),
+                       **block_overrides}
+mixer_overrides = {
+    0: {"gdn_num_key_heads": st.integers(1, 2), "gdn_value_head_dim": st.integers(1, 16),
+        "gdn_gate_activation": st.sampled_from(["silu", "sigmoid"]), **block_overrides},
+    1: attention_overrides,
+    2: {"kda_num_heads": st.integers(1, 3), "kda_conv_kernel_size": st.integers(1, 4), **block_overrides},
+    3: {"sliding_window": st.integers(0, 8), **attention_overrides},
+}
+valid_per_layer = st.tuples(*(st.fixed_dictionaries({}, optional=fields) for fields in mixer_overrides.values())).map(
+    lambda layers: {str(i): fields for i, fields in enumerate(layers) if fields})
+per_layer_values = st.one_of(valid_per_layer, st.dictionaries(layer_keys, layer_settings(), max_size=3), junk)
+FIELDS["per_layer_config"] = per_layer_values
+
 
 @st.composite
 def fuzzed_kwargs(draw) -> tuple[dict, dict]:
@@ -130,12 +164,21 @@ def test_config_either_names_a_fuzzed_field_or_round_trips(case):
         assert any(name in message for name in fuzzed), message
         assert "\n" not in message and len(message) < 2000, message[:300]
         return
-    event("built")
+    event("built, heterogeneous" if config.is_heterogeneous else "built")
     data = comparable(config)
     assert comparable(HybridLinearConfig.from_dict(config.to_dict())) == data
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         assert comparable(HybridLinearConfig.from_pretrained(folder)) == data
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(per_layer_values)
+def test_per_layer_config_is_either_refused_naming_it_or_round_trips(per_layer):
+    """The same property with only per_layer_config fuzzed, over tiny_config's four layer types (most cases build)."""
+    kwargs = {name: value for name, value in tiny_config().to_dict().items() if name in FIELDS}
+    test_config_either_names_a_fuzzed_field_or_round_trips.hypothesis.inner_test(
+        ({**kwargs, "per_layer_config": per_layer}, {"per_layer_config": per_layer}))
 
 
 # ------------------------------------------------------------------------------------------ valid tiny models
@@ -156,10 +199,23 @@ def tiny_valid_kwargs(draw) -> dict:
     rope = {key: value for key, value in rope.items()
             if key in ("rope_type", "partial_rotary_factor") or key in ROPE_REQUIRED_KEYS[rope_type]}
     vocab = draw(st.integers(8, 64))
+    layer_types = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=1, max_size=3))
+    per_layer = {}  # some layers with settings of their own, valid for their mixer
+    for index, layer_type in enumerate(layer_types):
+        options = {"intermediate_size": st.integers(1, 24), "rms_norm_eps": st.floats(1e-8, 1e-2),
+                   "hidden_act": st.sampled_from(["silu", "gelu"]), "mlp_bias": st.booleans(),
+                   **{"full_attention": {"num_key_value_heads": st.just(1), "attention_output_gate": st.booleans()},
+                      "sliding_attention": {"num_key_value_heads": st.just(1), "sliding_window": st.integers(1, 8)},
+                      "gated_deltanet": {"gdn_num_key_heads": st.just(1), "gdn_value_head_dim": st.integers(1, 8),
+                                         "gdn_conv_kernel_size": st.integers(1, 4)},
+                      "kimi_delta_attention": {"kda_num_heads": st.integers(1, 3), "kda_head_dim": st.integers(1, 8),
+                                               "kda_gate_activation": st.sampled_from(["silu", "sigmoid"])},
+                      }[layer_type]}
+        per_layer[index] = draw(st.fixed_dictionaries({}, optional=options))
     eos = draw(st.one_of(st.none(), st.integers(0, vocab - 1), st.lists(st.integers(0, vocab - 1), min_size=1,
                                                                           max_size=2)))
     return dict(
-        layer_types=draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=1, max_size=3)),
+        layer_types=layer_types, per_layer_config=per_layer,
         vocab_size=vocab, hidden_size=draw(st.integers(1, 4)) * 8, intermediate_size=draw(st.integers(1, 24)),
         num_attention_heads=kv_heads * draw(st.integers(1, 2)), num_key_value_heads=kv_heads, head_dim=head_dim,
         gdn_num_key_heads=gdn_keys, gdn_num_value_heads=gdn_keys * draw(st.integers(1, 2)),
@@ -182,6 +238,7 @@ def tiny_valid_kwargs(draw) -> dict:
 @given(tiny_valid_kwargs(), st.integers(1, 9), st.integers(1, 2))
 def test_valid_tiny_config_builds_a_model_that_runs(kwargs, length, batch):
     config = HybridLinearConfig(**kwargs)
+    event("heterogeneous" if config.is_heterogeneous else "homogeneous")
     torch.manual_seed(0)
     model = HybridLinearForCausalLM(config).eval()
     input_ids = torch.randint(0, config.vocab_size, (batch, length))
