@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 from transformers import (
@@ -269,30 +267,6 @@ def load_model(model_reference: str, options: FinetuneArguments):
     return model
 
 
-class VersionOnlyConfig:
-    """Stands in for `PreTrainedConfig` while Trainer resumes: Trainer reads the checkpoint's config.json with the
-    generic config class only to compare `transformers_version`, and that class's `layer_types` check (written for
-    transformers' own models) refuses gated_deltanet and kimi_delta_attention, so every resume of this family would
-    fail. The version is all it needs."""
-
-    @staticmethod
-    def from_json_file(path: str) -> argparse.Namespace:
-        version = json.loads(Path(path).read_text(encoding="utf-8")).get("transformers_version")
-        return argparse.Namespace(transformers_version=version)
-
-
-class ResumableTrainer(Trainer):
-    """Trainer whose resume reads the checkpoint's config through `VersionOnlyConfig` (see there)."""
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
-        import transformers.trainer
-
-        if not hasattr(transformers.trainer, "PreTrainedConfig"):  # a transformers that no longer reads it
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        with mock.patch.object(transformers.trainer, "PreTrainedConfig", VersionOnlyConfig):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-
 def save_result(trainer: Trainer, tokenizer, options: FinetuneArguments, output: Path) -> str:
     """Writes the model (or the adapter, or the merged model) and the tokenizer; returns what was written."""
     if options.lora and options.merge_lora:
@@ -349,7 +323,7 @@ def finetune(paths: argparse.Namespace, options: FinetuneArguments, training: Tr
         collator = DataCollatorWithFlattening(return_position_ids=True)
     else:
         collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    trainer = ResumableTrainer(model=model, args=training, train_dataset=documents, data_collator=collator)
+    trainer = Trainer(model=model, args=training, train_dataset=documents, data_collator=collator)
     batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * training.world_size
     length = f"{training.max_steps} steps" if training.max_steps > 0 else f"{training.num_train_epochs:g} epochs"
     report(f"{len(documents):,} documents from {paths.dataset}; {length} of {batch} documents"

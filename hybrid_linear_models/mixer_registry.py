@@ -58,7 +58,20 @@ def register(spec: MixerSpec) -> MixerSpec:
 
         DYNAMIC_LAYER_TYPE_MAPPING.setdefault(spec.layer_type, spec.cache_layer)
         STATIC_LAYER_TYPE_MAPPING.setdefault(spec.layer_type, spec.cache_layer)
+    _allow_in_generic_configs(spec.layer_type)
     return spec
+
+
+def _allow_in_generic_configs(layer_type: str) -> None:
+    """Adds `layer_type` to the layer types transformers' generic `PreTrainedConfig` accepts. Its check, written for
+    transformers' own models, refuses other names, and transformers reads our config.json with that generic class in
+    places: Trainer resuming from a checkpoint (to compare versions) and AutoTokenizer's fallback when the model's own
+    config class is not at hand. Like the cache tables above, the names join transformers' table here."""
+    from transformers import configuration_utils
+
+    if layer_type not in configuration_utils.ALLOWED_ATTN_LAYER_TYPES:
+        configuration_utils.ALLOWED_ATTN_LAYER_TYPES += (layer_type,)
+        configuration_utils.ALLOWED_LAYER_TYPES += (layer_type,)
 
 
 def layer_types(state: str | None = None) -> tuple[str, ...]:

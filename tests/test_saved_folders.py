@@ -29,3 +29,12 @@ def test_a_folder_saved_by_an_earlier_version_loads_with_its_logits(folder, tmp_
     for entry in (saved, loaded):
         entry.pop("_name_or_path")  # where it was loaded from
     assert saved == loaded
+
+
+def test_transformers_generic_config_reads_a_saved_config():
+    """Trainer reads a checkpoint's config.json with the generic PreTrainedConfig when it resumes (and AutoTokenizer
+    falls back to it): our layer types must pass its layer_types check once the package is imported."""
+    from transformers import PreTrainedConfig
+
+    config = PreTrainedConfig.from_json_file(str(SAVED / "tiny_hybrid_v0_1" / "config.json"))
+    assert config.layer_types == ["gated_deltanet", "kimi_delta_attention", "sliding_attention", "full_attention"]
