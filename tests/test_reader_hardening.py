@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models import HybridLinearConfig
-from hybrid_linear_models.conversion import ConversionError, convert_checkpoint, fast_llm, untrusted
+from hybrid_linear_models.conversion import ConversionError, convert_checkpoint, untrusted
+from hybrid_linear_models.conversion.fast_llm import checkpoint as fast_llm_checkpoint
 from hybrid_linear_models.conversion.fast_llm import check_metadata_reads_back, metadata_yaml, read_fast_llm
-from hybrid_linear_models.conversion.fast_llm_distributed import read_fast_llm_distributed
+from hybrid_linear_models.conversion.fast_llm.distributed import read_fast_llm_distributed
 from hybrid_linear_models.conversion.formats import get_format
 from hybrid_linear_models.conversion.hf import check_config_reads_back, export_config, read_hf
 from hybrid_linear_models.conversion.pipeline import plan_conversion
@@ -574,12 +575,12 @@ def test_a_field_that_does_not_survive_is_refused_before_writing(tmp_path):
 def test_a_writer_whose_config_would_not_read_back_writes_nothing(tmp_path, monkeypatch):
     def wrong_metadata(config, state_index):
         return metadata_yaml(config, state_index).replace("hidden_size: 64", "hidden_size: 32")
-    monkeypatch.setattr(fast_llm, "metadata_yaml", wrong_metadata)
+    monkeypatch.setattr(fast_llm_checkpoint, "metadata_yaml", wrong_metadata)
     with pytest.raises(ConversionError, match=r"refusing to write metadata.yaml: the config field hidden_size \(64 "
                                               r"reads back as 32\)"):
         convert_checkpoint(FIXTURE / "fast_llm", tmp_path / "dst", from_format="fast_llm", to_format="fast_llm")
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(fast_llm, "metadata_yaml", lambda config, state_index: "config: [")
+    monkeypatch.setattr(fast_llm_checkpoint, "metadata_yaml", lambda config, state_index: "config: [")
     with pytest.raises(ConversionError, match=r"refusing to write metadata.yaml: it would not read back"):
         convert_checkpoint(FIXTURE / "fast_llm", tmp_path / "dst", from_format="fast_llm", to_format="fast_llm")
     exported = export_config(HybridLinearConfig(layer_types=["full_attention"], head_dim=16), torch.float32)

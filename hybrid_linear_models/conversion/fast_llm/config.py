@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..configuration_hybrid_linear import HybridLinearConfig
-from .errors import ConversionError
-from .pipeline import TensorCensus
-from .untrusted import REQUIRED, Fields, brief, clip
+from ...configuration_hybrid_linear import HybridLinearConfig
+from ..errors import ConversionError
+from ..pipeline import TensorCensus
+from ..untrusted import REQUIRED, Fields, brief, clip
 
 FAST_LLM_VERSION = "0.4.0"
 METADATA = "metadata.yaml"
