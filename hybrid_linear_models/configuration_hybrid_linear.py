@@ -19,6 +19,20 @@ here, in words, not later as a NaN in the logits (a zero epsilon, a NaN rope_the
 type the rotary embedding cannot run, a string where a bool belongs: "false" is truthy), or an allocation of
 terabytes (sizes are bounded before any tensor exists). Messages show user-supplied values through a bounded repr,
 so a hostile config.json cannot make them huge.
+
+Heterogeneous layers use transformers' own mechanism, `per_layer_config` ({layer index: {field: value}}): sparse
+overrides of the flat fields, which stay the defaults (a config without it is the homogeneous model it always was, and
+saves unchanged). `config.per_layer_config[i]` is layer i's resolved config; reading a field that varies between
+layers from the global config raises transformers' AmbiguousGlobalPerLayerAttributeError, so no reader can miss it.
+Only fields that shape one layer may vary (`PER_LAYER_FIELDS`): the mixer's (`MIXER_FIELDS`, by layer type) and the
+block's own (MLP and block norms, `BLOCK_FIELDS`). Everything the layers share (hidden_size, vocab_size, embeddings
+and their tying, the norm parametrisation, position range, init and dropout, the layer list itself) has one value per
+model and is refused per layer, as is a field the layer's mixer does not read (gdn_* on an attention layer: it would be
+silently ignored). Each layer's resolved settings are validated like the global ones, the messages naming the layer:
+"per_layer_config[3].num_key_value_heads ...". A per-layer `rope_parameters` replaces the global dict; its missing
+rope_type, rope_theta and partial_rotary_factor are filled from the global one at construction (so config.json shows
+every layer's full rotary settings). The final norm uses the flat `rms_norm_eps`; GDN/KDA norm epsilons default to
+the flat `rms_norm_eps`, not to a layer's override of it.
 """
 
 from __future__ import annotations
@@ -29,12 +43,28 @@ from typing import Any
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
-from .shown_values import brief
+from .shown_values import brief, clip
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "gated_deltanet", "kimi_delta_attention")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 LINEAR_LAYER_TYPES = ("gated_deltanet", "kimi_delta_attention")
 GATE_ACTIVATIONS = ("silu", "sigmoid")
+
+# The fields each mixer reads (and may set per layer), and those of the rest of a block (MLP, block norms).
+ATTENTION_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters",
+                    "attention_output_gate", "attention_qk_norm", "attention_bias")
+MIXER_FIELDS = {
+    "full_attention": ATTENTION_FIELDS,
+    "sliding_attention": (*ATTENTION_FIELDS, "sliding_window"),
+    "gated_deltanet": ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
+                       "gdn_conv_kernel_size", "gdn_gate_activation", "gdn_norm_eps"),
+    "kimi_delta_attention": ("kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "kda_gate_activation",
+                             "kda_norm_eps"),
+}
+BLOCK_FIELDS = ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps")
+PER_LAYER_FIELDS = tuple(dict.fromkeys(f for fields in (*MIXER_FIELDS.values(), BLOCK_FIELDS) for f in fields))
+# At most this many per-layer problems are listed in one error (a hostile config could have one per layer).
+_MAX_LAYER_PROBLEMS = 4
 
 _DEFAULT_LAYER_TYPES = ["gated_deltanet", "gated_deltanet", "gated_deltanet", "full_attention"] * 2
 
@@ -115,6 +145,221 @@ def _number_problems(name: str, value: Any, low: float | None = None, high: floa
         interval = f"{'[' if low_inclusive else '('}{low if low is not None else '-inf'}, {high or 'inf'})"
         return [f"{name} must be in {interval}, got {brief(value)}"]
     return []
+
+
+class _Settings:
+    """A config's fields as one layer sees them: `overrides` over the global values, which are read without
+    transformers' per-layer guard (validation reads the defaults of fields that vary between layers on purpose)."""
+
+    def __init__(self, config: PreTrainedConfig, overrides: dict | None = None):
+        self._config, self._overrides = config, overrides or {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._overrides:
+            return self._overrides[name]
+        return self._config._getattr_without_heterogeneous_validation(name)
+
+
+def _layer_index(key: Any) -> int | None:
+    """A per_layer_config key as a layer index: an int, or its decimal string (JSON keys are strings)."""
+    if _is_int(key):
+        return key
+    if isinstance(key, str) and 0 < len(key) <= 8 and key.isascii() and key.isdigit():
+        return int(key)
+    return None
+
+
+def _completed_rope(config: PreTrainedConfig, rope: Any) -> Any:
+    """A layer's rope_parameters with rope_type, rope_theta and partial_rotary_factor filled from the global dict and
+    original_max_position_embeddings as the base class fills it (left as given when not a dict: validation names it)."""
+    if not isinstance(rope, dict):
+        return rope
+    defaults = config._getattr_without_heterogeneous_validation("rope_parameters")
+    rope = {"rope_type": "default", **{key: defaults[key] for key in ("rope_theta", "partial_rotary_factor")}, **rope}
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        rope.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return rope
+
+
+def _layer_problems(settings: _Settings, index: int, layer_type: str, fields: dict) -> list[str]:
+    """Problems of layer `index`'s overridden fields, then of the relations and sizes they take part in."""
+    prefix = f"per_layer_config[{index}]."
+    problems = _field_problems(settings, prefix, tuple(name for name in _CHECKED_FIELDS if name in fields))
+    if layer_type == "sliding_attention" and settings.sliding_window is None:
+        problems.append(f"{prefix}sliding_window must be a positive integer for this 'sliding_attention' layer, got "
+                        "None")
+    if not problems:
+        problems = _relation_problems(settings, prefix, (layer_type,)) + _size_problems(settings, prefix, (layer_type,))
+    return problems
+
+
+_CHECKED_FIELDS = (*_SIZE_FIELDS, "rms_norm_eps", "gdn_norm_eps", "kda_norm_eps", "initializer_range",
+                   "attention_dropout", *_BOOL_FIELDS, "sliding_window", "gdn_gate_activation", "kda_gate_activation",
+                   "hidden_act", "rope_parameters")
+
+
+def _field_problems(s: _Settings, p: str, names: tuple[str, ...]) -> list[str]:
+    """Each of `names` checked alone; p prefixes the names in the messages ("per_layer_config[3]." or "")."""
+    problems = []
+    for name in names:
+        value = getattr(s, name)
+        if name in _SIZE_FIELDS:
+            problems += [problem] if (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)) else []
+        elif name in ("rms_norm_eps", "gdn_norm_eps", "kda_norm_eps"):
+            problems += _number_problems(p + name, value, low=0.0, low_inclusive=False)
+        elif name == "initializer_range":
+            problems += _number_problems(name, value, low=0.0)
+        elif name == "attention_dropout":
+            problems += _number_problems(name, value, low=0.0, high=1.0)
+        elif name in _BOOL_FIELDS:
+            if not isinstance(value, bool):
+                problems.append(f"{p}{name} must be True or False (a bool), got {brief(value)}")
+        elif name == "sliding_window":
+            if value is not None and (problem := _positive_int_problem(p + "sliding_window", value)):
+                problems.append(problem + " (or None when no layer is 'sliding_attention')")
+        elif name in ("gdn_gate_activation", "kda_gate_activation"):
+            if not isinstance(value, str) or value not in GATE_ACTIVATIONS:
+                problems.append(f"{p}{name} must be one of {GATE_ACTIVATIONS}, got {brief(value)}")
+        elif name == "hidden_act":
+            if not isinstance(value, str) or value not in ACT2FN:
+                problems.append(f"{p}hidden_act={brief(value)} is not a known activation; use e.g. 'silu'")
+        elif name == "rope_parameters":
+            problems += _rope_problems(value, p)
+    return problems
+
+
+def _windowed_layers(per_layer: Any) -> set[int]:
+    """The layers that a (not yet validated) per_layer_config gives a sliding window of their own."""
+    if not isinstance(per_layer, dict):
+        return set()
+    return {_layer_index(key) for key, fields in per_layer.items()
+            if isinstance(fields, dict) and fields.get("sliding_window") is not None}
+
+
+def _layer_types_problems(s: _Settings, windowed_layers: set[int]) -> list[str]:
+    layers, layer_types = s.num_hidden_layers, s.layer_types
+    if isinstance(layer_types, list) and len(layer_types) > MAX_LAYERS:
+        return [f"layer_types has {len(layer_types)} entries, more than the limit of {MAX_LAYERS} layers"]
+    if layers is not None and (problem := _positive_int_problem("num_hidden_layers", layers, MAX_LAYERS)):
+        return [problem]
+    if not isinstance(layer_types, list) or not layer_types:
+        return [f"layer_types must be a non-empty list of {LAYER_TYPES}, got {brief(layer_types)}"]
+    unknown = [t for t in layer_types if not isinstance(t, str) or t not in LAYER_TYPES]
+    problems = []
+    if unknown:
+        problems.append(f"layer_types has unknown entries {brief(_distinct(unknown))}; each entry must be one of "
+                        f"{LAYER_TYPES}")
+    if layers is not None and layers != len(layer_types):
+        problems.append(f"num_hidden_layers={layers} but layer_types has {len(layer_types)} entries; "
+                        "give one layer type per layer (or leave num_hidden_layers unset)")
+    if "sliding_attention" in layer_types and s.sliding_window is None:
+        if any(t == "sliding_attention" and i not in windowed_layers for i, t in enumerate(layer_types)):
+            problems.append("layer_types has 'sliding_attention' layers, so sliding_window must be a positive "
+                            "integer, got None")
+    return problems
+
+
+def _rope_problems(rope: Any, p: str = "") -> list[str]:
+    name = f"{p}rope_parameters"
+    if not isinstance(rope, dict):
+        return [f"{name} must be a dict with rope_type and rope_theta, got {brief(rope)}"]
+    rope_type = rope.get("rope_type")
+    if not isinstance(rope_type, str) or rope_type not in ROPE_REQUIRED_KEYS:
+        known = tuple(ROPE_REQUIRED_KEYS)
+        return [(f"{name}['rope_type'] must be one of {known} (the types this model's rotary embedding runs), got "
+                 f"{brief(rope_type)}")]
+    missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in rope]
+    if missing:
+        return [f"{name} with rope_type {rope_type!r} needs the keys {missing}"]
+    problems = []
+    for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
+        if key in rope and not (key == "attention_factor" and rope[key] is None):
+            problems += _number_problems(f"{name}['{key}']", rope[key], low=0.0, low_inclusive=False)
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if rope.get(key) is not None:
+            problems += _number_problems(f"{name}['{key}']", rope[key])
+    if rope.get("original_max_position_embeddings") is not None:
+        problem = _positive_int_problem(f"{name}['original_max_position_embeddings']",
+                                        rope["original_max_position_embeddings"])
+        problems += [problem] if problem else []
+    factor = rope.get("partial_rotary_factor")
+    if not _is_number(factor) or not 0 < factor <= 1:
+        problems.append(f"{name}['partial_rotary_factor'] must be in (0, 1], got {brief(factor)}")
+    return problems
+
+
+def _relation_problems(s: _Settings, p: str, layer_types: tuple[str, ...]) -> list[str]:
+    """Checks between the fields that the mixers of `layer_types` read; each field is already known to be well
+    typed."""
+    problems = []
+    if any(t in ATTENTION_LAYER_TYPES for t in layer_types):
+        if s.num_attention_heads % s.num_key_value_heads:
+            problems.append(f"{p}num_attention_heads={s.num_attention_heads} must be a multiple of "
+                            f"{p}num_key_value_heads={s.num_key_value_heads}")
+        rope = s.rope_parameters
+        factor = rope["partial_rotary_factor"]
+        rotated = int(s.head_dim * factor)
+        least = 4 if rope["rope_type"] == "dynamic" else 2  # dynamic NTK scales the base by a power dim / (dim - 2)
+        if rotated % 2 or rotated < least:
+            problems.append(f"{p}head_dim * partial_rotary_factor = {s.head_dim} * {factor} must give an even number "
+                            f"of rotated dims, at least {least} for rope_type {rope['rope_type']!r}")
+        if rope["rope_type"] == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
+            problems.append(f"{p}rope_parameters['high_freq_factor'] must be greater than ['low_freq_factor'] "
+                            "(llama3)")
+        for key in ("short_factor", "long_factor"):
+            if key in rope and not (isinstance(rope[key], list) and len(rope[key]) == rotated // 2
+                                    and all(_is_finite_number(x) for x in rope[key])):
+                problems.append(f"{p}rope_parameters['{key}'] must be a list of {rotated // 2} finite numbers (one "
+                                f"per rotated pair), got {brief(rope[key])}")
+    if "gated_deltanet" in layer_types and s.gdn_num_value_heads % s.gdn_num_key_heads:
+        problems.append(f"{p}gdn_num_value_heads={s.gdn_num_value_heads} must be a multiple of "
+                        f"{p}gdn_num_key_heads={s.gdn_num_key_heads}")
+    return problems
+
+
+def _token_id_problems(s: _Settings) -> list[str]:
+    problems = []
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(s, name)
+        ids = value if name == "eos_token_id" and isinstance(value, list) and value else [value]
+        if value is not None and not all(_is_int(i) and 0 <= i < s.vocab_size for i in ids):
+            kind = "an integer or a non-empty list of integers" if name == "eos_token_id" else "an integer"
+            problems.append(f"{name} must be None or {kind} in [0, vocab_size={s.vocab_size}), got {brief(value)}")
+    return problems
+
+
+def _size_problems(s: _Settings, p: str, layer_types) -> list[str]:
+    """Bounds the weights a model of these settings would allocate, so a hostile config fails here, not in torch."""
+    counts = {}
+    if not p:
+        embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+        counts["the embeddings"] = (("vocab_size", "hidden_size"), embeddings)
+    for kind in layer_types:
+        counts[f"one {kind} layer"] = (_LAYER_SIZE_FIELDS[kind], _layer_parameter_count(s, kind))
+    over = {what: (fields, count) for what, (fields, count) in counts.items() if count > MAX_PARAMETERS}
+    if not over:
+        return []
+    fields = dict.fromkeys(p + field for names, _ in over.values() for field in names)
+    holding = ", ".join(f"{what} {brief(count)}" for what, (_, count) in over.items())
+    return [f"the sizes give more weights than the limit of 2**40 ({holding}): reduce {', '.join(fields)}"]
+
+
+def _layer_parameter_count(s: _Settings, layer_type: str) -> int:
+    """Weights of one decoder layer (norms and biases left out: they are small next to the projections)."""
+    H = s.hidden_size
+    count = 3 * H * s.intermediate_size
+    if layer_type in ATTENTION_LAYER_TYPES:
+        q = s.num_attention_heads * s.head_dim
+        count += H * (q * 2 + 2 * s.num_key_value_heads * s.head_dim) + q * H
+    elif layer_type == "gated_deltanet":
+        keys = s.gdn_num_key_heads * s.gdn_key_head_dim
+        values = s.gdn_num_value_heads * s.gdn_value_head_dim
+        count += H * (2 * keys + 2 * values + 2 * s.gdn_num_value_heads) + values * H
+        count += (2 * keys + values) * s.gdn_conv_kernel_size
+    elif layer_type == "kimi_delta_attention":
+        inner = s.kda_num_heads * s.kda_head_dim
+        count += H * 5 * inner + inner * H + 3 * inner * s.kda_conv_kernel_size
+    return count
 
 
 class HybridLinearConfig(PreTrainedConfig):
@@ -223,10 +468,18 @@ class HybridLinearConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        per_layer = kwargs.pop("per_layer_config", None)
         self._resolve_defaults(kwargs)
-        self.validate()  # before the base class, which rewrites some legacy layer-type names
+        windows = _windowed_layers(per_layer)
+        self.validate(windowed_layers=windows)  # before the base class, which rewrites some legacy layer-type names
         super().__post_init__(**kwargs)
-        self.validate()  # again: the base class standardises rope_parameters (adds keys some rope types read)
+        self.validate(windowed_layers=windows)  # again: the base class standardises rope_parameters
+        if per_layer is not None:
+            # checked before transformers applies it: it drops overrides equal to the default (1 == True included)
+            overrides = self._per_layer_overrides(per_layer)
+            if overrides:
+                self.per_layer_config = overrides
+                self.validate()
 
     def _resolve_defaults(self, kwargs: dict) -> None:
         """Fills the fields whose defaults follow from others; leaves malformed values for validate() to name."""
@@ -261,168 +514,99 @@ class HybridLinearConfig(PreTrainedConfig):
         config.validate()
         return loaded
 
+    # ------------------------------------------------------------------------------------------- per-layer settings
+
+    def _per_layer_overrides(self, per_layer: Any) -> dict[int, dict[str, Any]]:
+        """per_layer_config as {layer index: {field: value}}, rope dicts completed, or one ValueError naming every
+        bad layer and field (an index out of range, a field that cannot vary or that the layer's mixer does not read,
+        a bad value)."""
+        if not isinstance(per_layer, dict):
+            raise ValueError(f"Invalid HybridLinearConfig: per_layer_config must be a dict {{layer index: {{field: "
+                             f"value}}}}, got {brief(per_layer)}.")
+        overrides, problems = {}, []
+        for key, fields in per_layer.items():
+            index = _layer_index(key)
+            if index is None or not 0 <= index < self.num_hidden_layers:
+                problems.append(f"per_layer_config has the key {brief(key)}; its keys must be layer indices in "
+                                f"[0, num_hidden_layers={self.num_hidden_layers})")
+            elif index in overrides:
+                problems.append(f"per_layer_config names layer {index} twice ({brief(key)}); merge its settings")
+            elif not isinstance(fields, dict):
+                problems.append(f"per_layer_config[{index}] must be a dict {{field: value}}, got {brief(fields)}")
+            else:
+                problems += self._override_name_problems(index, fields)
+                overrides[index] = {name: _completed_rope(self, value) if name == "rope_parameters" else value
+                                    for name, value in fields.items()}
+            if len(problems) >= _MAX_LAYER_PROBLEMS:
+                break
+        if not problems:
+            for index, fields in sorted(overrides.items()):
+                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index], fields)
+                if len(problems) >= _MAX_LAYER_PROBLEMS:
+                    break
+        if problems:
+            raise ValueError("Invalid HybridLinearConfig: " + "; ".join(problems[:_MAX_LAYER_PROBLEMS]) + ".")
+        # only what differs from the defaults (as transformers keeps it), and no layer without overrides: a config
+        # whose overrides all equal the defaults is homogeneous, and saves as such
+        defaults = _Settings(self)
+        overrides = {index: {name: value for name, value in fields.items() if value != getattr(defaults, name)}
+                     for index, fields in overrides.items()}
+        return {index: fields for index, fields in overrides.items() if fields}
+
+    def _override_name_problems(self, index: int, fields: dict) -> list[str]:
+        layer_type = self.layer_types[index]
+        problems = []
+        for name in fields:
+            where = f"per_layer_config[{index}].{clip(str(name), 60)}"
+            if name in MIXER_FIELDS[layer_type] or name in BLOCK_FIELDS:
+                continue
+            if name in PER_LAYER_FIELDS:
+                problems.append(f"{where} is not read by layer {index}, a {layer_type!r} layer (it would be "
+                                f"ignored); remove it, or change layer_types[{index}]")
+            elif name == "skip":
+                problems.append(f"{where}: every layer of this model runs its mixer and its MLP (transformers' "
+                                "'skip' is not supported); remove it")
+            elif isinstance(name, str) and name in self.__dataclass_fields__:
+                problems.append(f"{where} cannot differ between layers (one value per model); set it at the top "
+                                f"level. Per-layer fields: {MIXER_FIELDS[layer_type] + BLOCK_FIELDS}")
+            else:
+                problems.append(f"{where} is not a field of HybridLinearConfig; the fields a {layer_type!r} layer can "
+                                f"set: {MIXER_FIELDS[layer_type] + BLOCK_FIELDS}")
+        return problems
+
     # ------------------------------------------------------------------------------------------------ validation
 
-    def validate(self) -> None:
+    def validate(self, windowed_layers: set[int] | None = None) -> None:
         """Raises one ValueError naming every invalid field, the problem and the fix.
 
         This overrides the hook of transformers' strict dataclass config, which calls `validate()` when a config is
         saved (so a config mutated after construction is not written invalid); `__post_init__` and `from_dict` call
-        it too. The fields are checked one by one first; the relations between them only when the fields they read
-        are sound, so one bad value gives one message, not a cascade."""
-        problems = self._field_problems()
+        it too. The global fields (the defaults) are checked first, then every layer's overrides with the fields
+        they combine with. Fields are checked one by one first; the relations between them only when the fields they
+        read are sound, so one bad value gives one message, not a cascade. Fields that vary between layers are read
+        without transformers' per-layer guard: their global values are the defaults, validated as such.
+        `windowed_layers`: the layers given their own sliding window by a per_layer_config not yet applied."""
+        settings = _Settings(self)
+        if windowed_layers is None and self.is_heterogeneous:
+            windowed_layers = _windowed_layers(self._heterogeneity_spec.per_layer_overrides)
+        problems = _field_problems(settings, "", _CHECKED_FIELDS)
+        problems += _layer_types_problems(settings, windowed_layers or set())
         if not problems:
-            problems = self._relation_problems()
+            problems = _relation_problems(settings, "", tuple(MIXER_FIELDS)) + _token_id_problems(settings)
+            problems += _size_problems(settings, "", dict.fromkeys(self.layer_types))
+        if not problems and self.is_heterogeneous:
+            for index, fields in sorted(self._heterogeneity_spec.per_layer_overrides.items()):
+                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index], fields)
+                if len(problems) >= _MAX_LAYER_PROBLEMS:
+                    break
         if problems:
             raise ValueError("Invalid HybridLinearConfig: " + "; ".join(problems) + ".")
 
-    def _field_problems(self) -> list[str]:
-        problems = [problem for name in _SIZE_FIELDS
-                    if (problem := _positive_int_problem(name, getattr(self, name), MAX_PARAMETERS))]
-        problems += self._layer_types_problems()
-        for name in ("rms_norm_eps", "gdn_norm_eps", "kda_norm_eps"):
-            problems += _number_problems(name, getattr(self, name), low=0.0, low_inclusive=False)
-        problems += _number_problems("initializer_range", self.initializer_range, low=0.0)
-        problems += _number_problems("attention_dropout", self.attention_dropout, low=0.0, high=1.0)
-        problems += [f"{name} must be True or False (a bool), got {brief(getattr(self, name))}"
-                     for name in _BOOL_FIELDS if not isinstance(getattr(self, name), bool)]
-        window = self.sliding_window
-        if window is not None and (problem := _positive_int_problem("sliding_window", window)):
-            problems.append(problem + " (or None when no layer is 'sliding_attention')")
-        for name in ("gdn_gate_activation", "kda_gate_activation"):
-            if not isinstance(getattr(self, name), str) or getattr(self, name) not in GATE_ACTIVATIONS:
-                problems.append(f"{name} must be one of {GATE_ACTIVATIONS}, got {brief(getattr(self, name))}")
-        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
-            problems.append(f"hidden_act={brief(self.hidden_act)} is not a known activation; use e.g. 'silu'")
-        problems += self._rope_problems()
-        return problems
-
-    def _layer_types_problems(self) -> list[str]:
-        layers = self.num_hidden_layers
-        if isinstance(self.layer_types, list) and len(self.layer_types) > MAX_LAYERS:
-            return [f"layer_types has {len(self.layer_types)} entries, more than the limit of {MAX_LAYERS} layers"]
-        if layers is not None and (problem := _positive_int_problem("num_hidden_layers", layers, MAX_LAYERS)):
-            return [problem]
-        if not isinstance(self.layer_types, list) or not self.layer_types:
-            return [f"layer_types must be a non-empty list of {LAYER_TYPES}, got {brief(self.layer_types)}"]
-        unknown = [t for t in self.layer_types if not isinstance(t, str) or t not in LAYER_TYPES]
-        problems = []
-        if unknown:
-            problems.append(f"layer_types has unknown entries {brief(_distinct(unknown))}; each entry must be one of "
-                            f"{LAYER_TYPES}")
-        if layers is not None and layers != len(self.layer_types):
-            problems.append(f"num_hidden_layers={layers} but layer_types has {len(self.layer_types)} entries; "
-                            "give one layer type per layer (or leave num_hidden_layers unset)")
-        if "sliding_attention" in self.layer_types and self.sliding_window is None:
-            problems.append("layer_types has 'sliding_attention' layers, so sliding_window must be a positive integer, "
-                            "got None")
-        return problems
-
-    def _rope_problems(self) -> list[str]:
-        rope = self.rope_parameters
-        if not isinstance(rope, dict):
-            return [f"rope_parameters must be a dict with rope_type and rope_theta, got {brief(rope)}"]
-        rope_type = rope.get("rope_type")
-        if not isinstance(rope_type, str) or rope_type not in ROPE_REQUIRED_KEYS:
-            known = tuple(ROPE_REQUIRED_KEYS)
-            return [(f"rope_parameters['rope_type'] must be one of {known} (the types this model's rotary embedding "
-                     f"runs), got {brief(rope_type)}")]
-        missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if key not in rope]
-        if missing:
-            return [f"rope_parameters with rope_type {rope_type!r} needs the keys {missing}"]
-        problems = []
-        for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
-            if key in rope and not (key == "attention_factor" and rope[key] is None):
-                problems += _number_problems(f"rope_parameters['{key}']", rope[key], low=0.0, low_inclusive=False)
-        for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-            if rope.get(key) is not None:
-                problems += _number_problems(f"rope_parameters['{key}']", rope[key])
-        if rope.get("original_max_position_embeddings") is not None:
-            problem = _positive_int_problem("rope_parameters['original_max_position_embeddings']",
-                                            rope["original_max_position_embeddings"])
-            problems += [problem] if problem else []
-        factor = rope.get("partial_rotary_factor")
-        if not _is_number(factor) or not 0 < factor <= 1:
-            problems.append(f"rope_parameters['partial_rotary_factor'] must be in (0, 1], got {brief(factor)}")
-        return problems
-
-    def _relation_problems(self) -> list[str]:
-        """Checks between fields; each field is already known to be well typed."""
-        problems = []
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                            f"num_key_value_heads={self.num_key_value_heads}")
-        if self.gdn_num_value_heads % self.gdn_num_key_heads:
-            problems.append(f"gdn_num_value_heads={self.gdn_num_value_heads} must be a multiple of "
-                            f"gdn_num_key_heads={self.gdn_num_key_heads}")
-        factor = self.rope_parameters["partial_rotary_factor"]
-        rotated = int(self.head_dim * factor)
-        rope = self.rope_parameters
-        least = 4 if rope["rope_type"] == "dynamic" else 2  # dynamic NTK scales the base by a power dim / (dim - 2)
-        if rotated % 2 or rotated < least:
-            problems.append(f"head_dim * partial_rotary_factor = {self.head_dim} * {factor} must give an even number "
-                            f"of rotated dims, at least {least} for rope_type {rope['rope_type']!r}")
-        if rope["rope_type"] == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
-            problems.append("rope_parameters['high_freq_factor'] must be greater than ['low_freq_factor'] (llama3)")
-        for key in ("short_factor", "long_factor"):
-            if key in rope and not (isinstance(rope[key], list) and len(rope[key]) == rotated // 2
-                                    and all(_is_finite_number(x) for x in rope[key])):
-                problems.append(f"rope_parameters['{key}'] must be a list of {rotated // 2} finite numbers (one per "
-                                f"rotated pair), got {brief(rope[key])}")
-        problems += self._token_id_problems()
-        problems += self._size_problems()
-        return problems
-
-    def _token_id_problems(self) -> list[str]:
-        problems = []
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            value = getattr(self, name)
-            ids = value if name == "eos_token_id" and isinstance(value, list) and value else [value]
-            if value is not None and not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
-                kind = "an integer or a non-empty list of integers" if name == "eos_token_id" else "an integer"
-                problems.append(f"{name} must be None or {kind} in [0, vocab_size={self.vocab_size}), "
-                                f"got {brief(value)}")
-        return problems
-
-    def _size_problems(self) -> list[str]:
-        """Bounds the weights a model of this config would allocate, so a hostile config fails here, not in torch."""
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        counts = {"the embeddings": (("vocab_size", "hidden_size"), embeddings)}
-        for kind in dict.fromkeys(self.layer_types):
-            counts[f"one {kind} layer"] = (_LAYER_SIZE_FIELDS[kind], self._layer_parameter_count(kind))
-        over = {what: (fields, count) for what, (fields, count) in counts.items() if count > MAX_PARAMETERS}
-        if not over:
-            return []
-        fields = dict.fromkeys(field for names, _ in over.values() for field in names)
-        holding = ", ".join(f"{what} {brief(count)}" for what, (_, count) in over.items())
-        return [f"the sizes give more weights than the limit of 2**40 ({holding}): reduce {', '.join(fields)}"]
-
-    def _layer_parameter_count(self, layer_type: str) -> int:
-        """Weights of one decoder layer (norms and biases left out: they are small next to the projections)."""
-        H = self.hidden_size
-        count = 3 * H * self.intermediate_size
-        if layer_type in ATTENTION_LAYER_TYPES:
-            q = self.num_attention_heads * self.head_dim
-            count += H * (q * 2 + 2 * self.num_key_value_heads * self.head_dim) + q * H
-        elif layer_type == "gated_deltanet":
-            keys = self.gdn_num_key_heads * self.gdn_key_head_dim
-            values = self.gdn_num_value_heads * self.gdn_value_head_dim
-            count += H * (2 * keys + 2 * values + 2 * self.gdn_num_value_heads) + values * H
-            count += (2 * keys + values) * self.gdn_conv_kernel_size
-        elif layer_type == "kimi_delta_attention":
-            inner = self.kda_num_heads * self.kda_head_dim
-            count += H * 5 * inner + inner * H + 3 * inner * self.kda_conv_kernel_size
-        return count
-
     # ------------------------------------------------------------------------------------------------- helpers
-
-    @property
-    def partial_rotary_factor(self) -> float:
-        return self.rope_parameters.get("partial_rotary_factor", 1.0) if isinstance(self.rope_parameters, dict) else 1.0
 
     def layers_of_type(self, *types: str) -> list[int]:
         """Indices of the layers whose mixer is one of `types`."""
         return [i for i, t in enumerate(self.layer_types) if t in types]
 
 
-__all__ = ["HybridLinearConfig", "LAYER_TYPES"]
+__all__ = ["HybridLinearConfig", "LAYER_TYPES", "PER_LAYER_FIELDS"]

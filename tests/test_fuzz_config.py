@@ -1,6 +1,7 @@
 """Property-based fuzzing of HybridLinearConfig (hypothesis).
 
-1. Any keyword arguments, valid or not (wrong types, huge numbers, NaN/inf, strings for numbers, unknown rope types):
+1. Any keyword arguments, valid or not (wrong types, huge numbers, NaN/inf, strings for numbers, unknown rope types;
+   per_layer_config with any keys and fields):
    HybridLinearConfig(**kwargs) either raises a ValueError naming one of the fuzzed fields, or builds a config that
    round-trips unchanged through to_dict/from_dict and save_pretrained/from_pretrained. Nothing else escapes
    (TypeError, KeyError, OverflowError, a giant message).
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from model_helpers import tiny_config
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES, ROPE_REQUIRED_KEYS
+from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES, PER_LAYER_FIELDS, ROPE_REQUIRED_KEYS
 
 FUZZ = settings(max_examples=1000, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 MODELS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -97,6 +98,38 @@ FIELDS = {
     "layer_types": layer_types_values,
 }
 
+# per_layer_config: layer keys valid or not (ints, their JSON strings, out of range, junk), each with a few fields
+# (per-layer ones, fields that cannot vary, unknown names) set to values fuzzed as the flat fields are.
+layer_keys = st.one_of(st.integers(0, 3), st.sampled_from(["0", "1", "03", "-1", "x", ""]), st.integers(-2, 9))
+per_layer_names = st.sampled_from([*PER_LAYER_FIELDS, "hidden_size", "vocab_size", "tie_word_embeddings", "skip",
+                                   "bogus"])
+
+
+@st.composite
+def layer_settings(draw) -> dict:
+    names = draw(st.lists(per_layer_names, max_size=3, unique=True))
+    return {name: draw(FIELDS.get(name, int_values())) for name in names}
+
+
+# mostly valid overrides of tiny_config's layers (GDN, full attention, KDA, sliding), so that many configs build
+block_overrides = {"intermediate_size": st.integers(1, 64), "rms_norm_eps": st.floats(1e-6, 0.1),
+                   "hidden_act": st.sampled_from(["silu", "gelu"]), "mlp_bias": st.booleans()}
+attention_overrides = {"num_key_value_heads": st.sampled_from([1, 2, 4, 3]), "head_dim": st.sampled_from([8, 16, 6]),
+                       "attention_output_gate": st.booleans(), "attention_qk_norm": st.booleans(),
+                       "rope_parameters": st.fixed_dictionaries({"rope_theta": st.floats(10.0, 1e6)}),
+                       **block_overrides}
+mixer_overrides = {
+    0: {"gdn_num_key_heads": st.integers(1, 2), "gdn_value_head_dim": st.integers(1, 16),
+        "gdn_gate_activation": st.sampled_from(["silu", "sigmoid"]), **block_overrides},
+    1: attention_overrides,
+    2: {"kda_num_heads": st.integers(1, 3), "kda_conv_kernel_size": st.integers(1, 4), **block_overrides},
+    3: {"sliding_window": st.integers(0, 8), **attention_overrides},
+}
+valid_per_layer = st.tuples(*(st.fixed_dictionaries({}, optional=fields) for fields in mixer_overrides.values())).map(
+    lambda layers: {str(i): fields for i, fields in enumerate(layers) if fields})
+per_layer_values = st.one_of(valid_per_layer, st.dictionaries(layer_keys, layer_settings(), max_size=3), junk)
+FIELDS["per_layer_config"] = per_layer_values
+
 
 @st.composite
 def fuzzed_kwargs(draw) -> tuple[dict, dict]:
@@ -130,12 +163,21 @@ def test_config_either_names_a_fuzzed_field_or_round_trips(case):
         assert any(name in message for name in fuzzed), message
         assert "\n" not in message and len(message) < 2000, message[:300]
         return
-    event("built")
+    event("built, heterogeneous" if config.is_heterogeneous else "built")
     data = comparable(config)
     assert comparable(HybridLinearConfig.from_dict(config.to_dict())) == data
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         assert comparable(HybridLinearConfig.from_pretrained(folder)) == data
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(per_layer_values)
+def test_per_layer_config_is_either_refused_naming_it_or_round_trips(per_layer):
+    """The same property with only per_layer_config fuzzed, over tiny_config's four layer types (most cases build)."""
+    kwargs = {name: value for name, value in tiny_config().to_dict().items() if name in FIELDS}
+    test_config_either_names_a_fuzzed_field_or_round_trips.hypothesis.inner_test(
+        ({**kwargs, "per_layer_config": per_layer}, {"per_layer_config": per_layer}))
 
 
 # ------------------------------------------------------------------------------------------ valid tiny models
