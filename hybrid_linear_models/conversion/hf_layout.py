@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from ..configuration_hybrid_linear import HybridLinearConfig
 
@@ -65,8 +66,10 @@ def _layer_shapes(config: HybridLinearConfig, index: int) -> dict[str, Shape]:
     from ..modeling_hybrid_linear import HybridLinearDecoderLayer  # the model, only when a layout is asked for
 
     try:
-        with torch.device("meta"):
-            return _meta_shapes(HybridLinearDecoderLayer(config, index))
+        with torch.device("meta"):  # the layer's resolved config: a homogeneous one, whatever the model reads
+            return _meta_shapes(HybridLinearDecoderLayer(layer_config(config, index), index))
+    except AmbiguousGlobalPerLayerAttributeError:
+        raise
     except RuntimeError as error:  # e.g. a size product beyond int64, which no checkpoint can hold
         raise ValueError(f"layer {index} ({config.layer_types[index]}): its sizes make tensors this model cannot "
                          f"build ({str(error).splitlines()[0][:200]}); fix the config's sizes.") from None

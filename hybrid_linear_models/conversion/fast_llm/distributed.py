@@ -28,7 +28,7 @@ import torch
 
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..errors import ConversionError
-from ..hf_layout import elements_per_layer, hf_tensor_shapes, layer_config
+from ..hf_layout import distinct_layers, elements_per_layer, hf_tensor_shapes, layer_config
 from ..name_maps import MapRow
 from ..pipeline import SourceCheckpoint, TensorCensus
 from ..safetensors_io import SafetensorsFile, TensorInfo
@@ -48,12 +48,16 @@ STAGE_PAD = 32
 
 
 def _check_verified(config: HybridLinearConfig) -> None:
-    if "gated_deltanet" in config.layer_types and min(config.gdn_num_key_heads, config.gdn_num_value_heads) == 1:
-        raise ConversionError("the distributed layout of a Gated DeltaNet mixer with a single key or value head is "
-                              "not verified; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
-    if "kimi_delta_attention" in config.layer_types and config.kda_num_heads == 1:
-        raise ConversionError("the distributed layout of a Kimi Delta Attention mixer with a single head is not "
-                              "verified; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
+    for index in distinct_layers(config).values():
+        layer, layer_type = layer_config(config, index), config.layer_types[index]
+        if layer_type == "gated_deltanet" and min(layer.gdn_num_key_heads, layer.gdn_num_value_heads) == 1:
+            raise ConversionError(f"layer {index}: the distributed layout of a Gated DeltaNet mixer with a single key "
+                                  "or value head is not verified; save the checkpoint in Fast-LLM's `fast_llm` format "
+                                  "and convert that.")
+        if layer_type == "kimi_delta_attention" and layer.kda_num_heads == 1:
+            raise ConversionError(f"layer {index}: the distributed layout of a Kimi Delta Attention mixer with a "
+                                  "single head is not verified; save the checkpoint in Fast-LLM's `fast_llm` format "
+                                  "and convert that.")
 
 
 def _stage_order(parameters: list[Parameter], prefix: str, config: HybridLinearConfig) -> list[str]:

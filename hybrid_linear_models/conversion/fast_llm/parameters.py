@@ -59,17 +59,35 @@ BLOCK_NORMS = (
     _same("norm_2.weight", "post_attention_layernorm.weight", weight_decay=False, tensor_parallel=NEVER),
 )
 
+# Biases (Fast-LLM's `{layer}.bias`, right after the layer's weight) have no weight decay and are tensor-parallel
+# when the layer's output dimension is split: not for the output projections (dense, layer_2), whose output is the
+# hidden size (fast_llm/layers/common/linear/config.py, AffineLinearConfig.get_layer).
+_MLP_BIAS: Rule = lambda config: bool(config.mlp_bias)  # noqa: E731
+_ATTENTION_BIAS: Rule = lambda config: bool(config.attention_bias)  # noqa: E731
+
+
+def _bias(name: str, converter: Converter, canonical: str | tuple[str, ...], tensor_parallel: Rule,
+          when: Rule) -> Parameter:
+    return Parameter(name, converter, canonical, weight_decay=False, tensor_parallel=tensor_parallel, when=when)
+
+
 MLP = (
     Parameter("mlp.layer_1.weight", SPLIT_HALVES, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # gate, up rows
+    _bias("mlp.layer_1.bias", SPLIT_HALVES, ("mlp.gate_proj.bias", "mlp.up_proj.bias"), ALWAYS, _MLP_BIAS),
     Parameter("mlp.layer_2.weight", TRANSPOSE, "mlp.down_proj.weight"),  # stored (intermediate, hidden)
+    _bias("mlp.layer_2.bias", IDENTITY, "mlp.down_proj.bias", NEVER, _MLP_BIAS),
 )
 
+_KV_HEADS: Rule = lambda config: config.num_key_value_heads > 1  # noqa: E731  (MQA: key_value is not split)
 ATTENTION = (
     _same("mixer.query.weight", "self_attn.q_proj.weight"),
-    # With one KV head (MQA) Fast-LLM does not split key_value over heads.
+    _bias("mixer.query.bias", IDENTITY, "self_attn.q_proj.bias", ALWAYS, _ATTENTION_BIAS),
     Parameter("mixer.key_value.weight", SPLIT_HALVES, ("self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-              tensor_parallel=lambda config: config.num_key_value_heads > 1),
+              tensor_parallel=_KV_HEADS),
+    _bias("mixer.key_value.bias", SPLIT_HALVES, ("self_attn.k_proj.bias", "self_attn.v_proj.bias"), _KV_HEADS,
+          _ATTENTION_BIAS),
     _same("mixer.dense.weight", "self_attn.o_proj.weight"),
+    _bias("mixer.dense.bias", IDENTITY, "self_attn.o_proj.bias", NEVER, _ATTENTION_BIAS),
 )
 
 GATED_DELTANET = (
