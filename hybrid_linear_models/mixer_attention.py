@@ -21,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_hybrid_linear import HybridLinearConfig
 from .norms import HybridLinearRMSNorm
+from .tensor_parallel_heads import local_heads
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -125,27 +126,31 @@ def sliding_window_attention(module: nn.Module, attention: Callable, query: torc
 
 class HybridLinearAttention(nn.Module):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
+        """config: the model's (its attention implementation can change after construction); the layer's own
+        settings are config.per_layer_config[layer_idx]."""
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        settings = config.per_layer_config[layer_idx]
+        self.head_dim = settings.head_dim
+        self.num_heads = settings.num_attention_heads
+        self.num_key_value_heads = settings.num_key_value_heads
+        self.num_key_value_groups = settings.num_attention_heads // settings.num_key_value_heads
         self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
+        self.attention_dropout = settings.attention_dropout
         self.is_causal = True
-        self.output_gate = config.attention_output_gate
+        self.output_gate = settings.attention_output_gate
         is_sliding = config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if is_sliding else None
-        bias = config.attention_bias
+        self.sliding_window = settings.sliding_window if is_sliding else None
+        bias, H, kv_width = settings.attention_bias, settings.hidden_size, settings.num_key_value_heads * self.head_dim
         q_out = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        if config.attention_qk_norm:
-            self.q_norm = HybridLinearRMSNorm(self.head_dim, config.rms_norm_eps, config.zero_centered_norms)
-            self.k_norm = HybridLinearRMSNorm(self.head_dim, config.rms_norm_eps, config.zero_centered_norms)
+        self.q_proj = nn.Linear(H, q_out, bias=bias)
+        self.k_proj = nn.Linear(H, kv_width, bias=bias)
+        self.v_proj = nn.Linear(H, kv_width, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+        if settings.attention_qk_norm:
+            self.q_norm = HybridLinearRMSNorm(self.head_dim, settings.rms_norm_eps, settings.zero_centered_norms)
+            self.k_norm = HybridLinearRMSNorm(self.head_dim, settings.rms_norm_eps, settings.zero_centered_norms)
         else:
             self.q_norm = self.k_norm = None
 
@@ -158,6 +163,7 @@ class HybridLinearAttention(nn.Module):
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = hidden_states.shape[:2]
+        local_heads(self.k_proj, self.num_key_value_heads, self.layer_idx, "num_key_value_heads")  # TP: divisible
         # head counts follow from the projections' sizes, so a tensor-parallel shard runs its local heads
         query = self.q_proj(hidden_states).view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
         gate = None

@@ -27,6 +27,7 @@ class HybridLinearGatedDeltaNet(nn.Module):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        config = config.per_layer_config[layer_idx]  # this layer's settings
         self.num_k_heads, self.num_v_heads = config.gdn_num_key_heads, config.gdn_num_value_heads
         self.head_k_dim, self.head_v_dim = config.gdn_key_head_dim, config.gdn_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
@@ -66,7 +67,8 @@ class HybridLinearGatedDeltaNet(nn.Module):
         hidden_states = mask_padding(hidden_states, info)
         B, T = hidden_states.shape[:2]
         r, dk, dv = self.values_per_key, self.head_k_dim, self.head_v_dim
-        heads = local_heads(self.in_proj_qkvz, self.num_k_heads)  # key heads (all of them unless tensor parallel)
+        # key heads (all of them unless tensor parallel)
+        heads = local_heads(self.in_proj_qkvz, self.num_k_heads, self.layer_idx, "gdn_num_key_heads")
         nk, nv = heads.count, heads.count * r
         projected = self.in_proj_qkvz(hidden_states)
         q, k, v, z = projected.view(B, T, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)

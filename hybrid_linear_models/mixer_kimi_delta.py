@@ -27,6 +27,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        config = config.per_layer_config[layer_idx]  # this layer's settings
         self.num_heads, self.head_dim = config.kda_num_heads, config.kda_head_dim
         P = self.num_heads * self.head_dim
         H, d, K = config.hidden_size, self.head_dim, config.kda_conv_kernel_size
@@ -50,7 +51,8 @@ class HybridLinearKimiDeltaAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
         B, T = hidden_states.shape[:2]
-        heads = local_heads(self.q_proj, self.num_heads)  # all of them unless tensor parallel
+        # all of them unless tensor parallel
+        heads = local_heads(self.q_proj, self.num_heads, self.layer_idx, "kda_num_heads")
         rows = heads.rows(self.head_dim)
         shape = (B, T, heads.count, self.head_dim)
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)

@@ -87,6 +87,7 @@ class HybridLinearMLP(nn.Module):
 
 class HybridLinearDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
+        """config: the model's; the layer reads its own settings, config.per_layer_config[layer_idx]."""
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = config.layer_types[layer_idx]
@@ -94,8 +95,9 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
             self.self_attn = HybridLinearAttention(config, layer_idx)
         else:
             self.linear_attn = LINEAR_MIXERS[self.layer_type](config, layer_idx)
-        self.mlp = HybridLinearMLP(config)
-        norm = lambda: HybridLinearRMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)  # noqa: E731
+        settings = config.per_layer_config[layer_idx]
+        self.mlp = HybridLinearMLP(settings)
+        norm = lambda: HybridLinearRMSNorm(settings.hidden_size, settings.rms_norm_eps, settings.zero_centered_norms)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -251,27 +253,58 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(HybridLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = HybridLinearRMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norms)
-        self.rotary_emb = HybridLinearRotaryEmbedding(config)
+        final_eps = config._getattr_without_heterogeneous_validation("rms_norm_eps")  # the default (documented)
+        self.norm = HybridLinearRMSNorm(config.hidden_size, final_eps, config.zero_centered_norms)
+        # one rotary embedding per distinct (head_dim, rope_parameters) of the attention layers, each computed once
+        # per forward; rotary_of_layer[i] picks layer i's (None for GDN/KDA layers)
+        rotary_settings, self.rotary_of_layer = {}, []
+        for i, layer_type in enumerate(config.layer_types):
+            if layer_type not in ATTENTION_LAYER_TYPES:
+                self.rotary_of_layer.append(None)
+                continue
+            settings = config.per_layer_config[i]
+            key = repr((settings.head_dim, sorted(settings.rope_parameters.items())))
+            self.rotary_of_layer.append(rotary_settings.setdefault(key, (len(rotary_settings), settings))[0])
+        rotary = [HybridLinearRotaryEmbedding(settings) for _, settings in rotary_settings.values()]
+        self.rotary_emb = rotary[0] if len(rotary) == 1 else None  # the usual case keeps its usual name
+        self.rotary_embs = nn.ModuleList(rotary) if len(rotary) > 1 else None
         self.gradient_checkpointing = False
         self.post_init()
 
-    def _attention_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> dict:
+    def _rotary_embeddings(self) -> list[HybridLinearRotaryEmbedding]:
+        return [self.rotary_emb] if self.rotary_emb is not None else list(self.rotary_embs or [])
+
+    def _position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """cos/sin of every distinct rotary embedding, for layer i at index rotary_of_layer[i]."""
+        return [rotary(hidden_states, position_ids) for rotary in self._rotary_embeddings()]
+
+    def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> list:
+        """The attention mask of every layer (None for GDN/KDA layers): one per full attention, one per distinct
+        sliding window, each built once. A dict given by the caller maps layer types to masks."""
         if isinstance(attention_mask, dict):
-            return attention_mask
-        kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+            return [attention_mask.get(t) for t in self.config.layer_types]
+        kwargs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                       position_ids=position_ids)
-        types = set(self.config.layer_types)
-        masks = {}
-        if "full_attention" in types:
-            masks["full_attention"] = create_causal_mask(**kwargs)
-        if "sliding_attention" in types:
-            described = None if weights_wanted else self._sliding_window_mask(inputs_embeds, attention_mask, cache,
-                                                                               position_ids)
-            masks["sliding_attention"] = described or create_sliding_window_causal_mask(**kwargs)
+        built, masks = {}, []
+        for i, layer_type in enumerate(self.config.layer_types):
+            if layer_type == "full_attention":
+                key = "full"
+                if key not in built:
+                    built[key] = create_causal_mask(config=self.config, **kwargs)
+            elif layer_type == "sliding_attention":
+                settings = self.config.per_layer_config[i]
+                key = settings.sliding_window
+                if key not in built:
+                    described = None if weights_wanted else self._sliding_window_mask(
+                        inputs_embeds, attention_mask, cache, position_ids, key)
+                    built[key] = described or create_sliding_window_causal_mask(config=settings, **kwargs)
+            else:
+                key = None
+            masks.append(built.get(key))
         return masks
 
-    def _sliding_window_mask(self, inputs_embeds, attention_mask, cache, position_ids) -> SlidingWindowMask | None:
+    def _sliding_window_mask(self, inputs_embeds, attention_mask, cache, position_ids,
+                             window: int) -> SlidingWindowMask | None:
         """The sliding-window mask described, not built (attention applies it block by block in O(T * window)
         memory), wherever transformers would materialise a [batch, 1, T, keys] mask: eager and sdpa, several query
         tokens, no cache or a dynamic one; padded, packed or continuing a cache alike. None otherwise (one-token
@@ -284,8 +317,9 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 or getattr(cache, "is_compileable", False)):
             return None
         if cache is not None:
-            sliding = getattr(cache, "is_sliding", [])
-            layer_idx = sliding.index(True) if True in sliding else 0  # the layer transformers sizes the mask by
+            # the first layer of this window: the one transformers would size the mask by
+            layer_idx = next(i for i, t in enumerate(self.config.layer_types) if t == "sliding_attention"
+                             and self.config.per_layer_config[i].sliding_window == window)
             q_offset = cache.get_query_offset(layer_idx)
             kv_length, kv_offset = cache.get_mask_sizes(q_length, layer_idx)
         else:
@@ -297,8 +331,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             key_padding = prepare_padding_mask(padding, kv_length, kv_offset)
         elif cache is None and position_ids is not None:  # packed documents, detected as transformers does
             documents = find_packed_sequence_indices(position_ids.expand(batch, -1))
-        return SlidingWindowMask(self.config.sliding_window, int(q_offset), kv_offset, kv_length, key_padding,
-                                 documents)
+        return SlidingWindowMask(window, int(q_offset), kv_offset, kv_length, key_padding, documents)
 
     @merge_with_config_defaults
     @capture_outputs
@@ -339,14 +372,15 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             cache = DynamicCache(config=self.config)
 
         weights_wanted = bool(kwargs.get("output_attentions", self.config.output_attentions))
-        masks = self._attention_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        masks = self._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted)
+        position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:
+            rotary = self.rotary_of_layer[layer.layer_idx]
             hidden_states = layer(
                 hidden_states,
-                position_embeddings=position_embeddings,
-                attention_mask=masks.get(layer.layer_type),
+                position_embeddings=position_embeddings[rotary] if rotary is not None else None,
+                attention_mask=masks[layer.layer_idx],
                 sequence_info=sequence_info,
                 cache=cache,
                 position_ids=position_ids,
@@ -360,15 +394,16 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         """One token per row against a static cache, with no host synchronisation (what a CUDA graph captures).
         key_mask [B, max_len] bool: the cache slots that hold real tokens once this step's token is written."""
         hidden_states = self.embed_tokens(input_ids)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        position_embeddings = self._position_embeddings(hidden_states, position_ids)
         mask = key_mask[:, None, None, :]
         if self.config._attn_implementation == "eager":  # additive
             mask = torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
         info = SequenceInfo(input_ids.shape[0], 1)
         for layer in self.layers[: self.config.num_hidden_layers]:
             attention_mask = mask if layer.layer_type in ATTENTION_LAYER_TYPES else None
-            hidden_states = layer(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                  sequence_info=info, cache=cache)
+            rotary = self.rotary_of_layer[layer.layer_idx]
+            hidden_states = layer(hidden_states, attention_mask=attention_mask, sequence_info=info, cache=cache,
+                                  position_embeddings=position_embeddings[rotary] if rotary is not None else None)
         return self.norm(hidden_states)
 
 

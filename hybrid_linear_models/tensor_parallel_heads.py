@@ -40,14 +40,17 @@ def device_mesh(tensor: torch.Tensor):
     return tensor.device_mesh if isinstance(tensor, DTensor) else None
 
 
-def local_heads(projection: nn.Linear, total: int) -> LocalHeads:
-    """The heads whose rows of `projection` (split by heads when tensor parallel) live on this rank."""
+def local_heads(projection: nn.Linear, total: int, layer_idx: int | None = None, field: str = "heads") -> LocalHeads:
+    """The heads whose rows of `projection` (split by heads when tensor parallel) live on this rank; `layer_idx` and
+    `field` name the layer's setting in the error (head counts can differ between layers)."""
     mesh = device_mesh(projection.weight)
     if mesh is None:
         return LocalHeads(0, total, total)
     size = mesh.size()
     if total % size:
-        raise ValueError(f"Tensor parallelism over {size} ranks needs a head count divisible by {size}, got {total}.")
+        where = f"layer {layer_idx}'s {field}" if layer_idx is not None else "the head count"
+        raise ValueError(f"Tensor parallelism over {size} ranks needs {where} divisible by {size}, got {total}; use a "
+                         f"tensor-parallel size that divides it (per_layer_config[{layer_idx}].{field} or {field}).")
     count = total // size
     return LocalHeads(mesh.get_local_rank() * count, count, total)
 

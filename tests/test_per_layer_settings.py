@@ -6,12 +6,19 @@ and a 2-KV-head full block (plus a KDA block and different MLP widths, epsilons 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from model_helpers import tiny_config
+import torch
+from model_helpers import randomize, tiny_config
+from safetensors.torch import load_file, save_file
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
-from hybrid_linear_models import HybridLinearConfig
+from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM, HybridLinearModel
+from hybrid_linear_models.configuration_hybrid_linear import PER_LAYER_FIELDS
+from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 
 LAYER_TYPES = ["gated_deltanet", "sliding_attention", "gated_deltanet", "full_attention", "kimi_delta_attention"]
 PER_LAYER = {
@@ -112,3 +119,196 @@ def test_hostile_per_layer_configs_give_a_bounded_message():
     with pytest.raises(ValueError) as caught:
         tiny_config(per_layer_config=per_layer)
     assert len(str(caught.value)) < 2000
+
+
+# ------------------------------------------------------------------------------------------------------- model
+
+
+def heterogeneous_model(layer_types=LAYER_TYPES, per_layer=PER_LAYER, seed: int = 0) -> HybridLinearForCausalLM:
+    """In float64: paths that sum in different orders (chunked prefill, recurrent steps, padded and packed kernels)
+    then agree to ~1e-12, so a tolerance of 1e-9 leaves no room for a real difference (a wrong window, head count or
+    state shape moves logits by O(1)), where float32 rounding alone reaches 2e-5 on these random weights."""
+    torch.manual_seed(seed)
+    config = tiny_config(layer_types, per_layer_config=per_layer)
+    return randomize(HybridLinearForCausalLM(config), seed).double().eval()
+
+
+def test_each_layer_has_the_shapes_of_its_settings():
+    model = heterogeneous_model()
+    layers = model.model.layers
+    assert layers[0].linear_attn.in_proj_ba.weight.shape == (2 * 2, 64)  # 2 GDN value heads
+    assert layers[2].linear_attn.in_proj_ba.weight.shape == (2 * 4, 64)  # 4: the default
+    assert layers[1].self_attn.k_proj.weight.shape == (1 * 8, 64)  # 1 KV head of 8 dims
+    assert layers[3].self_attn.k_proj.weight.shape == (2 * 16, 64)
+    assert layers[1].self_attn.sliding_window == 3 and layers[3].self_attn.q_norm is None
+    assert layers[0].mlp.up_proj.weight.shape == (48, 64) and layers[4].mlp.up_proj.bias is not None
+    assert layers[1].input_layernorm.eps == 1e-5 and model.model.norm.eps == 1e-6
+    assert len(model.model.rotary_embs) == 2  # (8 dims, theta 500) and (16 dims, theta 1e4), each computed once
+
+
+def _homogeneous_layer(config: HybridLinearConfig, index: int) -> HybridLinearModel:
+    """Layer `index` of a heterogeneous config built alone from a homogeneous one-layer config of its settings."""
+    settings = config.per_layer_config[index]
+    fields = {name: getattr(settings, name) for name in PER_LAYER_FIELDS}
+    return HybridLinearModel(tiny_config([config.layer_types[index]], **fields)).double().eval()
+
+
+def test_the_forward_equals_a_composition_of_homogeneous_layers():
+    """The independent reference: each layer run by a one-layer model of a homogeneous config (its own rotary
+    embedding, mask and cache-free path), with the same weights, chained by hand."""
+    model = heterogeneous_model()
+    input_ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        hidden = model.model.embed_tokens(input_ids)
+        for index, layer in enumerate(model.model.layers):
+            alone = _homogeneous_layer(model.config, index)
+            alone.layers[0].load_state_dict(layer.state_dict(), strict=True)
+            alone.norm = torch.nn.Identity()  # the layer's output itself
+            hidden = alone(inputs_embeds=hidden, use_cache=False).last_hidden_state
+        logits = model.lm_head(model.model.norm(hidden))
+    torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)  # float64 (see heterogeneous_model)
+
+
+def _greedy(model, input_ids, **kwargs):
+    with torch.no_grad():
+        return model.generate(input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True, **kwargs)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_cached_generation_equals_uncached(cache):
+    model = heterogeneous_model()
+    input_ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    without = _greedy(model, input_ids, use_cache=False)
+    cached = _greedy(model, input_ids, cache_implementation=cache)
+    assert torch.equal(cached.sequences, without.sequences)
+    for a, b in zip(cached.logits, without.logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # float64 (see heterogeneous_model)
+
+
+def test_graph_decoding_of_a_heterogeneous_model_equals_uncached(monkeypatch):
+    """The CUDA-graph path (its graph stood in by an eager replay of the captured step, as in
+    test_graph_decoding_cpu.py) on two GDN layers of different head counts and 1- and 2-KV-head attention layers
+    (models with sliding layers decode eagerly)."""
+    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+    steps = []
+
+    class EagerReplay:
+        def __init__(self, run, out):
+            self.run, self.out = run, out
+
+        def replay(self):
+            steps.append(1)
+            self.out.copy_(self.run())
+
+    def record(run, device):
+        out = run()
+        return EagerReplay(run, out), out
+
+    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
+    layer_types = ["gated_deltanet", "full_attention", "gated_deltanet", "full_attention", "kimi_delta_attention"]
+    per_layer = {0: PER_LAYER[0], 1: {"num_key_value_heads": 1, "head_dim": 8}, 3: PER_LAYER[3], 4: PER_LAYER[4]}
+    model = heterogeneous_model(layer_types, per_layer)
+    input_ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    without = _greedy(model, input_ids, use_cache=False)
+    graphed = _greedy(model, input_ids, cache_implementation="static")
+    assert len(steps) >= 7  # the decoding steps went through the replayed graph
+    assert torch.equal(graphed.sequences, without.sequences)
+    for a, b in zip(graphed.logits, without.logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # as above
+
+
+def test_left_padding_and_packing_follow_per_layer_settings():
+    model = heterogeneous_model()
+    generator = torch.Generator().manual_seed(4)
+    a, b = torch.randint(2, 128, (1, 7), generator=generator), torch.randint(2, 128, (1, 4), generator=generator)
+    with torch.no_grad():
+        alone_a, alone_b = model(a).logits, model(b).logits
+        padded = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
+        mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)]).long()
+        batch = model(padded, attention_mask=mask).logits
+        positions = torch.cat([torch.arange(7), torch.arange(4)]).unsqueeze(0)
+        packed = model(torch.cat([a, b], 1), position_ids=positions).logits
+    # each row/document as run alone (float64, see heterogeneous_model)
+    for got_a, got_b in ((batch[:1], batch[1:, 3:]), (packed[:, :7], packed[:, 7:])):
+        torch.testing.assert_close(got_a, alone_a, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(got_b, alone_b, rtol=1e-9, atol=1e-9)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = heterogeneous_model().train()
+    model.config.fuse_linear_cross_entropy = False
+    input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    grads = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model(input_ids, labels=input_ids).loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)  # recomputed
+
+
+def test_a_saved_heterogeneous_model_loads_with_its_logits(tmp_path):
+    model = heterogeneous_model()
+    input_ids = torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(6))
+    model.save_pretrained(tmp_path)
+    loaded = HybridLinearForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert loaded.model.layers[1].self_attn.k_proj.weight.shape == (8, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=1e-9, atol=1e-9)
+
+
+def test_a_saved_heterogeneous_folder_loads_as_remote_code_without_the_package(tmp_path):
+    """The folder's own sources (auto_map, trust_remote_code) run the per-layer settings where the package cannot be
+    imported: the subprocess of test_first_hour.py, on this folder."""
+    from test_first_hour import _WITHOUT_THE_PACKAGE
+
+    model = heterogeneous_model().float()
+    model.config.tie_word_embeddings = True  # AutoModel's hidden states then feed the LM head exactly
+    model.save_pretrained(tmp_path / "het")
+    input_ids = torch.tensor([[3, 5, 7, 2, 11, 4, 9, 1, 6, 8]])
+    save_file({"input_ids": input_ids}, tmp_path / "input_ids.safetensors")
+    job = {"models": {"het": str(tmp_path / "het")}, "resaved": {"het": str(tmp_path / "resaved")}, "tokenizers": {},
+           "text": "", "input_ids": str(tmp_path / "input_ids.safetensors"),
+           "tensors": str(tmp_path / "outputs.safetensors"), "report": str(tmp_path / "report.json")}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    (tmp_path / "run.py").write_text(_WITHOUT_THE_PACKAGE)
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.json")], check=False,
+                            cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert not report["package_imported"]
+    loaded = HybridLinearForCausalLM.from_pretrained(tmp_path / "het").eval()
+    with torch.no_grad():
+        expected = loaded(input_ids).logits
+    # the same code on the same weights in the same dtype: equal
+    assert torch.equal(load_file(tmp_path / "outputs.safetensors")["het/AutoModelForCausalLM"], expected)
+
+
+def test_tensor_parallelism_names_the_layer_whose_heads_do_not_divide(monkeypatch):
+    """A layer's head count that the tensor-parallel size does not divide fails in its first forward, naming the layer
+    and its field (the mesh of a 2-rank shard stood in, as the check reads only its size and rank)."""
+    from hybrid_linear_models import tensor_parallel_heads
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 0
+
+    model = heterogeneous_model()
+    monkeypatch.setattr(tensor_parallel_heads, "device_mesh", lambda tensor: TwoRanks())
+    with pytest.raises(ValueError, match=r"needs layer 0's gdn_num_key_heads divisible by 2, got 1.*"
+                                         r"per_layer_config\[0\]\.gdn_num_key_heads"):
+        model(torch.tensor([[1, 2, 3]]))
+    attention = model.model.layers[1].self_attn
+    with pytest.raises(ValueError, match=r"layer 1's num_key_value_heads divisible by 2, got 1"):
+        attention(torch.zeros(1, 3, 64, dtype=torch.float64), None, None)
