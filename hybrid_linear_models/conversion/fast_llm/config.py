@@ -284,7 +284,7 @@ def _defaults_and_overrides(layers: list[tuple[str, dict[str, Any]]], fixed: dic
 
 def _config_error(error: Exception, layers: list[tuple[str, dict[str, Any]]]) -> ConversionError:
     """HybridLinearConfig's message, with the Fast-LLM block of the layer it names."""
-    message = clip(str(error))
+    message = clip(str(error), 600)  # long enough for a per-layer message with its field names
     match = re.search(r"per_layer_config\[(\d+)\]", message)
     if match and int(match.group(1)) < len(layers):
         message += f" (layer {match.group(1)} is Fast-LLM block {brief(layers[int(match.group(1))][0])})"
@@ -478,7 +478,8 @@ def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
                     "pattern": [names[layer_setting(config, i)] for i in range(config.num_hidden_layers)],
                     "num_blocks": config.num_hidden_layers},
         "embeddings": {"vocab_size": config.vocab_size},
-        "head": {"normalization": _norm(config.rms_norm_eps)},
+        # the final norm's epsilon is the flat default, whatever the blocks override
+        "head": {"normalization": _norm(config._getattr_without_heterogeneous_validation("rms_norm_eps"))},
         "hidden_size": config.hidden_size,
         "peft": {"type": "none"},
         "tied_embedding_weight": bool(config.tie_word_embeddings),
