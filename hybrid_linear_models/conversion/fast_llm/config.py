@@ -263,16 +263,31 @@ def _decoder_blocks(decoder: _Fields) -> list[tuple[str, dict[str, Any]]]:
     return [(pattern[i % len(pattern)], settings[pattern[i % len(pattern)]]) for i in range(num_blocks)]
 
 
+def _field_group(field: str) -> str:
+    """Fields that the config validates together (heads and KV heads, GDN key and value heads, ...) take their
+    defaults from one and the same layer, so that the defaults are themselves a valid setting."""
+    if field.startswith(("gdn_", "kda_")):
+        return field[:3]
+    if field in ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps", "sliding_window"):
+        return field  # checked alone
+    return "attention"
+
+
 def _defaults_and_overrides(layers: list[tuple[str, dict[str, Any]]], fixed: dict[str, Any]
                             ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
-    """The flat fields (each the value most layers that read it have, ties to the first layer; `fixed` ones given)
-    and, per layer, the fields where it differs from them: HybridLinearConfig's defaults plus `per_layer_config`."""
-    counts: dict[str, dict[str, list]] = {}  # field -> repr(value) -> [value, layers with it]
+    """The flat fields and, per layer, the fields where it differs from them: HybridLinearConfig's defaults plus
+    `per_layer_config`. Each group of related fields takes the setting most layers have (ties: the first layer's);
+    `fixed` fields are given."""
+    counts: dict[str, dict[str, list]] = {}  # group -> repr(setting) -> [setting, layers with it]
     for _, block in layers:
+        groups: dict[str, dict[str, Any]] = {}
         for field, value in block["fields"].items():
-            entry = counts.setdefault(field, {}).setdefault(repr(value), [value, 0])
-            entry[1] += 1
-    defaults = {field: max(values.values(), key=lambda entry: entry[1])[0] for field, values in counts.items()}
+            groups.setdefault(_field_group(field), {})[field] = value
+        for group, setting in groups.items():
+            counts.setdefault(group, {}).setdefault(repr(sorted(setting.items())), [setting, 0])[1] += 1
+    defaults: dict[str, Any] = {}
+    for settings in counts.values():
+        defaults.update(max(settings.values(), key=lambda entry: entry[1])[0])
     defaults.update(fixed)
     overrides = {}
     for index, (_, block) in enumerate(layers):
