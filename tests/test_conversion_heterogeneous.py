@@ -172,3 +172,41 @@ def test_defaults_are_one_layers_setting_so_they_validate_together():
     assert [(layers[i].num_attention_heads, layers[i].num_key_value_heads) for i in range(3)] == [(4, 2), (3, 3),
                                                                                                   (3, 1)]
     assert config.to_dict()["num_attention_heads"] % config.to_dict()["num_key_value_heads"] == 0
+
+
+def test_the_layout_builds_one_meta_layer_per_distinct_setting(monkeypatch):
+    """Canonical shapes come from the model built on the meta device, one layer per distinct layer setting: 300
+    layers of 2 settings build 2 layers (and a one-layer model for the embeddings and head), no 300-entry list."""
+    from hybrid_linear_models import HybridLinearConfig
+    from hybrid_linear_models.conversion import hf_layout
+    from hybrid_linear_models.modeling_hybrid_linear import HybridLinearDecoderLayer
+
+    built = []
+
+    class Counting(HybridLinearDecoderLayer):
+        def __init__(self, config, index):
+            built.append(index)
+            super().__init__(config, index)
+
+    monkeypatch.setattr("hybrid_linear_models.modeling_hybrid_linear.HybridLinearDecoderLayer", Counting)
+    config = HybridLinearConfig(layer_types=["gated_deltanet"] * 300, hidden_size=32, vocab_size=16,
+                                intermediate_size=8, gdn_num_key_heads=2, gdn_num_value_heads=2,
+                                per_layer_config={i: {"intermediate_size": 16} for i in range(1, 300, 2)})
+    shapes = hf_layout.hf_tensor_shapes(config)
+    assert sorted(built) == [0, 0, 1]  # layers 0 and 1, and the one-layer model's layer
+    assert shapes["model.layers.299.mlp.up_proj.weight"] == (16, 32)
+    assert shapes["model.layers.298.mlp.up_proj.weight"] == (8, 32)
+
+
+def test_sizes_beyond_the_stored_weights_are_refused_before_any_data_is_read():
+    """A config whose one layer needs 4e9 elements against a 1e6-element checkpoint: refused from meta shapes,
+    naming the tensor, without allocating it."""
+    from hybrid_linear_models import HybridLinearConfig
+    from hybrid_linear_models.conversion.pipeline import TensorCensus, check_tensor_sizes
+
+    config = HybridLinearConfig(layer_types=["kimi_delta_attention"] * 3, hidden_size=2**14, kda_num_heads=2**8,
+                                kda_head_dim=2**10, vocab_size=8, intermediate_size=8,
+                                per_layer_config={1: {"kda_num_heads": 2**7}})
+    with pytest.raises(ConversionError, match=r"model\.layers\.0\.linear_attn\.q_proj\.weight of shape \[262144, "
+                                              r"16384\].*more than the 1000000 weight elements"):
+        check_tensor_sizes(config, TensorCensus(10**6), "x")

@@ -10,13 +10,15 @@ holding one flat buffer per state shard (`weights_shard`, optimizer shards). Sup
 
 Tensor-parallel means "has a dimension Fast-LLM can split over heads", independent of the actual parallelism; both
 flags are columns of the parameter tables in `parameters.py`, which also give the name map, and each block's flags
-follow that block's own settings. The
-layouts are checked against both fixtures; configurations the fixtures do not cover (a GDN/KDA mixer with a single
-head) are refused rather than guessed.
+follow that block's own settings (a 1-KV-head block's key_value is not tensor-parallel, a 2-KV-head block's is).
+Biases (no weight decay; tensor-parallel unless they belong to an output projection) follow Fast-LLM's
+AffineLinearConfig; the fixtures have none, so their place is pinned only by Fast-LLM's source and by the tests'
+checkpoints laid out from it. The weight layouts are checked against both fixtures; configurations the fixtures do not
+cover (a GDN/KDA mixer with a single head) are refused rather than guessed.
 
 A flat buffer's names say nothing about the blocks, so the config's sizes are bounded by the buffer's length while
-they are read, and the buffer length the config implies is computed by arithmetic per layer type and compared before
-`stage_layout` builds its per-layer table.
+they are read, and the buffer length the config implies is computed from one meta-built layer per distinct layer
+setting and compared before `stage_layout` builds its per-layer table.
 """
 
 from __future__ import annotations
