@@ -46,14 +46,24 @@ def layer_config(config: HybridLinearConfig, index: int) -> HybridLinearConfig:
 
 def layer_setting(config: HybridLinearConfig, index: int) -> str:
     """A key equal for two layers exactly when they have the same type and the same overrides (same tensors)."""
-    return repr((config.layer_types[index], sorted(layer_overrides(config, index).items())))
+    overrides = layer_overrides(config, index)
+    layer_type = config.layer_types[index]
+    return repr((layer_type, sorted(overrides.items()))) if overrides else layer_type
+
+
+def layer_settings(config: HybridLinearConfig) -> list[str]:
+    """`layer_setting` of every layer (cheap for the layers without overrides: their type)."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    if spec is None:
+        return list(config.layer_types)
+    return [layer_setting(config, index) for index in range(len(config.layer_types))]
 
 
 def distinct_layers(config: HybridLinearConfig) -> dict[str, int]:
     """layer setting -> the first layer that has it."""
     first: dict[str, int] = {}
-    for index in range(len(config.layer_types)):
-        first.setdefault(layer_setting(config, index), index)
+    for index, setting in enumerate(layer_settings(config)):
+        first.setdefault(setting, index)
     return first
 
 
@@ -96,7 +106,7 @@ class CanonicalLayout:
 
     def __init__(self, config: HybridLinearConfig):
         self.config = config
-        self._settings = [layer_setting(config, index) for index in range(len(config.layer_types))]
+        self._settings = layer_settings(config)
         self._by_setting: dict[str, dict[str, Shape]] = {}
         self._top: dict[str, Shape] | None = None
 
@@ -135,11 +145,13 @@ def one_layer_per_type(config: HybridLinearConfig) -> dict[str, Shape]:
 def elements_per_layer(config: HybridLinearConfig) -> list[int]:
     """Weight elements of each layer (one meta layer built per distinct setting)."""
     layout = CanonicalLayout(config)
+    settings = layer_settings(config)
+    first = {setting: index for index, setting in reversed(list(enumerate(settings)))}
     per_setting = {setting: sum(math.prod(shape) for shape in layout.layer(index).values())
-                   for setting, index in distinct_layers(config).items()}
-    return [per_setting[layer_setting(config, index)] for index in range(len(config.layer_types))]
+                   for setting, index in first.items()}
+    return [per_setting[setting] for setting in settings]
 
 
 __all__ = ["hf_tensor_shapes", "one_layer_per_type", "elements_per_layer", "layer_prefix", "layer_config",
-           "layer_overrides", "layer_setting", "distinct_layers", "CanonicalLayout", "EMBEDDINGS", "FINAL_NORM",
-           "LM_HEAD"]
+           "layer_overrides", "layer_setting", "layer_settings", "distinct_layers", "CanonicalLayout", "EMBEDDINGS",
+           "FINAL_NORM", "LM_HEAD"]

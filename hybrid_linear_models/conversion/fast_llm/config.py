@@ -16,7 +16,7 @@ from typing import Any
 
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..errors import ConversionError
-from ..hf_layout import distinct_layers, layer_config, layer_setting
+from ..hf_layout import distinct_layers, layer_config, layer_settings
 from ..pipeline import TensorCensus
 from ..untrusted import REQUIRED, Fields, brief, clip
 
@@ -490,7 +490,7 @@ def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
         }
     return {
         "decoder": {"type": "pattern", "blocks": blocks,
-                    "pattern": [names[layer_setting(config, i)] for i in range(config.num_hidden_layers)],
+                    "pattern": [names[setting] for setting in layer_settings(config)],
                     "num_blocks": config.num_hidden_layers},
         "embeddings": {"vocab_size": config.vocab_size},
         # the final norm's epsilon is the flat default, whatever the blocks override
