@@ -4,8 +4,9 @@ Attention layers use transformers' own KV layers (`DynamicLayer`, `DynamicSlidin
 versions). A GDN/KDA layer keeps, per batch row, the last K-1 inputs of its short convolution and its float32
 recurrent state [H, dk, dv]: a fixed size, whatever the context length.
 
-Registering the layer types below in transformers' layer-type tables lets `DynamicCache(config=config)` and
-`StaticCache(config=config, max_cache_len=...)` (what `generate` builds) hold the right layer for every mixer.
+A recurrent mixer's registration (mixer_registry.register) puts this layer in transformers' layer-type tables, so
+that `DynamicCache(config=config)` and `StaticCache(config=config, max_cache_len=...)` (what `generate` builds) hold
+the right layer for every mixer.
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
-    STATIC_LAYER_TYPE_MAPPING,
     Cache,
     LinearAttentionCacheLayerMixin,
 )
-
-from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, LINEAR_LAYER_TYPES
 
 
 class LinearStateLayer(LinearAttentionCacheLayerMixin):
@@ -127,22 +125,20 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
         self._select(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
 
-for _layer_type in LINEAR_LAYER_TYPES:
-    DYNAMIC_LAYER_TYPE_MAPPING.setdefault(_layer_type, LinearStateLayer)
-    STATIC_LAYER_TYPE_MAPPING.setdefault(_layer_type, LinearStateLayer)
 # One process can hold several copies of this module (the package, and the remote code of each folder loaded with
 # trust_remote_code), while transformers' tables keep the first copy's class: every copy uses that class, or caches
 # built from the tables would fail the other copies' isinstance checks ("the cache holds LinearStateLayer there").
-if DYNAMIC_LAYER_TYPE_MAPPING[LINEAR_LAYER_TYPES[0]].__name__ == LinearStateLayer.__name__:
-    LinearStateLayer = DYNAMIC_LAYER_TYPE_MAPPING[LINEAR_LAYER_TYPES[0]]
+LinearStateLayer = next((kept for kept in DYNAMIC_LAYER_TYPE_MAPPING.values()
+                         if kept.__name__ == LinearStateLayer.__name__
+                         and kept.__module__.rsplit(".", 1)[-1] == __name__.rsplit(".", 1)[-1]), LinearStateLayer)
 
 
-def past_length(cache: Cache | None, layer_types: list[str]) -> int:
+def past_length(cache: Cache | None) -> int:
     """Tokens already in the cache. Attention layers count them; a model with only GDN/KDA layers counts them in its
     linear layers (transformers' Cache.get_seq_length refuses caches without attention layers)."""
     if cache is None:
         return 0
-    if any(t in ATTENTION_LAYER_TYPES for t in layer_types):
+    if any(not isinstance(layer, LinearStateLayer) for layer in cache.layers):
         return cache.get_seq_length()
     return cache.layers[0].get_seq_length() if len(cache.layers) else 0
 

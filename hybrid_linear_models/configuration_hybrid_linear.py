@@ -43,24 +43,20 @@ from typing import Any
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
+from .mixer_registry import MIXERS
+from .mixer_registry import layer_types as registered_layer_types
+from .mixer_registry import tensor_parallel_plan as registered_tensor_parallel_plan
 from .shown_values import brief, clip
 
-LAYER_TYPES = ("full_attention", "sliding_attention", "gated_deltanet", "kimi_delta_attention")
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-LINEAR_LAYER_TYPES = ("gated_deltanet", "kimi_delta_attention")
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 
-# The fields each mixer reads (and may set per layer), and those of the rest of a block (MLP, block norms).
-ATTENTION_FIELDS = ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters",
-                    "attention_output_gate", "attention_qk_norm", "attention_bias")
-MIXER_FIELDS = {
-    "full_attention": ATTENTION_FIELDS,
-    "sliding_attention": (*ATTENTION_FIELDS, "sliding_window"),
-    "gated_deltanet": ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
-                       "gdn_conv_kernel_size", "gdn_gate_activation", "gdn_norm_eps"),
-    "kimi_delta_attention": ("kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "kda_gate_activation",
-                             "kda_norm_eps"),
-}
+# The layer types and the fields each one's mixer reads (and may set per layer) come from the mixers' registrations
+# (mixer_registry; these tuples as registered at import, validation reads the registry itself); the rest of a block
+# (MLP, block norms) reads BLOCK_FIELDS.
+LAYER_TYPES = registered_layer_types()
+ATTENTION_LAYER_TYPES = registered_layer_types("kv")
+LINEAR_LAYER_TYPES = registered_layer_types("recurrent")
+MIXER_FIELDS = {layer_type: tuple(spec.fields) for layer_type, spec in MIXERS.items()}
 BLOCK_FIELDS = ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps")
 PER_LAYER_FIELDS = tuple(dict.fromkeys(f for fields in (*MIXER_FIELDS.values(), BLOCK_FIELDS) for f in fields))
 # At most this many per-layer problems are listed in one error (a hostile config could have one per layer).
@@ -84,23 +80,30 @@ ROPE_REQUIRED_KEYS = {
     "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"),
 }
 
-_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
-                "gdn_conv_kernel_size", "kda_num_heads", "kda_head_dim", "kda_conv_kernel_size",
-                "max_position_embeddings")
-_BOOL_FIELDS = ("attention_bias", "mlp_bias", "attention_output_gate", "attention_qk_norm", "zero_centered_norms",
-                "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache")
-
-# The fields a layer's weight count grows with (named when the count is over MAX_PARAMETERS).
-_ATTENTION_SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-_LAYER_SIZE_FIELDS = {
-    "full_attention": _ATTENTION_SIZE_FIELDS,
-    "sliding_attention": _ATTENTION_SIZE_FIELDS,
-    "gated_deltanet": ("hidden_size", "intermediate_size", "gdn_num_key_heads", "gdn_num_value_heads",
-                       "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_size"),
-    "kimi_delta_attention": ("hidden_size", "intermediate_size", "kda_num_heads", "kda_head_dim",
-                             "kda_conv_kernel_size"),
+# How each field is checked: the shared ones here, the mixers' as their registrations say (mixer_registry.FIELD_KINDS)
+_SHARED_FIELD_KINDS = {
+    "vocab_size": "size", "hidden_size": "size", "intermediate_size": "size", "max_position_embeddings": "size",
+    "rms_norm_eps": "epsilon", "initializer_range": "initializer_range", "attention_dropout": "dropout",
+    **dict.fromkeys(("mlp_bias", "zero_centered_norms", "tie_word_embeddings", "fuse_linear_cross_entropy",
+                     "use_cache"), "bool"),
+    "hidden_act": "activation",
 }
+
+
+def _field_kinds() -> dict[str, str]:
+    """Every checked field and its kind, the registered mixers' included (read at each validation, so a mixer
+    registered later is validated too)."""
+    return {**_SHARED_FIELD_KINDS, **{name: kind for spec in MIXERS.values() for name, kind in spec.fields.items()}}
+
+
+def _layer_size_fields(layer_type: str) -> tuple[str, ...]:
+    """The fields a layer's weight count grows with (named when the count is over MAX_PARAMETERS)."""
+    sizes = (name for name, kind in MIXERS[layer_type].fields.items() if kind == "size")
+    return ("hidden_size", "intermediate_size", *sizes)
+
+
+_SIZE_FIELDS = tuple(name for name, kind in _field_kinds().items() if kind == "size")  # as registered at import
+
 
 def _distinct(values: list) -> list:
     """The distinct values in order of appearance (unhashable ones compared by repr), a few at most."""
@@ -184,7 +187,7 @@ def _completed_rope(config: PreTrainedConfig, rope: Any) -> Any:
 def _layer_problems(settings: _Settings, index: int, layer_type: str, fields: dict) -> list[str]:
     """Problems of layer `index`'s overridden fields, then of the relations and sizes they take part in."""
     prefix = f"per_layer_config[{index}]."
-    problems = _field_problems(settings, prefix, tuple(name for name in _CHECKED_FIELDS if name in fields))
+    problems = _field_problems(settings, prefix, tuple(name for name in _field_kinds() if name in fields))
     if layer_type == "sliding_attention" and settings.sliding_window is None:
         problems.append(f"{prefix}sliding_window must be a positive integer for this 'sliding_attention' layer, got "
                         "None")
@@ -193,37 +196,33 @@ def _layer_problems(settings: _Settings, index: int, layer_type: str, fields: di
     return problems
 
 
-_CHECKED_FIELDS = (*_SIZE_FIELDS, "rms_norm_eps", "gdn_norm_eps", "kda_norm_eps", "initializer_range",
-                   "attention_dropout", *_BOOL_FIELDS, "sliding_window", "gdn_gate_activation", "kda_gate_activation",
-                   "hidden_act", "rope_parameters")
-
-
 def _field_problems(s: _Settings, p: str, names: tuple[str, ...]) -> list[str]:
-    """Each of `names` checked alone; p prefixes the names in the messages ("per_layer_config[3]." or "")."""
-    problems = []
+    """Each of `names` checked alone, as its kind says; p prefixes the names in the messages ("per_layer_config[3]."
+    or "")."""
+    problems, kinds = [], _field_kinds()
     for name in names:
-        value = getattr(s, name)
-        if name in _SIZE_FIELDS:
+        value, kind = getattr(s, name), kinds[name]
+        if kind == "size":
             problems += [problem] if (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)) else []
-        elif name in ("rms_norm_eps", "gdn_norm_eps", "kda_norm_eps"):
+        elif kind == "epsilon":
             problems += _number_problems(p + name, value, low=0.0, low_inclusive=False)
-        elif name == "initializer_range":
+        elif kind == "initializer_range":
             problems += _number_problems(name, value, low=0.0)
-        elif name == "attention_dropout":
+        elif kind == "dropout":
             problems += _number_problems(name, value, low=0.0, high=1.0)
-        elif name in _BOOL_FIELDS:
+        elif kind == "bool":
             if not isinstance(value, bool):
                 problems.append(f"{p}{name} must be True or False (a bool), got {brief(value)}")
-        elif name == "sliding_window":
-            if value is not None and (problem := _positive_int_problem(p + "sliding_window", value)):
+        elif kind == "window":
+            if value is not None and (problem := _positive_int_problem(p + name, value)):
                 problems.append(problem + " (or None when no layer is 'sliding_attention')")
-        elif name in ("gdn_gate_activation", "kda_gate_activation"):
+        elif kind == "gate_activation":
             if not isinstance(value, str) or value not in GATE_ACTIVATIONS:
                 problems.append(f"{p}{name} must be one of {GATE_ACTIVATIONS}, got {brief(value)}")
-        elif name == "hidden_act":
+        elif kind == "activation":
             if not isinstance(value, str) or value not in ACT2FN:
-                problems.append(f"{p}hidden_act={brief(value)} is not a known activation; use e.g. 'silu'")
-        elif name == "rope_parameters":
+                problems.append(f"{p}{name}={brief(value)} is not a known activation; use e.g. 'silu'")
+        elif kind == "rope":
             problems += _rope_problems(value, p)
     return problems
 
@@ -243,12 +242,12 @@ def _layer_types_problems(s: _Settings, windowed_layers: set[int]) -> list[str]:
     if layers is not None and (problem := _positive_int_problem("num_hidden_layers", layers, MAX_LAYERS)):
         return [problem]
     if not isinstance(layer_types, list) or not layer_types:
-        return [f"layer_types must be a non-empty list of {LAYER_TYPES}, got {brief(layer_types)}"]
-    unknown = [t for t in layer_types if not isinstance(t, str) or t not in LAYER_TYPES]
+        return [f"layer_types must be a non-empty list of {tuple(MIXERS)}, got {brief(layer_types)}"]
+    unknown = [t for t in layer_types if not isinstance(t, str) or t not in MIXERS]
     problems = []
     if unknown:
         problems.append(f"layer_types has unknown entries {brief(_distinct(unknown))}; each entry must be one of "
-                        f"{LAYER_TYPES}")
+                        f"{tuple(MIXERS)}")
     if layers is not None and layers != len(layer_types):
         problems.append(f"num_hidden_layers={layers} but layer_types has {len(layer_types)} entries; "
                         "give one layer type per layer (or leave num_hidden_layers unset)")
@@ -288,33 +287,11 @@ def _rope_problems(rope: Any, p: str = "") -> list[str]:
     return problems
 
 
-def _relation_problems(s: _Settings, p: str, layer_types: tuple[str, ...]) -> list[str]:
-    """Checks between the fields that the mixers of `layer_types` read; each field is already known to be well
-    typed."""
-    problems = []
-    if any(t in ATTENTION_LAYER_TYPES for t in layer_types):
-        if s.num_attention_heads % s.num_key_value_heads:
-            problems.append(f"{p}num_attention_heads={s.num_attention_heads} must be a multiple of "
-                            f"{p}num_key_value_heads={s.num_key_value_heads}")
-        rope = s.rope_parameters
-        factor = rope["partial_rotary_factor"]
-        rotated = int(s.head_dim * factor)
-        least = 4 if rope["rope_type"] == "dynamic" else 2  # dynamic NTK scales the base by a power dim / (dim - 2)
-        if rotated % 2 or rotated < least:
-            problems.append(f"{p}head_dim * partial_rotary_factor = {s.head_dim} * {factor} must give an even number "
-                            f"of rotated dims, at least {least} for rope_type {rope['rope_type']!r}")
-        if rope["rope_type"] == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
-            problems.append(f"{p}rope_parameters['high_freq_factor'] must be greater than ['low_freq_factor'] "
-                            "(llama3)")
-        for key in ("short_factor", "long_factor"):
-            if key in rope and not (isinstance(rope[key], list) and len(rope[key]) == rotated // 2
-                                    and all(_is_finite_number(x) for x in rope[key])):
-                problems.append(f"{p}rope_parameters['{key}'] must be a list of {rotated // 2} finite numbers (one "
-                                f"per rotated pair), got {brief(rope[key])}")
-    if "gated_deltanet" in layer_types and s.gdn_num_value_heads % s.gdn_num_key_heads:
-        problems.append(f"{p}gdn_num_value_heads={s.gdn_num_value_heads} must be a multiple of "
-                        f"{p}gdn_num_key_heads={s.gdn_num_key_heads}")
-    return problems
+def _relation_problems(s: _Settings, p: str, layer_types) -> list[str]:
+    """Checks between the fields that the mixers of `layer_types` read (each field already known to be well typed),
+    as their registrations define them."""
+    checks = dict.fromkeys(MIXERS[t].relation_problems for t in layer_types)  # full and sliding attention share one
+    return [problem for check in checks for problem in check(s, p)]
 
 
 def _token_id_problems(s: _Settings) -> list[str]:
@@ -335,7 +312,7 @@ def _size_problems(s: _Settings, p: str, layer_types) -> list[str]:
         embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
         counts["the embeddings"] = (("vocab_size", "hidden_size"), embeddings)
     for kind in layer_types:
-        counts[f"one {kind} layer"] = (_LAYER_SIZE_FIELDS[kind], _layer_parameter_count(s, kind))
+        counts[f"one {kind} layer"] = (_layer_size_fields(kind), _layer_parameter_count(s, kind))
     over = {what: (fields, count) for what, (fields, count) in counts.items() if count > MAX_PARAMETERS}
     if not over:
         return []
@@ -346,20 +323,7 @@ def _size_problems(s: _Settings, p: str, layer_types) -> list[str]:
 
 def _layer_parameter_count(s: _Settings, layer_type: str) -> int:
     """Weights of one decoder layer (norms and biases left out: they are small next to the projections)."""
-    H = s.hidden_size
-    count = 3 * H * s.intermediate_size
-    if layer_type in ATTENTION_LAYER_TYPES:
-        q = s.num_attention_heads * s.head_dim
-        count += H * (q * 2 + 2 * s.num_key_value_heads * s.head_dim) + q * H
-    elif layer_type == "gated_deltanet":
-        keys = s.gdn_num_key_heads * s.gdn_key_head_dim
-        values = s.gdn_num_value_heads * s.gdn_value_head_dim
-        count += H * (2 * keys + 2 * values + 2 * s.gdn_num_value_heads) + values * H
-        count += (2 * keys + values) * s.gdn_conv_kernel_size
-    elif layer_type == "kimi_delta_attention":
-        inner = s.kda_num_heads * s.kda_head_dim
-        count += H * 5 * inner + inner * H + 3 * inner * s.kda_conv_kernel_size
-    return count
+    return 3 * s.hidden_size * s.intermediate_size + MIXERS[layer_type].parameter_count(s)
 
 
 class HybridLinearConfig(PreTrainedConfig):
@@ -399,28 +363,13 @@ class HybridLinearConfig(PreTrainedConfig):
     model_type = "hybrid_linear"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
+    # the MLP's entries, then each mixer's as its registration declares them (GDN and KDA split by heads, their conv
+    # kernels, dt_bias, A_log and norm weight replicated: see tensor_parallel_heads.py)
     base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
-        # GDN and KDA split by heads; their conv kernels, dt_bias, A_log and norm weight stay replicated (each rank
-        # slices its heads' rows and sums their gradients: see tensor_parallel_heads.py)
-        "layers.*.linear_attn.in_proj_qkvz": "colwise",
-        "layers.*.linear_attn.in_proj_ba": "colwise",
-        "layers.*.linear_attn.out_proj": "rowwise",
-        "layers.*.linear_attn.q_proj": "colwise",
-        "layers.*.linear_attn.k_proj": "colwise",
-        "layers.*.linear_attn.v_proj": "colwise",
-        "layers.*.linear_attn.f_b_proj": "colwise",
-        "layers.*.linear_attn.g_b_proj": "colwise",
-        "layers.*.linear_attn.b_proj": "colwise",
-        "layers.*.linear_attn.o_proj": "rowwise",
+        **registered_tensor_parallel_plan(),
     }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
@@ -555,12 +504,14 @@ class HybridLinearConfig(PreTrainedConfig):
 
     def _override_name_problems(self, index: int, fields: dict) -> list[str]:
         layer_type = self.layer_types[index]
+        own = tuple(MIXERS[layer_type].fields) + BLOCK_FIELDS
+        per_layer = {name for spec in MIXERS.values() for name in spec.fields} | set(BLOCK_FIELDS)
         problems = []
         for name in fields:
             where = f"per_layer_config[{index}].{clip(str(name), 60)}"
-            if name in MIXER_FIELDS[layer_type] or name in BLOCK_FIELDS:
+            if name in own:
                 continue
-            if name in PER_LAYER_FIELDS:
+            if name in per_layer:
                 problems.append(f"{where} is not read by layer {index}, a {layer_type!r} layer (it would be "
                                 f"ignored); remove it, or change layer_types[{index}]")
             elif name == "skip":
@@ -568,10 +519,10 @@ class HybridLinearConfig(PreTrainedConfig):
                                 "'skip' is not supported); remove it")
             elif isinstance(name, str) and name in self.__dataclass_fields__:
                 problems.append(f"{where} cannot differ between layers (one value per model); set it at the top "
-                                f"level. Per-layer fields: {MIXER_FIELDS[layer_type] + BLOCK_FIELDS}")
+                                f"level. Per-layer fields: {own}")
             else:
                 problems.append(f"{where} is not a field of HybridLinearConfig; the fields a {layer_type!r} layer can "
-                                f"set: {MIXER_FIELDS[layer_type] + BLOCK_FIELDS}")
+                                f"set: {own}")
         return problems
 
     # ------------------------------------------------------------------------------------------------ validation
@@ -589,10 +540,10 @@ class HybridLinearConfig(PreTrainedConfig):
         settings = _Settings(self)
         if windowed_layers is None and self.is_heterogeneous:
             windowed_layers = _windowed_layers(self._heterogeneity_spec.per_layer_overrides)
-        problems = _field_problems(settings, "", _CHECKED_FIELDS)
+        problems = _field_problems(settings, "", tuple(_field_kinds()))
         problems += _layer_types_problems(settings, windowed_layers or set())
         if not problems:
-            problems = _relation_problems(settings, "", tuple(MIXER_FIELDS)) + _token_id_problems(settings)
+            problems = _relation_problems(settings, "", tuple(MIXERS)) + _token_id_problems(settings)
             problems += _size_problems(settings, "", dict.fromkeys(self.layer_types))
         if not problems and self.is_heterogeneous:
             for index, fields in sorted(self._heterogeneity_spec.per_layer_overrides.items()):

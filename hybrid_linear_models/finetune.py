@@ -43,6 +43,7 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 import hybrid_linear_models  # noqa: F401  (registers the model family)
+from hybrid_linear_models.mixer_registry import lora_targets
 from hybrid_linear_cli.finetune import (
     DERIVED,
     PROG,
@@ -56,10 +57,8 @@ from hybrid_linear_cli.finetune import (
 __all__ = ["LORA_TARGET_MODULES", "FinetuneError", "load_documents", "main", "parse_arguments", "run"]
 
 # Every linear projection of the family, as LoRA targets: attention, MLP, Gated DeltaNet and Kimi Delta Attention.
-LORA_TARGET_MODULES = [
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "in_proj_qkvz", "in_proj_ba", "out_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj",
-]
+# every mixer's projections, as its registration names them (mixer_registry), and the MLP's
+LORA_TARGET_MODULES = [*lora_targets(), "gate_proj", "up_proj", "down_proj"]
 
 # A local dataset file's suffix -> the `datasets` builder that reads it.
 DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}

@@ -11,17 +11,23 @@ the full mask hides, so the result is the same up to floating-point summation or
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .configuration_hybrid_linear import HybridLinearConfig
+from .mixer_registry import MixerSpec, register
 from .norms import HybridLinearRMSNorm
+from .shown_values import brief
 from .tensor_parallel_heads import local_heads
+
+if TYPE_CHECKING:
+    from .configuration_hybrid_linear import HybridLinearConfig
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -193,3 +199,52 @@ class HybridLinearAttention(nn.Module):
         if gate is not None:
             output = output * torch.sigmoid(gate)
         return self.o_proj(output), weights
+
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+
+def _relation_problems(s: Any, p: str) -> list[str]:
+    """Checks between the attention fields of one layer's settings `s` (each already well typed); p prefixes the
+    field names in the messages."""
+    problems = []
+    if s.num_attention_heads % s.num_key_value_heads:
+        problems.append(f"{p}num_attention_heads={s.num_attention_heads} must be a multiple of "
+                        f"{p}num_key_value_heads={s.num_key_value_heads}")
+    rope = s.rope_parameters
+    factor = rope["partial_rotary_factor"]
+    rotated = int(s.head_dim * factor)
+    least = 4 if rope["rope_type"] == "dynamic" else 2  # dynamic NTK scales the base by a power dim / (dim - 2)
+    if rotated % 2 or rotated < least:
+        problems.append(f"{p}head_dim * partial_rotary_factor = {s.head_dim} * {factor} must give an even number "
+                        f"of rotated dims, at least {least} for rope_type {rope['rope_type']!r}")
+    if rope["rope_type"] == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
+        problems.append(f"{p}rope_parameters['high_freq_factor'] must be greater than ['low_freq_factor'] (llama3)")
+    for key in ("short_factor", "long_factor"):
+        values = rope.get(key)
+        finite = isinstance(values, list) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and (isinstance(x, int) or math.isfinite(x))
+            for x in values)
+        if key in rope and not (finite and len(values) == rotated // 2):
+            problems.append(f"{p}rope_parameters['{key}'] must be a list of {rotated // 2} finite numbers (one per "
+                            f"rotated pair), got {brief(values)}")
+    return problems
+
+
+def _parameter_count(s: Any) -> int:
+    q = s.num_attention_heads * s.head_dim
+    return s.hidden_size * (q * 2 + 2 * s.num_key_value_heads * s.head_dim) + q * s.hidden_size
+
+
+_FIELDS = {"num_attention_heads": "size", "num_key_value_heads": "size", "head_dim": "size", "rope_parameters": "rope",
+           "attention_output_gate": "bool", "attention_qk_norm": "bool", "attention_bias": "bool"}
+_TENSOR_PARALLEL_PLAN = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise",
+                         "q_norm": "replicated_with_grad_allreduce", "k_norm": "replicated_with_grad_allreduce",
+                         "o_proj": "rowwise"}
+_SLIDING_FIELDS = {**_FIELDS, "sliding_window": "window"}
+for _layer_type, _fields in (("full_attention", _FIELDS), ("sliding_attention", _SLIDING_FIELDS)):
+    register(MixerSpec(
+        layer_type=_layer_type, fields=_fields, module_class=HybridLinearAttention, attribute="self_attn", state="kv",
+        parameter_count=_parameter_count, relation_problems=_relation_problems,
+        tensor_parallel_plan=_TENSOR_PARALLEL_PLAN, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+    ))

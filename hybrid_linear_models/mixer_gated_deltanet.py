@@ -13,14 +13,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from typing import TYPE_CHECKING, Any
+
 from .cache_hybrid_linear import LinearStateLayer
-from .configuration_hybrid_linear import HybridLinearConfig
 from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
 from .norms import GatedRMSNorm
 from .ops import gated_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
+from .mixer_registry import MixerSpec, register
 from .tensor_parallel_heads import LocalHeads, local_heads, sum_gradients_over_ranks
+
+if TYPE_CHECKING:
+    from .configuration_hybrid_linear import HybridLinearConfig
 
 
 class HybridLinearGatedDeltaNet(nn.Module):
@@ -90,3 +95,42 @@ class HybridLinearGatedDeltaNet(nn.Module):
         sum_gradients_over_ranks(self, [self.conv1d.weight, self.dt_bias, self.A_log, self.norm.weight],
                                  self.in_proj_qkvz)
         return self.out_proj(out.reshape(B, T, nv * dv))
+
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+
+def _relation_problems(s: Any, p: str) -> list[str]:
+    if s.gdn_num_value_heads % s.gdn_num_key_heads:
+        return [f"{p}gdn_num_value_heads={s.gdn_num_value_heads} must be a multiple of "
+                f"{p}gdn_num_key_heads={s.gdn_num_key_heads}"]
+    return []
+
+
+def _parameter_count(s: Any) -> int:
+    keys = s.gdn_num_key_heads * s.gdn_key_head_dim
+    values = s.gdn_num_value_heads * s.gdn_value_head_dim
+    projections = s.hidden_size * (2 * keys + 2 * values + 2 * s.gdn_num_value_heads) + values * s.hidden_size
+    return projections + (2 * keys + values) * s.gdn_conv_kernel_size
+
+
+def _init_weights(module: HybridLinearGatedDeltaNet) -> None:
+    from transformers import initialization as init
+
+    init.ones_(module.dt_bias)
+    # sampled in float32 (A in [0.01, 16]) then cast: log A stays finite in any dtype
+    init.copy_(module.A_log, torch.empty_like(module.A_log, dtype=torch.float32).uniform_(0.01, 16).log_())
+
+
+register(MixerSpec(
+    layer_type="gated_deltanet",
+    fields={"gdn_num_key_heads": "size", "gdn_num_value_heads": "size", "gdn_key_head_dim": "size",
+            "gdn_value_head_dim": "size", "gdn_conv_kernel_size": "size", "gdn_gate_activation": "gate_activation",
+            "gdn_norm_eps": "epsilon"},
+    module_class=HybridLinearGatedDeltaNet, attribute="linear_attn", state="recurrent",
+    parameter_count=_parameter_count, relation_problems=_relation_problems, init_weights=_init_weights,
+    cache_layer=LinearStateLayer,
+    # split by heads; conv kernel, dt_bias, A_log and norm weight replicated (see tensor_parallel_heads)
+    tensor_parallel_plan={"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
+    lora_targets=("in_proj_qkvz", "in_proj_ba", "out_proj"),
+))

@@ -12,15 +12,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from typing import TYPE_CHECKING, Any
+
 from .cache_hybrid_linear import LinearStateLayer
-from .configuration_hybrid_linear import HybridLinearConfig
 from .derived_weights import DerivedWeight
 from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
 from .norms import GatedRMSNorm
 from .ops import kimi_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
+from .mixer_registry import MixerSpec, register
 from .tensor_parallel_heads import local_heads, sum_gradients_over_ranks
+
+if TYPE_CHECKING:
+    from .configuration_hybrid_linear import HybridLinearConfig
 
 
 class HybridLinearKimiDeltaAttention(nn.Module):
@@ -71,3 +76,32 @@ class HybridLinearKimiDeltaAttention(nn.Module):
             self, [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,
                    self.o_norm.weight], self.q_proj)
         return self.o_proj(out.reshape(B, T, -1))
+
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+
+def _parameter_count(s: Any) -> int:
+    inner = s.kda_num_heads * s.kda_head_dim
+    return s.hidden_size * 5 * inner + inner * s.hidden_size + 3 * inner * s.kda_conv_kernel_size
+
+
+def _init_weights(module: HybridLinearKimiDeltaAttention) -> None:
+    from transformers import initialization as init
+
+    init.copy_(module.A_log, torch.empty_like(module.A_log, dtype=torch.float32).uniform_(1, 16).log_())
+    # dt in [1e-3, 1e-1] log-uniformly, stored as softplus^-1(dt) (as fla initialises KDA)
+    dt = torch.empty_like(module.dt_bias, dtype=torch.float32).uniform_(-6.907755, -2.302585).exp_()
+    init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+
+register(MixerSpec(
+    layer_type="kimi_delta_attention",
+    fields={"kda_num_heads": "size", "kda_head_dim": "size", "kda_conv_kernel_size": "size",
+            "kda_gate_activation": "gate_activation", "kda_norm_eps": "epsilon"},
+    module_class=HybridLinearKimiDeltaAttention, attribute="linear_attn", state="recurrent",
+    parameter_count=_parameter_count, init_weights=_init_weights, cache_layer=LinearStateLayer,
+    tensor_parallel_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "f_b_proj": "colwise",
+                          "g_b_proj": "colwise", "b_proj": "colwise", "o_proj": "rowwise"},
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj"),
+))

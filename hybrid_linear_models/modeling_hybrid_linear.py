@@ -28,16 +28,13 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .block_ops import fused_causal_lm_loss, silu_and_mul
 from .cache_hybrid_linear import linear_layer_cache, past_length
-from .configuration_hybrid_linear import ATTENTION_LAYER_TYPES, HybridLinearConfig
+from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
 from .mixer_attention import HybridLinearAttention, SlidingWindowMask
-from .mixer_gated_deltanet import HybridLinearGatedDeltaNet
-from .mixer_kimi_delta import HybridLinearKimiDeltaAttention
+from .mixer_registry import MIXERS
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info
 from .short_convolution import ShortConvolution
-
-LINEAR_MIXERS = {"gated_deltanet": HybridLinearGatedDeltaNet, "kimi_delta_attention": HybridLinearKimiDeltaAttention}
 
 
 class HybridLinearRotaryEmbedding(nn.Module):
@@ -91,10 +88,9 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = config.layer_types[layer_idx]
-        if self.layer_type in ATTENTION_LAYER_TYPES:
-            self.self_attn = HybridLinearAttention(config, layer_idx)
-        else:
-            self.linear_attn = LINEAR_MIXERS[self.layer_type](config, layer_idx)
+        mixer = MIXERS[self.layer_type]  # its registration (mixer_registry)
+        self.mixer_attribute, self.mixer_state = mixer.attribute, mixer.state
+        setattr(self, mixer.attribute, mixer.module_class(config, layer_idx))
         settings = config.per_layer_config[layer_idx]
         self.mlp = HybridLinearMLP(settings)
         norm = lambda: HybridLinearRMSNorm(settings.hidden_size, settings.rms_norm_eps, settings.zero_centered_norms)  # noqa: E731
@@ -112,10 +108,11 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
     ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        if self.layer_type in ATTENTION_LAYER_TYPES:
-            hidden_states, _ = self.self_attn(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        mixer = getattr(self, self.mixer_attribute)
+        if self.mixer_state == "kv":
+            hidden_states, _ = mixer(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         else:
-            hidden_states = self.linear_attn(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
+            hidden_states = mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)  # fused add
         return residual + self.mlp(hidden_states)
 
@@ -151,15 +148,11 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         elif isinstance(module, ShortConvolution):
             bound = module.kernel_size**-0.5
             init.uniform_(module.weight, -bound, bound)
-        elif isinstance(module, HybridLinearGatedDeltaNet):
-            init.ones_(module.dt_bias)
-            # sampled in float32 (A in [0.01, 16]) then cast: log A stays finite in any dtype
-            init.copy_(module.A_log, torch.empty_like(module.A_log, dtype=torch.float32).uniform_(0.01, 16).log_())
-        elif isinstance(module, HybridLinearKimiDeltaAttention):
-            init.copy_(module.A_log, torch.empty_like(module.A_log, dtype=torch.float32).uniform_(1, 16).log_())
-            # dt in [1e-3, 1e-1] log-uniformly, stored as softplus^-1(dt) (as fla initialises KDA)
-            dt = torch.empty_like(module.dt_bias, dtype=torch.float32).uniform_(-6.907755, -2.302585).exp_()
-            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        else:  # a mixer initialises its own parameters (its registration's init_weights)
+            for mixer in MIXERS.values():
+                if mixer.init_weights is not None and isinstance(module, mixer.module_class):
+                    mixer.init_weights(module)
+                    break
 
 
 def _check_inputs(config: HybridLinearConfig, input_ids, inputs_embeds, attention_mask, position_ids) -> None:
@@ -259,7 +252,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         # per forward; rotary_of_layer[i] picks layer i's (None for GDN/KDA layers)
         rotary_settings, self.rotary_of_layer = {}, []
         for i, layer_type in enumerate(config.layer_types):
-            if layer_type not in ATTENTION_LAYER_TYPES:
+            if MIXERS[layer_type].state != "kv":
                 self.rotary_of_layer.append(None)
                 continue
             settings = config.per_layer_config[i]
@@ -350,7 +343,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq_len = inputs_embeds.shape[:2]
-        past = past_length(cache, self.config.layer_types)
+        past = past_length(cache)
         if position_ids is None and kwargs.get("cu_seq_lens_q") is not None:
             position_ids = _positions_from_cu_seqlens(kwargs["cu_seq_lens_q"], seq_len).unsqueeze(0)
         if position_ids is None and _is_padded(attention_mask):
@@ -400,7 +393,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             mask = torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
         info = SequenceInfo(input_ids.shape[0], 1)
         for layer in self.layers[: self.config.num_hidden_layers]:
-            attention_mask = mask if layer.layer_type in ATTENTION_LAYER_TYPES else None
+            attention_mask = mask if layer.mixer_state == "kv" else None
             rotary = self.rotary_of_layer[layer.layer_idx]
             hidden_states = layer(hidden_states, attention_mask=attention_mask, sequence_info=info, cache=cache,
                                   position_embeddings=position_embeddings[rotary] if rotary is not None else None)

@@ -5,7 +5,8 @@
    HybridLinearConfig(**kwargs) either raises a ValueError naming one of the fuzzed fields, or builds a config that
    round-trips unchanged through to_dict/from_dict and save_pretrained/from_pretrained. Nothing else escapes
    (TypeError, KeyError, OverflowError, a giant message).
-2. Valid tiny configs (sizes capped) build a model that runs a forward on a few tokens with finite logits.
+2. Valid tiny configs (sizes capped, some layers with settings of their own) build a model that runs a forward on a
+   few tokens with finite logits.
 
 Runs are reproducible (derandomize=True) and bounded (max_examples, deadline) to stay within seconds on a CPU.
 """
@@ -198,10 +199,23 @@ def tiny_valid_kwargs(draw) -> dict:
     rope = {key: value for key, value in rope.items()
             if key in ("rope_type", "partial_rotary_factor") or key in ROPE_REQUIRED_KEYS[rope_type]}
     vocab = draw(st.integers(8, 64))
+    layer_types = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=1, max_size=3))
+    per_layer = {}  # some layers with settings of their own, valid for their mixer
+    for index, layer_type in enumerate(layer_types):
+        options = {"intermediate_size": st.integers(1, 24), "rms_norm_eps": st.floats(1e-8, 1e-2),
+                   "hidden_act": st.sampled_from(["silu", "gelu"]), "mlp_bias": st.booleans(),
+                   **{"full_attention": {"num_key_value_heads": st.just(1), "attention_output_gate": st.booleans()},
+                      "sliding_attention": {"num_key_value_heads": st.just(1), "sliding_window": st.integers(1, 8)},
+                      "gated_deltanet": {"gdn_num_key_heads": st.just(1), "gdn_value_head_dim": st.integers(1, 8),
+                                         "gdn_conv_kernel_size": st.integers(1, 4)},
+                      "kimi_delta_attention": {"kda_num_heads": st.integers(1, 3), "kda_head_dim": st.integers(1, 8),
+                                               "kda_gate_activation": st.sampled_from(["silu", "sigmoid"])},
+                      }[layer_type]}
+        per_layer[index] = draw(st.fixed_dictionaries({}, optional=options))
     eos = draw(st.one_of(st.none(), st.integers(0, vocab - 1), st.lists(st.integers(0, vocab - 1), min_size=1,
                                                                           max_size=2)))
     return dict(
-        layer_types=draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=1, max_size=3)),
+        layer_types=layer_types, per_layer_config=per_layer,
         vocab_size=vocab, hidden_size=draw(st.integers(1, 4)) * 8, intermediate_size=draw(st.integers(1, 24)),
         num_attention_heads=kv_heads * draw(st.integers(1, 2)), num_key_value_heads=kv_heads, head_dim=head_dim,
         gdn_num_key_heads=gdn_keys, gdn_num_value_heads=gdn_keys * draw(st.integers(1, 2)),
@@ -224,6 +238,7 @@ def tiny_valid_kwargs(draw) -> dict:
 @given(tiny_valid_kwargs(), st.integers(1, 9), st.integers(1, 2))
 def test_valid_tiny_config_builds_a_model_that_runs(kwargs, length, batch):
     config = HybridLinearConfig(**kwargs)
+    event("heterogeneous" if config.is_heterogeneous else "homogeneous")
     torch.manual_seed(0)
     model = HybridLinearForCausalLM(config).eval()
     input_ids = torch.randint(0, config.vocab_size, (batch, length))
