@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ...configuration_hybrid_linear import HybridLinearConfig
+from ...configuration_hybrid_linear import MIXER_FIELDS, HybridLinearConfig
 from ..errors import ConversionError
 from ..hf_layout import distinct_layers, layer_config, layer_settings
 from ..pipeline import TensorCensus
@@ -372,22 +372,11 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
 
 # The HybridLinearConfig fields a Fast-LLM metadata.yaml carries, by the layer types that use them; the others
 # (token ids, initializer_range, use_cache, ...) are not part of Fast-LLM's model config and are not written.
-# Per-layer values are compared layer by layer (`fast_llm_carried_layer_fields`).
+# Per-layer values are compared layer by layer (`fast_llm_carried_layer_fields`): every field of the layer's mixer
+# (the config's own MIXER_FIELDS, from each mixer's registration) and of its block.
 _CARRIED_ALWAYS = ("vocab_size", "hidden_size", "layer_types", "num_hidden_layers", "rms_norm_eps",
                    "tie_word_embeddings", "zero_centered_norms")
 _CARRIED_BLOCK = ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps")
-_CARRIED_BY_LAYER_TYPE = {
-    "full_attention": ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters", "attention_bias",
-                       "attention_output_gate", "attention_qk_norm"),
-    "sliding_attention": ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters",
-                          "attention_bias", "attention_output_gate", "attention_qk_norm", "sliding_window"),
-    "gated_deltanet": ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
-                       "gdn_conv_kernel_size", "gdn_norm_eps", "gdn_gate_activation"),
-    "kimi_delta_attention": ("kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "kda_norm_eps",
-                             "kda_gate_activation"),
-}
-
-
 def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
     """The model-wide fields of `config` that its Fast-LLM metadata expresses (and must read back unchanged)."""
     return list(_CARRIED_ALWAYS)
@@ -395,7 +384,7 @@ def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
 
 def fast_llm_carried_layer_fields(layer_type: str) -> tuple[str, ...]:
     """The fields of one layer's resolved config that Fast-LLM's block of that layer expresses."""
-    return _CARRIED_BY_LAYER_TYPE[layer_type] + _CARRIED_BLOCK
+    return tuple(MIXER_FIELDS[layer_type]) + _CARRIED_BLOCK
 
 
 # -------------------------------------------------------------------------------------------- -> Fast-LLM
