@@ -79,6 +79,38 @@ def run_child(*args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def planning_costs() -> None:
+    """The shape-only planning steps for the 1.2B GDN benchmark config (benchmarks/model_configs.py), best of 5: the
+    canonical layout from meta-built layers (one per distinct setting), the Fast-LLM name map, and, for scale, the
+    whole model built on the meta device."""
+    import time
+
+    from hybrid_linear_models import HybridLinearForCausalLM
+    from hybrid_linear_models.conversion.fast_llm.parameters import build_fast_llm_rows
+    from hybrid_linear_models.conversion.hf_layout import one_layer_per_type
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from model_configs import GPU_GDN, gdn_pair
+
+    config = gdn_pair(**GPU_GDN)[0]
+
+    def whole_model_on_meta():
+        with torch.device("meta"):
+            HybridLinearForCausalLM(config)
+
+    steps = {"hf_tensor_shapes (all layers)": lambda: hf_tensor_shapes(config),
+             "one_layer_per_type (census check)": lambda: one_layer_per_type(config),
+             "build_fast_llm_rows": lambda: build_fast_llm_rows(config),
+             "whole model on meta (not used)": whole_model_on_meta}
+    for name, step in steps.items():
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        print(f"{name}: {min(times) * 1e3:.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.5, help="target checkpoint size (default 2.5)")
@@ -86,7 +118,10 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="1GB", help="HF shard size (default 1GB, to exercise sharding)")
     parser.add_argument("--workdir", type=Path, default=None, help="where to build (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    parser.add_argument("--planning", action="store_true", help="only time the planning steps (1.2B GDN config)")
     args = parser.parse_args()
+    if args.planning:
+        return planning_costs()
 
     dtype = getattr(torch, args.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -80,14 +80,16 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         ),
     ),
     FormatEntry(
-        "fast_llm", "Fast-LLM's export format: metadata.yaml + model_{n}.safetensors with '{parameter}/weights' tensors",
-        read="fast_llm:read_fast_llm", target_rows="fast_llm:fast_llm_rows", write="fast_llm:write_fast_llm",
+        "fast_llm",
+        "Fast-LLM's export format: metadata.yaml + model_{n}.safetensors with '{parameter}/weights' tensors",
+        read="fast_llm.checkpoint:read_fast_llm", target_rows="fast_llm.checkpoint:fast_llm_rows",
+        write="fast_llm.checkpoint:write_fast_llm",
         output=OutputLayout(marker="metadata.yaml", files=(r"metadata\.yaml", r"model_\d+\.safetensors")),
     ),
     FormatEntry(
         "fast_llm_distributed",
         "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
-        read="fast_llm_distributed:read_fast_llm_distributed",
+        read="fast_llm.distributed:read_fast_llm_distributed",
     ),
 )
 

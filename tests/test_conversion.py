@@ -4,6 +4,8 @@ exported folder with trust_remote_code where the package is not importable."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -20,7 +22,7 @@ from safetensors.torch import load_file
 import hybrid_linear_models  # noqa: F401  (registers the Auto classes)
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.conversion import convert_checkpoint
-from hybrid_linear_models.conversion import name_maps
+from hybrid_linear_models.conversion.fast_llm import parameters as fast_llm_parameters
 from hybrid_linear_models.conversion.converters import IDENTITY
 from hybrid_linear_models.conversion.hf_layout import hf_tensor_shapes
 from hybrid_linear_models.conversion.synthetic import write_random_checkpoint
@@ -89,9 +91,8 @@ def test_distributed_and_fast_llm_give_identical_tensors(tmp_path, exported, fix
 def test_gdn_row_permutation_is_pinned_by_the_logits(tmp_path, monkeypatch):
     """Negative control: keeping Fast-LLM's flat GDN layout (no regrouping) must break the logits, so the reference
     comparison above really pins the permutation (the fixture has 2 value heads per key head)."""
-    flat = tuple(name_maps.Entry(e.format_names, IDENTITY, e.canonical_names)
-                 for e in name_maps.FAST_LLM_GATED_DELTANET)
-    monkeypatch.setitem(name_maps.FAST_LLM_MIXERS, "gated_deltanet", flat)
+    flat = tuple(dataclasses.replace(p, converter=IDENTITY) for p in fast_llm_parameters.GATED_DELTANET)
+    monkeypatch.setitem(fast_llm_parameters.MIXERS, "gated_deltanet", flat)
     dst = convert_checkpoint(FIXTURES / "hybrid_attn_gdn_kda" / "fast_llm", tmp_path / "flat", from_format="fast_llm",
                              to_format="hf").destination
     ref = reference("hybrid_attn_gdn_kda")

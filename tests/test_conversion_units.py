@@ -15,13 +15,13 @@ from safetensors.torch import save_file
 
 from hybrid_linear_models import HybridLinearConfig
 from hybrid_linear_models.conversion import ConversionError, parse_size
-from hybrid_linear_models.conversion.config_maps import fast_llm_to_hybrid_config, hybrid_config_to_fast_llm
+from hybrid_linear_models.conversion.fast_llm.config import fast_llm_to_hybrid_config, hybrid_config_to_fast_llm
 from hybrid_linear_models.conversion.converters import (
     IDENTITY, SPLIT_HALVES, TRANSPOSE, GdnKeyHeadGrouping, RowPermutation, flat_to_grouped_order,
 )
-from hybrid_linear_models.conversion.fast_llm_distributed import stage_layout
+from hybrid_linear_models.conversion.fast_llm.distributed import stage_layout
 from hybrid_linear_models.conversion.model_card import load_template, render_model_card
-from hybrid_linear_models.conversion.name_maps import build_fast_llm_rows
+from hybrid_linear_models.conversion.fast_llm.parameters import build_fast_llm_rows
 from hybrid_linear_models.conversion.remote_code import relative_imports, remote_code_files
 from hybrid_linear_models.conversion.safetensors_io import (
     SafetensorsFile, TensorInfo, plan_files, write_files,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from fast_llm_layout import PATTERN, heterogeneous_blocks, write_fast_llm_checkpoint
 from fuzz_strategies import FUZZ_SETTINGS, hostile_values, mutated, safetensors_file, split_safetensors
 from hypothesis import given
 from hypothesis import strategies as st
@@ -68,13 +69,22 @@ def folders(tmp_path_factory) -> dict[str, Folder]:
                                       to_format="hf").destination
     result["hf_sharded"] = convert_checkpoint(FIXTURE / "fast_llm", root / "hf_sharded", from_format="fast_llm",
                                               to_format="hf", max_shard_size="100KB").destination
+    # a pattern decoder whose blocks differ (issue 14), as Fast-LLM lays it out, and its HF conversion
+    blocks = heterogeneous_blocks()
+    write_fast_llm_checkpoint(root / "hetero", blocks, PATTERN,
+                              {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)})
+    result["hetero_fast_llm"] = root / "hetero" / "fast_llm"
+    result["hetero_distributed"] = root / "hetero" / "distributed"
+    result["hetero_hf"] = convert_checkpoint(result["hetero_fast_llm"], root / "hetero_hf", from_format="fast_llm",
+                                             to_format="hf").destination
     return {name: Folder(path) for name, path in result.items()}
 
 
 def test_the_unmutated_folders_read(folders):
     assert (folders["hf_sharded"].path / "model.safetensors.index.json").is_file()
     for name, from_format in (("fast_llm", "fast_llm"), ("distributed", "fast_llm_distributed"), ("hf", "hf"),
-                              ("hf_sharded", "hf")):
+                              ("hf_sharded", "hf"), ("hetero_fast_llm", "fast_llm"),
+                              ("hetero_distributed", "fast_llm_distributed"), ("hetero_hf", "hf")):
         assert outcome(folders[name].path, from_format) == "read"
 
 
@@ -128,3 +138,23 @@ def test_fuzz_raw_text(folders, text, value):
         outcome(folders["fast_llm"].with_file("metadata.yaml", content), "fast_llm")
     for content in (text, json.dumps(value)):
         outcome(folders["hf"].with_file("config.json", content), "hf")
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzz_heterogeneous_metadata(folders, data):
+    """Blocks that differ: mutations of one block's settings, of the pattern and of the block names."""
+    for name, from_format in (("hetero_fast_llm", "fast_llm"), ("hetero_distributed", "fast_llm_distributed")):
+        folder = folders[name]
+        metadata = data.draw(mutated(yaml.safe_load(folder.original("metadata.yaml"))))
+        outcome(folder.with_file("metadata.yaml", yaml.safe_dump(metadata)), from_format)
+
+
+@FUZZ_SETTINGS
+@given(data=st.data())
+def test_fuzz_heterogeneous_config_json(folders, data):
+    """A config.json with per_layer_config: mutations reach the overrides too."""
+    folder = folders["hetero_hf"]
+    config = json.loads(folder.original("config.json"))
+    assert config["per_layer_config"]  # the folder is heterogeneous
+    outcome(folder.with_file("config.json", json.dumps(data.draw(mutated(config)))), "hf")

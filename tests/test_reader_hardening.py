@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models import HybridLinearConfig
-from hybrid_linear_models.conversion import ConversionError, convert_checkpoint, fast_llm, untrusted
+from hybrid_linear_models.conversion import ConversionError, convert_checkpoint, untrusted
+from hybrid_linear_models.conversion.fast_llm import checkpoint as fast_llm_checkpoint
 from hybrid_linear_models.conversion.fast_llm import check_metadata_reads_back, metadata_yaml, read_fast_llm
-from hybrid_linear_models.conversion.fast_llm_distributed import read_fast_llm_distributed
+from hybrid_linear_models.conversion.fast_llm.distributed import read_fast_llm_distributed
 from hybrid_linear_models.conversion.formats import get_format
 from hybrid_linear_models.conversion.hf import check_config_reads_back, export_config, read_hf
 from hybrid_linear_models.conversion.pipeline import plan_conversion
@@ -507,6 +508,36 @@ def test_huge_user_values_are_cut_in_messages(copy_of):
 # --------------------------------------------------------------------------------------------- 7. read-back
 
 
+@st.composite
+def _fast_llm_overrides(draw, layer_types: list[str], eps) -> dict[int, dict]:
+    """Per-layer settings a Fast-LLM block can carry (issue 14): some layers differ from the defaults."""
+    overrides = {}
+    for index, layer_type in enumerate(layer_types):
+        if not draw(st.booleans()):
+            continue
+        fields = {"intermediate_size": draw(st.integers(4, 96)), "rms_norm_eps": draw(eps),
+                  "mlp_bias": draw(st.booleans()),
+                  "hidden_act": draw(st.sampled_from(["silu", "gelu_pytorch_tanh", "relu", "relu2"]))}
+        if layer_type in ("full_attention", "sliding_attention"):
+            kv = draw(st.integers(1, 3))
+            fields.update(num_key_value_heads=kv, num_attention_heads=kv * draw(st.integers(1, 3)),
+                          head_dim=draw(st.sampled_from([4, 8])), attention_bias=draw(st.booleans()),
+                          rope_parameters={"rope_type": "default", "rope_theta": draw(st.floats(1.0, 1e7)),
+                                           "partial_rotary_factor": 1.0})
+            if layer_type == "sliding_attention":
+                fields["sliding_window"] = draw(st.integers(1, 100))
+        elif layer_type == "gated_deltanet":
+            keys = draw(st.integers(1, 3))
+            fields.update(gdn_num_key_heads=keys, gdn_num_value_heads=keys * draw(st.integers(1, 2)),
+                          gdn_value_head_dim=draw(st.integers(1, 16)), gdn_conv_kernel_size=draw(st.integers(1, 6)),
+                          gdn_norm_eps=draw(eps), gdn_gate_activation=draw(st.sampled_from(["silu", "sigmoid"])))
+        else:
+            fields.update(kda_num_heads=draw(st.integers(1, 4)), kda_head_dim=draw(st.integers(1, 16)),
+                          kda_norm_eps=draw(eps))
+        overrides[index] = fields
+    return overrides
+
+
 def configs(fast_llm: bool) -> st.SearchStrategy[HybridLinearConfig]:
     """Small valid configs; with `fast_llm`, only what Fast-LLM's metadata can express."""
     @st.composite
@@ -533,6 +564,7 @@ def configs(fast_llm: bool) -> st.SearchStrategy[HybridLinearConfig]:
         }
         if fast_llm:
             kwargs.update(zero_centered_norms=False, attention_output_gate=False, attention_qk_norm=False)
+            kwargs["per_layer_config"] = draw(_fast_llm_overrides(layer_types, eps))
         else:
             kwargs.update(zero_centered_norms=draw(st.booleans()), attention_output_gate=draw(st.booleans()),
                           attention_qk_norm=draw(st.booleans()), bos_token_id=draw(st.none() | st.integers(0, 7)),
@@ -574,12 +606,12 @@ def test_a_field_that_does_not_survive_is_refused_before_writing(tmp_path):
 def test_a_writer_whose_config_would_not_read_back_writes_nothing(tmp_path, monkeypatch):
     def wrong_metadata(config, state_index):
         return metadata_yaml(config, state_index).replace("hidden_size: 64", "hidden_size: 32")
-    monkeypatch.setattr(fast_llm, "metadata_yaml", wrong_metadata)
+    monkeypatch.setattr(fast_llm_checkpoint, "metadata_yaml", wrong_metadata)
     with pytest.raises(ConversionError, match=r"refusing to write metadata.yaml: the config field hidden_size \(64 "
                                               r"reads back as 32\)"):
         convert_checkpoint(FIXTURE / "fast_llm", tmp_path / "dst", from_format="fast_llm", to_format="fast_llm")
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(fast_llm, "metadata_yaml", lambda config, state_index: "config: [")
+    monkeypatch.setattr(fast_llm_checkpoint, "metadata_yaml", lambda config, state_index: "config: [")
     with pytest.raises(ConversionError, match=r"refusing to write metadata.yaml: it would not read back"):
         convert_checkpoint(FIXTURE / "fast_llm", tmp_path / "dst", from_format="fast_llm", to_format="fast_llm")
     exported = export_config(HybridLinearConfig(layer_types=["full_attention"], head_dim=16), torch.float32)

@@ -205,8 +205,9 @@ def check_config_reads_back(config: HybridLinearConfig, config_text: str) -> Non
     try:
         again = parse_hf_config(config_text, CONFIG_FILE)
     except ConversionError as error:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: it would not read back ({str(error).rstrip('.')}). This is a bug in "
-                              "the converter; please report it with the source config.") from None
+        raise ConversionError(f"refusing to write {CONFIG_FILE}: it would not read back "
+                              f"({str(error).rstrip('.')}). This is a bug in the converter; please report it with the "
+                              "source config.") from None
     difference = config_difference(config, again)
     if difference is not None:
         raise ConversionError(f"refusing to write {CONFIG_FILE}: the config field {difference} does not survive "

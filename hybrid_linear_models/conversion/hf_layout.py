@@ -1,11 +1,23 @@
 """The canonical layout: the parameter names and shapes of our Hugging Face model (`HybridLinearForCausalLM`) for a
-given config. Every format is converted to and from this layout; the tests check it against the model's own
-`state_dict()`."""
+given config, read from the model itself built on the meta device (no memory, no initialisation), so that a mixer's
+tensors are declared once, by the mixer.
+
+Only one decoder layer per distinct layer setting is built (the layer type plus its per-layer overrides), and the
+model's top-level tensors come from a one-layer copy of the config: the cost does not grow with the number of
+layers, and a config claiming a million layers never builds a million-entry module list. Readers still bound the
+config's sizes by the stored tensors (`pipeline.TensorCensus`, `pipeline.check_tensor_sizes`) before anything is
+built here; a size the meta build cannot even represent is a ValueError naming the layer.
+"""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from ..configuration_hybrid_linear import HybridLinearConfig
 
@@ -14,96 +26,132 @@ Shape = tuple[int, ...]
 EMBEDDINGS = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+_LAYERS = "model.layers."
 
 
 def layer_prefix(index: int) -> str:
-    return f"model.layers.{index}."
+    return f"{_LAYERS}{index}."
 
 
-def _block_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
-    h, i = config.hidden_size, config.intermediate_size
-    shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-              "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
-    if config.mlp_bias:
-        shapes.update({"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)})
+def layer_overrides(config: HybridLinearConfig, index: int) -> dict[str, Any]:
+    """Layer `index`'s per-layer overrides of the flat fields (empty for a homogeneous config)."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    return dict(spec.per_layer_overrides.get(index, {})) if spec is not None else {}
+
+
+def layer_config(config: HybridLinearConfig, index: int) -> HybridLinearConfig:
+    """Layer `index`'s resolved config (the global one for a homogeneous config)."""
+    return config.per_layer_config[index]
+
+
+def layer_setting(config: HybridLinearConfig, index: int) -> str:
+    """A key equal for two layers exactly when they have the same type and the same overrides (same tensors)."""
+    overrides = layer_overrides(config, index)
+    layer_type = config.layer_types[index]
+    return repr((layer_type, sorted(overrides.items()))) if overrides else layer_type
+
+
+def layer_settings(config: HybridLinearConfig) -> list[str]:
+    """`layer_setting` of every layer (cheap for the layers without overrides: their type)."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    if spec is None:
+        return list(config.layer_types)
+    return [layer_setting(config, index) for index in range(len(config.layer_types))]
+
+
+def distinct_layers(config: HybridLinearConfig) -> dict[str, int]:
+    """layer setting -> the first layer that has it."""
+    first: dict[str, int] = {}
+    for index, setting in enumerate(layer_settings(config)):
+        first.setdefault(setting, index)
+    return first
+
+
+def _meta_shapes(module: torch.nn.Module) -> dict[str, Shape]:
+    return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+
+
+def _layer_shapes(config: HybridLinearConfig, index: int) -> dict[str, Shape]:
+    """The tensors of decoder layer `index`, relative to its prefix, from the layer built on the meta device."""
+    from ..modeling_hybrid_linear import HybridLinearDecoderLayer  # the model, only when a layout is asked for
+
+    try:
+        with torch.device("meta"):  # the layer's resolved config: a homogeneous one, whatever the model reads
+            return _meta_shapes(HybridLinearDecoderLayer(layer_config(config, index), index))
+    except AmbiguousGlobalPerLayerAttributeError:
+        raise
+    except RuntimeError as error:  # e.g. a size product beyond int64, which no checkpoint can hold
+        raise ValueError(f"layer {index} ({config.layer_types[index]}): its sizes make tensors this model cannot "
+                         f"build ({str(error).splitlines()[0][:200]}); fix the config's sizes.") from None
+
+
+def _top_level_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
+    """Embeddings, final norm and LM head (absent when tied), from a one-layer copy of the model on the meta device."""
+    from ..modeling_hybrid_linear import HybridLinearForCausalLM
+
+    one_layer = copy.copy(config)
+    one_layer.__dict__.pop("_heterogeneity_spec", None)  # layer 0's overrides do not change the top-level tensors
+    one_layer.layer_types, one_layer.num_hidden_layers = list(config.layer_types[:1]), 1
+    with torch.device("meta"):
+        model = HybridLinearForCausalLM(one_layer)
+    shapes = {name: shape for name, shape in _meta_shapes(model).items() if not name.startswith(_LAYERS)}
+    if config.tie_word_embeddings:  # the tied copy is not stored
+        for tied in getattr(model, "_tied_weights_keys", None) or {}:
+            shapes.pop(tied, None)
     return shapes
 
 
-def _attention_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
-    h, hd = config.hidden_size, config.head_dim
-    q_rows = config.num_attention_heads * hd * (2 if config.attention_output_gate else 1)
-    kv_rows = config.num_key_value_heads * hd
-    o_cols = config.num_attention_heads * hd
-    shapes = {"self_attn.q_proj.weight": (q_rows, h), "self_attn.k_proj.weight": (kv_rows, h),
-              "self_attn.v_proj.weight": (kv_rows, h), "self_attn.o_proj.weight": (h, o_cols)}
-    if config.attention_qk_norm:
-        shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
-    if config.attention_bias:
-        shapes.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
-                       "self_attn.v_proj.bias": (kv_rows,), "self_attn.o_proj.bias": (h,)})
-    return shapes
+class CanonicalLayout:
+    """The canonical tensors of one config, with one meta layer built per distinct layer setting (and kept)."""
 
+    def __init__(self, config: HybridLinearConfig):
+        self.config = config
+        self._settings = layer_settings(config)
+        self._by_setting: dict[str, dict[str, Shape]] = {}
+        self._top: dict[str, Shape] | None = None
 
-def _gated_deltanet_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
-    h = config.hidden_size
-    hk, hv = config.gdn_num_key_heads, config.gdn_num_value_heads
-    dk, dv, k = config.gdn_key_head_dim, config.gdn_value_head_dim, config.gdn_conv_kernel_size
-    return {"linear_attn.in_proj_qkvz.weight": (2 * hk * dk + 2 * hv * dv, h),
-            "linear_attn.in_proj_ba.weight": (2 * hv, h),
-            "linear_attn.conv1d.weight": (2 * hk * dk + hv * dv, 1, k),
-            "linear_attn.dt_bias": (hv,), "linear_attn.A_log": (hv,), "linear_attn.norm.weight": (dv,),
-            "linear_attn.out_proj.weight": (h, hv * dv)}
+    def layer(self, index: int) -> dict[str, Shape]:
+        setting = self._settings[index]
+        if setting not in self._by_setting:
+            self._by_setting[setting] = _layer_shapes(self.config, index)
+        return self._by_setting[setting]
 
+    def top(self) -> dict[str, Shape]:
+        if self._top is None:
+            self._top = _top_level_shapes(self.config)
+        return self._top
 
-def _kimi_delta_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
-    h, heads, d, k = config.hidden_size, config.kda_num_heads, config.kda_head_dim, config.kda_conv_kernel_size
-    p = heads * d
-    shapes: dict[str, Shape] = {}
-    for name in ("q", "k", "v"):
-        shapes[f"linear_attn.{name}_proj.weight"] = (p, h)
-    for name in ("q", "k", "v"):
-        shapes[f"linear_attn.{name}_conv1d.weight"] = (p, 1, k)
-    shapes.update({"linear_attn.f_a_proj.weight": (d, h), "linear_attn.f_b_proj.weight": (p, d),
-                   "linear_attn.dt_bias": (p,), "linear_attn.A_log": (heads,), "linear_attn.b_proj.weight": (heads, h),
-                   "linear_attn.g_a_proj.weight": (d, h), "linear_attn.g_b_proj.weight": (p, d),
-                   "linear_attn.o_norm.weight": (d,), "linear_attn.o_proj.weight": (h, p)})
-    return shapes
-
-
-MIXER_SHAPES = {
-    "full_attention": _attention_shapes,
-    "sliding_attention": _attention_shapes,
-    "gated_deltanet": _gated_deltanet_shapes,
-    "kimi_delta_attention": _kimi_delta_shapes,
-}
+    def shapes(self, layers: Iterable[int] | None = None) -> dict[str, Shape]:
+        top = self.top()
+        shapes = {name: shape for name, shape in top.items() if name == EMBEDDINGS}
+        for index in range(len(self._settings)) if layers is None else layers:
+            prefix = layer_prefix(index)
+            shapes.update((prefix + name, shape) for name, shape in self.layer(index).items())
+        shapes.update((name, shape) for name, shape in top.items() if name != EMBEDDINGS)
+        return shapes
 
 
 def hf_tensor_shapes(config: HybridLinearConfig, layers: Iterable[int] | None = None) -> dict[str, Shape]:
     """Every tensor of the model in `config`, in a stable order: embeddings, layers (only `layers` if given), final
     norm, LM head (absent when the embeddings are tied)."""
-    shapes: dict[str, Shape] = {EMBEDDINGS: (config.vocab_size, config.hidden_size)}
-    for index in range(len(config.layer_types)) if layers is None else layers:
-        layer_type = config.layer_types[index]
-        prefix = layer_prefix(index)
-        for name, shape in {**MIXER_SHAPES[layer_type](config), **_block_shapes(config)}.items():
-            shapes[prefix + name] = shape
-    shapes[FINAL_NORM] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        shapes[LM_HEAD] = (config.vocab_size, config.hidden_size)
-    return shapes
+    return CanonicalLayout(config).shapes(layers)
 
 
 def one_layer_per_type(config: HybridLinearConfig) -> dict[str, Shape]:
-    """The shapes of the model's tensors with one layer of each mixer type: every distinct tensor shape, cheaply."""
-    first_of_type = {layer_type: index for index, layer_type in reversed(list(enumerate(config.layer_types)))}
-    return hf_tensor_shapes(config, sorted(first_of_type.values()))
+    """The tensors of one layer of each distinct layer setting: every distinct tensor shape, cheaply."""
+    return hf_tensor_shapes(config, sorted(distinct_layers(config).values()))
 
 
-def elements_per_layer_type(config: HybridLinearConfig) -> dict[str, int]:
-    """Weight elements of one layer of each mixer type present (all layers of a type have the same shapes)."""
-    return {layer_type: sum(math.prod(shape) for shape in {**MIXER_SHAPES[layer_type](config),
-                                                            **_block_shapes(config)}.values())
-            for layer_type in dict.fromkeys(config.layer_types)}
+def elements_per_layer(config: HybridLinearConfig) -> list[int]:
+    """Weight elements of each layer (one meta layer built per distinct setting)."""
+    layout = CanonicalLayout(config)
+    settings = layer_settings(config)
+    first = {setting: index for index, setting in reversed(list(enumerate(settings)))}
+    per_setting = {setting: sum(math.prod(shape) for shape in layout.layer(index).values())
+                   for setting, index in first.items()}
+    return [per_setting[setting] for setting in settings]
 
 
-__all__ = ["hf_tensor_shapes", "one_layer_per_type", "elements_per_layer_type", "layer_prefix", "EMBEDDINGS", "FINAL_NORM", "LM_HEAD", "MIXER_SHAPES"]
+__all__ = ["hf_tensor_shapes", "one_layer_per_type", "elements_per_layer", "layer_prefix", "layer_config",
+           "layer_overrides", "layer_setting", "layer_settings", "distinct_layers", "CanonicalLayout", "EMBEDDINGS",
+           "FINAL_NORM", "LM_HEAD"]

@@ -8,7 +8,9 @@ from importlib import resources
 from pathlib import Path
 
 from ..configuration_hybrid_linear import HybridLinearConfig
+from ..shown_values import brief
 from .errors import ConversionError
+from .hf_layout import layer_config, layer_overrides
 
 TEMPLATE_NAME = "hybrid_linear.md"
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -42,6 +44,17 @@ def _human(count: int) -> str:
     return str(count)
 
 
+def _intermediate_sizes(config: HybridLinearConfig) -> str:
+    sizes = list(dict.fromkeys(layer_config(config, i).intermediate_size for i in range(config.num_hidden_layers)))
+    return str(sizes[0]) if len(sizes) == 1 else ", ".join(map(str, sizes)) + " (per layer)"
+
+
+def _overrides_text(config: HybridLinearConfig, index: int) -> str:
+    """A layer's own settings (its per_layer_config overrides), for its row of the layer table."""
+    overrides = layer_overrides(config, index)
+    return "".join(f", {field}={brief(value)}" for field, value in sorted(overrides.items()))
+
+
 def render_model_card(config: HybridLinearConfig, *, name: str, parameter_count: int, dtype: str,
                       source_format: str, source_format_description: str, source_path: str,
                       dtype_note: str = "", template: str | None = None) -> str:
@@ -53,11 +66,12 @@ def render_model_card(config: HybridLinearConfig, *, name: str, parameter_count:
         "num_layers": str(config.num_hidden_layers),
         "mixer_summary": ", ".join(f"{n} {_MIXER_NAMES[t]}" for t, n in counts.items()),
         "hidden_size": str(config.hidden_size),
-        "intermediate_size": str(config.intermediate_size),
+        "intermediate_size": _intermediate_sizes(config),
         "vocab_size": str(config.vocab_size),
         "tied_embeddings": "yes" if config.tie_word_embeddings else "no",
         "dtype": dtype,
-        "layer_rows": "\n".join(f"| {i} | {_MIXER_NAMES[t]} (`{t}`) |" for i, t in enumerate(config.layer_types)),
+        "layer_rows": "\n".join(f"| {i} | {_MIXER_NAMES[t]} (`{t}`){_overrides_text(config, i)} |"
+                                for i, t in enumerate(config.layer_types)),
         "source_format": source_format,
         "source_format_description": source_format_description,
         "source_path": source_path,

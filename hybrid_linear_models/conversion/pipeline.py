@@ -88,7 +88,12 @@ class TensorCensus:
 def check_tensor_sizes(config: HybridLinearConfig, census: TensorCensus, where: str) -> None:
     """No tensor the config implies may be larger than all stored tensors together: this bounds the products of
     sizes (heads x head_dim x hidden_size) that the per-field checks cannot, before any row table is built."""
-    for name, shape in one_layer_per_type(config).items():
+    try:
+        shapes = one_layer_per_type(config)  # one meta layer per distinct setting: no memory, no per-layer list
+    except ValueError as error:  # a size product no tensor can have (beyond int64)
+        raise ConversionError(f"{where}: {error} The checkpoint holds {census.elements_phrase}; the config does not "
+                              "match the weights.") from None
+    for name, shape in shapes.items():
         if math.prod(shape) > census.elements:
             raise ConversionError(
                 f"{where}: the config implies {name} of shape {brief(list(shape))} ({math.prod(shape)} elements), "
@@ -154,8 +159,8 @@ def _check_accounting(source: SourceCheckpoint) -> None:
     if missing:
         raise ConversionError(
             f"{where} is missing tensor(s) {_listing(missing)} that its config requires "
-            f"(layer types {brief(source.config.layer_types)}). The checkpoint is incomplete or its config does not match "
-            "its weights; export it again."
+            f"(layer types {brief(source.config.layer_types)}). The checkpoint is incomplete or its config does not "
+            "match its weights; export it again."
         )
     if extra:
         raise ConversionError(
@@ -183,8 +188,9 @@ def _check_shapes(source: SourceCheckpoint, canonical: dict[str, tuple[int, ...]
             actual = source.tensors.info(key).shape
             if tuple(actual) != tuple(shape):
                 raise ConversionError(
-                    f"{source.path}: tensor {key} has shape {brief(list(actual))}, but the config implies {list(shape)}. "
-                    "The config does not match the weights; fix the config (or the tensor) so they agree."
+                    f"{source.path}: tensor {key} has shape {brief(list(actual))}, but the config implies "
+                    f"{list(shape)}. The config does not match the weights; fix the config (or the tensor) so they "
+                    "agree."
                 )
 
 
@@ -261,4 +267,5 @@ class WriteOptions:
     source_description: str = ""  # one line on the source format, for the model card
 
 
-__all__ = ["TensorSource", "TensorCensus", "check_tensor_sizes", "config_difference", "SourceCheckpoint", "ConversionPlan", "WriteOptions", "plan_conversion", "stream_tensors"]
+__all__ = ["TensorSource", "TensorCensus", "check_tensor_sizes", "config_difference", "SourceCheckpoint",
+           "ConversionPlan", "WriteOptions", "plan_conversion", "stream_tensors"]

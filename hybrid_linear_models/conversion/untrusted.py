@@ -316,7 +316,8 @@ class Fields:
 
 
 _PLURAL = {int: "integers", str: "strings", float: "numbers", bool: "booleans", list: "lists", dict: "mappings"}
-_SINGULAR = {int: "an integer", str: "a string", float: "a number", bool: "a boolean", list: "a list", dict: "a mapping"}
+_SINGULAR = {int: "an integer", str: "a string", float: "a number", bool: "a boolean", list: "a list",
+             dict: "a mapping"}
 
 
 def _looks_like_a_float(text: str) -> bool:

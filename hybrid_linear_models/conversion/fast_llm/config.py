@@ -10,13 +10,15 @@ the field, never a silent approximation.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..configuration_hybrid_linear import HybridLinearConfig
-from .errors import ConversionError
-from .pipeline import TensorCensus
-from .untrusted import REQUIRED, Fields, brief, clip
+from ...configuration_hybrid_linear import MIXER_FIELDS, HybridLinearConfig
+from ..errors import ConversionError
+from ..hf_layout import distinct_layers, layer_config, layer_settings
+from ..pipeline import TensorCensus
+from ..untrusted import REQUIRED, Fields, brief, clip
 
 FAST_LLM_VERSION = "0.4.0"
 METADATA = "metadata.yaml"
@@ -25,17 +27,10 @@ _DEFAULT_CONV_KERNEL = 4
 _DEFAULT_ROPE_THETA = 10_000.0
 _ATTENTION_DEFAULTS = {"heads": 8, "head_groups": 1, "head_size": 128}
 
-# Where each of our per-mixer fields comes from in a Fast-LLM block (for error messages).
-_SOURCE_FIELDS = {
-    "num_attention_heads": "mixer.heads", "num_key_value_heads": "mixer.head_groups", "head_dim": "mixer.head_size",
-    "rope_theta": "mixer.rotary.theta", "gdn_num_key_heads": "mixer.key_heads",
-    "gdn_num_value_heads": "mixer.value_heads", "gdn_key_head_dim": "mixer.key_head_dim",
-    "gdn_value_head_dim": "mixer.value_head_dim", "gdn_conv_kernel_size": "mixer.convolution_layer.kernel_size",
-    "gdn_norm_eps": "mixer.normalization.epsilon", "gdn_gate_activation": "mixer.normalization.activation",
-    "kda_num_heads": "mixer.heads", "kda_head_dim": "mixer.head_dim",
-    "kda_conv_kernel_size": "mixer.convolution_layer.kernel_size", "kda_norm_eps": "mixer.normalization.epsilon",
-    "kda_gate_activation": "mixer.normalization.activation",
-}
+# Fast-LLM's MLP activations and the transformers (ACT2FN) names of the same functions (Fast-LLM's own HF export
+# table: its gelu is the tanh approximation).
+ACTIVATION_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu", "squared_relu": "relu2"}
+ACTIVATION_FROM_HF = {hf: fast_llm for fast_llm, hf in ACTIVATION_TO_HF.items()}
 
 MIXER_TO_LAYER_TYPE = {"attention": "full_attention", "gdn": "gated_deltanet", "kda": "kimi_delta_attention"}
 
@@ -103,6 +98,28 @@ def _linear_layers(mixer: _Fields, names: tuple[str, ...], default_bias: bool) -
         _check_no_bias(mixer.sub(name), default_bias)
 
 
+def _shared_bias(module: _Fields, names: tuple[str, ...], field: str) -> bool:
+    """Whether the linear layers `names` of `module` have biases (each layer's `bias.enabled`, else the module's
+    `add_linear_biases`, which Fast-LLM defaults to true). Our model has one switch (`field`) for all of them, so they
+    must agree."""
+    default = module.boolean("add_linear_biases", True)
+    enabled = {}
+    for name in names:
+        layer = module.sub(name)
+        bias = layer.sub("bias")
+        explicit = bias.boolean("enabled", None)
+        bias.finish()
+        layer.sub("weight").finish()
+        layer.finish()
+        enabled[name] = default if explicit is None else explicit
+    if len(set(enabled.values())) > 1:
+        listing = ", ".join(f"{name}: {'bias' if on else 'no bias'}" for name, on in enabled.items())
+        raise ConversionError(f"metadata.yaml: {module.path} mixes linear layers with and without biases ({listing}); "
+                              f"HybridLinearConfig has one {field} switch for them, so give them all the same "
+                              "bias.enabled.")
+    return next(iter(enabled.values()))
+
+
 def _convolution(mixer: _Fields) -> int:
     conv = mixer.sub("convolution_layer")
     kernel = conv.size("kernel_size", _DEFAULT_CONV_KERNEL)
@@ -130,8 +147,7 @@ def _attention_settings(mixer: _Fields) -> dict[str, Any]:
     for name in ("query_norm", "key_norm", "value_norm"):
         mixer.expect(name, (None,), None, "per-head q/k/v norms in Fast-LLM's layout")
     mixer.expect("shared_key_value", (False,), False, "one projection shared by keys and values")
-    biases = mixer.boolean("add_linear_biases", True)
-    _linear_layers(mixer, ("query_layer", "key_layer", "value_layer", "dense_layer"), biases)
+    attention_bias = _shared_bias(mixer, ("query_layer", "key_layer", "value_layer", "dense_layer"), "attention_bias")
     rotary = mixer.sub("rotary")
     rotary_type = rotary.string("type", "none")
     if rotary_type != "default":
@@ -146,9 +162,12 @@ def _attention_settings(mixer: _Fields) -> dict[str, Any]:
         "num_attention_heads": mixer.size("heads", _ATTENTION_DEFAULTS["heads"]),
         "num_key_value_heads": mixer.size("head_groups", _ATTENTION_DEFAULTS["head_groups"]),
         "head_dim": mixer.size("head_size", _ATTENTION_DEFAULTS["head_size"]),
-        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0},
+        "attention_bias": attention_bias,
     }
     window = mixer.integer("window_size", None, minimum=1)
+    if window is not None:
+        settings["sliding_window"] = window
     mixer.finish(frozenset({"type"}))
     return {"settings": settings, "window": window}
 
@@ -196,17 +215,18 @@ def _block_settings(block: _Fields) -> dict[str, Any]:
     mlp = block.sub("mlp")
     mlp.expect("type", ("mlp", None), None, "mixture-of-experts or other MLP types")
     mlp.expect("gated", (True,), False, "a non-gated MLP")
-    mlp.expect("activation", ("silu",), "silu", "the gated MLP's activation")
-    _linear_layers(mlp, ("layer_1", "layer_2"), mlp.boolean("add_linear_biases", True))
-    result["intermediate_size"] = mlp.size("intermediate_size")
+    activation = mlp.name("activation", tuple(ACTIVATION_TO_HF), "silu")
+    block_fields = {"intermediate_size": mlp.size("intermediate_size"), "hidden_act": ACTIVATION_TO_HF[activation],
+                    "mlp_bias": _shared_bias(mlp, ("layer_1", "layer_2"), "mlp_bias")}
     mlp.finish()
     norm = block.sub("normalization")
     norm.expect("type", ("rms_norm",), None, "the block norm must be RMSNorm; Fast-LLM's default is LayerNorm")
     norm.expect("zero_centered", (False,), False, "zero-centred norms")
-    result["rms_norm_eps"] = float(norm.number("epsilon", _DEFAULT_NORM_EPS, positive=True))
+    block_fields["rms_norm_eps"] = float(norm.number("epsilon", _DEFAULT_NORM_EPS, positive=True))
     norm.sub("weight").finish()
     norm.finish()
     block.finish()
+    result["fields"] = {**result["settings"], **block_fields}  # every per-layer field of HybridLinearConfig it sets
     return result
 
 
@@ -243,17 +263,47 @@ def _decoder_blocks(decoder: _Fields) -> list[tuple[str, dict[str, Any]]]:
     return [(pattern[i % len(pattern)], settings[pattern[i % len(pattern)]]) for i in range(num_blocks)]
 
 
-def _merge(per_layer: list[tuple[str, dict[str, Any]]], field: str, value_of) -> Any:
-    """The single value of a setting shared by the given layers; an error names the first two that differ."""
-    first_name, first = per_layer[0]
-    for name, block in per_layer[1:]:
-        if value_of(block) != value_of(first):
-            raise ConversionError(
-                f"metadata.yaml: blocks {brief(first_name)} and {brief(name)} differ in {field} "
-                f"({brief(value_of(first))} vs {brief(value_of(block))}); HybridLinearConfig has one value of it per "
-                "model."
-            )
-    return value_of(first)
+def _field_group(field: str) -> str:
+    """Fields that the config validates together (heads and KV heads, GDN key and value heads, ...) take their
+    defaults from one and the same layer, so that the defaults are themselves a valid setting."""
+    if field.startswith(("gdn_", "kda_")):
+        return field[:3]
+    if field in ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps", "sliding_window"):
+        return field  # checked alone
+    return "attention"
+
+
+def _defaults_and_overrides(layers: list[tuple[str, dict[str, Any]]], fixed: dict[str, Any]
+                            ) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
+    """The flat fields and, per layer, the fields where it differs from them: HybridLinearConfig's defaults plus
+    `per_layer_config`. Each group of related fields takes the setting most layers have (ties: the first layer's);
+    `fixed` fields are given."""
+    counts: dict[str, dict[str, list]] = {}  # group -> repr(setting) -> [setting, layers with it]
+    for _, block in layers:
+        groups: dict[str, dict[str, Any]] = {}
+        for field, value in block["fields"].items():
+            groups.setdefault(_field_group(field), {})[field] = value
+        for group, setting in groups.items():
+            counts.setdefault(group, {}).setdefault(repr(sorted(setting.items())), [setting, 0])[1] += 1
+    defaults: dict[str, Any] = {}
+    for settings in counts.values():
+        defaults.update(max(settings.values(), key=lambda entry: entry[1])[0])
+    defaults.update(fixed)
+    overrides = {}
+    for index, (_, block) in enumerate(layers):
+        differing = {field: value for field, value in block["fields"].items() if value != defaults[field]}
+        if differing:
+            overrides[index] = differing
+    return defaults, overrides
+
+
+def _config_error(error: Exception, layers: list[tuple[str, dict[str, Any]]]) -> ConversionError:
+    """HybridLinearConfig's message, with the Fast-LLM block of the layer it names."""
+    message = clip(str(error), 600)  # long enough for a per-layer message with its field names
+    match = re.search(r"per_layer_config\[(\d+)\]", message)
+    if match and int(match.group(1)) < len(layers):
+        message += f" (layer {match.group(1)} is Fast-LLM block {brief(layers[int(match.group(1))][0])})"
+    return ConversionError(f"metadata.yaml describes a model HybridLinearConfig rejects: {message}")
 
 
 def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str = "",
@@ -293,69 +343,48 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
         else:
             layer_types.append(MIXER_TO_LAYER_TYPE[block["mixer_type"]])
 
+    # The final norm has the flat rms_norm_eps; blocks with another epsilon override it.
+    defaults, overrides = _defaults_and_overrides(layers, {"rms_norm_eps": final_eps})
     kwargs: dict[str, Any] = {
+        **defaults,
         "vocab_size": vocab_size,
         "hidden_size": base.size("hidden_size"),
         "tie_word_embeddings": base.boolean("tied_embedding_weight", hint=weights_hint),
         "layer_types": layer_types,
-        "intermediate_size": _merge(layers, "mlp.intermediate_size", lambda b: b["intermediate_size"]),
-        "rms_norm_eps": _merge(layers, "normalization.epsilon", lambda b: b["rms_norm_eps"]),
-        "hidden_act": "silu",
-        "mlp_bias": False,
-        "attention_bias": False,
         "attention_output_gate": False,
         "attention_qk_norm": False,
         "zero_centered_norms": False,
-        "sliding_window": None,
     }
-    if final_eps != kwargs["rms_norm_eps"]:
-        raise ConversionError(f"metadata.yaml: {head_norm.where('epsilon')} = {final_eps} differs from the blocks' "
-                              f"norm epsilon {kwargs['rms_norm_eps']}; HybridLinearConfig has one rms_norm_eps.")
+    for field, value in (("sliding_window", None), ("attention_bias", False)):
+        kwargs.setdefault(field, value)
+    kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": _DEFAULT_ROPE_THETA,
+                                          "partial_rotary_factor": 1.0})
+    if overrides:
+        kwargs["per_layer_config"] = overrides
     if max_positions is not None:
         kwargs["max_position_embeddings"] = max_positions
-    theta = _DEFAULT_ROPE_THETA
-    for mixer_type in ("attention", "gdn", "kda"):
-        of_type = [(name, block) for name, block in layers if block["mixer_type"] == mixer_type]
-        if not of_type:
-            continue
-        for field in of_type[0][1]["settings"]:
-            kwargs[field] = _merge(of_type, _SOURCE_FIELDS[field], lambda b, f=field: b["settings"][f])
-        if mixer_type == "attention":
-            theta = kwargs.pop("rope_theta")
-            windowed = [(name, block) for name, block in of_type if block.get("window")]
-            if windowed:
-                kwargs["sliding_window"] = _merge(windowed, "mixer.window_size", lambda b: b["window"])
-    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0}
     base.finish(frozenset({"type"}))
     try:
         return HybridLinearConfig(**kwargs)
     except (ValueError, TypeError) as error:
-        raise ConversionError(f"metadata.yaml describes a model HybridLinearConfig rejects: {clip(str(error))}"
-                              ) from None
+        raise _config_error(error, layers) from None
 
 
 # The HybridLinearConfig fields a Fast-LLM metadata.yaml carries, by the layer types that use them; the others
 # (token ids, initializer_range, use_cache, ...) are not part of Fast-LLM's model config and are not written.
-_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "intermediate_size", "layer_types", "num_hidden_layers",
-                   "rms_norm_eps", "tie_word_embeddings", "hidden_act", "mlp_bias", "zero_centered_norms")
-_CARRIED_BY_LAYER_TYPE = {
-    "full_attention": ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters", "attention_bias",
-                       "attention_output_gate", "attention_qk_norm"),
-    "sliding_attention": ("num_attention_heads", "num_key_value_heads", "head_dim", "rope_parameters",
-                          "attention_bias", "attention_output_gate", "attention_qk_norm", "sliding_window"),
-    "gated_deltanet": ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
-                       "gdn_conv_kernel_size", "gdn_norm_eps", "gdn_gate_activation"),
-    "kimi_delta_attention": ("kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "kda_norm_eps",
-                             "kda_gate_activation"),
-}
-
-
+# Per-layer values are compared layer by layer (`fast_llm_carried_layer_fields`): every field of the layer's mixer
+# (the config's own MIXER_FIELDS, from each mixer's registration) and of its block.
+_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "layer_types", "num_hidden_layers", "rms_norm_eps",
+                   "tie_word_embeddings", "zero_centered_norms")
+_CARRIED_BLOCK = ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps")
 def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
-    """The fields of `config` that its Fast-LLM metadata expresses (and must read back unchanged)."""
-    fields = dict.fromkeys(_CARRIED_ALWAYS)
-    for layer_type in dict.fromkeys(config.layer_types):
-        fields.update(dict.fromkeys(_CARRIED_BY_LAYER_TYPE[layer_type]))
-    return list(fields)
+    """The model-wide fields of `config` that its Fast-LLM metadata expresses (and must read back unchanged)."""
+    return list(_CARRIED_ALWAYS)
+
+
+def fast_llm_carried_layer_fields(layer_type: str) -> tuple[str, ...]:
+    """The fields of one layer's resolved config that Fast-LLM's block of that layer expresses."""
+    return tuple(MIXER_FIELDS[layer_type]) + _CARRIED_BLOCK
 
 
 # -------------------------------------------------------------------------------------------- -> Fast-LLM
@@ -365,23 +394,24 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
     problems = []
     if config.zero_centered_norms:
         problems.append("zero_centered_norms=True (Fast-LLM's RMSNorm is x_hat * w)")
-    if config.hidden_act != "silu":
-        problems.append(f"hidden_act={brief(config.hidden_act)} (only a gated silu MLP converts)")
-    if config.mlp_bias:
-        problems.append("mlp_bias=True")
-    if config.layers_of_type("full_attention", "sliding_attention"):
-        if config.attention_output_gate:
-            problems.append("attention_output_gate=True (Qwen3-Next gated attention)")
-        if config.attention_qk_norm:
-            problems.append("attention_qk_norm=True")
-        if config.attention_bias:
-            problems.append("attention_bias=True")
-        rope = config.rope_parameters
+    for index in distinct_layers(config).values():
+        layer = layer_config(config, index)
+        where = f"layer {index} ({config.layer_types[index]})"
+        if layer.hidden_act not in ACTIVATION_FROM_HF:
+            problems.append(f"{where}: hidden_act={brief(layer.hidden_act)} (Fast-LLM's gated MLP takes "
+                            f"{', '.join(ACTIVATION_FROM_HF)})")
+        if config.layer_types[index] not in ("full_attention", "sliding_attention"):
+            continue
+        if layer.attention_output_gate:
+            problems.append(f"{where}: attention_output_gate=True (Qwen3-Next gated attention)")
+        if layer.attention_qk_norm:
+            problems.append(f"{where}: attention_qk_norm=True")
+        rope = layer.rope_parameters
         if rope.get("rope_type", "default") != "default":
-            problems.append(f"rope_parameters['rope_type']={brief(rope.get('rope_type'))}")
+            problems.append(f"{where}: rope_parameters['rope_type']={brief(rope.get('rope_type'))}")
         if rope.get("partial_rotary_factor") != 1.0:
-            problems.append(f"rope_parameters['partial_rotary_factor']={brief(rope.get('partial_rotary_factor'))} "
-                            "(Fast-LLM rotates the whole head)")
+            problems.append(f"{where}: rope_parameters['partial_rotary_factor']="
+                            f"{brief(rope.get('partial_rotary_factor'))} (Fast-LLM rotates the whole head)")
     return problems
 
 
@@ -396,53 +426,70 @@ def _gated_norm_config(eps: float, activation: str) -> dict[str, Any]:
     return norm
 
 
-def _mixer_config(config: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
+def _mixer_config(layer: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
+    """Fast-LLM's mixer config of one layer, from that layer's resolved config."""
     if layer_type in ("full_attention", "sliding_attention"):
-        mixer = {"type": "attention", "heads": config.num_attention_heads, "head_groups": config.num_key_value_heads,
-                 "head_size": config.head_dim, "add_linear_biases": False,
-                 "rotary": {"type": "default", "theta": float(config.rope_parameters["rope_theta"])}}
+        mixer = {"type": "attention", "heads": layer.num_attention_heads, "head_groups": layer.num_key_value_heads,
+                 "head_size": layer.head_dim, "add_linear_biases": bool(layer.attention_bias),
+                 "rotary": {"type": "default", "theta": float(layer.rope_parameters["rope_theta"])}}
         if layer_type == "sliding_attention":
-            mixer["window_size"] = config.sliding_window
+            mixer["window_size"] = layer.sliding_window
         return mixer
     if layer_type == "gated_deltanet":
-        return {"type": "gdn", "key_heads": config.gdn_num_key_heads, "value_heads": config.gdn_num_value_heads,
-                "key_head_dim": config.gdn_key_head_dim, "value_head_dim": config.gdn_value_head_dim,
-                "convolution_layer": {"kernel_size": config.gdn_conv_kernel_size},
-                "normalization": _gated_norm_config(config.gdn_norm_eps, config.gdn_gate_activation)}
-    return {"type": "kda", "heads": config.kda_num_heads, "head_dim": config.kda_head_dim,
-            "convolution_layer": {"kernel_size": config.kda_conv_kernel_size},
-            "normalization": _gated_norm_config(config.kda_norm_eps, config.kda_gate_activation)}
+        return {"type": "gdn", "key_heads": layer.gdn_num_key_heads, "value_heads": layer.gdn_num_value_heads,
+                "key_head_dim": layer.gdn_key_head_dim, "value_head_dim": layer.gdn_value_head_dim,
+                "convolution_layer": {"kernel_size": layer.gdn_conv_kernel_size},
+                "normalization": _gated_norm_config(layer.gdn_norm_eps, layer.gdn_gate_activation)}
+    return {"type": "kda", "heads": layer.kda_num_heads, "head_dim": layer.kda_head_dim,
+            "convolution_layer": {"kernel_size": layer.kda_conv_kernel_size},
+            "normalization": _gated_norm_config(layer.kda_norm_eps, layer.kda_gate_activation)}
 
 
 FAST_LLM_BLOCK_NAMES = {"full_attention": "attention", "sliding_attention": "sliding_attention",
                         "gated_deltanet": "gdn", "kimi_delta_attention": "kda"}
 
 
+def _block_names(config: HybridLinearConfig) -> dict[str, str]:
+    """layer setting -> Fast-LLM block name: the layer type's name for its first setting, then `_2`, `_3`, ..."""
+    names: dict[str, str] = {}
+    used: dict[str, int] = {}
+    for setting, index in distinct_layers(config).items():
+        base = FAST_LLM_BLOCK_NAMES[config.layer_types[index]]
+        used[base] = used.get(base, 0) + 1
+        names[setting] = base if used[base] == 1 else f"{base}_{used[base]}"
+    return names
+
+
 def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
-    """Fast-LLM's `config.base_model` for our config, or a ConversionError listing what Fast-LLM cannot express."""
+    """Fast-LLM's `config.base_model` for our config (one named block per distinct layer setting), or a
+    ConversionError listing what Fast-LLM cannot express."""
     problems = _unsupported_for_fast_llm(config)
     if problems:
         raise ConversionError("this model cannot be expressed as a Fast-LLM model: " + "; ".join(problems) + ".")
+    names = _block_names(config)
     blocks = {}
-    for layer_type in dict.fromkeys(config.layer_types):
-        blocks[FAST_LLM_BLOCK_NAMES[layer_type]] = {
+    for setting, index in distinct_layers(config).items():
+        layer = layer_config(config, index)
+        blocks[names[setting]] = {
             "type": "decoder",
-            "mixer": _mixer_config(config, layer_type),
-            "mlp": {"type": "mlp", "intermediate_size": config.intermediate_size, "gated": True,
-                    "activation": "silu", "add_linear_biases": False},
-            "normalization": _norm(config.rms_norm_eps),
+            "mixer": _mixer_config(layer, config.layer_types[index]),
+            "mlp": {"type": "mlp", "intermediate_size": layer.intermediate_size, "gated": True,
+                    "activation": ACTIVATION_FROM_HF[layer.hidden_act], "add_linear_biases": bool(layer.mlp_bias)},
+            "normalization": _norm(layer.rms_norm_eps),
         }
     return {
         "decoder": {"type": "pattern", "blocks": blocks,
-                    "pattern": [FAST_LLM_BLOCK_NAMES[t] for t in config.layer_types],
+                    "pattern": [names[setting] for setting in layer_settings(config)],
                     "num_blocks": config.num_hidden_layers},
         "embeddings": {"vocab_size": config.vocab_size},
-        "head": {"normalization": _norm(config.rms_norm_eps)},
+        # the final norm's epsilon is the flat default, whatever the blocks override
+        "head": {"normalization": _norm(config._getattr_without_heterogeneous_validation("rms_norm_eps"))},
         "hidden_size": config.hidden_size,
         "peft": {"type": "none"},
         "tied_embedding_weight": bool(config.tie_word_embeddings),
     }
 
 
-__all__ = ["fast_llm_to_hybrid_config", "hybrid_config_to_fast_llm", "fast_llm_carried_fields", "FAST_LLM_VERSION",
-           "MIXER_TO_LAYER_TYPE", "FAST_LLM_BLOCK_NAMES"]
+__all__ = ["fast_llm_to_hybrid_config", "hybrid_config_to_fast_llm", "fast_llm_carried_fields",
+           "fast_llm_carried_layer_fields", "FAST_LLM_VERSION", "MIXER_TO_LAYER_TYPE", "FAST_LLM_BLOCK_NAMES",
+           "ACTIVATION_TO_HF", "ACTIVATION_FROM_HF"]

@@ -11,16 +11,11 @@ from typing import Any
 import torch
 import yaml
 
-from ..configuration_hybrid_linear import HybridLinearConfig
-from .config_maps import (
-    FAST_LLM_VERSION,
-    fast_llm_carried_fields,
-    fast_llm_to_hybrid_config,
-    hybrid_config_to_fast_llm,
-)
-from .errors import ConversionError
-from .name_maps import MapRow, build_fast_llm_rows
-from .pipeline import (
+from ...configuration_hybrid_linear import HybridLinearConfig
+from ..errors import ConversionError
+from ..hf_layout import distinct_layers, layer_config
+from ..name_maps import MapRow
+from ..pipeline import (
     ConversionPlan,
     SourceCheckpoint,
     TensorCensus,
@@ -28,8 +23,8 @@ from .pipeline import (
     check_tensor_sizes,
     config_difference,
 )
-from .safetensors_io import SafetensorsFile, SafetensorsTensors, plan_files, write_files
-from .untrusted import (
+from ..safetensors_io import SafetensorsFile, SafetensorsTensors, plan_files, write_files
+from ..untrusted import (
     Fields,
     brief,
     clip,
@@ -38,6 +33,14 @@ from .untrusted import (
     plain_file_name,
     read_text,
 )
+from .config import (
+    FAST_LLM_VERSION,
+    fast_llm_carried_fields,
+    fast_llm_carried_layer_fields,
+    fast_llm_to_hybrid_config,
+    hybrid_config_to_fast_llm,
+)
+from .parameters import build_fast_llm_rows
 
 METADATA_FILE = "metadata.yaml"
 WEIGHTS_SHARD = "weights"
@@ -131,8 +134,8 @@ def read_fast_llm(path: Path) -> SourceCheckpoint:
     if state_index is not None:
         for key, name in state_index.items():
             if key not in files or files[key].path.name != name:
-                raise ConversionError(f"{path / METADATA_FILE} says {name} holds {clip(key, 100)}, but it does not; the "
-                                      "checkpoint is incomplete or corrupt.")
+                raise ConversionError(f"{path / METADATA_FILE} says {name} holds {clip(key, 100)}, but it does not; "
+                                      "the checkpoint is incomplete or corrupt.")
     other_shards = set(metadata.get("shards", [])) - {WEIGHTS_SHARD}
     skipped = [key for key in files if key.rpartition("/")[2] in other_shards and "/" in key]
     for key in skipped:
@@ -182,6 +185,20 @@ def write_fast_llm(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[
     (out_dir / METADATA_FILE).write_text(metadata_text, encoding="utf-8")
 
 
+def _layer_difference(expected: HybridLinearConfig, got: HybridLinearConfig) -> str | None:
+    """The first per-layer field Fast-LLM carries whose resolved value differs. Checking the first layer of each
+    distinct setting of either config covers every layer: two layers equal in both configs agree or differ together.
+    """
+    firsts = sorted(set(distinct_layers(expected).values()) | set(distinct_layers(got).values()))
+    for index in firsts:
+        want, have = layer_config(expected, index), layer_config(got, index)
+        for field in fast_llm_carried_layer_fields(expected.layer_types[index]):
+            if getattr(want, field) != getattr(have, field):
+                return (f"{field} of layer {index} ({brief(getattr(want, field))} reads back as "
+                        f"{brief(getattr(have, field))})")
+    return None
+
+
 def check_metadata_reads_back(config: HybridLinearConfig, metadata_text: str) -> None:
     """The metadata.yaml about to be written, read back through the reader's own code, must give `config` again in
     every field Fast-LLM's metadata carries; otherwise the converter would write a checkpoint it cannot read, or one
@@ -190,9 +207,10 @@ def check_metadata_reads_back(config: HybridLinearConfig, metadata_text: str) ->
         metadata = parse_yaml(metadata_text, METADATA_FILE)
         again = fast_llm_to_hybrid_config(metadata["config"]["base_model"])
     except ConversionError as error:
-        raise ConversionError(f"refusing to write {METADATA_FILE}: it would not read back ({str(error).rstrip('.')}). This is a bug in "
-                              "the converter; please report it with the source config.") from None
-    difference = config_difference(config, again, fast_llm_carried_fields(config))
+        raise ConversionError(f"refusing to write {METADATA_FILE}: it would not read back "
+                              f"({str(error).rstrip('.')}). This is a bug in the converter; please report it with "
+                              "the source config.") from None
+    difference = config_difference(config, again, fast_llm_carried_fields(config)) or _layer_difference(config, again)
     if difference is not None:
         raise ConversionError(f"refusing to write {METADATA_FILE}: the config field {difference} does not survive "
                               "Fast-LLM's metadata, so the written checkpoint would describe another model; convert "

@@ -8,111 +8,74 @@ holding one flat buffer per state shard (`weights_shard`, optimizer shards). Sup
   (weight decay, weight decay == tensor-parallel), i.e. no-decay tensor-parallel parameters (dt_bias, A_log) first,
   then norms, then weights that are not tensor-parallel (low-rank KDA projections, MQA key_value), then the rest.
 
-Tensor-parallel means "has a dimension Fast-LLM can split over heads", independent of the actual parallelism. The
-layouts are checked against both fixtures; configurations the fixtures do not cover (a GDN/KDA mixer with a single
-head) are refused rather than guessed.
+Tensor-parallel means "has a dimension Fast-LLM can split over heads", independent of the actual parallelism; both
+flags are columns of the parameter tables in `parameters.py`, which also give the name map, and each block's flags
+follow that block's own settings (a 1-KV-head block's key_value is not tensor-parallel, a 2-KV-head block's is).
+Biases (no weight decay; tensor-parallel unless they belong to an output projection) follow Fast-LLM's
+AffineLinearConfig; the fixtures have none, so their place is pinned only by Fast-LLM's source and by the tests'
+checkpoints laid out from it. The weight layouts are checked against both fixtures; configurations the fixtures do not
+cover (a GDN/KDA mixer with a single head) are refused rather than guessed.
 
 A flat buffer's names say nothing about the blocks, so the config's sizes are bounded by the buffer's length while
-they are read, and the buffer length the config implies is computed by arithmetic per layer type and compared before
-`stage_layout` builds its per-layer table.
+they are read, and the buffer length the config implies is computed from one meta-built layer per distinct layer
+setting and compared before `stage_layout` builds its per-layer table.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..configuration_hybrid_linear import HybridLinearConfig
-from .config_maps import fast_llm_to_hybrid_config
-from .errors import ConversionError
-from .fast_llm import WEIGHTS_SHARD, load_metadata
-from .hf_layout import elements_per_layer_type, hf_tensor_shapes
-from .name_maps import MapRow, build_fast_llm_rows, fast_llm_block_prefix
-from .pipeline import SourceCheckpoint, TensorCensus
-from .safetensors_io import SafetensorsFile, TensorInfo
-from .untrusted import Fields, brief, matches
+from ...configuration_hybrid_linear import HybridLinearConfig
+from ..errors import ConversionError
+from ..hf_layout import distinct_layers, elements_per_layer, hf_tensor_shapes, layer_config
+from ..name_maps import MapRow
+from ..pipeline import SourceCheckpoint, TensorCensus
+from ..safetensors_io import SafetensorsFile, TensorInfo
+from ..untrusted import Fields, brief, matches
+from .checkpoint import WEIGHTS_SHARD, load_metadata
+from .config import fast_llm_to_hybrid_config
+from .parameters import (
+    EMBEDDINGS_PARAMETERS,
+    HEAD_PARAMETERS,
+    Parameter,
+    block_definition_order,
+    block_prefix,
+    build_fast_llm_rows,
+)
 
 STAGE_PAD = 32
-_Rule = Callable[[HybridLinearConfig], bool]
-_ALWAYS: _Rule = lambda config: True  # noqa: E731
-_NEVER: _Rule = lambda config: False  # noqa: E731
-_GDN_HEADS: _Rule = lambda config: config.gdn_num_value_heads > 1  # noqa: E731
-_KDA_HEADS: _Rule = lambda config: config.kda_num_heads > 1  # noqa: E731
-
-
-@dataclass(frozen=True)
-class ParameterSpec:
-    """A Fast-LLM parameter, in definition order within its module: has weight decay? is tensor-parallel?"""
-
-    name: str
-    weight_decay: bool
-    tensor_parallel: _Rule
-
-
-_BLOCK_NORMS = (ParameterSpec("norm_1.weight", False, _NEVER), ParameterSpec("norm_2.weight", False, _NEVER))
-_MLP = (ParameterSpec("mlp.layer_1.weight", True, _ALWAYS), ParameterSpec("mlp.layer_2.weight", True, _ALWAYS))
-_MIXERS = {
-    "attention": (
-        ParameterSpec("mixer.query.weight", True, _ALWAYS),
-        ParameterSpec("mixer.key_value.weight", True, lambda config: config.num_key_value_heads > 1),
-        ParameterSpec("mixer.dense.weight", True, _ALWAYS),
-    ),
-    "gated_deltanet": (
-        ParameterSpec("mixer.in_proj_qkvz.weight", True, _GDN_HEADS),
-        ParameterSpec("mixer.in_proj_ba.weight", True, _GDN_HEADS),
-        ParameterSpec("mixer.convolution.weight", True, _GDN_HEADS),
-        ParameterSpec("mixer.out_proj.weight", True, _GDN_HEADS),
-        ParameterSpec("mixer.dt_bias", False, _GDN_HEADS),
-        ParameterSpec("mixer.A_log", False, _GDN_HEADS),
-        ParameterSpec("mixer.norm.weight", False, _NEVER),
-    ),
-    "kimi_delta_attention": (
-        *(ParameterSpec(f"mixer.{n}_proj.weight", True, _KDA_HEADS) for n in ("q", "k", "v")),
-        *(ParameterSpec(f"mixer.{n}_conv.weight", True, _KDA_HEADS) for n in ("q", "k", "v")),
-        ParameterSpec("mixer.f_a_proj.weight", True, _NEVER),  # (head_dim, hidden): not split over heads
-        ParameterSpec("mixer.f_b_proj.weight", True, _KDA_HEADS),
-        ParameterSpec("mixer.g_a_proj.weight", True, _NEVER),
-        ParameterSpec("mixer.g_b_proj.weight", True, _KDA_HEADS),
-        ParameterSpec("mixer.beta_proj.weight", True, _KDA_HEADS),
-        ParameterSpec("mixer.o_proj.weight", True, _KDA_HEADS),
-        ParameterSpec("mixer.dt_bias", False, _KDA_HEADS),
-        ParameterSpec("mixer.A_log", False, _KDA_HEADS),
-        ParameterSpec("mixer.norm.weight", False, _NEVER),
-    ),
-}
-_MIXERS["full_attention"] = _MIXERS["sliding_attention"] = _MIXERS.pop("attention")
-_EMBEDDINGS = (ParameterSpec("embeddings.word_embeddings_weight", True, _ALWAYS),)
-_HEAD = (ParameterSpec("head.final_norm.weight", False, _NEVER), ParameterSpec("head.output_weights", True, _ALWAYS))
 
 
 def _check_verified(config: HybridLinearConfig) -> None:
-    if "gated_deltanet" in config.layer_types and min(config.gdn_num_key_heads, config.gdn_num_value_heads) == 1:
-        raise ConversionError("the distributed layout of a Gated DeltaNet mixer with a single key or value head is "
-                              "not verified; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
-    if "kimi_delta_attention" in config.layer_types and config.kda_num_heads == 1:
-        raise ConversionError("the distributed layout of a Kimi Delta Attention mixer with a single head is not "
-                              "verified; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
+    for index in distinct_layers(config).values():
+        layer, layer_type = layer_config(config, index), config.layer_types[index]
+        if layer_type == "gated_deltanet" and min(layer.gdn_num_key_heads, layer.gdn_num_value_heads) == 1:
+            raise ConversionError(f"layer {index}: the distributed layout of a Gated DeltaNet mixer with a single key "
+                                  "or value head is not verified; save the checkpoint in Fast-LLM's `fast_llm` format "
+                                  "and convert that.")
+        if layer_type == "kimi_delta_attention" and layer.kda_num_heads == 1:
+            raise ConversionError(f"layer {index}: the distributed layout of a Kimi Delta Attention mixer with a "
+                                  "single head is not verified; save the checkpoint in Fast-LLM's `fast_llm` format "
+                                  "and convert that.")
 
 
-def _stage_order(specs: list[ParameterSpec], prefix: str, config: HybridLinearConfig) -> list[str]:
-    def key(spec: ParameterSpec) -> tuple[bool, bool]:
-        return spec.weight_decay, spec.weight_decay == spec.tensor_parallel(config)
+def _stage_order(parameters: list[Parameter], prefix: str, config: HybridLinearConfig) -> list[str]:
+    def key(parameter: Parameter) -> tuple[bool, bool]:
+        return parameter.weight_decay, parameter.weight_decay == parameter.tensor_parallel(config)
 
-    return [prefix + spec.name for spec in sorted(specs, key=key)]  # sorted() is stable
+    return [prefix + p.name for p in sorted(parameters, key=key) if p.present(config)]  # sorted() is stable
 
 
 def stage_layout(config: HybridLinearConfig) -> list[list[str]]:
-    """Parameter names per stage, in buffer order."""
-    stages = [_stage_order(list(_EMBEDDINGS), "", config)]
+    """Parameter names per stage, in buffer order; each block's flags follow that block's own settings."""
+    stages = [_stage_order(list(EMBEDDINGS_PARAMETERS), "", config)]
     for index, layer_type in enumerate(config.layer_types):
-        specs = [*_BLOCK_NORMS, *_MIXERS[layer_type], *_MLP]
-        stages.append(_stage_order(specs, fast_llm_block_prefix(index), config))
-    head = list(_HEAD[:1] if config.tie_word_embeddings else _HEAD)
-    stages.append(_stage_order(head, "", config))
+        stages.append(_stage_order(list(block_definition_order(layer_type)), block_prefix(index),
+                                   layer_config(config, index)))
+    stages.append(_stage_order(list(HEAD_PARAMETERS), "", config))
     return stages
 
 
@@ -158,11 +121,10 @@ def _padded(elements: int) -> int:
 
 
 def buffer_elements(config: HybridLinearConfig) -> int:
-    """The flat buffer's length for `config`, by arithmetic per layer type (no per-layer table: it is compared with
-    the stored buffer before `stage_layout` builds one)."""
-    per_type = elements_per_layer_type(config)
+    """The flat buffer's length for `config`, by arithmetic over one meta layer per distinct layer setting (no
+    per-layer table: it is compared with the stored buffer before `stage_layout` builds one)."""
     head = config.hidden_size + (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
-    blocks = sum(_padded(per_type[layer_type]) for layer_type in config.layer_types)
+    blocks = sum(_padded(elements) for elements in elements_per_layer(config))
     return _padded(config.vocab_size * config.hidden_size) + blocks + _padded(head)
 
 

@@ -1,0 +1,25 @@
+"""Everything this project knows about Fast-LLM, in one place:
+
+- `parameters.py`: Fast-LLM's parameters per module (embeddings, block norms, each mixer, MLP, head), written once,
+  serving the name map of both readers and the writer and the `distributed` buffer order;
+- `config.py`: Fast-LLM's model config (metadata.yaml `config.base_model`) <-> `HybridLinearConfig`;
+- `checkpoint.py`: the `fast_llm` format (metadata.yaml + `model_{n}.safetensors`), read and write;
+- `distributed.py`: the `distributed` format (one flat buffer per rank), read only.
+"""
+
+from .checkpoint import (
+    METADATA_FILE,
+    check_metadata_reads_back,
+    fast_llm_rows,
+    load_metadata,
+    metadata_yaml,
+    read_fast_llm,
+    write_fast_llm,
+)
+from .config import fast_llm_to_hybrid_config, hybrid_config_to_fast_llm
+from .distributed import read_fast_llm_distributed, stage_layout
+from .parameters import build_fast_llm_rows
+
+__all__ = ["read_fast_llm", "write_fast_llm", "fast_llm_rows", "load_metadata", "check_metadata_reads_back",
+           "metadata_yaml", "METADATA_FILE", "fast_llm_to_hybrid_config", "hybrid_config_to_fast_llm",
+           "read_fast_llm_distributed", "stage_layout", "build_fast_llm_rows"]
