@@ -7,8 +7,15 @@ captured once per cache and batch size, then replayed: one launch per token.
 
 Used automatically by `HybridLinearForCausalLM.forward` for one-token steps on CUDA without gradients against a
 `StaticCache` (`generate(..., cache_implementation="static")`), unless disabled with
-`model.set_cuda_graph_decoding(False)`. Models with sliding-window layers decode eagerly (their rolling buffers
-are not covered here).
+`model.set_cuda_graph_decoding(False)`.
+
+Sliding-window layers are captured too (`WindowSteps`). transformers' `StaticSlidingWindowLayer.update` branches on a
+Python counter (fill the buffer, or roll it once full), which a captured graph would freeze at its capture-time value.
+The captured step does the same update without Python branches: the cache index of the step's token lives in a device
+tensor, the buffer is rolled or not by a `torch.where` on it, the new key is written in place at slot min(index,
+window - 1), and the step's mask over the window's slots is built on the device from that index and the real-token
+flags of the last tokens (left pads and unwritten slots masked out). The buffers end up exactly as transformers' own
+update leaves them (keys in order, the newest last once full), so eager steps, prefills and crops can follow.
 """
 
 from __future__ import annotations
@@ -18,6 +25,78 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import derived_weights
+
+
+class WindowSteps:
+    """Capturable one-token steps of the sliding-window layers of a static cache (see the module docstring).
+
+    `index` (a device scalar) is the cache index of the step's token, `recent` [B, width] the real-token flags of the
+    last `width` cache indices, the step's token in the last column; both are refilled before each replay
+    (`prepare`), then read by the captured `mask` and `update`. width: the largest window buffer of the cache."""
+
+    def __init__(self, cache: StaticCache, batch: int, device: torch.device):
+        self.layers = {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, StaticSlidingWindowLayer)}
+        self.width = max(layer.max_cache_len for layer in self.layers.values())
+        self.index = torch.zeros((), dtype=torch.long, device=device)
+        self.recent = torch.zeros(batch, self.width, dtype=torch.bool, device=device)
+        self._offsets = torch.arange(self.width - 1, -1, -1, device=device)  # how far back each column of `recent` is
+
+    def prepare(self, past: int | torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Before a replay (host side): the step's cache index `past` and the row's real tokens. The mask of a
+        generation step covers every cache index up to the step's token (as the full layers' key mask assumes)."""
+        if isinstance(past, torch.Tensor):
+            self.index.copy_(past)
+        else:
+            self.index.fill_(past)
+        if attention_mask is None:  # no padding: every index from 0 on holds a real token
+            self.recent.copy_(self._offsets <= self.index)
+            return
+        kept = min(attention_mask.shape[1], self.width)
+        self.recent[:, self.width - kept:].copy_(attention_mask[:, -kept:])
+        self.recent[:, : self.width - kept].zero_()
+
+    def mask(self, layer_idx: int) -> torch.Tensor:
+        """[B, window] bool, captured: the slots of layer `layer_idx` this step's query sees. Slot j holds the key of
+        cache index start + j, start = max(index - window + 1, 0) (transformers' layout); slots past the index are
+        not written yet, and padding keys are masked by `recent`."""
+        window = self.layers[layer_idx].max_cache_len
+        start = (self.index - window + 1).clamp(min=0)
+        slots = start + torch.arange(window, device=self.index.device)
+        columns = (slots - self.index + self.width - 1).clamp(0, self.width - 1)
+        return (slots <= self.index) & self.recent[:, columns]
+
+    def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' StaticSlidingWindowLayer.update for one token, without a Python branch (captured): roll the
+        buffers left once they are full, then write the token at slot min(index, window - 1), in place."""
+        layer = self.layers[layer_idx]
+        window = layer.max_cache_len
+        full = self.index >= window
+        slot = self.index.clamp(max=window - 1).view(1)
+        for buffer, new in ((layer.keys, key), (layer.values, value)):
+            shifted = torch.where(full, buffer.roll(-1, dims=2), buffer)
+            shifted.index_copy_(2, slot, new.to(buffer.dtype))
+            buffer.copy_(shifted)
+        # transformers counts on the device only until the buffer is full (then its Python counter alone is read)
+        layer.cumulative_length.copy_(torch.where(full, layer.cumulative_length, self.index + 1))
+        return layer.keys, layer.values
+
+    def advance(self) -> None:
+        """After a replay (host side): the Python counters transformers' layer reads outside the graph."""
+        for layer in self.layers.values():
+            layer.cumulative_length_int += 1
+
+
+class StepCache:
+    """The cache as a captured step sees it: GDN/KDA and full-attention layers as they are, the sliding-window
+    layers' `update` through `WindowSteps` (the attention mixer only calls `cache.update`)."""
+
+    def __init__(self, cache: StaticCache, windows: WindowSteps | None):
+        self.cache, self.windows, self.layers = cache, windows, cache.layers
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.windows is not None and layer_idx in self.windows.layers:
+            return self.windows.update(layer_idx, key, value)
+        return self.cache.update(key, value, layer_idx, *args, **kwargs)
 
 
 def _cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
@@ -30,6 +109,16 @@ def _cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
     return tensors
 
 
+def _is_full(layer) -> bool:
+    return isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer)
+
+
+def _full_length(cache: StaticCache) -> int:
+    """The key slots of the full-attention layers (1 without any: their key mask is then unused). Sliding layers'
+    buffers are shorter, and masked from `WindowSteps.recent`."""
+    return max([layer.get_max_length() for layer in cache.layers if _is_full(layer)] + [1])
+
+
 class CudaGraphDecoder:
     """Captures `model.model.decode_step` + the LM head for one cache and batch size, and replays it."""
 
@@ -39,6 +128,7 @@ class CudaGraphDecoder:
         self._key = None
         self._graph = None
         self._derived = []
+        self._windows: WindowSteps | None = None
 
     @staticmethod
     def applies(model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:
@@ -54,8 +144,6 @@ class CudaGraphDecoder:
         if model.config._attn_implementation not in ("sdpa", "eager"):
             return False
         layers = cache.layers
-        if any(isinstance(layer, StaticSlidingWindowLayer) for layer in layers):
-            return False
         ready = [
             layer.has_previous_state[0] if isinstance(layer, LinearStateLayer)
             else isinstance(layer, StaticLayer) and layer.is_initialized
@@ -65,7 +153,7 @@ class CudaGraphDecoder:
 
     def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache) -> torch.Tensor:
         batch = input_ids.shape[0]
-        max_len = max(cache.get_max_length(), 1)  # -1 without attention layers: no key mask is needed then
+        max_len = _full_length(cache)
         key = (id(cache), batch, max_len, input_ids.device)
         if key != self._key or any(d.value is not kept or d.stale() for d, kept in self._derived):
             self._capture(model, cache, batch, max_len, input_ids.device, key)
@@ -75,7 +163,9 @@ class CudaGraphDecoder:
             self._positions.copy_(position_ids)
         elif past is not None:
             self._positions.copy_(past.view(1, 1).expand(batch, 1))
-        if past is not None:  # cache slots holding real tokens once this step's token is written
+        if self._windows is not None:
+            self._windows.prepare(past, attention_mask)
+        if past is not None and self._has_full:  # cache slots holding real tokens once this step's token is written
             if attention_mask is None:
                 self._key_mask.copy_(torch.arange(max_len, device=input_ids.device) <= past)
                 self._mask_length = max_len
@@ -89,6 +179,8 @@ class CudaGraphDecoder:
         for layer in cache.layers:
             if isinstance(layer, LinearStateLayer):
                 layer.seen_tokens += 1
+        if self._windows is not None:
+            self._windows.advance()
         return self._logits.clone()
 
     @staticmethod
@@ -109,6 +201,10 @@ class CudaGraphDecoder:
     def _capture(self, model, cache, batch, max_len, device, key) -> None:
         self._graph = None  # release the previous graph's memory pool first
         self._has_attention = any(isinstance(layer, StaticLayer) for layer in cache.layers)
+        self._has_full = any(_is_full(layer) for layer in cache.layers)
+        sliding = any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers)
+        self._windows = WindowSteps(cache, batch, device) if sliding else None
+        step_cache = StepCache(cache, self._windows)
         self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
@@ -118,7 +214,8 @@ class CudaGraphDecoder:
         saved = [t.clone() for t in _cache_tensors(cache)]
 
         def run():
-            hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, cache)
+            hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
+                                            self._windows)
             return model.lm_head(hidden)
 
         self._graph, self._logits = self._record(run, device)

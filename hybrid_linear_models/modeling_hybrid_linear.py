@@ -383,17 +383,28 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
     def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor,
-                    cache: Cache) -> torch.Tensor:
+                    cache: Cache, windows=None) -> torch.Tensor:
         """One token per row against a static cache, with no host synchronisation (what a CUDA graph captures).
-        key_mask [B, max_len] bool: the cache slots that hold real tokens once this step's token is written."""
+        key_mask [B, max_len] bool: the full-attention cache slots that hold real tokens once this step's token is
+        written. windows (cuda_graph_decoding.WindowSteps): the sliding layers' masks over their window slots, and
+        (through `cache`, a StepCache) their branch-free updates."""
         hidden_states = self.embed_tokens(input_ids)
         position_embeddings = self._position_embeddings(hidden_states, position_ids)
-        mask = key_mask[:, None, None, :]
-        if self.config._attn_implementation == "eager":  # additive
-            mask = torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(~mask, torch.finfo(hidden_states.dtype).min)
+
+        def attention_mask_of(mask: torch.Tensor) -> torch.Tensor:
+            mask = mask[:, None, None, :]
+            if self.config._attn_implementation == "eager":  # additive
+                return torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(
+                    ~mask, torch.finfo(hidden_states.dtype).min)
+            return mask
+
+        full_mask = attention_mask_of(key_mask)
+        window_masks = {i: attention_mask_of(windows.mask(i)) for i in windows.layers} if windows is not None else {}
         info = SequenceInfo(input_ids.shape[0], 1)
         for layer in self.layers[: self.config.num_hidden_layers]:
-            attention_mask = mask if layer.mixer_state == "kv" else None
+            attention_mask = None
+            if layer.mixer_state == "kv":
+                attention_mask = window_masks.get(layer.layer_idx, full_mask)
             rotary = self.rotary_of_layer[layer.layer_idx]
             hidden_states = layer(hidden_states, attention_mask=attention_mask, sequence_info=info, cache=cache,
                                   position_embeddings=position_embeddings[rotary] if rotary is not None else None)
