@@ -171,9 +171,10 @@ def test_the_forward_equals_a_composition_of_homogeneous_layers():
 
 
 def _greedy(model, input_ids, **kwargs):
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                    return_dict_in_generate=True)
     with torch.no_grad():
-        return model.generate(input_ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
-                              output_logits=True, return_dict_in_generate=True, **kwargs)
+        return model.generate(input_ids, **{**settings, **kwargs})
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -187,10 +188,12 @@ def test_cached_generation_equals_uncached(cache):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # float64 (see heterogeneous_model)
 
 
-def test_graph_decoding_of_a_heterogeneous_model_equals_uncached(monkeypatch):
-    """The CUDA-graph path (its graph stood in by an eager replay of the captured step, as in
-    test_graph_decoding_cpu.py) on two GDN layers of different head counts and 1- and 2-KV-head attention layers
-    (models with sliding layers decode eagerly)."""
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("prompt_length", [2, 7])  # shorter and longer than the sliding block's window of 3
+def test_graph_decoding_of_a_heterogeneous_model_equals_uncached(monkeypatch, attention, prompt_length):
+    """The issue's "done when" on the CUDA-graph path (its graph stood in by an eager replay of the captured step, as
+    in test_graph_decoding_cpu.py): two GDN layers of different head counts, a 1-KV-head sliding layer (window 3)
+    and a 2-KV-head full layer, a left-padded batch, and 16 steps, so that the window's buffer rolls over 5 times."""
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
     steps = []
 
@@ -207,16 +210,19 @@ def test_graph_decoding_of_a_heterogeneous_model_equals_uncached(monkeypatch):
         return EagerReplay(run, out), out
 
     monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
-    layer_types = ["gated_deltanet", "full_attention", "gated_deltanet", "full_attention", "kimi_delta_attention"]
-    per_layer = {0: PER_LAYER[0], 1: {"num_key_value_heads": 1, "head_dim": 8}, 3: PER_LAYER[3], 4: PER_LAYER[4]}
-    model = heterogeneous_model(layer_types, per_layer)
-    input_ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(3))
-    without = _greedy(model, input_ids, use_cache=False)
-    graphed = _greedy(model, input_ids, cache_implementation="static")
-    assert len(steps) >= 7  # the decoding steps went through the replayed graph
+    model = heterogeneous_model()
+    model.config._attn_implementation = attention
+    input_ids = torch.randint(2, 128, (3, prompt_length), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :1] = 0  # left pads: one, and (for the long prompt) more than the window
+    attention_mask[2, : prompt_length - 1] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=16, min_new_tokens=16)
+    without = _greedy(model, input_ids, use_cache=False, **kwargs)
+    graphed = _greedy(model, input_ids, cache_implementation="static", **kwargs)
+    assert len(steps) == 15  # every decoding step went through the replayed graph
     assert torch.equal(graphed.sequences, without.sequences)
     for a, b in zip(graphed.logits, without.logits):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # as above
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # float64 (see heterogeneous_model)
 
 
 def test_left_padding_and_packing_follow_per_layer_settings():
