@@ -290,7 +290,10 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 if key not in built:
                     described = None if weights_wanted else self._sliding_window_mask(
                         inputs_embeds, attention_mask, cache, position_ids, key)
-                    built[key] = described or create_sliding_window_causal_mask(config=settings, **kwargs)
+                    # sized by this window's first layer: transformers' default (the cache's first sliding layer)
+                    # has another buffer length in a static cache when the windows differ
+                    built[key] = described or create_sliding_window_causal_mask(config=settings, layer_idx=i,
+                                                                                **kwargs)
             else:
                 key = None
             masks.append(built.get(key))

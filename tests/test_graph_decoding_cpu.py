@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from transformers import GenerationMixin, StaticCache
+from transformers.cache_utils import StaticSlidingWindowLayer
 
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 from model_helpers import tiny_model
@@ -135,3 +136,93 @@ def test_shorter_mask_after_a_longer_generation_clears_stale_slots(eager_graphs)
     graphed = _generate(model, short_ids, short_mask, cache)
     model.set_cuda_graph_decoding(False)
     _assert_same(graphed, _generate(model, short_ids, short_mask, cache))
+
+
+# ------------------------------------------------------------------------------------------ sliding-window layers
+
+SLIDING = {"windows": (["sliding_attention", "gated_deltanet", "sliding_attention", "full_attention"],
+                       {0: {"sliding_window": 2}, 2: {"sliding_window": 5}}),
+           "sliding_only": (["sliding_attention", "kimi_delta_attention", "sliding_attention"],
+                            {0: {"sliding_window": 3}, 2: {"sliding_window": 4}})}
+
+
+class FrozenReplay:
+    """A stricter stand-in for the recording: each replay runs the recorded step with the Python-side values a CUDA
+    graph would have frozen (the sliding layers' counters, which transformers' update branches on) put back to their
+    values at recording, transformers' sliding-window update forbidden, and every cache buffer checked to keep its
+    address. A step that read a host value, or wrote a reallocated buffer, would go wrong once positions move on."""
+
+    def __init__(self, run, out, cache):
+        self.run, self.out, self.cache = run, out, cache
+        self.layers = [layer for layer in cache.layers if isinstance(layer, StaticSlidingWindowLayer)]
+        self.frozen = [layer.cumulative_length_int for layer in self.layers]
+        self.addresses = _addresses(cache)
+        self.replays = 0
+
+    def replay(self):
+        live = [layer.cumulative_length_int for layer in self.layers]
+        for layer, value in zip(self.layers, self.frozen):
+            layer.cumulative_length_int = value
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(StaticSlidingWindowLayer, "update", _forbidden)
+            self.out.copy_(self.run())
+        for layer, value in zip(self.layers, live):
+            layer.cumulative_length_int = value
+        assert _addresses(self.cache) == self.addresses
+        self.replays += 1
+
+
+def _forbidden(*args, **kwargs):
+    raise AssertionError("a captured step must not run StaticSlidingWindowLayer.update (it branches on host values)")
+
+
+def _addresses(cache: StaticCache) -> list[int]:
+    return [t.data_ptr() for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("prompt_length", [1, 8])  # shorter than every window, longer than every window
+@pytest.mark.parametrize("layout", sorted(SLIDING))
+def test_sliding_layers_decode_through_the_captured_step_like_uncached(monkeypatch, layout, prompt_length,
+                                                                      attention):
+    """Several windows per model (one beside a full layer, or sliding layers only), left pads, 14 steps (each
+    window's buffer rolls over several times), the step replayed with host values frozen: greedy tokens equal and
+    logits equal to the uncached full forwards. In float64, as test_per_layer_settings.heterogeneous_model: the
+    paths sum in different orders, which float32 rounding alone turns into 2e-5 on these random weights, and float64
+    into ~1e-12, so 1e-9 leaves no room for a real difference (a wrong window, slot or pad moves logits by O(1)). The
+    window buffers are left exactly as transformers' own update leaves them (eager static decoding), so eager steps
+    can follow."""
+    layer_types, per_layer = SLIDING[layout]
+    model = tiny_model(layer_types, per_layer_config=per_layer).double()
+    model.config._attn_implementation = attention
+    input_ids = torch.randint(1, 100, (2, prompt_length), generator=torch.Generator().manual_seed(5))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, : prompt_length // 2] = 0
+    cache = StaticCache(config=model.config, max_cache_len=prompt_length + 14)
+    recorded = []
+    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+
+    def record(run, device):
+        out = run()  # a warm-up step, undone by the caller as on the GPU
+        recorded.append(FrozenReplay(run, out, cache))
+        return recorded[-1], out
+
+    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=14, min_new_tokens=14, do_sample=False,
+                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        graphed = model.generate(input_ids, cache=cache, **kwargs)
+        without = model.generate(input_ids, use_cache=False, **kwargs)
+        model.set_cuda_graph_decoding(False)
+        eager_cache = StaticCache(config=model.config, max_cache_len=prompt_length + 14)
+        model.generate(input_ids, cache=eager_cache, **kwargs)
+    assert len(recorded) == 1 and recorded[0].replays == 13
+    assert torch.equal(graphed.sequences, without.sequences)
+    for a, b in zip(graphed.logits, without.logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    for layer, eager in zip(cache.layers, eager_cache.layers):
+        if isinstance(layer, StaticSlidingWindowLayer):
+            assert layer.cumulative_length_int == eager.cumulative_length_int == prompt_length + 13
+            torch.testing.assert_close(layer.keys, eager.keys, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(layer.values, eager.values, rtol=1e-9, atol=1e-9)
+            assert torch.equal(layer.cumulative_length, eager.cumulative_length)
