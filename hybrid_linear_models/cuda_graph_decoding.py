@@ -20,6 +20,8 @@ update leaves them (keys in order, the newest last once full), so eager steps, p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
@@ -64,6 +66,14 @@ class WindowSteps:
         slots = start + torch.arange(window, device=self.index.device)
         columns = (slots - self.index + self.width - 1).clamp(0, self.width - 1)
         return (slots <= self.index) & self.recent[:, columns]
+
+    def masks(self, convert: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+        """convert(`mask`) of every sliding layer, built once per window length (layers of one window share it)."""
+        by_window: dict[int, torch.Tensor] = {}
+        for i, layer in self.layers.items():
+            if layer.max_cache_len not in by_window:
+                by_window[layer.max_cache_len] = convert(self.mask(i))
+        return {i: by_window[layer.max_cache_len] for i, layer in self.layers.items()}
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' StaticSlidingWindowLayer.update for one token, without a Python branch (captured): roll the

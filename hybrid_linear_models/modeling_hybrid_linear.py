@@ -402,7 +402,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             return mask
 
         full_mask = attention_mask_of(key_mask)
-        window_masks = {i: attention_mask_of(windows.mask(i)) for i in windows.layers} if windows is not None else {}
+        window_masks = windows.masks(attention_mask_of) if windows is not None else {}
         info = SequenceInfo(input_ids.shape[0], 1)
         for layer in self.layers[: self.config.num_hidden_layers]:
             attention_mask = None
