@@ -13,17 +13,17 @@ losses() { grep -o "'loss': '\?[0-9.e-]*" | sed "s/'loss': '\?//" | tr '\n' ' ';
 
 if [ -z "${CHECKS_ONLY:-}" ]; then
 echo "== example, 1 GPU, 16 documents per step"
-CUDA_VISIBLE_DEVICES=0 python3 -m hybrid_linear_models.finetune "$work/model" "$work/data.jsonl" "$work/out1" \
+CUDA_VISIBLE_DEVICES=0 python3 -m hybrid_linear_cli.finetune "$work/model" "$work/data.jsonl" "$work/out1" \
   --per_device_train_batch_size 16 "${common[@]}" 2>&1 | tee "$work/one.log" | losses
 echo "== example, 2 GPUs (accelerate launch, DDP), 8 documents per GPU and step"
 python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16 --dynamo_backend no \
-  -m hybrid_linear_models.finetune "$work/model" "$work/data.jsonl" "$work/out2" --per_device_train_batch_size 8 "${common[@]}" \
+  -m hybrid_linear_cli.finetune "$work/model" "$work/data.jsonl" "$work/out2" --per_device_train_batch_size 8 "${common[@]}" \
   2>&1 | tee "$work/ddp.log" | losses
 echo "== example, 2 GPUs (accelerate launch, FSDP2), 8 documents per GPU and step"
 python3 -m accelerate.commands.launch --num_processes 2 --num_machines 1 --mixed_precision bf16 --dynamo_backend no --use_fsdp \
   --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP \
   --fsdp_transformer_layer_cls_to_wrap HybridLinearDecoderLayer --fsdp_state_dict_type FULL_STATE_DICT \
-  -m hybrid_linear_models.finetune "$work/model" "$work/data.jsonl" "$work/out3" --per_device_train_batch_size 8 "${common[@]}" \
+  -m hybrid_linear_cli.finetune "$work/model" "$work/data.jsonl" "$work/out3" --per_device_train_batch_size 8 "${common[@]}" \
   2>&1 | tee "$work/fsdp.log" | losses
 python3 -c "
 import hybrid_linear_models  # the family's classes, so the saved remote code needs no trust prompt

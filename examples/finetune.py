@@ -1,5 +1,5 @@
 """Fine-tune a hybrid model folder with transformers.Trainer: the same script as `hybrid-linear-finetune`
-(see `python examples/finetune.py --help`, and `hybrid_linear_models/finetune.py` for how it works)."""
+(see `python examples/finetune.py --help`, and `hybrid_linear_models/training/finetune.py` for how it works)."""
 
 import sys
 

@@ -2,11 +2,11 @@
 
     hybrid-linear-finetune MODEL DATASET OUTPUT [script options] [any transformers TrainingArguments flag]
 
-Why this module is apart from `hybrid_linear_models.finetune` (which does the work): importing that package imports
+Why this module is apart from `hybrid_linear_models.training.finetune` (which does the work): importing that package imports
 torch and transformers (seconds), and building transformers' parser of all ~110 `TrainingArguments` adds more. So the
 script's own options live here, in a standard-library dataclass, beside a table of the `TrainingArguments` flags whose
 defaults the script sets or that a newcomer needs first. `--help` formats both with argparse alone; the real parse
-(`hybrid_linear_models.finetune.parse_arguments`) hands the same dataclass to transformers' `HfArgumentParser`
+(`hybrid_linear_models.training.finetune.parse_arguments`) hands the same dataclass to transformers' `HfArgumentParser`
 beside `TrainingArguments` and applies the same defaults, and `--help-training` prints that parser's full help.
 """
 
@@ -24,7 +24,7 @@ Fine-tune a hybrid model (or train LoRA adapters) on a text dataset with transfo
 DATASET is a .jsonl, .json, .parquet, .csv or .txt file (a .txt file holds one document per line), a folder of such
 files, or a dataset id on the Hugging Face Hub; documents are read from the column named by --text_column. With
 --packing, documents are concatenated without padding (DataCollatorWithFlattening): every mixer keeps them apart.
-Several GPUs: accelerate launch -m hybrid_linear_models.finetune MODEL DATASET OUTPUT ... (DDP or FSDP2)."""
+Several GPUs: accelerate launch -m hybrid_linear_cli.finetune MODEL DATASET OUTPUT ... (DDP or FSDP2)."""
 
 EPILOG = """\
 Every flag of transformers' TrainingArguments is accepted as well (--lr_scheduler_type, --weight_decay,
@@ -61,7 +61,7 @@ class FinetuneArguments:
     merge_lora: bool = field(default=False, metadata={"help": "with --lora: merge the adapters into the saved model"})
 
 
-# Defaults that depend on the run; `hybrid_linear_models.finetune` resolves a None left by the parse.
+# Defaults that depend on the run; `hybrid_linear_models.training.finetune` resolves a None left by the parse.
 DERIVED = "derived"
 
 # TrainingArguments flags shown by --help: name -> (default, help). The parse applies these defaults, so an entry
@@ -167,13 +167,13 @@ def wants_help(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script, `python -m hybrid_linear_models.finetune` and `accelerate launch -m ...` all start here."""
+    """The console script, `python -m hybrid_linear_cli.finetune` and `accelerate launch -m ...` all start here."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if wants_help(argv):
         build_help_parser().print_help()
         return 0
     # torch and transformers load only once there is work to do
-    from hybrid_linear_models.finetune import run
+    from hybrid_linear_models.training.finetune import run
 
     return run(argv)
 

@@ -27,7 +27,7 @@ from hybrid_linear_cli.finetune import (
     build_help_parser,
     main,
 )
-from hybrid_linear_models.finetune import (
+from hybrid_linear_models.training.finetune import (
     FinetuneError,
     build_parser,
     load_documents,

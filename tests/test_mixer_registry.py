@@ -12,7 +12,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TY
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
 from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES
-from hybrid_linear_models.finetune import LORA_TARGET_MODULES
+from hybrid_linear_models.training.finetune import LORA_TARGET_MODULES
 from hybrid_linear_models.mixer_registry import MIXERS, MixerSpec, register
 
 

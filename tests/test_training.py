@@ -18,7 +18,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hybrid_linear_models.finetune import LORA_TARGET_MODULES
+from hybrid_linear_models.training.finetune import LORA_TARGET_MODULES
 
 WORDS = [f"w{i}" for i in range(2, 128)]
 

@@ -1,7 +1,7 @@
 """Fine-tune a hybrid model folder on a text dataset with `transformers.Trainer` (`hybrid-linear-finetune`).
 
     hybrid-linear-finetune MODEL DATASET OUTPUT [--packing] [--lora [--merge_lora]] [any TrainingArguments flag]
-    accelerate launch -m hybrid_linear_models.finetune MODEL DATASET OUTPUT ...     # several GPUs: DDP or FSDP2
+    accelerate launch -m hybrid_linear_cli.finetune MODEL DATASET OUTPUT ...     # several GPUs: DDP or FSDP2
 
 Design:
 - Arguments: the script's own options (`hybrid_linear_cli.finetune.FinetuneArguments`) and every `TrainingArguments`
