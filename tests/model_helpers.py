@@ -60,3 +60,25 @@ def word_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece()  # words joined by spaces
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>", eos_token="<eos>")
+
+
+# The start of a subprocess script that runs with this package unimportable (what a user without it has): a finder
+# placed first refuses it (the editable install's finder comes later in sys.meta_path), and no sys.path entry holds
+# it (the subprocess runs from a temporary folder).
+WITHOUT_THE_PACKAGE_PRELUDE = """
+import importlib.abc, importlib.util, json, sys
+from pathlib import Path
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "hybrid_linear_models" or name.startswith("hybrid_linear_models."):
+            raise ImportError("hybrid_linear_models is blocked in this test")
+
+sys.meta_path.insert(0, Blocker())
+sys.path = [p for p in sys.path if not (Path(p or ".") / "hybrid_linear_models").exists()]
+try:
+    spec = importlib.util.find_spec("hybrid_linear_models")
+except ImportError:
+    spec = None
+assert spec is None, "the package is still importable"
+"""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -254,22 +255,7 @@ def test_cli_converts_and_reports(tmp_path):
 
 # --------------------------------------------------------------------------------------------- remote code
 
-_ISOLATED_LOAD = textwrap.dedent("""
-    import importlib.abc, importlib.util, sys
-    from pathlib import Path
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hybrid_linear_models" or name.startswith("hybrid_linear_models."):
-                raise ImportError("hybrid_linear_models is blocked in this test")
-
-    sys.meta_path.insert(0, Blocker())
-    sys.path = [p for p in sys.path if not (Path(p or ".") / "hybrid_linear_models").exists()]
-    try:
-        spec = importlib.util.find_spec("hybrid_linear_models")
-    except ImportError:
-        spec = None
-    assert spec is None, "the package is still importable"
+_ISOLATED_LOAD = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
 
     import torch
     from safetensors.torch import load_file

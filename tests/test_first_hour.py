@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import tiny_model, word_tokenizer
+from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, tiny_model, word_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 from transformers.dynamic_module_utils import get_relative_import_files
@@ -35,22 +35,7 @@ AUTO_CLASSES = ("AutoConfig", "AutoModel", "AutoModelForCausalLM")
 
 # Runs with the package unimportable: a finder placed first refuses it (the editable install's finder comes later
 # in sys.meta_path), and no sys.path entry holds it (the subprocess runs from tmp_path).
-_WITHOUT_THE_PACKAGE = textwrap.dedent("""
-    import importlib.abc, importlib.util, json, sys
-    from pathlib import Path
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "hybrid_linear_models" or name.startswith("hybrid_linear_models."):
-                raise ImportError("hybrid_linear_models is blocked in this test")
-
-    sys.meta_path.insert(0, Blocker())
-    sys.path = [p for p in sys.path if not (Path(p or ".") / "hybrid_linear_models").exists()]
-    try:
-        spec = importlib.util.find_spec("hybrid_linear_models")
-    except ImportError:
-        spec = None
-    assert spec is None, "the package is still importable"
+_WITHOUT_THE_PACKAGE = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
 
     import torch
     from safetensors.torch import load_file, save_file
