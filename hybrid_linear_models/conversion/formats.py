@@ -20,6 +20,7 @@ import torch
 from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE, FormatEntry, OutputLayout
 
 from ..configuration_hybrid_linear import HybridLinearConfig
+from ..shown_values import brief
 from .errors import ConversionError
 from .name_maps import MapRow
 from .pipeline import ConversionPlan, SourceCheckpoint, WriteOptions
@@ -30,21 +31,14 @@ Writer = Callable[[Path, ConversionPlan, Iterable[tuple[str, torch.Tensor]], Wri
 
 
 @dataclass(frozen=True)
-class CheckpointFormat:
-    name: str
-    description: str
+class CheckpointFormat(FormatEntry):
+    """A catalogue entry with its functions in place of their "module:function" references (the same rules for
+    `can_read` / `can_write`)."""
+
     read: Reader | None = None
     target_rows: TargetRows | None = None
     write: Writer | None = None
     output: OutputLayout | None = None  # what `write` creates; required to write (--force checks DST against it)
-
-    @property
-    def can_read(self) -> bool:
-        return self.read is not None
-
-    @property
-    def can_write(self) -> bool:
-        return self.write is not None and self.target_rows is not None and self.output is not None
 
     @classmethod
     def from_entry(cls, entry: FormatEntry) -> CheckpointFormat:
@@ -76,8 +70,7 @@ def get_format(name: str, role: str) -> CheckpointFormat:
     able = [n for n, f in FORMATS.items() if (f.can_read if role == "read" else f.can_write)]
     if fmt is None or not (fmt.can_read if role == "read" else fmt.can_write):
         done = {"read": "read", "write": "written"}[role]
-        shown = name if len(name) <= 100 else name[:100] + "..."
-        raise ConversionError(f"cannot {role} format {shown!r}; formats that can be {done}: {', '.join(able)}.")
+        raise ConversionError(f"cannot {role} format {brief(name)}; formats that can be {done}: {', '.join(able)}.")
     return fmt
 
 
