@@ -49,10 +49,29 @@ def _tf32_rounded(model):
     return rounded
 
 
+# The heterogeneous model of issue 14 at fla's minimum head dims: two GDN blocks of different head counts, a 1-KV-head
+# sliding block, a 2-KV-head full block, a KDA block, and per-layer MLP widths, activations, epsilons and rotary.
+HETEROGENEOUS_LAYERS = ["gated_deltanet", "sliding_attention", "gated_deltanet", "full_attention",
+                        "kimi_delta_attention"]
+HETEROGENEOUS = {
+    0: {"gdn_num_key_heads": 1, "gdn_num_value_heads": 2, "gdn_value_head_dim": 32, "intermediate_size": 48},
+    1: {"num_key_value_heads": 1, "sliding_window": 3, "rope_parameters": {"rope_theta": 500.0},
+        "attention_output_gate": False, "rms_norm_eps": 1e-5},
+    3: {"num_key_value_heads": 2, "num_attention_heads": 2, "attention_qk_norm": False, "hidden_act": "gelu"},
+    4: {"kda_num_heads": 1, "kda_conv_kernel_size": 3, "kda_gate_activation": "silu", "mlp_bias": True},
+}
+MODELS = {
+    "uniform": lambda: tiny_model(**GPU_DIMS),
+    "per_layer": lambda: tiny_model(HETEROGENEOUS_LAYERS, per_layer_config=HETEROGENEOUS, **GPU_DIMS),
+}
+each_model = pytest.mark.parametrize("kind", list(MODELS))
+
+
 @needs_fla
-def test_fla_path_matches_torch_path(monkeypatch):
+@each_model
+def test_fla_path_matches_torch_path(monkeypatch, kind):
     """Same model on the GPU through fla's kernels and through ours (float32)."""
-    model = tiny_model(**GPU_DIMS).cuda()
+    model = MODELS[kind]().cuda()
     input_ids = torch.randint(0, 128, (2, 300), device="cuda")
     with torch.no_grad():
         fla_logits = model(input_ids).logits
@@ -70,10 +89,12 @@ def _training_step(model, input_ids, labels):
 
 
 @needs_fla
-def test_fla_training_step_matches_torch_path(monkeypatch):
+@each_model
+def test_fla_training_step_matches_torch_path(monkeypatch, kind):
     """A training step through fla (fused norms, SwiGLU, conv, delta rules, and the loss without logits) against
-    the torch path: the loss and every parameter's gradient."""
-    model = tiny_model(**GPU_DIMS).cuda().train()
+    the torch path: the loss and every parameter's gradient (with per-layer settings too: each layer's kernels get
+    its own head counts and dims)."""
+    model = MODELS[kind]().cuda().train()
     input_ids = torch.randint(0, 128, (2, 300), device="cuda")
     labels = input_ids.clone()
     labels[:, :5] = -100
@@ -91,10 +112,11 @@ def test_fla_training_step_matches_torch_path(monkeypatch):
 
 
 @needs_fla
-def test_fla_cached_decoding_matches_full_forward(monkeypatch):
+@each_model
+def test_fla_cached_decoding_matches_full_forward(monkeypatch, kind):
     """Tokens decoded one by one through fla (conv and recurrent states carried in the cache) give the logits of
     one full forward over the same tokens on the torch path."""
-    model = tiny_model(**GPU_DIMS).cuda()
+    model = MODELS[kind]().cuda()
     input_ids = torch.randint(1, 128, (2, 40), device="cuda")
     out = model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
                          output_logits=True, return_dict_in_generate=True)
@@ -240,3 +262,21 @@ def test_cuda_graph_decoding_with_sliding_layers_matches_eager_decoding(prompt_l
         model.set_cuda_graph_decoding(False)
         eager = model.generate(input_ids, **kwargs)
     assert_same_generation(graphed, eager, graphed.logits, eager.logits)
+
+
+def test_per_layer_model_decodes_with_cuda_graphs_as_without_cache():
+    """Issue 14's "done when" on a real GPU: the heterogeneous model generates with a static cache replayed from a
+    CUDA graph exactly as without any cache (greedy tokens equal; each step's logits equal the uncached forward's
+    over the same tokens within the graph tests' margin: TF32 matmuls differ between the two paths' shapes)."""
+    model = MODELS["per_layer"]().cuda()
+    input_ids = torch.randint(1, 128, (2, 9), device="cuda")
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        graphed = model.generate(input_ids, cache_implementation="static", **kwargs)
+        assert model._graph_decoder._graph is not None  # the steps were captured
+        uncached = model.generate(input_ids, use_cache=False, **kwargs)
+        full = model(graphed.sequences).logits[:, input_ids.shape[1] - 1:-1]
+    assert_same_generation(graphed, uncached, graphed.logits, uncached.logits)
+    steps = torch.stack(graphed.logits, dim=1)
+    assert (steps - full).abs().max() <= 1e-3 * full.abs().max()
