@@ -265,18 +265,21 @@ def test_cuda_graph_decoding_with_sliding_layers_matches_eager_decoding(prompt_l
 
 
 def test_per_layer_model_decodes_with_cuda_graphs_as_without_cache():
-    """Issue 14's "done when" on a real GPU: the heterogeneous model generates with a static cache replayed from a
-    CUDA graph exactly as without any cache (greedy tokens equal; each step's logits equal the uncached forward's
-    over the same tokens within the graph tests' margin: TF32 matmuls differ between the two paths' shapes)."""
+    """Issue 14's "done when" on a real GPU: the heterogeneous model decodes with a static cache replayed from a CUDA
+    graph as without the graph (same tokens, each step's logits within the graph tests' margin), and each replayed
+    step's logits equal those of one uncached forward over the generated tokens (TF32 matmuls differ between the
+    chunked and the one-token kernels, so this compares logits on the same tokens, not greedy picks that a near tie
+    could flip)."""
     model = MODELS["per_layer"]().cuda()
     input_ids = torch.randint(1, 128, (2, 9), device="cuda")
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
-                  return_dict_in_generate=True)
+                  return_dict_in_generate=True, cache_implementation="static")
     with torch.no_grad():
-        graphed = model.generate(input_ids, cache_implementation="static", **kwargs)
+        graphed = model.generate(input_ids, **kwargs)
         assert model._graph_decoder._graph is not None  # the steps were captured
-        uncached = model.generate(input_ids, use_cache=False, **kwargs)
+        model.set_cuda_graph_decoding(False)
+        eager = model.generate(input_ids, **kwargs)
         full = model(graphed.sequences).logits[:, input_ids.shape[1] - 1:-1]
-    assert_same_generation(graphed, uncached, graphed.logits, uncached.logits)
+    assert_same_generation(graphed, eager, graphed.logits, eager.logits)
     steps = torch.stack(graphed.logits, dim=1)
     assert (steps - full).abs().max() <= 1e-3 * full.abs().max()
