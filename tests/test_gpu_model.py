@@ -105,7 +105,8 @@ def test_fla_training_step_matches_torch_path(monkeypatch, kind):
     rounded = _tf32_rounded(model).train()
     rounded_out, rounded_grads = _training_step(rounded, input_ids, labels)
     loss_rounding = abs(rounded_out.loss.item() - torch_out.loss.item())
-    assert abs(fla_out.loss.item() - torch_out.loss.item()) <= TF32_MARGIN * loss_rounding + 1e-6 * torch_out.loss.item()
+    loss = torch_out.loss.item()
+    assert abs(fla_out.loss.item() - loss) <= TF32_MARGIN * loss_rounding + 1e-6 * loss
     errors = {n: max_rel_err(fla_grads[n], torch_grads[n]) for n in torch_grads}
     rounding = max(max_rel_err(rounded_grads[n], torch_grads[n]) for n in torch_grads)
     assert max(errors.values()) <= TF32_MARGIN * rounding, sorted(errors.items(), key=lambda kv: -kv[1])[:5]
