@@ -44,11 +44,11 @@ Only fields that shape one layer may vary (`PER_LAYER_FIELDS`): the mixer's (`MI
 MLP's (`MLP_FIELDS`, by MLP type) and the block norms' (`BLOCK_FIELDS`). Everything the layers share (hidden_size,
 vocab_size, embeddings and their tying, the norm parametrisation, position range, init and dropout, the layer lists
 themselves) has one value per model and is refused per layer, as is a field the layer's mixer or MLP does not read
-(gdn_* on an attention layer: it would be silently ignored). Each layer's resolved settings are validated like the global ones, the messages naming the layer:
-"per_layer_config[3].num_key_value_heads ...". A per-layer `rope_parameters` replaces the global dict; its missing
-rope_type, rope_theta and partial_rotary_factor are filled from the global one at construction (so config.json shows
-every layer's full rotary settings). The final norm uses the flat `rms_norm_eps`; GDN/KDA norm epsilons default to
-the flat `rms_norm_eps`, not to a layer's override of it.
+(gdn_* on an attention layer: it would be silently ignored). Each layer's resolved settings are validated like the
+global ones, the messages naming the layer: "per_layer_config[3].num_key_value_heads ...". A per-layer
+`rope_parameters` replaces the global dict; its missing rope_type, rope_theta and partial_rotary_factor are filled
+from the global one at construction (so config.json shows every layer's full rotary settings). The final norm uses
+the flat `rms_norm_eps`; GDN/KDA norm epsilons default to the flat `rms_norm_eps`, not to a layer's override of it.
 """
 
 from __future__ import annotations
@@ -388,9 +388,9 @@ _CLASS_DOC = """
         rms_norm_eps, pad_token_id, bos_token_id, eos_token_id, use_cache:
             as in other transformers decoders. `rms_norm_eps` is the epsilon of the block, final and q/k RMSNorms (a
             layer may set its own).
-        layer_types (`list[str]`): one mixer per layer, among {layer_types}. Default: 3 Gated DeltaNet layers to 1
-            attention layer, 8 layers.
-        mlp_types (`list[str]`): one MLP per layer, among {mlp_types}. Default: every layer "dense".
+        layer_types (`list[str]`): one mixer per layer. Default: 3 Gated DeltaNet layers to 1 attention layer, 8
+            layers. Registered: {layer_types}.
+        mlp_types (`list[str]`): one MLP per layer. Default: every layer "dense". Registered: {mlp_types}.
         num_hidden_layers (`int`, *optional*): follows from `layer_types`; if given, must match its length.
         zero_centered_norms (`bool`): the block, final and q/k RMSNorms compute x_hat * (1 + w) with w initialised to 0
             (Qwen3-Next) instead of x_hat * w with w initialised to 1. The gated output norms of GDN/KDA are always
@@ -429,7 +429,7 @@ def _fields_dataclass(declared: dict[str, ConfigField]) -> type:
     entries = [(name, declared_field.annotation, dataclasses.field(default=declared_field.default, kw_only=True))
                for name, declared_field in declared.items()]
     return dataclasses.make_dataclass("HybridLinearRegisteredFields", entries, init=False, repr=False, eq=False,
-                                      match_args=False)
+                                      match_args=False, namespace={"__module__": __name__})
 
 
 class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields())):
