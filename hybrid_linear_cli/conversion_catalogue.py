@@ -91,6 +91,11 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
         read="fast_llm.distributed:read_fast_llm_distributed",
     ),
+    FormatEntry(
+        "apriel2",
+        "Fast-LLM's Hugging Face export (model_type apriel2_text): config.json + safetensors",
+        read="apriel2.checkpoint:read_apriel2",
+    ),
 )
 
 
