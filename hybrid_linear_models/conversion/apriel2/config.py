@@ -314,11 +314,20 @@ def _token_id(fields: _Fields, key: str) -> Any:
     return value
 
 
-def _config_error(error: Exception, layers: list[tuple[str, dict[str, Any]]]) -> ConversionError:
+def _config_error(error: Exception, layers: list[tuple[str, dict[str, Any]]], defaults: dict[str, Any]
+                  ) -> ConversionError:
+    """HybridLinearConfig's message, with the Apriel2 block(s) it is about: the layer it names, else the blocks
+    whose value of the first field it names became the flat default."""
     message = clip(str(error), 600)
     match = re.search(r"per_layer_config\[(\d+)\]", message)
     if match and int(match.group(1)) < len(layers):
         message += f" (layer {match.group(1)} is Apriel2 block {brief(layers[int(match.group(1))][0])})"
+    else:
+        field = next((name for name in re.findall(r"(\w+)=", message) if name in defaults), None)
+        names = list(dict.fromkeys(name for name, block in layers if field in block["fields"]
+                                   and block["fields"][field] == defaults[field]))
+        if names:
+            message += f" ({field} of Apriel2 block(s) {clip(', '.join(map(repr, names)))})"
     return ConversionError(f"{CONFIG_FILE} describes a model HybridLinearConfig rejects: {message}")
 
 
@@ -374,7 +383,7 @@ def apriel2_to_hybrid_config(data: Any, census: TensorCensus | None = None) -> A
     try:
         config = HybridLinearConfig(**kwargs)
     except (ValueError, TypeError) as error:
-        raise _config_error(error, layers) from None
+        raise _config_error(error, layers, defaults) from None
     return Apriel2Model(config, tuple(block["stochastic"] for _, block in layers))
 
 
