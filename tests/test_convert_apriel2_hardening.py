@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models.conversion import ConversionError
-from hybrid_linear_models.conversion.apriel2 import read_apriel2
+from hybrid_linear_models.conversion.apriel2 import apriel2_to_hybrid_config, read_apriel2
 from hybrid_linear_models.conversion.formats import get_format
-from hybrid_linear_models.conversion.pipeline import plan_conversion
+from hybrid_linear_models.conversion.hf import read_hf
+from hybrid_linear_models.conversion.pipeline import TensorCensus, plan_conversion
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda" / "apriel2_text"
 WEIGHTS = "model_0.safetensors"
@@ -153,11 +154,9 @@ def test_shape_mismatch_names_the_tensor(folder):
 
 def test_huge_block_count_fails_fast():
     started = time.perf_counter()
+    config = json.loads((FIXTURE / "config.json").read_text())
+    config["decoder"]["num_blocks"] = 10**15
     with pytest.raises(ConversionError):
-        from hybrid_linear_models.conversion.apriel2 import apriel2_to_hybrid_config
-        from hybrid_linear_models.conversion.pipeline import TensorCensus
-        config = json.loads((FIXTURE / "config.json").read_text())
-        config["decoder"]["num_blocks"] = 10**15
         apriel2_to_hybrid_config(config, TensorCensus(elements=10**6, block_indices=frozenset(range(4)),
                                                       block_prefix="model.decoder.blocks."))
     assert time.perf_counter() - started < 1.0  # refused before a 10^15-entry list could be built
@@ -265,3 +264,8 @@ def test_fuzz_index(fuzz_folder, data):
 def test_fuzz_safetensors_header(fuzz_folder, data):
     header, tensor_data = split_safetensors((FIXTURE / WEIGHTS).read_bytes())
     outcome(with_file(fuzz_folder, WEIGHTS, data.draw(safetensors_file(data.draw(mutated(header)), tensor_data))))
+
+
+def test_the_hf_reader_points_an_apriel2_folder_to_its_reader():
+    with pytest.raises(ConversionError, match="model_type 'apriel2_text'.*use --from apriel2"):
+        read_hf(FIXTURE)
