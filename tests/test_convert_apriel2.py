@@ -286,3 +286,80 @@ def test_cli_reports_skipped_supernet_tensors(tmp_path, heterogeneous_model, cap
     assert front_end.main(["--from", "apriel2", "--to", "hf", str(source), str(tmp_path / "out")]) in (0, None)
     assert f"skipped {len(unused)} " in capsys.readouterr().out
 
+
+
+# --------------------------------------------------------------------------------------------- --to apriel2
+
+
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
+def test_apriel2_hf_apriel2_round_trip_is_bit_identical(tmp_path, converted, fixture):
+    original_folder = FIXTURES / fixture / "apriel2_text"
+    back = convert_checkpoint(converted[fixture][0], tmp_path / "back", from_format="hf", to_format="apriel2")
+    original, returned = load_tensors(original_folder), load_tensors(back.destination)
+    assert sorted(original) == sorted(returned)
+    for name, tensor in original.items():
+        assert tensor.dtype == returned[name].dtype and torch.equal(tensor, returned[name]), name
+    # config.json: the same, but for the block names (ours are named after their layer type, as in the fast_llm
+    # writer); the blocks, matched through the pattern, are equal field for field
+    first, again = (json.loads((folder / "config.json").read_text()) for folder in (original_folder,
+                                                                                    back.destination))
+    renamed = dict(zip(first["decoder"]["pattern"], again["decoder"]["pattern"]))
+    assert {renamed[name]: block for name, block in first["decoder"]["blocks"].items()} == again["decoder"]["blocks"]
+    for config in (first, again):
+        del config["decoder"]["blocks"], config["decoder"]["pattern"]
+    assert first == again
+
+
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
+def test_fast_llm_to_apriel2_equals_fast_llms_own_export(tmp_path, fixture):
+    """Fast-LLM wrote the fixture's apriel2_text folder from the same model: our writer must write the same
+    tensors from the fast_llm checkpoint."""
+    ours = convert_checkpoint(FIXTURES / fixture / "fast_llm", tmp_path / "ours", from_format="fast_llm",
+                              to_format="apriel2").destination
+    theirs, written = load_tensors(FIXTURES / fixture / "apriel2_text"), load_tensors(ours)
+    assert sorted(theirs) == sorted(written)
+    assert all(torch.equal(tensor, written[name]) for name, tensor in theirs.items())
+
+
+def test_heterogeneous_model_writes_apriel2s_layout(tmp_path, heterogeneous_model):
+    """Our heterogeneous model written --to apriel2 has the tensors of the hand-written Apriel2 layout above, and
+    converts back to our model exactly."""
+    heterogeneous_model.save_pretrained(tmp_path / "ours")
+    written = convert_checkpoint(tmp_path / "ours", tmp_path / "apriel2", from_format="hf", to_format="apriel2")
+    expected, tensors = apriel2_tensors(heterogeneous_model), load_tensors(written.destination)
+    assert sorted(expected) == sorted(tensors)
+    assert all(torch.equal(tensor, tensors[name]) for name, tensor in expected.items())
+    blocks = json.loads((written.destination / "config.json").read_text())["decoder"]["blocks"]
+    assert blocks["gdn_2"]["mixer"]["norm_eps"] == 1e-6 and "norm_eps" not in blocks["gdn"]["mixer"]
+    assert blocks["kda"]["mixer"]["normalization"] == {"epsilon": 1e-6, "activation": "sigmoid"}
+    back = convert_checkpoint(written.destination, tmp_path / "back", from_format="apriel2", to_format="hf")
+    assert_same_model(back.destination, heterogeneous_model)
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    ({"attention_output_gate": True, "attention_qk_norm": True},
+     ("layer 0 (full_attention): attention_output_gate=True", "attention_qk_norm=True")),
+    ({"per_layer_config": {1: {"rms_norm_eps": 1e-6}}}, ("layer 1 (gated_deltanet): rms_norm_eps=1e-06 differs",)),
+    ({"gdn_gate_activation": "sigmoid"}, ("gdn_gate_activation='sigmoid'",)),
+    ({"mlp_bias": True, "hidden_act": "tanh"}, ("mlp_bias=True", "hidden_act='tanh'")),
+    ({"zero_centered_norms": True}, ("zero_centered_norms=True",)),
+])
+def test_what_apriel2_cannot_express_is_refused(tmp_path, overrides, fragments):
+    settings = {**FLAT, **overrides}
+    model = HybridLinearForCausalLM(HybridLinearConfig(layer_types=LAYER_TYPES[:2], **settings))
+    model.save_pretrained(tmp_path / "ours")
+    with pytest.raises(ConversionError) as caught:
+        convert_checkpoint(tmp_path / "ours", tmp_path / "apriel2", from_format="hf", to_format="apriel2")
+    message = str(caught.value)
+    assert "\n" not in message and "cannot be expressed as an Apriel2 model" in message, message
+    assert all(fragment in message for fragment in fragments), message
+    assert not (tmp_path / "apriel2").exists()
+
+
+def test_force_replaces_an_apriel2_folder_only(tmp_path, converted):
+    destination = tmp_path / "apriel2"
+    convert_checkpoint(converted["kda_attn"][0], destination, from_format="hf", to_format="apriel2")
+    convert_checkpoint(converted["kda_attn"][0], destination, from_format="hf", to_format="apriel2", force=True)
+    (destination / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="notes.txt"):
+        convert_checkpoint(converted["kda_attn"][0], destination, from_format="hf", to_format="apriel2", force=True)
