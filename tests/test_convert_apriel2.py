@@ -112,7 +112,7 @@ PER_LAYER = {
         "kda_conv_kernel_size": 3, "hidden_act": "gelu_pytorch_tanh"},
     3: {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 3,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0},
-        "intermediate_size": 40},
+        "attention_bias": True, "intermediate_size": 40},
     4: {"gdn_num_key_heads": 1, "gdn_num_value_heads": 4, "gdn_value_head_dim": 4, "gdn_conv_kernel_size": 2,
         "gdn_norm_eps": 1e-6, "intermediate_size": 24},
 }
@@ -135,7 +135,7 @@ BLOCKS = {
                    "convolution_layer": {"kernel_size": 4}}),
     "kda": _block({"type": "kda", "heads": 4, "head_dim": 4, "convolution_layer": {"kernel_size": 3},
                    "normalization": {"epsilon": 1e-6, "activation": "sigmoid"}}, activation="gelu_pytorch_tanh"),
-    "swa": _block(_attention(2, 1, 16, 500.0, window_size=3), intermediate_size=40),
+    "swa": _block({**_attention(2, 1, 16, 500.0, window_size=3), "add_linear_biases": True}, intermediate_size=40),
     "gdn_wide": _block({"type": "gdn", "value_heads": 4, "key_heads": 1, "key_head_dim": 8, "value_head_dim": 4,
                         "convolution_layer": {"kernel_size": 2}, "norm_eps": 1e-6}, intermediate_size=24),
 }
@@ -185,11 +185,11 @@ def write_apriel2(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) 
     return folder
 
 
-def apriel2_config(decoder: dict, vocab_size: int, hidden_size: int) -> dict:
+def apriel2_config(decoder: dict, vocab_size: int, hidden_size: int, tied: bool = False) -> dict:
     return {"architectures": ["Apriel2ForCausalLM"], "model_type": "apriel2_text", "decoder": decoder,
             "embeddings": {"max_position_embeddings": 2048}, "head": {"normalization": {"type": "rms_norm",
                                                                                         "epsilon": 1e-5}},
-            "hidden_size": hidden_size, "vocab_size": vocab_size, "tie_word_embeddings": False, "bos_token_id": 1,
+            "hidden_size": hidden_size, "vocab_size": vocab_size, "tie_word_embeddings": tied, "bos_token_id": 1,
             "eos_token_id": 2, "pad_token_id": None, "use_cache": True, "transformers_version": "5.24.0"}
 
 
@@ -228,13 +228,15 @@ def test_heterogeneous_pattern_converts_to_our_model(tmp_path, heterogeneous_mod
     assert_same_model(converted.destination, heterogeneous_model)
 
 
-def test_fixed_decoder_converts(tmp_path):
-    config = HybridLinearConfig(layer_types=["gated_deltanet"] * 3, **FLAT)
+def test_fixed_decoder_with_tied_embeddings_converts(tmp_path):
+    config = HybridLinearConfig(layer_types=["gated_deltanet"] * 3, **{**FLAT, "tie_word_embeddings": True})
     torch.manual_seed(0)
     model = randomize(HybridLinearForCausalLM(config), seed=2).eval()
     decoder = {"type": "fixed", "block": BLOCKS["gdn"], "num_blocks": 3}
-    source = write_apriel2(tmp_path / "apriel2", apriel2_config(decoder, FLAT["vocab_size"], FLAT["hidden_size"]),
-                           apriel2_tensors(model))
+    tensors = apriel2_tensors(model)
+    del tensors["lm_head.weight"]  # tied: Apriel2 stores only the embeddings
+    source = write_apriel2(tmp_path / "apriel2", apriel2_config(decoder, FLAT["vocab_size"], FLAT["hidden_size"],
+                                                                tied=True), tensors)
     assert_same_model(convert_checkpoint(source, tmp_path / "hf", from_format="apriel2", to_format="hf").destination,
                       model)
 
