@@ -19,11 +19,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from hybrid_linear_models.conversion import ConversionError
+from test_reader_hardening import configs
+
+from hybrid_linear_models import HybridLinearConfig
+from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
+from hybrid_linear_models.conversion.apriel2 import checkpoint as apriel2_checkpoint
+from hybrid_linear_models.conversion.apriel2 import config_writer
+from hybrid_linear_models.conversion.apriel2.checkpoint import check_config_reads_back, config_json
 from hybrid_linear_models.conversion.apriel2 import apriel2_to_hybrid_config, read_apriel2
 from hybrid_linear_models.conversion.formats import get_format
 from hybrid_linear_models.conversion.hf import read_hf
 from hybrid_linear_models.conversion.pipeline import TensorCensus, plan_conversion
+from hybrid_linear_models.conversion.synthetic import write_random_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda" / "apriel2_text"
 WEIGHTS = "model_0.safetensors"
@@ -263,3 +270,50 @@ def test_fuzz_safetensors_header(fuzz_folder, data):
 def test_the_hf_reader_points_an_apriel2_folder_to_its_reader():
     with pytest.raises(ConversionError, match="model_type 'apriel2_text'.*use --from apriel2"):
         read_hf(FIXTURE)
+
+
+# --------------------------------------------------------------------------------------------- the writer
+
+
+@FUZZ_SETTINGS
+@given(config=configs(fast_llm=True))
+def test_apriel2_config_written_reads_back_equal_or_is_refused(config):
+    """Any config either is refused up front, naming what Apriel2 cannot express, or its config.json reads back to
+    the same model in every field Apriel2 carries, layer by layer."""
+    try:
+        text = config_json(config)
+    except ConversionError as error:
+        assert "cannot be expressed as an Apriel2 model" in str(error) and "\n" not in str(error)
+        return
+    check_config_reads_back(config, text)
+
+
+def test_a_config_json_that_would_not_read_back_is_refused_before_writing(tmp_path, monkeypatch):
+    """A writer bug dropping a field (here the KDA gate) must stop the conversion before any file is written."""
+    config = HybridLinearConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+                                layer_types=["kimi_delta_attention"], kda_num_heads=2, kda_head_dim=8,
+                                kda_gate_activation="sigmoid", zero_centered_norms=False)
+    write_random_checkpoint(tmp_path / "hf", config, "hf")
+    real = config_writer.hybrid_config_to_apriel2
+
+    def dropping_the_gate(config):
+        written = real(config)
+        del written["decoder"]["blocks"]["kda"]["mixer"]["normalization"]["activation"]
+        return written
+    monkeypatch.setattr(apriel2_checkpoint, "hybrid_config_to_apriel2", dropping_the_gate)
+    with pytest.raises(ConversionError, match="kda_gate_activation of layer 0 .'sigmoid' reads back as 'silu'"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "apriel2", from_format="hf", to_format="apriel2")
+    assert not (tmp_path / "apriel2").exists()
+
+
+def test_sharded_apriel2_output_reads_back(tmp_path):
+    hf = convert_checkpoint(FIXTURE, tmp_path / "hf", from_format="apriel2", to_format="hf").destination
+    sharded = convert_checkpoint(hf, tmp_path / "sharded", from_format="hf", to_format="apriel2",
+                                 max_shard_size="40KB").destination
+    assert (sharded / INDEX).is_file() and len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    original = load_file(FIXTURE / WEIGHTS)
+    returned = {}
+    for path in sharded.glob("*.safetensors"):
+        returned.update(load_file(path))
+    assert sorted(returned) == sorted(original) and all(torch.equal(original[k], returned[k]) for k in original)
+    assert read_apriel2(sharded).config.to_dict() == read_apriel2(FIXTURE).config.to_dict()
