@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ...configuration_hybrid_linear import HybridLinearConfig
+from ...configuration_hybrid_linear import BLOCK_FIELDS, HybridLinearConfig
 from ..errors import ConversionError
 from ..fast_llm.config import ACTIVATION_FROM_HF, _defaults_and_overrides
 from ..pipeline import TensorCensus
@@ -266,7 +266,17 @@ def _block(block: _Fields, head_eps: float) -> dict[str, Any]:
     norm.finish()
     block.finish()
     result["fields"] = {**result["settings"], **block_fields}
+    result["groups"] = {field: _field_group(result["layer_type"], field) for field in result["fields"]}
     return result
+
+
+def _field_group(layer_type: str, field: str) -> str:
+    """Fields whose flat defaults are chosen together, from one and the same layer, so that the defaults are
+    themselves a valid setting: one mixer's fields; the block's fields and the window (only sliding layers have one)
+    each alone. The grouping of the Fast-LLM reader, whose `_defaults_and_overrides` picks the defaults."""
+    if field in BLOCK_FIELDS or field == "sliding_window":
+        return field
+    return "attention" if layer_type in ("full_attention", "sliding_attention") else layer_type
 
 
 def _decoder_blocks(decoder: _Fields, head_eps: float) -> list[tuple[str, dict[str, Any]]]:
