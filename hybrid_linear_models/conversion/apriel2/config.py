@@ -92,7 +92,7 @@ class _Fields(Fields):
         return ConversionError(f"{CONFIG_FILE}: {self.where(key)} = {brief(value)} is not supported ({meaning}).")
 
 
-def _no_bias(module: _Fields, names: tuple[str, ...], default: bool | None, what: str) -> bool:
+def _bias_switch(module: _Fields, names: tuple[str, ...], default: bool | None, what: str) -> bool:
     """Whether the linear layers `names` of `module` have biases (`{name}.bias.enabled`, else `add_linear_biases`,
     else `default`; None: the field must be given). Our model has one switch for them, so they must agree."""
     if default is None and not module.has("add_linear_biases"):
@@ -147,7 +147,7 @@ def _attention(mixer: _Fields) -> dict[str, Any]:
         "num_key_value_heads": mixer.size("head_groups", heads),
         "head_dim": mixer.size("head_size"),
         "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0},
-        "attention_bias": _no_bias(mixer, ("query_layer", "key_layer", "value_layer", "dense_layer"), None,
+        "attention_bias": _bias_switch(mixer, ("query_layer", "key_layer", "value_layer", "dense_layer"), None,
                                    "attention projections (attention_bias)"),
     }
     window = mixer.integer("window_size", None, minimum=1)
@@ -246,7 +246,7 @@ def _block(block: _Fields, head_eps: float) -> dict[str, Any]:
         raise mlp.refuse("gated", mlp.get("gated"), "Apriel2 defaults to a non-gated MLP, which HybridLinearConfig "
                                                      "cannot express; only gated: true converts")
     activation = mlp.name("activation", tuple(ACTIVATION_FROM_HF), "silu")
-    if _no_bias(mlp, ("layer_1", "layer_2"), False, "MLP projections"):
+    if _bias_switch(mlp, ("layer_1", "layer_2"), False, "MLP projections"):
         raise ConversionError(f"{CONFIG_FILE}: {mlp.path} asks for MLP biases, but Apriel2 builds gated MLPs with "
                               "transformers' MistralMLP, which has none (its own model would ignore them); convert "
                               "the fast_llm checkpoint instead, or set add_linear_biases: false if the model has none.")
