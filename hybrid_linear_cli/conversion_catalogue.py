@@ -91,6 +91,17 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
         read="fast_llm.distributed:read_fast_llm_distributed",
     ),
+    FormatEntry(
+        "apriel2",
+        "Fast-LLM's Hugging Face export (model_type apriel2_text): config.json + safetensors",
+        read="apriel2.checkpoint:read_apriel2", target_rows="apriel2.checkpoint:apriel2_rows",
+        write="apriel2.checkpoint:write_apriel2",
+        output=OutputLayout(
+            marker="config.json", marker_fields={"model_type": "apriel2_text"},
+            files=(r"config\.json", r"model\.safetensors", r"model-\d{5}-of-\d{5}\.safetensors",
+                   r"model\.safetensors\.index\.json"),
+        ),
+    ),
 )
 
 

@@ -71,7 +71,8 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
     if not args.quiet:
-        skipped = f"; skipped {result.skipped} optimizer-state tensors" if result.skipped else ""
+        skipped = (f"; skipped {result.skipped} stored tensors that are not weights of the converted model "
+                   "(optimizer state, unused supernet mixers)") if result.skipped else ""
         print(f"Converted {result.tensors} tensors ({format_size(result.bytes)}) from {args.from_format} to "
               f"{args.to_format} in {result.seconds:.1f}s: {result.destination}{skipped}")
         if args.to_format == "hf" and not result.tokenizer_files:

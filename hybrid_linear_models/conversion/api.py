@@ -54,7 +54,7 @@ class ConversionResult:
     tensors: int
     bytes: int
     seconds: float
-    skipped: int = 0  # stored tensors deliberately not converted (optimizer state)
+    skipped: int = 0  # stored tensors deliberately not converted (optimizer state, unused supernet mixers)
     tokenizer_files: tuple[str, ...] = ()  # copied into a Hugging Face output; () when it has no tokenizer
 
 

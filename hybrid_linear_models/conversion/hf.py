@@ -99,8 +99,9 @@ def _config_fields(text: str, label: str) -> Fields:
     fields = Fields(parse_json(text, label), "", label, missing_is_empty=False)
     model_type = fields.get("model_type")
     if model_type != HybridLinearConfig.model_type:
+        hint = " It is Fast-LLM's Hugging Face export: use --from apriel2." if model_type == "apriel2_text" else ""
         raise ConversionError(f"{label} has model_type {brief(model_type)}; --from hf reads "
-                              f"{HybridLinearConfig.model_type!r} models (this project's format).")
+                              f"{HybridLinearConfig.model_type!r} models (this project's format).{hint}")
     return fields
 
 

@@ -120,7 +120,8 @@ class SourceCheckpoint:
     config: HybridLinearConfig
     tensors: TensorSource
     rows: list[MapRow]
-    skipped: list[str] = field(default_factory=list)  # stored tensors deliberately not converted (optimizer state)
+    skipped: list[str] = field(default_factory=list)  # stored tensors deliberately not converted (optimizer state,
+    # the mixers of a supernet that inference does not use)
 
 
 @dataclass(frozen=True)
