@@ -87,6 +87,11 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         output=OutputLayout(marker="metadata.yaml", files=(r"metadata\.yaml", r"model_\d+\.safetensors")),
     ),
     FormatEntry(
+        "fla",
+        "fla's Hugging Face models: config.json with model_type gated_deltanet (attn layers too) or kda, safetensors",
+        read="fla.checkpoint:read_fla",
+    ),
+    FormatEntry(
         "fast_llm_distributed",
         "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
         read="fast_llm.distributed:read_fast_llm_distributed",

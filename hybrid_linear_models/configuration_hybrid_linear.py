@@ -354,6 +354,8 @@ class HybridLinearConfig(PreTrainedConfig):
         kda_conv_kernel_size (`int`): width of KDA's depthwise causal convolutions.
         kda_gate_activation (`str`): activation of KDA's output gate, "sigmoid" (Kimi Linear) or "silu" (Fast-LLM).
         kda_norm_eps (`float`): epsilon of KDA's gated RMSNorm. Defaults to `rms_norm_eps`.
+        kda_gate_bias (`bool`): a bias in KDA's output-gate projection `g_b_proj` (fla's `g_proj.1` has one; Kimi
+            Linear's and Fast-LLM's have none).
         fuse_linear_cross_entropy (`bool`): in training (`model.train()`, `labels` given, CUDA tensors, fla
             installed), compute the loss from the hidden states with fla's fused linear + cross-entropy, which does
             not keep the [tokens, vocab] logits for the backward (and holds at most 4 GiB of them at once): the
@@ -410,6 +412,7 @@ class HybridLinearConfig(PreTrainedConfig):
     kda_conv_kernel_size: int = 4
     kda_gate_activation: str = "sigmoid"
     kda_norm_eps: float | None = None
+    kda_gate_bias: bool = False
     fuse_linear_cross_entropy: bool = True
     use_cache: bool = True
     pad_token_id: int | None = None

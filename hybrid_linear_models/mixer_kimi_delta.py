@@ -4,7 +4,8 @@
     g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)   (float32, one value per key channel)
     o = delta_rule(l2norm(q), l2norm(k), v, g, sigmoid(b_proj x));  out = o_proj(RMSNorm(o) * w * act(g_b(g_a(x))))
 
-act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`.
+act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`. fla's KDA gives g_b a bias
+(`kda_gate_bias`): act(g_b(g_a(x)) + bias).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32).uniform_(1, 16).log_())
         self.b_proj = nn.Linear(H, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(H, d, bias=False)
-        self.g_b_proj = nn.Linear(d, P, bias=False)
+        self.g_b_proj = nn.Linear(d, P, bias=config.kda_gate_bias)
         self.o_norm = GatedRMSNorm(d, config.kda_norm_eps, config.kda_gate_activation)
         self.o_proj = nn.Linear(P, H, bias=False)
         self._conv_weight = DerivedWeight()  # the three kernels side by side, as the flat [q | k | v] conv needs
@@ -98,7 +99,7 @@ def _init_weights(module: HybridLinearKimiDeltaAttention) -> None:
 register(MixerSpec(
     layer_type="kimi_delta_attention",
     fields={"kda_num_heads": "size", "kda_head_dim": "size", "kda_conv_kernel_size": "size",
-            "kda_gate_activation": "gate_activation", "kda_norm_eps": "epsilon"},
+            "kda_gate_activation": "gate_activation", "kda_norm_eps": "epsilon", "kda_gate_bias": "bool"},
     module_class=HybridLinearKimiDeltaAttention, attribute="linear_attn", state="recurrent",
     parameter_count=_parameter_count, init_weights=_init_weights, cache_layer=LinearStateLayer,
     tensor_parallel_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "f_b_proj": "colwise",
