@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -443,3 +444,86 @@ def test_kda_gate_bias_does_not_go_to_fast_llm(tmp_path):
     with pytest.raises(ConversionError, match=r"layer 0 \(kimi_delta_attention\): kda_gate_bias=True"):
         convert_checkpoint(out, tmp_path / "fast_llm", from_format="hf", to_format="fast_llm")
     assert not (tmp_path / "fast_llm").exists()
+
+
+# ------------------------------------------------------------------------------------------------ --to fla
+
+
+@pytest.mark.parametrize("case", ["gdn_attn_gva_expand", "gdn_tied_sigmoid", "kda_attn"])
+def test_round_trip_fla_hf_fla_is_bit_identical(tmp_path, case):
+    """fla -> hf -> fla gives fla's tensors back byte for byte, under fla's names, and a config.json that reads as the
+    same model; the written folder holds what fla's save_pretrained writes (config.json, safetensors)."""
+    config, tensors, out = _convert(tmp_path, *CASES[case])
+    back = tmp_path / "back"
+    convert_checkpoint(out, back, from_format="hf", to_format="fla")
+    assert sorted(p.name for p in back.iterdir()) == ["config.json", "model.safetensors"]
+    written = load_file(str(back / "model.safetensors"))
+    assert written.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert written[name].dtype == tensor.dtype and torch.equal(written[name].view(torch.uint8),
+                                                                   tensor.contiguous().view(torch.uint8)), name
+    from hybrid_linear_models.conversion.fla import fla_to_hybrid_config
+    again = json.loads((back / "config.json").read_text())
+    assert fla_to_hybrid_config(again, "back").to_dict() == fla_to_hybrid_config(config, "src").to_dict()
+    assert again["model_type"] == config["model_type"] and again["architectures"] == config["architectures"]
+
+
+def test_models_fla_cannot_express_are_refused_naming_the_first_misfit(tmp_path):
+    from model_helpers import tiny_model
+    cases = [
+        (dict(layer_types=["gated_deltanet", "kimi_delta_attention"]), "mixes gated_deltanet and kimi_delta_attention"),
+        (dict(layer_types=["gated_deltanet", "full_attention"]), "zero_centered_norms=True"),
+        (dict(layer_types=["kimi_delta_attention"], zero_centered_norms=False), "kda_gate_bias=False"),
+        (dict(layer_types=["gated_deltanet", "full_attention"], zero_centered_norms=False, attention_output_gate=False,
+              attention_qk_norm=False, num_attention_heads=4, head_dim=16,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+         "layer 1 (full_attention): rope_parameters="),
+        (dict(layer_types=["gated_deltanet", "gated_deltanet"], zero_centered_norms=False,
+              per_layer_config={1: {"gdn_num_value_heads": 2}}), "layer 1 (gated_deltanet): gdn_num_value_heads=2"),
+    ]
+    for index, (overrides, expected) in enumerate(cases):
+        src = tmp_path / f"hf{index}"
+        tiny_model(**overrides).save_pretrained(src)
+        with pytest.raises(ConversionError, match=re.escape(expected)):
+            convert_checkpoint(src, tmp_path / f"fla{index}", from_format="hf", to_format="fla")
+        assert not (tmp_path / f"fla{index}").exists()
+
+
+def test_command_line_converts_fla_with_its_tokenizer_and_shards(tmp_path, capsys):
+    """The front end: --from fla --to hf, sharded output (streamed, one file per shard), the one-line summary and
+    the tokenizer files saved beside the fla checkpoint copied along; a bad checkpoint is one error line, exit 1."""
+    from hybrid_linear_cli import convert as front_end
+    from model_helpers import word_tokenizer
+
+    model_type, overrides = CASES["kda_only"]
+    config = fla_config(model_type, **overrides)
+    src = write_fla_checkpoint(tmp_path / "fla", config, fla_tensors(config))
+    word_tokenizer(["the", "cat", "sat"]).save_pretrained(src)
+    code = front_end.main(["--from", "fla", "--to", "hf", str(src), str(tmp_path / "hf"), "--max-shard-size", "20kB"])
+    printed = capsys.readouterr().out
+    assert code == 0 and "from fla to hf" in printed and "No tokenizer" not in printed, printed
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    (src / "config.json").write_text(json.dumps({**config, "use_short_conv": "yes"}))
+    code = front_end.main(["--from", "fla", "--to", "hf", str(src), str(tmp_path / "hf2")])
+    error = capsys.readouterr().err
+    assert code == 1 and error.count("\n") == 1 and "use_short_conv should be true or false" in error, error
+
+
+def test_fla_output_matches_its_registration_and_force_replaces_it(tmp_path):
+    """What --to fla writes (one file or shards) is what its catalogue entry declares, so --force can replace it;
+    a folder holding anything else is left alone."""
+    from hybrid_linear_models.conversion import FORMATS
+
+    _, _, out = _convert(tmp_path, *CASES["gdn_ratio4"])
+    layout = FORMATS["fla"].output
+    dst = tmp_path / "dst"
+    for shard in ("5GB", "2kB"):
+        convert_checkpoint(out, dst, from_format="hf", to_format="fla", max_shard_size=shard, force=True)
+        names = [p.name for p in dst.iterdir()]
+        assert all(layout.writes(name) for name in names) and (dst / layout.marker).is_file(), names
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1  # the sharded output replaced the single file
+    (dst / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="notes.txt"):
+        convert_checkpoint(out, dst, from_format="hf", to_format="fla", force=True)
+    assert (dst / "notes.txt").read_text() == "mine"

@@ -30,8 +30,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...configuration_hybrid_linear import HybridLinearConfig
+from ...configuration_hybrid_linear import MIXER_FIELDS, HybridLinearConfig
 from ..errors import ConversionError
+from ..hf_layout import layer_config
 from ..pipeline import TensorCensus
 from ..untrusted import Fields, brief, clip
 
@@ -303,4 +304,110 @@ def fla_to_hybrid_config(data: Any, file: str, census: TensorCensus | None = Non
         raise ConversionError(f"{file} describes a model HybridLinearConfig rejects: {clip(str(error), 600)}") from None
 
 
-__all__ = ["MODEL_TYPES", "fla_to_hybrid_config", "model_type_of"]
+
+
+
+# -------------------------------------------------------------------------------------------- -> fla
+
+LAYER_TYPE_TO_MODEL = {layer_type: model_type for model_type, layer_type in MODEL_TYPES.items()}
+_ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+def _fla_problem(config: HybridLinearConfig) -> str | None:
+    """The first layer or setting of `config` that fla's gated_deltanet / kda models cannot express, or None."""
+    linear = [t for t in dict.fromkeys(config.layer_types) if t not in _ATTENTION_TYPES]
+    if not linear:
+        return "it has no gated_deltanet or kimi_delta_attention layer (fla's models are GDN or KDA models)"
+    if len(linear) > 1:
+        return (f"it mixes {linear[0]} and {linear[1]} layers (layer {config.layer_types.index(linear[1])}); an fla "
+                "model has one linear mixer type")
+    if config.zero_centered_norms:
+        return "zero_centered_norms=True (fla's RMSNorms are x_hat * w)"
+    flat_eps = config._getattr_without_heterogeneous_validation("rms_norm_eps")
+    first = config.layer_types.index(linear[0])
+    reference = layer_config(config, first)
+    for index, layer_type in enumerate(config.layer_types):
+        layer, where = layer_config(config, index), f"layer {index} ({layer_type})"
+        for field in ("intermediate_size", "rms_norm_eps"):
+            if getattr(layer, field) != getattr(reference, field):
+                return f"{where}: {field}={brief(getattr(layer, field))} differs from layer {first}'s (fla has one)"
+        if layer.hidden_act != "silu" or layer.mlp_bias:
+            return f"{where}: hidden_act={brief(layer.hidden_act)}, mlp_bias={layer.mlp_bias} (fla's MLP is SwiGLU)"
+        if layer.rms_norm_eps != flat_eps:
+            return f"{where}: rms_norm_eps={brief(layer.rms_norm_eps)}, the final norm's is {brief(flat_eps)}"
+        if layer_type in _ATTENTION_TYPES:
+            rope = layer.rope_parameters
+            if layer.attention_output_gate or layer.attention_qk_norm or layer.attention_bias:
+                return f"{where}: attention_output_gate, attention_qk_norm and attention_bias must be False for fla"
+            if rope.get("rope_type") != "default" or rope.get("partial_rotary_factor") != 1.0:
+                return f"{where}: rope_parameters={brief(rope)} (fla rotates the whole head, default rope)"
+            if layer.num_attention_heads * layer.head_dim != config.hidden_size:
+                return (f"{where}: num_attention_heads * head_dim = {layer.num_attention_heads * layer.head_dim}, "
+                        f"fla's attention has head_dim = hidden_size // heads = {config.hidden_size} in all")
+            continue
+        for field in MIXER_FIELDS[layer_type]:  # one fla setting for every linear layer
+            if getattr(layer, field) != getattr(reference, field):
+                return f"{where}: {field}={brief(getattr(layer, field))} differs from layer {first}'s (fla has one)"
+    if linear[0] == "gated_deltanet":
+        dk, dv = reference.gdn_key_head_dim, reference.gdn_value_head_dim
+        if int(dk * (dv / dk)) != dv:
+            return f"gdn_value_head_dim={dv} is not int(head_dim * expand_v) for any float expand_v"
+        if reference.gdn_norm_eps != flat_eps:
+            return f"gdn_norm_eps={brief(reference.gdn_norm_eps)} differs from rms_norm_eps (fla has one norm_eps)"
+    else:
+        if reference.kda_gate_activation != "sigmoid":
+            return f"kda_gate_activation={brief(reference.kda_gate_activation)} (fla's KDA output gate is sigmoid)"
+        if not reference.kda_gate_bias:
+            return "kda_gate_bias=False (fla's KDA g_proj.1 has a bias, and no weight is invented for it)"
+        if reference.kda_norm_eps != flat_eps:
+            return f"kda_norm_eps={brief(reference.kda_norm_eps)} differs from rms_norm_eps (fla has one norm_eps)"
+    return None
+
+
+def _attention_spec(layer: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
+    return {"num_heads": layer.num_attention_heads, "num_kv_heads": layer.num_key_value_heads, "qkv_bias": False,
+            "window_size": layer.sliding_window if layer_type == "sliding_attention" else None,
+            "rope_theta": float(layer.rope_parameters["rope_theta"])}
+
+
+def hybrid_config_to_fla(config: HybridLinearConfig) -> dict[str, Any]:
+    """fla's config.json for `config` (every field its config class writes), or a ConversionError naming the first
+    layer or setting fla cannot express."""
+    problem = _fla_problem(config)
+    if problem is not None:
+        raise ConversionError(f"this model cannot be written as an fla model: {problem}.")
+    linear_type = next(t for t in config.layer_types if t not in _ATTENTION_TYPES)
+    model_type = LAYER_TYPE_TO_MODEL[linear_type]
+    first = layer_config(config, config.layer_types.index(linear_type))
+    specs: dict[str, dict[str, Any]] = {}
+    for index, layer_type in enumerate(config.layer_types):
+        if layer_type in _ATTENTION_TYPES:
+            spec = _attention_spec(layer_config(config, index), layer_type)
+            specs.setdefault(repr(sorted(spec.items())), {"layers": [], **spec})["layers"].append(index)
+    attn = list(specs.values())
+    result: dict[str, Any] = {
+        "model_type": model_type, "attn_mode": "chunk", "hidden_size": config.hidden_size,
+        "use_short_conv": True, "allow_neg_eigval": False,
+        "max_position_embeddings": config.max_position_embeddings, "hidden_ratio": 4,
+        "intermediate_size": first.intermediate_size, "hidden_act": "swish",
+        "num_hidden_layers": config.num_hidden_layers,
+        "norm_eps": first.rms_norm_eps, "attn": None if not attn else attn[0] if len(attn) == 1 else attn,
+        "use_cache": config.use_cache, "pad_token_id": config.pad_token_id, "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id, "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": config.initializer_range, "fuse_norm": True, "fuse_swiglu": True,
+        "fuse_cross_entropy": True, "use_l2warp": False, "vocab_size": config.vocab_size, "attnres_block_size": None,
+    }
+    if model_type == "gated_deltanet":
+        result.update({"head_dim": first.gdn_key_head_dim, "num_heads": first.gdn_num_key_heads,
+                       "num_v_heads": first.gdn_num_value_heads,
+                       "expand_v": first.gdn_value_head_dim / first.gdn_key_head_dim, "use_gate": True,
+                       "conv_size": first.gdn_conv_kernel_size, "fuse_linear_cross_entropy": False,
+                       "output_gate_activation": "sigmoid" if first.gdn_gate_activation == "sigmoid" else "swish"})
+    else:
+        result.update({"head_dim": first.kda_head_dim, "num_heads": first.kda_num_heads, "num_v_heads": None,
+                       "expand_v": 1.0, "conv_size": first.kda_conv_kernel_size, "safe_gate": False,
+                       "lower_bound": None})
+    return result
+
+
+__all__ = ["MODEL_TYPES", "fla_to_hybrid_config", "hybrid_config_to_fla", "model_type_of"]
