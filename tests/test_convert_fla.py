@@ -17,11 +17,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from fuzz_strategies import FUZZ_SETTINGS, mutated
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models import HybridLinearForCausalLM
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.fla import read_fla
+from hybrid_linear_models.conversion.name_maps import build_hf_rows
+from hybrid_linear_models.conversion.pipeline import plan_conversion
 from numerics import assert_close
 
 # fla 0.6.0's config __init__ defaults (GatedDeltaNetConfig / KDAConfig), as its save_pretrained writes them
@@ -418,10 +423,14 @@ def test_other_model_types_and_files_are_refused(tmp_path):
     message = _refusal(tmp_path / "a", "gated_deltanet", GDN_SMALL,
                        config_edit=lambda c: c.update(model_type="qwen3_next"))
     assert "model_type 'qwen3_next'; --from fla reads fla's 'gated_deltanet' and 'kda'" in message
-    src = write_fla_checkpoint(tmp_path / "b", fla_config("kda", **KDA_CASES["kda_only"]), {})
-    (src / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # a header cut short
-    with pytest.raises(ConversionError):
+    config = fla_config("kda", **KDA_CASES["kda_only"])
+    src = write_fla_checkpoint(tmp_path / "b", config, fla_tensors(config))
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated: its header promises more
+    with pytest.raises(ConversionError) as caught:
         convert_checkpoint(src, tmp_path / "out", from_format="fla", to_format="hf")
+    assert "model.safetensors" in str(caught.value) and "\n" not in str(caught.value), caught.value
+    assert not (tmp_path / "out").exists()
     (src / "config.json").write_text("{" * 100_000)
     with pytest.raises(ConversionError, match="nests deeper"):
         read_fla(src)
@@ -527,3 +536,27 @@ def test_fla_output_matches_its_registration_and_force_replaces_it(tmp_path):
     with pytest.raises(ConversionError, match="notes.txt"):
         convert_checkpoint(out, dst, from_format="hf", to_format="fla", force=True)
     assert (dst / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------------------------------------ fuzzing
+
+
+@pytest.fixture(scope="module")
+def fla_folder(tmp_path_factory):
+    """A GDN checkpoint with attention layers (the richest config: attn specs, GVA, expand_v)."""
+    config = fla_config("gated_deltanet", **json.loads(json.dumps(GDN_CASES["gdn_attn_gva_expand"])))
+    return write_fla_checkpoint(tmp_path_factory.mktemp("fla") / "fla", config, fla_tensors(config)), config
+
+
+@settings(FUZZ_SETTINGS, max_examples=40)  # a conversion plan per example: 40 keep this file's time small
+@given(data=st.data())
+def test_fuzz_fla_config_json(fla_folder, data):
+    """A mutated config.json (a key dropped, a value replaced by a hostile one, a junk key): reading and planning
+    either succeed or raise one ConversionError line, within the deadline; never another exception."""
+    folder, config = fla_folder
+    (folder / "config.json").write_text(json.dumps(data.draw(mutated(config))), encoding="utf-8")
+    try:
+        source = read_fla(folder)
+        plan_conversion(source, build_hf_rows(source.config))
+    except ConversionError as error:
+        assert str(error) and "\n" not in str(error), str(error)

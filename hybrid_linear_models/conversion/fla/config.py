@@ -19,6 +19,10 @@ What fla 0.6.0's `GatedDeltaNetConfig` / `KDAConfig` and the modules they build 
   (fuse_norm), the math is the same. MLP: SwiGLU (hidden_act 'swish'), intermediate_size, or when null
   256 * ceil(int(hidden_size * hidden_ratio * 2/3) / 256) with hidden_ratio defaulting to 4, as fla's GatedMLP.
 
+fla's layers keep their recurrent state as [V, K] (`state_v_first=True`) where ours and the ops' default is [K, V]:
+that is a cache layout, never stored in a checkpoint, so nothing here converts it (the delta rule itself is the same
+map; the GPU test runs fla's own models beside ours).
+
 A field absent from config.json takes fla 0.6.0's default (what fla's own `from_pretrained` would build). Every field
 is mapped, checked against the one value our model supports, or known not to change the forward pass
 (`_IRRELEVANT`: kernel choices, fused training losses, transformers' bookkeeping and generation defaults); anything
@@ -89,7 +93,7 @@ class FlaFields(Fields):
 def model_type_of(fields: Fields) -> str:
     """config.json's model_type, which must be one of fla's models this converter reads."""
     model_type = fields.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ConversionError(f"{fields.file} has model_type {brief(model_type)}; --from fla reads fla's "
                               f"{' and '.join(repr(t) for t in MODEL_TYPES)} models (GatedDeltaNetForCausalLM, "
                               "KDAForCausalLM).")
@@ -259,8 +263,8 @@ def fla_to_hybrid_config(data: Any, file: str, census: TensorCensus | None = Non
         "attention_output_gate": False,
         "attention_qk_norm": False,
         "attention_bias": False,
-        "max_position_embeddings": fields.size("max_position_embeddings",
-                                               _SHARED_DEFAULTS["max_position_embeddings"]),
+        "max_position_embeddings": fields.integer("max_position_embeddings",
+                                                  _SHARED_DEFAULTS["max_position_embeddings"], minimum=1),
         "tie_word_embeddings": fields.boolean("tie_word_embeddings", False),
         "initializer_range": float(fields.number("initializer_range", _SHARED_DEFAULTS["initializer_range"])),
         "use_cache": fields.boolean("use_cache", True),
