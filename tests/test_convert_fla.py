@@ -270,8 +270,9 @@ GDN_CASES = {
                                 attn=[{"layers": [1], "num_heads": 4, "num_kv_heads": 2, "rope_theta": 500.0},
                                       {"layers": [3], "num_heads": 2, "window_size": 5}]),
     # no attention, value heads = key heads, fla's default expand_v 2, sigmoid output gate, tied embeddings,
-    # intermediate size from hidden_ratio
+    # intermediate size from hidden_ratio, and older fla's elementwise_affine key
     "gdn_tied_sigmoid": dict(TINY, num_hidden_layers=2, num_heads=2, head_dim=8, output_gate_activation="sigmoid",
+                             elementwise_affine=True,
                              tie_word_embeddings=True, intermediate_size=None, hidden_ratio=2, conv_size=3),
     # 4 value heads per key head, one attention layer at 0
     "gdn_ratio4": dict(TINY, num_hidden_layers=3, num_heads=1, num_v_heads=4, head_dim=8, expand_v=0.5,
@@ -362,6 +363,7 @@ UNSUPPORTED = [
     ("gated_deltanet", dict(allow_neg_eigval=True), "allow_neg_eigval = True"),
     ("gated_deltanet", dict(use_gate=False), "use_gate = False"),
     ("gated_deltanet", dict(attnres_block_size=2), "attnres_block_size = 2"),
+    ("gated_deltanet", dict(elementwise_affine=False), "elementwise_affine = False"),
     ("gated_deltanet", dict(hidden_act="powlu"), "hidden_act = 'powlu'"),
     ("gated_deltanet", dict(num_heads=2, num_v_heads=3), "num_v_heads = 3 is not a multiple of num_heads = 2"),
     ("gated_deltanet", dict(expand_v=0.3), "head_dim * expand_v = 8 * 0.3"),

@@ -247,6 +247,8 @@ def fla_to_hybrid_config(data: Any, file: str, census: TensorCensus | None = Non
     hidden_act = fields.string("hidden_act", "swish")
     if hidden_act != "swish":
         raise fields.refuse("hidden_act", hidden_act, "fla's GatedMLP with an activation other than 'swish' (SwiGLU)")
+    if not fields.boolean("elementwise_affine", True):  # older fla configs carry it; False: norms without weights
+        raise fields.refuse("elementwise_affine", False, "RMSNorms without a learned weight; ours always have one")
     attnres = fields.get("attnres_block_size")
     if attnres is not None:
         raise fields.refuse("attnres_block_size", attnres, "attention residuals mix earlier layers' outputs")
