@@ -87,6 +87,14 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         output=OutputLayout(marker="metadata.yaml", files=(r"metadata\.yaml", r"model_\d+\.safetensors")),
     ),
     FormatEntry(
+        "fla",
+        "fla's Hugging Face models: config.json with model_type gated_deltanet (attn layers too) or kda, safetensors",
+        read="fla.checkpoint:read_fla", target_rows="fla.checkpoint:fla_rows", write="fla.checkpoint:write_fla",
+        output=OutputLayout(marker="config.json", files=(r"config\.json", r"model\.safetensors",
+                                                         r"model-\d{5}-of-\d{5}\.safetensors",
+                                                         r"model\.safetensors\.index\.json")),
+    ),
+    FormatEntry(
         "fast_llm_distributed",
         "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
         read="fast_llm.distributed:read_fast_llm_distributed",

@@ -4,7 +4,8 @@
     g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)   (float32, one value per key channel)
     o = delta_rule(l2norm(q), l2norm(k), v, g, sigmoid(b_proj x));  out = o_proj(RMSNorm(o) * w * act(g_b(g_a(x))))
 
-act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`.
+act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`. fla's KDA gives g_b a bias
+(`kda_gate_bias`): act(g_b(g_a(x)) + bias).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32).uniform_(1, 16).log_())
         self.b_proj = nn.Linear(H, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(H, d, bias=False)
-        self.g_b_proj = nn.Linear(d, P, bias=False)
+        self.g_b_proj = nn.Linear(d, P, bias=config.kda_gate_bias)
         self.o_norm = GatedRMSNorm(d, config.kda_norm_eps, config.kda_gate_activation)
         self.o_proj = nn.Linear(P, H, bias=False)
         self._conv_weight = DerivedWeight()  # the three kernels side by side, as the flat [q | k | v] conv needs
@@ -107,6 +108,9 @@ register(MixerSpec(
             doc="activation of Kimi Delta Attention's output gate, 'sigmoid' (Kimi Linear) or 'silu' (Fast-LLM)."),
         "kda_norm_eps": ConfigField(kind="epsilon", default=None, default_from="rms_norm_eps",
                                     doc="epsilon of Kimi Delta Attention's gated RMSNorm."),
+        "kda_gate_bias": ConfigField(kind="bool", default=False,
+                                     doc="a bias in the output-gate projection g_b_proj (fla's g_proj.1 has one; Kimi "
+                                         "Linear's and Fast-LLM's have none)."),
     },
     module_class=HybridLinearKimiDeltaAttention, attribute="linear_attn", state="recurrent",
     parameter_count=_parameter_count, init_weights=_init_weights, cache_layer=LinearStateLayer,

@@ -175,9 +175,14 @@ def test_force_replaces_the_formats_own_output_sharded_with_tokenizer(tmp_path, 
 def test_each_writers_output_matches_its_registration(tmp_path):
     """The files each writer creates (one file or shards) are the ones its registration declares: --force can
     replace every folder the converter writes."""
+    source_config = FORMATS["fast_llm"].read(SRC).config
     for name, fmt in FORMATS.items():
         if not fmt.can_write:
             continue
+        try:
+            fmt.target_rows(source_config)
+        except ConversionError:  # a format that cannot express this source (fla: one linear mixer type per model)
+            continue  # checks its own output layout in its own tests (test_convert_fla.py)
         for shard in ("5GB", "100kB"):
             dst = tmp_path / f"{name}-{shard}"
             convert(dst, force=False, to_format=name, max_shard_size=shard)

@@ -9,7 +9,7 @@ config first with `bind(config)`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -156,9 +156,77 @@ class GdnKeyHeadGrouping(Converter):
         return RowPermutation(flat_to_grouped_order(key_heads, sizes))
 
 
+@dataclass(frozen=True)
+class ConcatRows(Converter):
+    """Several format tensors stacked along dim 0 make one canonical tensor (fla's separate q/k/v projections and
+    convolutions -> our fused ones); `rows`: each format tensor's row count, in order."""
+
+    rows: tuple[int, ...]
+
+    @property
+    def arity(self):
+        return (len(self.rows), 1)
+
+    def forward(self, tensors):
+        return [torch.cat(list(tensors), dim=0)]
+
+    def inverse(self, tensors):
+        return [part.contiguous() for part in torch.split(tensors[0], list(self.rows), dim=0)]
+
+    def forward_shapes(self, shapes):
+        if tuple(s[0] for s in shapes) != self.rows or len({tuple(s[1:]) for s in shapes}) > 1:
+            raise ValueError(f"shapes {[tuple(s) for s in shapes]} do not stack into rows {self.rows}")
+        return [(sum(self.rows), *shapes[0][1:])]
+
+    def inverse_shapes(self, shapes):
+        rows, *rest = shapes[0]
+        if rows != sum(self.rows):
+            raise ValueError(f"{rows} rows do not split into parts of {self.rows} rows")
+        return [(part, *rest) for part in self.rows]
+
+
+@dataclass(frozen=True)
+class Chain(Converter):
+    """`first`, then `then` (its canonical side is `then`'s format side): e.g. stack fla's projections, then group
+    the rows by GDN key head. Both are bound to the config together."""
+
+    first: Converter
+    then: Converter
+
+    @property
+    def arity(self):
+        return (self.first.arity[0], self.then.arity[1])
+
+    def bind(self, config: HybridLinearConfig) -> Chain:
+        return Chain(self.first.bind(config), self.then.bind(config))
+
+    def forward(self, tensors):
+        return self.then.forward(self.first.forward(tensors))
+
+    def inverse(self, tensors):
+        return self.first.inverse(self.then.inverse(tensors))
+
+    def forward_shapes(self, shapes):
+        return self.then.forward_shapes(self.first.forward_shapes(shapes))
+
+    def inverse_shapes(self, shapes):
+        return self.first.inverse_shapes(self.then.inverse_shapes(shapes))
+
+
+@dataclass(frozen=True)
+class ConfigDependent(Converter):
+    """A converter whose layout follows the config (row counts, head groupings): `build(config)` makes it when the
+    name map is bound to a layer's config."""
+
+    build: Callable[[HybridLinearConfig], Converter]
+
+    def bind(self, config: HybridLinearConfig) -> Converter:
+        return self.build(config).bind(config)
+
+
 IDENTITY = Identity()
 TRANSPOSE = Transpose()
 SPLIT_HALVES = SplitRows(2)
 
-__all__ = ["Converter", "Identity", "Transpose", "SplitRows", "RowPermutation", "GdnKeyHeadGrouping",
-           "flat_to_grouped_order", "IDENTITY", "TRANSPOSE", "SPLIT_HALVES"]
+__all__ = ["Converter", "Identity", "Transpose", "SplitRows", "RowPermutation", "GdnKeyHeadGrouping", "ConcatRows",
+           "Chain", "ConfigDependent", "flat_to_grouped_order", "IDENTITY", "TRANSPOSE", "SPLIT_HALVES"]

@@ -404,6 +404,8 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
         if layer.hidden_act not in ACTIVATION_FROM_HF:
             problems.append(f"{where}: hidden_act={brief(layer.hidden_act)} (Fast-LLM's gated MLP takes "
                             f"{', '.join(ACTIVATION_FROM_HF)})")
+        if config.layer_types[index] == "kimi_delta_attention" and layer.kda_gate_bias:
+            problems.append(f"{where}: kda_gate_bias=True (Fast-LLM's KDA output gate g_b has no bias)")
         if config.layer_types[index] not in ("full_attention", "sliding_attention"):
             continue
         if layer.attention_output_gate:
