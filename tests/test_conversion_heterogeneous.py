@@ -210,3 +210,40 @@ def test_sizes_beyond_the_stored_weights_are_refused_before_any_data_is_read():
     with pytest.raises(ConversionError, match=r"model\.layers\.0\.linear_attn\.q_proj\.weight of shape \[262144, "
                                               r"16384\].*more than the 1000000 weight elements"):
         check_tensor_sizes(config, TensorCensus(10**6), "x")
+
+
+@pytest.mark.parametrize("layer_type, settings", [
+    ("full_attention", {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "attention_bias": True,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                            "partial_rotary_factor": 1.0}}),
+    ("sliding_attention", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 7,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 1.0}}),
+    ("gated_deltanet", {"gdn_num_key_heads": 2, "gdn_num_value_heads": 6, "gdn_key_head_dim": 8,
+                        "gdn_value_head_dim": 12, "gdn_conv_kernel_size": 3, "gdn_norm_eps": 1e-6,
+                        "gdn_gate_activation": "sigmoid"}),
+    ("kimi_delta_attention", {"kda_num_heads": 3, "kda_head_dim": 8, "kda_conv_kernel_size": 2, "kda_norm_eps": 1e-4,
+                              "kda_gate_activation": "sigmoid"}),
+])
+def test_each_fast_llm_mixer_record_reads_back_what_it_writes(layer_type, settings):
+    """Each Fast-LLM mixer is one record (`mixers.py`): its writer's mixer config, read by its reader, gives back the
+    layer type and every one of the layer's mixer fields that the reader sets (all of MIXER_FIELDS except the
+    attention switches Fast-LLM's attention does not have, which are always off)."""
+    from hybrid_linear_models import HybridLinearConfig
+    from hybrid_linear_models.configuration_hybrid_linear import MIXER_FIELDS
+    from hybrid_linear_models.conversion.fast_llm.metadata_fields import MetadataFields
+    from hybrid_linear_models.conversion.fast_llm.mixers import FAST_LLM_MIXERS, mixer_of_layer_type
+
+    config = HybridLinearConfig(layer_types=[layer_type], hidden_size=32, vocab_size=16, intermediate_size=8,
+                                attention_output_gate=False, attention_qk_norm=False, **settings)
+    layer = config.per_layer_config[0]
+    record = mixer_of_layer_type(layer_type)
+    written = record.write(layer, layer_type)
+    assert FAST_LLM_MIXERS[written["type"]] is record
+    read_type, read = record.read(MetadataFields(written, "mixer"))
+    assert read_type == layer_type
+    assert set(read) <= set(MIXER_FIELDS[layer_type])
+    assert set(MIXER_FIELDS[layer_type]) - set(read) <= {"attention_output_gate", "attention_qk_norm",
+                                                         "sliding_window"}
+    assert read == {field: getattr(layer, field) for field in read}
+    assert {field: read[field] for field in settings} == settings  # the non-default values themselves
