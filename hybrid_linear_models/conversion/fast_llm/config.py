@@ -33,11 +33,15 @@ FAST_LLM_VERSION = "0.4.0"
 ACTIVATION_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu", "squared_relu": "relu2"}
 ACTIVATION_FROM_HF = {hf: fast_llm for fast_llm, hf in ACTIVATION_TO_HF.items()}
 
-_BLOCK_FIELDS = ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps")  # the MLP and norms; each checked alone
+# The block's own fields (MLP and norms; each checked alone) -> the Fast-LLM key each comes from, under the block.
+_BLOCK_FIELD_SOURCES = {"intermediate_size": "mlp.intermediate_size", "hidden_act": "mlp.activation",
+                        "mlp_bias": "mlp.add_linear_biases", "rms_norm_eps": "normalization.epsilon"}
+_BLOCK_FIELDS = tuple(_BLOCK_FIELD_SOURCES)
 
 
-def _mixer_settings(mixer: MetadataFields) -> tuple[str, str, dict[str, Any], dict[str, str]]:
-    """(Fast-LLM mixer type, our layer type, our fields, each field's defaults group) of one block's mixer."""
+def _mixer_settings(mixer: MetadataFields) -> tuple[str, str, dict[str, Any], dict[str, str], dict[str, str]]:
+    """(Fast-LLM mixer type, our layer type, our fields, each field's defaults group, each field's Fast-LLM key) of
+    one block's mixer."""
     mixer_type = mixer.string("type", "attention")
     record = FAST_LLM_MIXERS.get(mixer_type)
     if record is None:
@@ -47,12 +51,13 @@ def _mixer_settings(mixer: MetadataFields) -> tuple[str, str, dict[str, Any], di
             f"supports {', '.join(sorted(FAST_LLM_MIXERS))} ({kinds})."
         )
     layer_type, settings = record.read(mixer)
-    return mixer_type, layer_type, settings, {field: record.field_group(field) for field in settings}
+    return (mixer_type, layer_type, settings, {field: record.field_group(field) for field in settings},
+            {field: record.field_sources.get(field, "mixer") for field in settings})
 
 
 def _block_settings(block: MetadataFields) -> dict[str, Any]:
     block.expect("type", ("decoder", None), None, "the block type")
-    mixer_type, layer_type, settings, groups = _mixer_settings(block.sub("mixer"))
+    mixer_type, layer_type, settings, groups, sources = _mixer_settings(block.sub("mixer"))
     mlp = block.sub("mlp")
     mlp.expect("type", ("mlp", None), None, "mixture-of-experts or other MLP types")
     mlp.expect("gated", (True,), False, "a non-gated MLP")
@@ -67,9 +72,10 @@ def _block_settings(block: MetadataFields) -> dict[str, Any]:
     norm.sub("weight").finish()
     norm.finish()
     block.finish()
-    return {"mixer_type": mixer_type, "layer_type": layer_type,
+    return {"mixer_type": mixer_type, "layer_type": layer_type, "path": block.path,
             "fields": {**settings, **block_fields},  # every per-layer field of HybridLinearConfig it sets
-            "groups": {**groups, **{field: field for field in block_fields}}}
+            "groups": {**groups, **{field: field for field in block_fields}},
+            "sources": {**sources, **{field: _BLOCK_FIELD_SOURCES[field] for field in block_fields}}}
 
 
 def _num_blocks(decoder: MetadataFields) -> int:
@@ -129,13 +135,38 @@ def _defaults_and_overrides(layers: list[tuple[str, dict[str, Any]]], fixed: dic
     return defaults, overrides
 
 
-def _config_error(error: Exception, layers: list[tuple[str, dict[str, Any]]]) -> ConversionError:
-    """HybridLinearConfig's message, with the Fast-LLM block of the layer it names."""
-    message = clip(str(error), 600)  # long enough for a per-layer message with its field names
-    match = re.search(r"per_layer_config\[(\d+)\]", message)
-    if match and int(match.group(1)) < len(layers):
-        message += f" (layer {match.group(1)} is Fast-LLM block {brief(layers[int(match.group(1))][0])})"
-    return ConversionError(f"metadata.yaml describes a model HybridLinearConfig rejects: {message}")
+def _block_alone_error(block: dict[str, Any], shared: dict[str, Any]) -> str | None:
+    """HybridLinearConfig's objection to one block's settings alone (a one-layer model), or None."""
+    try:
+        HybridLinearConfig(**shared, **block["fields"], layer_types=[block["layer_type"]])
+    except (ValueError, TypeError) as error:
+        return str(error).removeprefix("Invalid HybridLinearConfig: ")
+    return None
+
+
+def _config_error(error: Exception, layers: list[tuple[str, dict[str, Any]]], shared: dict[str, Any]
+                  ) -> ConversionError:
+    """HybridLinearConfig's message, naming the Fast-LLM block at fault and the Fast-LLM keys of the fields it names.
+    A flat field's message does not say which layer its value came from (the flat fields are the defaults most
+    blocks share), so each distinct block is first checked alone; failing that, a per-layer message names the layer."""
+    for index, (name, block) in enumerate(layers):
+        if any(other[1] is block for other in layers[:index]):
+            continue  # a block repeated by the pattern: checked once
+        message = _block_alone_error(block, shared)
+        if message is not None:
+            break
+    else:
+        message = str(error)
+        match = re.search(r"per_layer_config\[(\d+)\]", message)
+        if not (match and int(match.group(1)) < len(layers)):
+            return ConversionError(f"metadata.yaml describes a model HybridLinearConfig rejects: {clip(message, 600)}")
+        index = int(match.group(1))
+        block = layers[index][1]
+    named = [f"{field} is {block['path']}.{source}" for field, source in block["sources"].items()
+             if re.search(rf"\b{field}\b", message)]
+    return ConversionError(f"metadata.yaml: Fast-LLM block {block['path']} (layer {index}) describes a layer "
+                           f"HybridLinearConfig rejects: {clip(message, 600).rstrip('.')}"
+                           + (f" ({'; '.join(named)})" if named else "") + ".")
 
 
 def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str = "",
@@ -191,7 +222,20 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     try:
         return HybridLinearConfig(**kwargs)
     except (ValueError, TypeError) as error:
-        raise _config_error(error, layers) from None
+        shared = {field: kwargs[field] for field in ("vocab_size", "hidden_size", "tie_word_embeddings",
+                                                      "zero_centered_norms", "attention_output_gate",
+                                                      "attention_qk_norm")}
+        raise _config_error(error, layers, shared) from None
+
+
+def block_path(base_model: Mapping[str, Any], index: int) -> str:
+    """The dotted path of the Fast-LLM block of layer `index`, in a `config.base_model` that
+    `fast_llm_to_hybrid_config` has read (so its decoder is known to be well formed)."""
+    decoder = base_model["decoder"]
+    if decoder.get("type", "fixed") == "fixed":
+        return "config.base_model.decoder.block"
+    pattern = decoder["pattern"]
+    return f"config.base_model.decoder.blocks.{clip(pattern[index % len(pattern)], 100)}"
 
 
 # The HybridLinearConfig fields a Fast-LLM metadata.yaml carries, by the layer types that use them; the others
@@ -280,6 +324,6 @@ def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
     }
 
 
-__all__ = ["fast_llm_to_hybrid_config", "hybrid_config_to_fast_llm", "fast_llm_carried_fields",
+__all__ = ["fast_llm_to_hybrid_config", "hybrid_config_to_fast_llm", "block_path", "fast_llm_carried_fields",
            "fast_llm_carried_layer_fields", "FAST_LLM_VERSION",
            "ACTIVATION_TO_HF", "ACTIVATION_FROM_HF"]

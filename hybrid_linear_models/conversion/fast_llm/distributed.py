@@ -37,7 +37,7 @@ from ..pipeline import SourceCheckpoint, TensorCensus
 from ..safetensors_io import SafetensorsFile, TensorInfo
 from ..untrusted import Fields, brief, matches
 from .checkpoint import WEIGHTS_SHARD, load_metadata
-from .config import fast_llm_to_hybrid_config
+from .config import block_path, fast_llm_to_hybrid_config
 from .mixers import mixer_of_layer_type
 from .parameters import (
     EMBEDDINGS_PARAMETERS,
@@ -51,13 +51,13 @@ from .parameters import (
 STAGE_PAD = 32
 
 
-def _check_verified(config: HybridLinearConfig) -> None:
+def _check_verified(config: HybridLinearConfig, base_model: dict) -> None:
     for index in distinct_layers(config).values():
         layer_type = config.layer_types[index]
         reason = mixer_of_layer_type(layer_type).distributed_unverified(layer_config(config, index))
         if reason is not None:
-            raise ConversionError(f"layer {index}: {reason}; save the checkpoint in Fast-LLM's `fast_llm` format and "
-                                  "convert that.")
+            raise ConversionError(f"metadata.yaml: Fast-LLM block {block_path(base_model, index)} (layer {index}): "
+                                  f"{reason}; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
 
 
 def _stage_order(parameters: list[Parameter], prefix: str, config: HybridLinearConfig) -> list[str]:
@@ -151,7 +151,7 @@ def read_fast_llm_distributed(path: Path) -> SourceCheckpoint:
         raise ConversionError(f"{file.path}: {buffer} has shape {list(info.shape)}, but the config in metadata.yaml "
                               f"implies [{expected}]. The config does not match the weights, or the checkpoint was "
                               "saved with a parallel layout; save it in the `fast_llm` format instead.")
-    _check_verified(config)
+    _check_verified(config, metadata["config"]["base_model"])
     rows = build_fast_llm_rows(config)
     shapes = _format_shapes(config, rows)
     slices: dict[str, tuple[int, tuple[int, ...]]] = {}

@@ -65,16 +65,16 @@ class MetadataFields(Fields):
             )
 
 
-def check_no_bias(layer: MetadataFields, default_enabled: bool) -> None:
-    """A linear/conv sub-config (`query_layer`, `layer_1`, ...): no bias, nothing else that changes the math."""
+def check_no_bias(layer: MetadataFields) -> None:
+    """A GDN/KDA linear or convolution sub-config (`qkv_projection_layer`, `convolution_layer`, ...), whose bias
+    Fast-LLM leaves off unless `bias.enabled` says otherwise: no bias, nothing else that changes the math."""
     bias = layer.sub("bias")
     enabled = bias.boolean("enabled", None)
     bias.finish()
-    if enabled or (enabled is None and default_enabled):
-        origin = f"{bias.path}.enabled" if enabled else "add_linear_biases, which Fast-LLM defaults to true"
-        raise ConversionError(f"metadata.yaml: {layer.path} has a bias (from {origin}); HybridLinearConfig cannot "
-                              "express biases in this layer, so only bias-free models convert (a model trained "
-                              "without biases should say add_linear_biases: false).")
+    if enabled:
+        raise ConversionError(f"metadata.yaml: {layer.path} has a bias ({bias.where('enabled')} is true); the same "
+                              "layer of HybridLinearConfig's mixer has none (nor do Qwen3-Next's and Kimi's), so only "
+                              "a model trained without this bias converts.")
     weight = layer.sub("weight")
     weight.finish()
     layer.finish()
@@ -83,7 +83,7 @@ def check_no_bias(layer: MetadataFields, default_enabled: bool) -> None:
 def linear_layers_without_bias(mixer: MetadataFields, names: tuple[str, ...]) -> None:
     """The linear layers `names` of a GDN/KDA mixer: Fast-LLM gives them no bias unless `bias.enabled` says so."""
     for name in names:
-        check_no_bias(mixer.sub(name), default_enabled=False)
+        check_no_bias(mixer.sub(name))
 
 
 def shared_bias(module: MetadataFields, names: tuple[str, ...], field: str) -> bool:
@@ -113,7 +113,7 @@ def convolution(mixer: MetadataFields) -> int:
     conv = mixer.sub("convolution_layer")
     kernel = conv.size("kernel_size", DEFAULT_CONV_KERNEL)
     conv.expect("activation", ("silu", None), None, "the short convolution's activation")
-    check_no_bias(conv, default_enabled=False)
+    check_no_bias(conv)
     return kernel
 
 

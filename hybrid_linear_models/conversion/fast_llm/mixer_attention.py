@@ -99,6 +99,9 @@ ATTENTION = register(FastLlmMixer(
     read=read,
     write=write,
     parameters=PARAMETERS,
+    field_sources={"num_attention_heads": "mixer.heads", "num_key_value_heads": "mixer.head_groups",
+                   "head_dim": "mixer.head_size", "rope_parameters": "mixer.rotary.theta",
+                   "attention_bias": "mixer.add_linear_biases", "sliding_window": "mixer.window_size"},
     unsupported=unsupported,
     checked_alone=("sliding_window",),  # only sliding layers have one
     # what a model gets when no layer sets them, and what Fast-LLM's attention always is

@@ -45,7 +45,8 @@ def write(layer: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
 
 def distributed_unverified(layer: HybridLinearConfig) -> str | None:
     if min(layer.gdn_num_key_heads, layer.gdn_num_value_heads) == 1:
-        return "the distributed layout of a Gated DeltaNet mixer with a single key or value head is not verified"
+        return ("mixer.key_heads or mixer.value_heads is 1, and the distributed layout of a Gated DeltaNet mixer with "
+                "a single key or value head is not verified")
     return None
 
 
@@ -69,6 +70,15 @@ GATED_DELTANET = register(FastLlmMixer(
     read=read,
     write=write,
     parameters=PARAMETERS,
+    field_sources={
+        "gdn_num_key_heads": "mixer.key_heads",
+        "gdn_num_value_heads": "mixer.value_heads",
+        "gdn_key_head_dim": "mixer.key_head_dim",
+        "gdn_value_head_dim": "mixer.value_head_dim",
+        "gdn_conv_kernel_size": "mixer.convolution_layer.kernel_size",
+        "gdn_norm_eps": "mixer.normalization.epsilon",
+        "gdn_gate_activation": "mixer.normalization.activation",
+    },
     distributed_unverified=distributed_unverified,
 ))
 

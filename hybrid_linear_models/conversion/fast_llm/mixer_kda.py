@@ -39,7 +39,8 @@ def write(layer: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
 
 def distributed_unverified(layer: HybridLinearConfig) -> str | None:
     if layer.kda_num_heads == 1:
-        return "the distributed layout of a Kimi Delta Attention mixer with a single head is not verified"
+        return ("mixer.heads is 1, and the distributed layout of a Kimi Delta Attention mixer with a single head is "
+                "not verified")
     return None
 
 
@@ -65,6 +66,13 @@ KIMI_DELTA = register(FastLlmMixer(
     read=read,
     write=write,
     parameters=PARAMETERS,
+    field_sources={
+        "kda_num_heads": "mixer.heads",
+        "kda_head_dim": "mixer.head_dim",
+        "kda_conv_kernel_size": "mixer.convolution_layer.kernel_size",
+        "kda_norm_eps": "mixer.normalization.epsilon",
+        "kda_gate_activation": "mixer.normalization.activation",
+    },
     distributed_unverified=distributed_unverified,
 ))
 

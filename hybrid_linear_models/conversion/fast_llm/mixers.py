@@ -39,12 +39,15 @@ class FastLlmMixer:
     read: Callable[[MetadataFields], tuple[str, dict[str, Any]]]
     write: Callable[[HybridLinearConfig, str], dict[str, Any]]  # (a layer's resolved config, its type) -> mixer config
     parameters: tuple[Parameter, ...]  # under `decoder.{i}.`, in Fast-LLM's definition order
+    # each of our fields its reader sets -> the Fast-LLM key it comes from, under the block (for messages)
+    field_sources: Mapping[str, str] = field(default_factory=dict)
     # a layer's settings that Fast-LLM's mixer cannot express, one phrase each (the writer refuses them)
     unsupported: Callable[[HybridLinearConfig], list[str]] = _nothing
     # Fields whose default (the flat config value) is chosen alone; the mixer's other fields take theirs together,
     # from one and the same layer, so that the defaults are themselves a valid setting (heads and KV heads, ...).
     checked_alone: tuple[str, ...] = ()
-    # why the `distributed` layout of a layer's settings is not verified (the reader refuses it), or None
+    # why the `distributed` layout of a layer's settings is not verified (the reader refuses it), naming the
+    # Fast-LLM key under the block ("mixer.heads is 1, and ..."), or None
     distributed_unverified: Callable[[HybridLinearConfig], str | None] = _verified
     # model-wide fields a model read from Fast-LLM gets unless its layers set them: the values when no layer has
     # this mixer, and settings our mixer has but Fast-LLM's lacks (always off)
