@@ -15,7 +15,6 @@ from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 from hybrid_linear_models.conversion.errors import ConversionError
-from hybrid_linear_models.conversion.fast_llm.config import ACTIVATION_TO_HF
 from hybrid_linear_models.conversion.fast_llm.metadata_fields import MetadataFields
 from hybrid_linear_models.conversion.fast_llm.mlp_moe import StackedExperts, read
 
@@ -96,8 +95,7 @@ _MOE = {"type": "moe", "experts": 8, "experts_per_token": 2, "intermediate_size"
 
 
 def test_the_moe_config_maps_to_our_sparse_moe_fields():
-    mlp_type, fields = read(MetadataFields(dict(_MOE), BLOCK), ACTIVATION_TO_HF)
-    assert mlp_type == "sparse_moe"
+    fields = read(MetadataFields(dict(_MOE), BLOCK))
     assert fields == {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                       "shared_expert_intermediate_size": 0, "norm_topk_prob": True, "hidden_act": "silu"}
 
@@ -121,6 +119,40 @@ def test_moe_settings_ours_cannot_express_are_refused_naming_block_and_field(edi
     mlp = {**_MOE, **edit}
     mlp = {key: value for key, value in mlp.items() if value is not None}
     with pytest.raises(ConversionError) as caught:
-        read(MetadataFields(mlp, BLOCK), ACTIVATION_TO_HF)
+        read(MetadataFields(mlp, BLOCK))
     for fragment in fragments:
         assert fragment in str(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize("record, layer", [
+    ("dense", {"intermediate_size": 48, "hidden_act": "gelu_pytorch_tanh", "mlp_bias": True}),
+    ("sparse_moe", {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 12,
+                    "shared_expert_intermediate_size": 0, "norm_topk_prob": True, "hidden_act": "relu2"}),
+])
+def test_each_fast_llm_mlp_record_reads_back_what_it_writes(record, layer):
+    """Each Fast-LLM MLP is one record (mlps.py): its writer's mlp config, read by its reader, gives back every field
+    it carries."""
+    from types import SimpleNamespace
+
+    from hybrid_linear_models.conversion.fast_llm.mlp_dense import DENSE_MLP
+    from hybrid_linear_models.conversion.fast_llm.mlp_moe import SPARSE_MOE_MLP
+
+    mlp = {"dense": DENSE_MLP, "sparse_moe": SPARSE_MOE_MLP}[record]
+    settings = SimpleNamespace(**layer)
+    assert mlp.unsupported(settings) == []
+    written = mlp.write(settings)
+    assert written["type"] == mlp.type_name
+    assert mlp.read(MetadataFields(written, BLOCK)) == layer
+    assert set(mlp.fields) == set(layer) and set(mlp.field_sources) <= set(layer)
+
+
+def test_what_fast_llm_moe_cannot_express_is_refused_when_writing():
+    from types import SimpleNamespace
+
+    from hybrid_linear_models.conversion.fast_llm.mlp_moe import unsupported
+
+    layer = SimpleNamespace(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, hidden_act="silu",
+                            shared_expert_intermediate_size=16, norm_topk_prob=False)
+    problems = unsupported(layer)
+    assert any("norm_topk_prob=False" in p for p in problems)
+    assert any("shared_expert_intermediate_size=16" in p and "sigmoid-gated" in p for p in problems)

@@ -1,8 +1,9 @@
 """Everything this project knows about Fast-LLM, in one place:
 
 - `mixers.py`: one record per Fast-LLM mixer type (`mixer_attention.py`, `mixer_gdn.py`, `mixer_kda.py`): its layer
-  types, config reader and writer, parameter table; the rest reads this table;
-- `parameters.py`: Fast-LLM's parameters of the other modules (embeddings, block norms, MLP, head; `Parameter` in
+  types, config reader and writer, parameter table; the rest reads this table; `mlps.py` the same for the block's
+  MLP (`mlp_dense.py`; `mlp_moe.py`: Fast-LLM's MoE against our sparse MoE, its layout and what is refused);
+- `parameters.py`: Fast-LLM's parameters of the other modules (embeddings, block norms, head; `Parameter` in
   `parameter_spec.py`), written once, serving the name map of both readers and the writer and the `distributed`
   buffer order;
 - `config.py`: Fast-LLM's model config (metadata.yaml `config.base_model`) <-> `HybridLinearConfig`, through

@@ -23,20 +23,13 @@ from ..errors import ConversionError
 from ..hf_layout import distinct_layers, layer_config, layer_settings
 from ..pipeline import TensorCensus
 from ..untrusted import brief, clip
-from .metadata_fields import DEFAULT_NORM_EPS, MetadataFields, shared_bias
+from .metadata_fields import DEFAULT_NORM_EPS, MetadataFields
 from .mixers import FAST_LLM_MIXERS, mixer_of_layer_type
+from .mlps import ACTIVATION_FROM_HF, ACTIVATION_TO_HF, FAST_LLM_MLPS, mlp_of_type, our_mlp_type
 
 FAST_LLM_VERSION = "0.4.0"
 
-# Fast-LLM's MLP activations and the transformers (ACT2FN) names of the same functions (Fast-LLM's own HF export
-# table: its gelu is the tanh approximation).
-ACTIVATION_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu", "squared_relu": "relu2"}
-ACTIVATION_FROM_HF = {hf: fast_llm for fast_llm, hf in ACTIVATION_TO_HF.items()}
-
-# The block's own fields (MLP and norms; each checked alone) -> the Fast-LLM key each comes from, under the block.
-_BLOCK_FIELD_SOURCES = {"intermediate_size": "mlp.intermediate_size", "hidden_act": "mlp.activation",
-                        "mlp_bias": "mlp.add_linear_biases", "rms_norm_eps": "normalization.epsilon"}
-_BLOCK_FIELDS = tuple(_BLOCK_FIELD_SOURCES)
+_NORM_SOURCE = "normalization.epsilon"  # rms_norm_eps: the block norms' epsilon (checked alone)
 
 
 def _mixer_settings(mixer: MetadataFields) -> tuple[str, str, dict[str, Any], dict[str, str], dict[str, str]]:
@@ -55,27 +48,33 @@ def _mixer_settings(mixer: MetadataFields) -> tuple[str, str, dict[str, Any], di
             {field: record.field_sources.get(field, "mixer") for field in settings})
 
 
+def _mlp_settings(mlp: MetadataFields) -> tuple[str, dict[str, Any], dict[str, str], dict[str, str]]:
+    """(our MLP type, our fields, each field's defaults group, each field's Fast-LLM key) of one block's MLP."""
+    mlp_type = mlp.string("type", "mlp")
+    record = FAST_LLM_MLPS.get(mlp_type)
+    if record is None:
+        raise ConversionError(f"metadata.yaml: {mlp.where('type')} = {brief(mlp_type)} is not supported; this "
+                              f"converter reads the MLP types {', '.join(sorted(FAST_LLM_MLPS))}.")
+    fields = record.read(mlp)
+    return (record.mlp_type, fields, {name: record.field_group(name) for name in fields},
+            {name: record.field_sources[name] for name in fields})
+
+
 def _block_settings(block: MetadataFields) -> dict[str, Any]:
     block.expect("type", ("decoder", None), None, "the block type")
     mixer_type, layer_type, settings, groups, sources = _mixer_settings(block.sub("mixer"))
-    mlp = block.sub("mlp")
-    mlp.expect("type", ("mlp", None), None, "mixture-of-experts or other MLP types")
-    mlp.expect("gated", (True,), False, "a non-gated MLP")
-    activation = mlp.name("activation", tuple(ACTIVATION_TO_HF), "silu")
-    block_fields = {"intermediate_size": mlp.size("intermediate_size"), "hidden_act": ACTIVATION_TO_HF[activation],
-                    "mlp_bias": shared_bias(mlp, ("layer_1", "layer_2"), "mlp_bias")}
-    mlp.finish()
+    mlp_type, mlp_fields, mlp_groups, mlp_sources = _mlp_settings(block.sub("mlp"))
     norm = block.sub("normalization")
     norm.expect("type", ("rms_norm",), None, "the block norm must be RMSNorm; Fast-LLM's default is LayerNorm")
     norm.expect("zero_centered", (False,), False, "zero-centred norms")
-    block_fields["rms_norm_eps"] = float(norm.number("epsilon", DEFAULT_NORM_EPS, positive=True))
+    eps = float(norm.number("epsilon", DEFAULT_NORM_EPS, positive=True))
     norm.sub("weight").finish()
     norm.finish()
     block.finish()
-    return {"mixer_type": mixer_type, "layer_type": layer_type, "path": block.path,
-            "fields": {**settings, **block_fields},  # every per-layer field of HybridLinearConfig it sets
-            "groups": {**groups, **{field: field for field in block_fields}},
-            "sources": {**sources, **{field: _BLOCK_FIELD_SOURCES[field] for field in block_fields}}}
+    return {"mixer_type": mixer_type, "layer_type": layer_type, "mlp_type": mlp_type, "path": block.path,
+            "fields": {**settings, **mlp_fields, "rms_norm_eps": eps},  # every per-layer field of ours it sets
+            "groups": {**groups, **mlp_groups, "rms_norm_eps": "rms_norm_eps"},
+            "sources": {**sources, **mlp_sources, "rms_norm_eps": _NORM_SOURCE}}
 
 
 def _num_blocks(decoder: MetadataFields) -> int:
@@ -116,22 +115,25 @@ def _defaults_and_overrides(layers: list[tuple[str, dict[str, Any]]], fixed: dic
     """The flat fields and, per layer, the fields where it differs from them: HybridLinearConfig's defaults plus
     `per_layer_config`. Each group of related fields takes the setting most layers have (ties: the first layer's);
     `fixed` fields are given."""
-    counts: dict[str, dict[str, list]] = {}  # group -> repr(setting) -> [setting, layers with it]
+    # Layers of one block share its settings: each distinct block is grouped once, weighted by its layer count
+    # (a pattern of a few blocks repeated over thousands of layers costs a few blocks' work).
+    layer_count: dict[int, list] = {}  # id(block) -> [block, layers with it], in order of first appearance
     for _, block in layers:
+        layer_count.setdefault(id(block), [block, 0])[1] += 1
+    counts: dict[str, dict[str, list]] = {}  # group -> repr(setting) -> [setting, layers with it]
+    for block, count in layer_count.values():
         groups: dict[str, dict[str, Any]] = {}
         for field, value in block["fields"].items():
             groups.setdefault(block["groups"][field], {})[field] = value
         for group, setting in groups.items():
-            counts.setdefault(group, {}).setdefault(repr(sorted(setting.items())), [setting, 0])[1] += 1
+            counts.setdefault(group, {}).setdefault(repr(sorted(setting.items())), [setting, 0])[1] += count
     defaults: dict[str, Any] = {}
     for settings in counts.values():
         defaults.update(max(settings.values(), key=lambda entry: entry[1])[0])
     defaults.update(fixed)
-    overrides = {}
-    for index, (_, block) in enumerate(layers):
-        differing = {field: value for field, value in block["fields"].items() if value != defaults[field]}
-        if differing:
-            overrides[index] = differing
+    differing = {key: {field: value for field, value in block["fields"].items() if value != defaults[field]}
+                 for key, (block, _) in layer_count.items()}
+    overrides = {index: dict(differing[id(block)]) for index, (_, block) in enumerate(layers) if differing[id(block)]}
     return defaults, overrides
 
 
@@ -251,9 +253,11 @@ def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
     return list(_CARRIED_ALWAYS)
 
 
-def fast_llm_carried_layer_fields(layer_type: str) -> tuple[str, ...]:
-    """The fields of one layer's resolved config that Fast-LLM's block of that layer expresses."""
-    return tuple(MIXER_FIELDS[layer_type]) + _BLOCK_FIELDS
+def fast_llm_carried_layer_fields(config: HybridLinearConfig, index: int) -> tuple[str, ...]:
+    """The fields of layer `index`'s resolved config that Fast-LLM's block of that layer expresses: its mixer's
+    (the config's own MIXER_FIELDS), its MLP's and the block norms' epsilon."""
+    mlp = mlp_of_type(our_mlp_type(config, index))
+    return tuple(MIXER_FIELDS[config.layer_types[index]]) + (mlp.fields if mlp else ()) + ("rms_norm_eps",)
 
 
 # -------------------------------------------------------------------------------------------- -> Fast-LLM
@@ -265,15 +269,17 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
         problems.append("zero_centered_norms=True (Fast-LLM's RMSNorm is x_hat * w)")
     for index in distinct_layers(config).values():
         layer, layer_type = layer_config(config, index), config.layer_types[index]
+        mlp_type = our_mlp_type(config, index)
         where = f"layer {index} ({layer_type})"
-        if layer.hidden_act not in ACTIVATION_FROM_HF:
-            problems.append(f"{where}: hidden_act={brief(layer.hidden_act)} (Fast-LLM's gated MLP takes "
-                            f"{', '.join(ACTIVATION_FROM_HF)})")
-        mixer = mixer_of_layer_type(layer_type)
+        mixer, mlp = mixer_of_layer_type(layer_type), mlp_of_type(mlp_type)
         if mixer is None:
             problems.append(f"{where}: Fast-LLM has no mixer for this layer type")
-            continue
-        problems += [f"{where}: {problem}" for problem in mixer.unsupported(layer)]
+        else:
+            problems += [f"{where}: {problem}" for problem in mixer.unsupported(layer)]
+        if mlp is None:
+            problems.append(f"layer {index} (mlp type {mlp_type}): Fast-LLM has no MLP of this type")
+        else:
+            problems += [f"{where}: {problem}" for problem in mlp.unsupported(layer)]
     return problems
 
 
@@ -307,8 +313,7 @@ def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
         blocks[names[setting]] = {
             "type": "decoder",
             "mixer": mixer_of_layer_type(config.layer_types[index]).write(layer, config.layer_types[index]),
-            "mlp": {"type": "mlp", "intermediate_size": layer.intermediate_size, "gated": True,
-                    "activation": ACTIVATION_FROM_HF[layer.hidden_act], "add_linear_biases": bool(layer.mlp_bias)},
+            "mlp": mlp_of_type(our_mlp_type(config, index)).write(layer),
             "normalization": _norm(layer.rms_norm_eps),
         }
     return {

@@ -70,8 +70,8 @@ def _stage_order(parameters: list[Parameter], prefix: str, config: HybridLinearC
 def stage_layout(config: HybridLinearConfig) -> list[list[str]]:
     """Parameter names per stage, in buffer order; each block's flags follow that block's own settings."""
     stages = [_stage_order(list(EMBEDDINGS_PARAMETERS), "", config)]
-    for index, layer_type in enumerate(config.layer_types):
-        stages.append(_stage_order(list(block_definition_order(layer_type)), block_prefix(index),
+    for index in range(len(config.layer_types)):
+        stages.append(_stage_order(list(block_definition_order(config, index)), block_prefix(index),
                                    layer_config(config, index)))
     stages.append(_stage_order(list(HEAD_PARAMETERS), "", config))
     return stages

@@ -59,7 +59,9 @@ import torch
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..converters import IDENTITY, Converter, Shape
 from ..errors import ConversionError
+from ..untrusted import brief
 from .metadata_fields import MetadataFields
+from .mlps import ACTIVATION_FROM_HF, ACTIVATION_TO_HF, FastLlmMlp
 from .parameter_spec import NEVER, Parameter
 
 MOE_TYPE = "moe"  # Fast-LLM's `mlp.type`
@@ -110,7 +112,8 @@ PARAMETERS = (
 
 # our per-layer fields -> the Fast-LLM key each comes from, under the block (for messages)
 FIELD_SOURCES = {"num_experts": "mlp.experts", "num_experts_per_tok": "mlp.experts_per_token",
-                 "moe_intermediate_size": "mlp.intermediate_size", "hidden_act": "mlp.activation"}
+                 "moe_intermediate_size": "mlp.intermediate_size", "hidden_act": "mlp.activation",
+                 "shared_expert_intermediate_size": "mlp.shared_experts", "norm_topk_prob": "mlp.routing"}
 
 
 def _absent_or_disabled(mlp: MetadataFields, name: str, meaning: str) -> None:
@@ -120,9 +123,8 @@ def _absent_or_disabled(mlp: MetadataFields, name: str, meaning: str) -> None:
     parameter.finish()
 
 
-def read(mlp: MetadataFields, activations: dict[str, str]) -> tuple[str, dict[str, Any]]:
-    """Fast-LLM's `moe` MLP config -> ("sparse_moe", our per-layer fields); `activations` maps Fast-LLM's activation
-    names to ours (the dense MLP's table)."""
+def read(mlp: MetadataFields) -> dict[str, Any]:
+    """Fast-LLM's `moe` MLP config -> our per-layer fields of a "sparse_moe" layer."""
     mlp.expect("shared_experts", (0,), _DEFAULTS["shared_experts"],
                "Fast-LLM's shared experts are ungated, with weight 1; our shared expert is sigmoid-gated")
     mlp.expect("routing", ("aux_loss",), _DEFAULTS["routing"], "only top-k softmax routing equals ours; sinkhorn "
@@ -144,7 +146,7 @@ def read(mlp: MetadataFields, activations: dict[str, str]) -> tuple[str, dict[st
     mlp.expect("router_input_scale", (1.0,), 1.0, "a scaled router input")
     _absent_or_disabled(mlp, "router_scale", "a learned scale of the router input")
     _absent_or_disabled(mlp, "router_per_expert_scale", "a learned scale per expert")
-    activation = mlp.name("activation", tuple(activations), "silu")
+    activation = mlp.name("activation", tuple(ACTIVATION_TO_HF), "silu")
     experts = mlp.size("experts", _DEFAULTS["experts"])
     fields = {
         "num_experts": experts,
@@ -153,16 +155,17 @@ def read(mlp: MetadataFields, activations: dict[str, str]) -> tuple[str, dict[st
         "moe_intermediate_size": mlp.size("intermediate_size"),
         "shared_expert_intermediate_size": 0,
         "norm_topk_prob": True,
-        "hidden_act": activations[activation],
+        "hidden_act": ACTIVATION_TO_HF[activation],
     }
     mlp.finish(frozenset({"type", "auxiliary_loss_coefficient", "z_loss_coefficient", "jitter_eps",
                           "dropless_dynamic_shape"}))
-    return SPARSE_MOE, fields
+    return fields
 
 
 def unsupported(layer: HybridLinearConfig) -> list[str]:
     """A sparse MoE layer's settings that Fast-LLM's MoE cannot express."""
-    problems = []
+    problems = [] if layer.hidden_act in ACTIVATION_FROM_HF else [
+        f"hidden_act={brief(layer.hidden_act)} (Fast-LLM's experts take {', '.join(ACTIVATION_FROM_HF)})"]
     if not layer.norm_topk_prob:
         problems.append("norm_topk_prob=False (Fast-LLM normalises the top-k weights: a softmax over the selected "
                         "logits)")
@@ -172,11 +175,29 @@ def unsupported(layer: HybridLinearConfig) -> list[str]:
     return problems
 
 
-def write(layer: HybridLinearConfig, activation: str) -> dict[str, Any]:
-    """Fast-LLM's `moe` MLP config of a sparse MoE layer; `activation` is Fast-LLM's name of its hidden_act."""
+def write(layer: HybridLinearConfig) -> dict[str, Any]:
+    """Fast-LLM's `moe` MLP config of a sparse MoE layer."""
     return {"type": MOE_TYPE, "experts": layer.num_experts, "experts_per_token": layer.num_experts_per_tok,
-            "intermediate_size": layer.moe_intermediate_size, "gated": True, "activation": activation,
-            "add_linear_biases": False, "routing": "aux_loss"}
+            "intermediate_size": layer.moe_intermediate_size, "gated": True,
+            "activation": ACTIVATION_FROM_HF[layer.hidden_act], "add_linear_biases": False, "routing": "aux_loss"}
 
 
-__all__ = ["MOE_TYPE", "SPARSE_MOE", "StackedExperts", "PARAMETERS", "FIELD_SOURCES", "read", "write", "unsupported"]
+# The record. It is registered (`register(SPARSE_MOE_MLP)` and the import at the bottom of mlps.py) once our config
+# has the "sparse_moe" MLP type (mlp_types) and its fields: until then a Fast-LLM `moe` block is refused as an MLP
+# type this converter does not read.
+SPARSE_MOE_MLP = FastLlmMlp(
+    type_name=MOE_TYPE,
+    mlp_type=SPARSE_MOE,
+    read=read,
+    write=write,
+    parameters=PARAMETERS,
+    field_sources=FIELD_SOURCES,
+    unsupported=unsupported,
+    checked_alone=("hidden_act",),  # the others are related (num_experts_per_tok <= num_experts): chosen together
+    fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "norm_topk_prob", "hidden_act"),
+)
+
+
+__all__ = ["MOE_TYPE", "SPARSE_MOE", "StackedExperts", "PARAMETERS", "FIELD_SOURCES", "SPARSE_MOE_MLP", "read", "write",
+           "unsupported"]

@@ -1,5 +1,6 @@
-"""Fast-LLM's parameters, written once: for each module of a Fast-LLM GPT model (embeddings, block norms, the MLP,
-the head; each mixer's table is in its record, `mixers.py`), its parameters in Fast-LLM's definition order, each with
+"""Fast-LLM's parameters, written once: for each module of a Fast-LLM GPT model (embeddings, block norms, the head;
+each mixer's and each MLP's table is in its record, `mixers.py` and `mlps.py`), its parameters in Fast-LLM's
+definition order, each with
 
 - the converter and canonical (our Hugging Face) names it maps to: the name map of both `fast_llm` readers and the
   writer (`name_map_entries`);
@@ -13,12 +14,13 @@ Names are relative to `decoder.{i}.` inside a block.
 from __future__ import annotations
 
 from ...configuration_hybrid_linear import HybridLinearConfig
-from ..converters import IDENTITY, SPLIT_HALVES, TRANSPOSE
+from ..converters import IDENTITY
 from ..errors import ConversionError
 from ..hf_layout import EMBEDDINGS, FINAL_NORM, LM_HEAD, layer_config, layer_prefix
 from ..name_maps import Entry, MapRow, instantiate
 from .mixers import mixer_of_layer_type
-from .parameter_spec import ALWAYS, NEVER, Parameter, Rule, bias, same
+from .mlps import mlp_of_type, our_mlp_type
+from .parameter_spec import NEVER, Parameter, same
 
 EMBEDDINGS_PARAMETERS = (same("embeddings.word_embeddings_weight", EMBEDDINGS),)
 
@@ -32,15 +34,6 @@ BLOCK_NORMS = (
     same("norm_2.weight", "post_attention_layernorm.weight", weight_decay=False, tensor_parallel=NEVER),
 )
 
-_MLP_BIAS: Rule = lambda config: bool(config.mlp_bias)  # noqa: E731
-MLP = (
-    Parameter("mlp.layer_1.weight", SPLIT_HALVES, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # gate, up rows
-    bias("mlp.layer_1.bias", SPLIT_HALVES, ("mlp.gate_proj.bias", "mlp.up_proj.bias"), ALWAYS, _MLP_BIAS),
-    Parameter("mlp.layer_2.weight", TRANSPOSE, "mlp.down_proj.weight"),  # stored (intermediate, hidden)
-    bias("mlp.layer_2.bias", IDENTITY, "mlp.down_proj.bias", NEVER, _MLP_BIAS),
-)
-
-
 def mixer_parameters(layer_type: str) -> tuple[Parameter, ...]:
     """The parameter table of the Fast-LLM mixer our `layer_type` is written as."""
     mixer = mixer_of_layer_type(layer_type)
@@ -49,15 +42,23 @@ def mixer_parameters(layer_type: str) -> tuple[Parameter, ...]:
     return mixer.parameters
 
 
-def block_definition_order(layer_type: str) -> tuple[Parameter, ...]:
-    """A block's parameters in Fast-LLM's definition order (norms, mixer, MLP): the distributed buffer's order
+def mlp_parameters(mlp_type: str) -> tuple[Parameter, ...]:
+    """The parameter table of the Fast-LLM MLP our `mlp_type` is written as."""
+    mlp = mlp_of_type(mlp_type)
+    if mlp is None:
+        raise ConversionError(f"MLP type {mlp_type!r} has no Fast-LLM MLP; convert to the hf format instead.")
+    return mlp.parameters
+
+
+def block_definition_order(config: HybridLinearConfig, index: int) -> tuple[Parameter, ...]:
+    """Block `index`'s parameters in Fast-LLM's definition order (norms, mixer, MLP): the distributed buffer's order
     before its stable sort."""
-    return BLOCK_NORMS + mixer_parameters(layer_type) + MLP
+    return BLOCK_NORMS + mixer_parameters(config.layer_types[index]) + mlp_parameters(our_mlp_type(config, index))
 
 
-def block_name_map_order(layer_type: str) -> tuple[Parameter, ...]:
-    """A block's parameters in the order the name map lists them (mixer first; the written files' order)."""
-    return mixer_parameters(layer_type) + BLOCK_NORMS + MLP
+def block_name_map_order(config: HybridLinearConfig, index: int) -> tuple[Parameter, ...]:
+    """Block `index`'s parameters in the order the name map lists them (mixer first; the written files' order)."""
+    return mixer_parameters(config.layer_types[index]) + BLOCK_NORMS + mlp_parameters(our_mlp_type(config, index))
 
 
 def name_map_entries(parameters: tuple[Parameter, ...]) -> tuple[Entry, ...]:
@@ -72,12 +73,12 @@ def build_fast_llm_rows(config: HybridLinearConfig) -> list[MapRow]:
     """Fast-LLM parameter names <-> canonical names for `config`, layer by layer, each layer's converters bound to
     that layer's own config (its head counts decide the Gated DeltaNet row grouping)."""
     rows = instantiate(name_map_entries(EMBEDDINGS_PARAMETERS), config)
-    for index, layer_type in enumerate(config.layer_types):
-        rows += instantiate(name_map_entries(block_name_map_order(layer_type)), layer_config(config, index),
+    for index in range(len(config.layer_types)):
+        rows += instantiate(name_map_entries(block_name_map_order(config, index)), layer_config(config, index),
                             block_prefix(index), layer_prefix(index))
     rows += instantiate(name_map_entries(HEAD_PARAMETERS), config)
     return rows
 
 
-__all__ = ["Parameter", "EMBEDDINGS_PARAMETERS", "HEAD_PARAMETERS", "BLOCK_NORMS", "MLP", "mixer_parameters",
+__all__ = ["Parameter", "EMBEDDINGS_PARAMETERS", "HEAD_PARAMETERS", "BLOCK_NORMS", "mixer_parameters", "mlp_parameters",
            "block_definition_order", "block_name_map_order", "name_map_entries", "block_prefix", "build_fast_llm_rows"]
