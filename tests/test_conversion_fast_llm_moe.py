@@ -143,7 +143,7 @@ def test_each_fast_llm_mlp_record_reads_back_what_it_writes(record, layer):
     written = mlp.write(settings)
     assert written["type"] == mlp.type_name
     assert mlp.read(MetadataFields(written, BLOCK)) == layer
-    assert set(mlp.fields) == set(layer) and set(mlp.field_sources) <= set(layer)
+    assert set(mlp.field_sources) <= set(layer)
 
 
 def test_what_fast_llm_moe_cannot_express_is_refused_when_writing():

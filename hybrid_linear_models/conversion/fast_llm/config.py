@@ -18,7 +18,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ...configuration_hybrid_linear import MIXER_FIELDS, HybridLinearConfig
+from ...configuration_hybrid_linear import (
+    BLOCK_FIELDS,
+    DEFAULT_MLP_TYPE,
+    MIXER_FIELDS,
+    MLP_FIELDS,
+    HybridLinearConfig,
+)
 from ..errors import ConversionError
 from ..hf_layout import distinct_layers, layer_config, layer_settings
 from ..pipeline import TensorCensus
@@ -202,6 +208,7 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
 
     layers = _decoder_blocks(base.sub("decoder"))
     layer_types = [block["layer_type"] for _, block in layers]
+    mlp_types = [block["mlp_type"] for _, block in layers]
 
     # The final norm has the flat rms_norm_eps; blocks with another epsilon override it.
     defaults, overrides = _defaults_and_overrides(layers, {"rms_norm_eps": final_eps})
@@ -216,6 +223,8 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     for mixer in FAST_LLM_MIXERS.values():  # what no layer set: each mixer's defaults (copies: kwargs are kept)
         for field, value in mixer.config_defaults.items():
             kwargs.setdefault(field, copy.deepcopy(value))
+    if any(mlp_type != DEFAULT_MLP_TYPE for mlp_type in mlp_types):  # else left unset: every layer dense
+        kwargs["mlp_types"] = mlp_types
     if overrides:
         kwargs["per_layer_config"] = overrides
     if max_positions is not None:
@@ -244,7 +253,7 @@ def block_path(base_model: Mapping[str, Any], index: int) -> str:
 # (token ids, initializer_range, use_cache, ...) are not part of Fast-LLM's model config and are not written.
 # Per-layer values are compared layer by layer (`fast_llm_carried_layer_fields`): every field of the layer's mixer
 # (the config's own MIXER_FIELDS, from each mixer's registration) and of its block.
-_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "layer_types", "num_hidden_layers", "rms_norm_eps",
+_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "layer_types", "mlp_types", "num_hidden_layers", "rms_norm_eps",
                    "tie_word_embeddings", "zero_centered_norms")
 
 
@@ -254,10 +263,10 @@ def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
 
 
 def fast_llm_carried_layer_fields(config: HybridLinearConfig, index: int) -> tuple[str, ...]:
-    """The fields of layer `index`'s resolved config that Fast-LLM's block of that layer expresses: its mixer's
-    (the config's own MIXER_FIELDS), its MLP's and the block norms' epsilon."""
-    mlp = mlp_of_type(our_mlp_type(config, index))
-    return tuple(MIXER_FIELDS[config.layer_types[index]]) + (mlp.fields if mlp else ()) + ("rms_norm_eps",)
+    """The fields of layer `index`'s resolved config that Fast-LLM's block of that layer expresses: its mixer's, its
+    MLP's and its block norms' (the config's own MIXER_FIELDS, MLP_FIELDS and BLOCK_FIELDS, from the registrations)."""
+    return (tuple(MIXER_FIELDS[config.layer_types[index]]) + tuple(MLP_FIELDS[our_mlp_type(config, index)])
+            + tuple(BLOCK_FIELDS))
 
 
 # -------------------------------------------------------------------------------------------- -> Fast-LLM
@@ -277,7 +286,9 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
         else:
             problems += [f"{where}: {problem}" for problem in mixer.unsupported(layer)]
         if mlp is None:
-            problems.append(f"layer {index} (mlp type {mlp_type}): Fast-LLM has no MLP of this type")
+            written = " and ".join(f"{m.description}, mlp type {m.mlp_type!r}" for m in FAST_LLM_MLPS.values())
+            problems.append(f"{where}: mlp_types[{index}]={brief(mlp_type)} (this converter writes only Fast-LLM's "
+                            f"{written})")
         else:
             problems += [f"{where}: {problem}" for problem in mlp.unsupported(layer)]
     return problems

@@ -51,6 +51,7 @@ PARAMETERS = (
 DENSE_MLP = register(FastLlmMlp(
     type_name="mlp",
     mlp_type=DENSE,
+    description="gated MLP",
     read=read,
     write=write,
     parameters=PARAMETERS,
@@ -58,7 +59,6 @@ DENSE_MLP = register(FastLlmMlp(
                    "mlp_bias": "mlp.add_linear_biases"},
     unsupported=unsupported,
     checked_alone=("intermediate_size", "hidden_act", "mlp_bias"),
-    fields=("intermediate_size", "hidden_act", "mlp_bias"),
 ))
 
 __all__ = ["DENSE_MLP", "PARAMETERS"]

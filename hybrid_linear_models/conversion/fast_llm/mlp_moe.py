@@ -188,14 +188,13 @@ def write(layer: HybridLinearConfig) -> dict[str, Any]:
 SPARSE_MOE_MLP = FastLlmMlp(
     type_name=MOE_TYPE,
     mlp_type=SPARSE_MOE,
+    description="mixture of experts",
     read=read,
     write=write,
     parameters=PARAMETERS,
     field_sources=FIELD_SOURCES,
     unsupported=unsupported,
     checked_alone=("hidden_act",),  # the others are related (num_experts_per_tok <= num_experts): chosen together
-    fields=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-            "norm_topk_prob", "hidden_act"),
 )
 
 

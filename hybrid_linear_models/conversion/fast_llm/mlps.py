@@ -11,10 +11,10 @@ import at the bottom of this file.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ...configuration_hybrid_linear import HybridLinearConfig
+from ...configuration_hybrid_linear import DEFAULT_MLP_TYPE, HybridLinearConfig
 from .metadata_fields import MetadataFields
 from .parameter_spec import Parameter
 
@@ -22,7 +22,7 @@ from .parameter_spec import Parameter
 # table: its gelu is the tanh approximation).
 ACTIVATION_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu", "squared_relu": "relu2"}
 ACTIVATION_FROM_HF = {hf: fast_llm for fast_llm, hf in ACTIVATION_TO_HF.items()}
-DENSE = "dense"  # our `mlp_types` entry of the gated MLP
+DENSE = DEFAULT_MLP_TYPE  # our `mlp_types` entry of the gated MLP ("dense")
 
 
 def _nothing(layer: HybridLinearConfig) -> list[str]:
@@ -35,6 +35,7 @@ class FastLlmMlp:
 
     type_name: str  # Fast-LLM's `mlp.type`
     mlp_type: str  # our `mlp_types` entry
+    description: str  # in messages ("gated MLP")
     read: Callable[[MetadataFields], dict[str, Any]]  # Fast-LLM's mlp config -> our per-layer fields; `finish`es it
     write: Callable[[HybridLinearConfig], dict[str, Any]]  # a layer's resolved config -> Fast-LLM's mlp config
     parameters: tuple[Parameter, ...]  # under `decoder.{i}.`, in Fast-LLM's definition order
@@ -42,7 +43,6 @@ class FastLlmMlp:
     unsupported: Callable[[HybridLinearConfig], list[str]] = _nothing  # what Fast-LLM's MLP cannot express
     # fields whose default is chosen alone; the others take theirs together, from one layer (see mixers.py)
     checked_alone: tuple[str, ...] = ()
-    fields: tuple[str, ...] = field(default=())  # our per-layer fields it carries (read back after writing)
 
     def field_group(self, name: str) -> str:
         return name if name in self.checked_alone else self.type_name
@@ -59,9 +59,8 @@ def register(mlp: FastLlmMlp) -> FastLlmMlp:
 
 
 def our_mlp_type(config: HybridLinearConfig, index: int) -> str:
-    """Layer `index`'s MLP type (`mlp_types`; a config without that field has dense MLPs only)."""
-    mlp_types = getattr(config, "mlp_types", None)
-    return mlp_types[index] if mlp_types else DENSE
+    """Layer `index`'s MLP type (its `mlp_types` entry)."""
+    return config.mlp_types[index]
 
 
 def mlp_of_type(mlp_type: str) -> FastLlmMlp | None:
