@@ -126,11 +126,11 @@ class HybridLinearSharedExpert(nn.Module):
 class HybridLinearSparseMoeBlock(nn.Module):
     """Router + routed experts + (optional) sigmoid-gated shared expert; [..., H] -> [..., H]."""
 
-    def __init__(self, config: Any, settings: Any | None = None):
-        """config: the model's (the experts implementation); settings: this layer's resolved config (default
-        `config`)."""
+    def __init__(self, config: Any, layer_idx: int | None = None):
+        """config: the model's (its experts implementation); the layer reads its sizes from
+        config.per_layer_config[layer_idx] (from `config` itself when layer_idx is None: a standalone block)."""
         super().__init__()
-        settings = config if settings is None else settings
+        settings = config if layer_idx is None else config.per_layer_config[layer_idx]
         self.gate = HybridLinearTopKRouter(settings)
         self.experts = HybridLinearExperts(config, settings)
         self.shared_expert = self.shared_expert_gate = None
