@@ -33,6 +33,8 @@ shared_expert_intermediate_size (0: no shared expert and no gate), norm_topk_pro
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,9 +51,25 @@ EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager
 GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm")
 
 
-def graph_safe_experts_implementation(requested: str) -> str:
+def graph_safe_experts_implementation(requested: str | None) -> str:
     """The experts implementation a captured one-token step runs for a model configured with `requested`."""
     return requested if requested in GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS else GROUPED_MM_GATHER
+
+
+@contextmanager
+def graph_safe_experts(config: Any) -> Iterator[None]:
+    """Inside: the model config's experts implementation is a graph-safe one (the eager loop's host-read expert
+    list would be frozen into a captured graph, and its sync refused during capture); restored on exit."""
+    requested = getattr(config, "_experts_implementation", None)
+    safe = graph_safe_experts_implementation(requested)
+    if safe == requested:
+        yield
+        return
+    config._experts_implementation_internal = safe
+    try:
+        yield
+    finally:
+        config._experts_implementation_internal = requested
 
 
 class HybridLinearTopKRouter(nn.Module):
@@ -169,4 +187,5 @@ def init_sparse_moe_weights(module: nn.Module, std: float) -> None:
 
 __all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "HybridLinearExperts",
            "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
-           "graph_safe_experts_implementation", "init_sparse_moe_weights", "sparse_moe_parameter_count"]
+           "graph_safe_experts", "graph_safe_experts_implementation", "init_sparse_moe_weights",
+           "sparse_moe_parameter_count"]
