@@ -25,6 +25,16 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 NAME = "grouped_mm_gather"
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped_mm kernels take
+
+
+def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [S, in] @ weight[e].T for the rows of each expert e (weight [E, out, in]); float64 (the tests' exact
+    comparisons), which torch's grouped_mm refuses, goes through transformers' per-expert fallback."""
+    weight = weight.transpose(1, 2)
+    if rows.dtype in _GROUPED_MM_DTYPES:
+        return _grouped_mm(rows, weight, offsets)
+    return torch.ops.transformers.grouped_mm_fallback(rows, weight.to(rows.dtype), offs=offsets)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -61,8 +71,8 @@ def grouped_mm_gather_experts_forward(self: torch.nn.Module, hidden_states: torc
         counts = torch.bincount(flat, minlength=self.num_experts)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     selected = _GatherRows.apply(hidden_states, order // k, inverse, k)  # [S, H], grouped by expert
-    projected = _grouped_mm(selected, self.gate_up_proj.transpose(1, 2), offsets)  # [S, 2I]
-    projected = _grouped_mm(self._apply_gate(projected), self.down_proj.transpose(1, 2), offsets)  # [S, H]
+    projected = _grouped_linear(selected, self.gate_up_proj, offsets)  # [S, 2I]
+    projected = _grouped_linear(self._apply_gate(projected), self.down_proj, offsets)  # [S, H]
     weights = _GatherRows.apply(top_k_weights.reshape(-1, 1), order, inverse, 1)  # [S, 1]
     weighted = _GatherRows.apply(projected * weights, inverse, order, 1)  # back in (token, slot) order
     return weighted.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
