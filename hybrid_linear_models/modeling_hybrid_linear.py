@@ -1,6 +1,7 @@
 """Hybrid linear-attention decoder: every layer picks its token mixer (softmax attention, sliding-window attention,
-Gated DeltaNet or Kimi Delta Attention) from `config.layer_types`, followed by a gated MLP, pre-norm residual blocks
-(Qwen3-Next's architecture, with the mixers freely interleaved)."""
+Gated DeltaNet or Kimi Delta Attention) from `config.layer_types` and its MLP from `config.mlp_types` (the dense gated
+MLP by default), pre-norm residual blocks (Qwen3-Next's architecture, with the mixers freely interleaved). Both come
+from their registrations (`mixer_registry`, `mlp_registry`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
@@ -26,12 +26,15 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .block_ops import fused_causal_lm_loss, silu_and_mul
+from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
 from .mixer_attention import HybridLinearAttention, SlidingWindowMask
+from .component_registry import all_specs
 from .mixer_registry import MIXERS
+from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
+from .mlp_registry import MLPS
 from .mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock, HybridLinearTopKRouter
 from .moe_load_balancing import load_balancing_loss
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
@@ -67,23 +70,6 @@ class HybridLinearRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-class HybridLinearMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
-
-    def __init__(self, config: HybridLinearConfig):
-        super().__init__()
-        H, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(H, I, bias=bias)
-        self.up_proj = nn.Linear(H, I, bias=bias)
-        self.down_proj = nn.Linear(I, H, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.swiglu = config.hidden_act == "silu"  # fused by fla on CUDA
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
-
-
 class HybridLinearDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
         """config: the model's; the layer reads its own settings, config.per_layer_config[layer_idx]."""
@@ -94,7 +80,8 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         self.mixer_attribute, self.mixer_state = mixer.attribute, mixer.state
         setattr(self, mixer.attribute, mixer.module_class(config, layer_idx))
         settings = config.per_layer_config[layer_idx]
-        self.mlp = HybridLinearMLP(settings)
+        self.mlp_type = config.mlp_types[layer_idx]
+        self.mlp = MLPS[self.mlp_type].module_class(config, layer_idx)  # its registration (mlp_registry)
         norm = lambda: HybridLinearRMSNorm(settings.hidden_size, settings.rms_norm_eps, settings.zero_centered_norms)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
 
@@ -158,10 +145,10 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         elif isinstance(module, ShortConvolution):
             bound = module.kernel_size**-0.5
             init.uniform_(module.weight, -bound, bound)
-        else:  # a mixer initialises its own parameters (its registration's init_weights)
-            for mixer in MIXERS.values():
-                if mixer.init_weights is not None and isinstance(module, mixer.module_class):
-                    mixer.init_weights(module)
+        else:  # a mixer or MLP initialises its own parameters (its registration's init_weights)
+            for spec in all_specs():
+                if spec.init_weights is not None and isinstance(module, spec.module_class):
+                    spec.init_weights(module)
                     break
 
 
