@@ -44,6 +44,7 @@ from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
+from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 
 # The experts implementations this module offers (transformers' names and ours); the first is the model's default.
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager")
@@ -149,6 +150,7 @@ class HybridLinearSparseMoeBlock(nn.Module):
         config.per_layer_config[layer_idx] (from `config` itself when layer_idx is None: a standalone block)."""
         super().__init__()
         settings = config if layer_idx is None else config.per_layer_config[layer_idx]
+        self.initializer_range = getattr(settings, "initializer_range", 0.02)  # the router's and experts' init std
         self.gate = HybridLinearTopKRouter(settings)
         self.experts = HybridLinearExperts(config, settings)
         self.shared_expert = self.shared_expert_gate = None
@@ -173,19 +175,62 @@ def sparse_moe_parameter_count(settings: Any) -> int:
     return experts * hidden + 3 * experts * width * hidden + (3 * shared * hidden + hidden if shared > 0 else 0)
 
 
-def init_sparse_moe_weights(module: nn.Module, std: float) -> None:
+def init_sparse_moe_weights(block: HybridLinearSparseMoeBlock) -> None:
     """Qwen3-Next's initialisation of what the generic init does not reach: the router and the 3-D expert weights
-    drawn from N(0, std) (initializer_range); the shared expert's Linear layers get the generic init."""
+    drawn from N(0, initializer_range); the shared expert's Linear layers get the generic init. (transformers'
+    `init` functions skip tensors loaded from a checkpoint.)"""
     from transformers import initialization as init
 
-    if isinstance(module, HybridLinearExperts):
-        init.normal_(module.gate_up_proj, mean=0.0, std=std)
-        init.normal_(module.down_proj, mean=0.0, std=std)
-    elif isinstance(module, HybridLinearTopKRouter):
-        init.normal_(module.weight, mean=0.0, std=std)
+    std = block.initializer_range
+    init.normal_(block.gate.weight, mean=0.0, std=std)
+    init.normal_(block.experts.gate_up_proj, mean=0.0, std=std)
+    init.normal_(block.experts.down_proj, mean=0.0, std=std)
 
 
-__all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "HybridLinearExperts",
-           "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
+def _relation_problems(s: Any, prefix: str) -> list[str]:
+    if isinstance(s.num_experts_per_tok, int) and isinstance(s.num_experts, int) and (
+            s.num_experts_per_tok > s.num_experts):
+        return [f"{prefix}num_experts_per_tok={s.num_experts_per_tok} exceeds num_experts={s.num_experts}; route "
+                "each token to at most num_experts experts (lower num_experts_per_tok or add experts)"]
+    return []
+
+
+# The experts' 3-D weights, for peft's `LoraConfig(target_parameters=...)` (one rank-r update per expert); LoRA's
+# `target_modules` reach the shared expert's projections (lora_targets below).
+LORA_TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+register(MlpSpec(
+    mlp_type="sparse_moe", title="sparse mixture of experts",
+    fields={
+        "num_experts": ConfigField(kind="size", default=64, doc="routed experts of each sparse MoE layer."),
+        "num_experts_per_tok": ConfigField(kind="size", default=8,
+                                           doc="experts each token is routed to (top-k of the router's softmax)."),
+        "moe_intermediate_size": ConfigField(kind="size", default=512, doc="width of each routed expert's MLP."),
+        "shared_expert_intermediate_size": ConfigField(
+            kind="size_or_zero", default=512,
+            doc="width of the shared expert every token goes through, with its sigmoid gate (0: none)."),
+        "norm_topk_prob": ConfigField(kind="bool", default=True,
+                                      doc="renormalise the top-k routing probabilities to sum to 1."),
+        "hidden_act": MLPS["dense"].fields["hidden_act"],
+    },
+    module_class=HybridLinearSparseMoeBlock, parameter_count=sparse_moe_parameter_count,
+    relation_problems=_relation_problems, init_weights=init_sparse_moe_weights,
+    # transformers' Qwen3-Next plan: experts split along their width on every rank ("packed_colwise" splits the gate
+    # and up halves of gate_up_proj alike), their partial outputs summed by "moe_tp_experts"; router replicated
+    tensor_parallel_plan={
+        "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts",
+        "shared_expert.gate_proj": "colwise", "shared_expert.up_proj": "colwise", "shared_expert.down_proj": "rowwise",
+    },
+    lora_targets=("gate_proj", "up_proj", "down_proj"),
+    describe=lambda s: (f"{s.num_experts} experts of {s.moe_intermediate_size}, top-{s.num_experts_per_tok}"
+                        + (f", shared expert of {s.shared_expert_intermediate_size}"
+                           if s.shared_expert_intermediate_size else "")),
+))
+
+
+__all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
+           "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
            "graph_safe_experts", "graph_safe_experts_implementation", "init_sparse_moe_weights",
            "sparse_moe_parameter_count"]

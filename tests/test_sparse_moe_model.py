@@ -188,7 +188,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_aux_loss():
     for checkpointing in (False, True):
         model.zero_grad()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         out = model(input_ids, labels=input_ids, output_router_logits=True)
         out.loss.backward()
         aux.append(out.aux_loss.item())
@@ -208,6 +208,8 @@ def test_lora_on_the_experts_3d_weights():
 
     model = moe_model().float()
     input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        base = model(input_ids).logits
     adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj", "up_proj", "down_proj"],
                                                target_parameters=list(LORA_TARGET_PARAMETERS)))
     trainable = [name for name, p in adapted.named_parameters() if p.requires_grad]
@@ -218,7 +220,7 @@ def test_lora_on_the_experts_3d_weights():
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
         before = adapted(input_ids).logits
         merged = adapted.merge_and_unload()(input_ids).logits
-    assert (before - model.float()(input_ids).logits).abs().max() == 0 or True
+    assert (before - base).abs().max() > 1e-3  # the experts' adapters changed the output
     # float32: the merged weight W + BA is rounded once, the adapter adds BA x separately; ~1e-6 relative
     torch.testing.assert_close(before, merged, rtol=1e-4, atol=1e-4)
     assert isinstance(model.model.layers[0].mlp, HybridLinearSparseMoeBlock)
