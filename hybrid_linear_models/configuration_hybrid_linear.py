@@ -13,17 +13,18 @@ with RMSNorm and added to the residual stream.
 
 The mixers and MLPs are registered components (`mixer_registry`, `mlp_registry`), and each owns its settings: its
 spec declares every config field it reads once (`component_registry.ConfigField`: kind, default, one-line doc,
-optionally `default_from` another field). This class takes those fields from the registry rather than from lines
-written here. transformers makes every `PreTrainedConfig` subclass a dataclass when the class statement runs
-(`PreTrainedConfig.__init_subclass__`), so the fields must exist then: the class inherits a dataclass mixin generated
-from the registered specs (`_registered_fields_base`), whose fields the dataclass machinery collects like those of any
-dataclass base (defaults, `fields()`, the generated `__init__` and `__eq__`, `to_diff_dict`). A component registered
-later (a plugin, a test) adds its fields to the class when it registers (`_sync_registered_fields`: the same Field
-records, made by the same generator, entered in `__dataclass_fields__`, which transformers' keyword `__init__` and
-serialisation read at each call); removing it takes them out. The docstring's Args for these fields is built from
-their docs, so `help(HybridLinearConfig)` lists every setting. Only the fields shared by the whole model (sizes of
-the embeddings, the layer lists, norms' parametrisation, ...) are written below. The module stays torch-free: it
-imports the registries, which are.
+optionally `default_from` another field, resolved here when the value is None). This class takes those fields from
+the registries rather than from lines written here. transformers makes every `PreTrainedConfig` subclass a dataclass
+when the class statement runs (`PreTrainedConfig.__init_subclass__`), so the fields must exist then: the class
+inherits a dataclass generated from the registered declarations (`_fields_dataclass`: fields only, no methods), whose
+fields the dataclass machinery collects as it does any dataclass base's (defaults, `dataclasses.fields`, the
+generated `__init__` signature and `__eq__`, transformers' `to_diff_dict`). A component registered later (a plugin, a
+test) adds its fields when it registers (`_sync_registered_fields`: Field records made by the same generator, entered
+in `__dataclass_fields__`, which transformers' keyword `__init__`, defaults and serialisation read at each call; only
+the generated `__eq__` and signature, fixed at class creation, do not list them); removing it takes them out. The
+docstring's Args for these fields is built from their docs, so `help(HybridLinearConfig)` lists every setting. Only
+the fields the whole model shares (embeddings, the layer lists, norms, ...) are written in the class. This module
+imports no torch itself (the registrations it reads live in the component modules).
 
 Every switch that changes the math is a field, written explicitly into config.json (defaults are resolved here, never
 left for the modeling code to guess).
@@ -39,15 +40,15 @@ Heterogeneous layers use transformers' own mechanism, `per_layer_config` ({layer
 overrides of the flat fields, which stay the defaults (a config without it is the homogeneous model it always was, and
 saves unchanged). `config.per_layer_config[i]` is layer i's resolved config; reading a field that varies between
 layers from the global config raises transformers' AmbiguousGlobalPerLayerAttributeError, so no reader can miss it.
-Only fields that shape one layer may vary (`PER_LAYER_FIELDS`): the mixer's (`MIXER_FIELDS`, by layer type) and the
-block's own (MLP and block norms, `BLOCK_FIELDS`). Everything the layers share (hidden_size, vocab_size, embeddings
-and their tying, the norm parametrisation, position range, init and dropout, the layer list itself) has one value per
-model and is refused per layer, as is a field the layer's mixer does not read (gdn_* on an attention layer: it would be
-silently ignored). Each layer's resolved settings are validated like the global ones, the messages naming the layer:
-"per_layer_config[3].num_key_value_heads ...". A per-layer `rope_parameters` replaces the global dict; its missing
-rope_type, rope_theta and partial_rotary_factor are filled from the global one at construction (so config.json shows
-every layer's full rotary settings). The final norm uses the flat `rms_norm_eps`; GDN/KDA norm epsilons default to
-the flat `rms_norm_eps`, not to a layer's override of it.
+Only fields that shape one layer may vary (`PER_LAYER_FIELDS`): the mixer's (`MIXER_FIELDS`, by layer type), the
+MLP's (`MLP_FIELDS`, by MLP type) and the block norms' (`BLOCK_FIELDS`). Everything the layers share (hidden_size,
+vocab_size, embeddings and their tying, the norm parametrisation, position range, init and dropout, the layer lists
+themselves) has one value per model and is refused per layer, as is a field the layer's mixer or MLP does not read
+(gdn_* on an attention layer: it would be silently ignored). Each layer's resolved settings are validated like the
+global ones, the messages naming the layer: "per_layer_config[3].num_key_value_heads ...". A per-layer
+`rope_parameters` replaces the global dict; its missing rope_type, rope_theta and partial_rotary_factor are filled
+from the global one at construction (so config.json shows every layer's full rotary settings). The final norm uses
+the flat `rms_norm_eps`; GDN/KDA norm epsilons default to the flat `rms_norm_eps`, not to a layer's override of it.
 """
 
 from __future__ import annotations
@@ -392,9 +393,9 @@ _CLASS_DOC = """
         rms_norm_eps, pad_token_id, bos_token_id, eos_token_id, use_cache:
             as in other transformers decoders. `rms_norm_eps` is the epsilon of the block, final and q/k RMSNorms (a
             layer may set its own).
-        layer_types (`list[str]`): one mixer per layer, among {layer_types}. Default: 3 Gated DeltaNet layers to 1
-            attention layer, 8 layers.
-        mlp_types (`list[str]`): one MLP per layer, among {mlp_types}. Default: every layer "dense".
+        layer_types (`list[str]`): one mixer per layer. Default: 3 Gated DeltaNet layers to 1 attention layer, 8
+            layers. Registered: {layer_types}.
+        mlp_types (`list[str]`): one MLP per layer. Default: every layer "dense". Registered: {mlp_types}.
         num_hidden_layers (`int`, *optional*): follows from `layer_types`; if given, must match its length.
         zero_centered_norms (`bool`): the block, final and q/k RMSNorms compute x_hat * (1 + w) with w initialised to 0
             (Qwen3-Next) instead of x_hat * w with w initialised to 1. The gated output norms of GDN/KDA are always
@@ -436,7 +437,7 @@ def _fields_dataclass(declared: dict[str, ConfigField]) -> type:
     entries = [(name, declared_field.annotation, dataclasses.field(default=declared_field.default, kw_only=True))
                for name, declared_field in declared.items()]
     return dataclasses.make_dataclass("HybridLinearRegisteredFields", entries, init=False, repr=False, eq=False,
-                                      match_args=False)
+                                      match_args=False, namespace={"__module__": __name__})
 
 
 class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields())):

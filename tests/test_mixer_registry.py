@@ -21,6 +21,9 @@ from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
 from hybrid_linear_models import mlp_registry
 from hybrid_linear_models.component_registry import ConfigField
 from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES
+from hybrid_linear_models.conversion import ConversionError
+from hybrid_linear_models.conversion.fast_llm.config import hybrid_config_to_fast_llm
+from hybrid_linear_models.conversion.model_card import render_model_card
 from hybrid_linear_models.mixer_registry import MIXERS, MixerSpec, register, unregister
 from hybrid_linear_models.mlp_dense import HybridLinearMLP
 from hybrid_linear_models.mlp_registry import MLPS, MlpSpec
@@ -217,6 +220,27 @@ def test_a_new_mlp_is_its_module_plus_its_registration(toy_mlp, toy_mixer):
         normed = first.post_attention_layernorm(mixed)
         expected = mixed + (torch.relu(normed @ first.mlp.up.weight.T) ** 2 * 0.25) @ first.mlp.down.weight.T
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # float32, same ops up to the fused add
+
+
+def test_the_model_card_describes_new_components_from_their_registrations(toy_mlp, toy_mixer):
+    config = tiny_config(["cumulative_mean", "gated_deltanet"], mlp_types=["squared_relu", "dense"],
+                         per_layer_config={0: {"toy_width": 8}})
+    card = render_model_card(config, name="toy", parameter_count=1, dtype="float32", source_format="hf",
+                             source_format_description="d", source_path="p")
+    assert "| 0 | cumulative_mean (`cumulative_mean`), squared-ReLU MLP (`squared_relu`), toy_width=8 |" in card
+    assert "| 1 | Gated DeltaNet (`gated_deltanet`), gated MLP (`dense`) |" in card
+    assert "| Layers | 2: 1 cumulative_mean, 1 Gated DeltaNet (2 key heads of 16, 4 value heads of 8) |" in card
+    assert "| MLPs | 1 squared-ReLU MLP, 1 gated MLP (intermediate size 96) |" in card
+
+
+def test_the_fast_llm_writer_refuses_an_mlp_it_cannot_express(toy_mlp):
+    config = tiny_config(["gated_deltanet", "full_attention"], mlp_types=["dense", "squared_relu"],
+                         zero_centered_norms=False, attention_output_gate=False, attention_qk_norm=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
+    with pytest.raises(ConversionError, match=r"^this model cannot be expressed as a Fast-LLM model: layer 1 "
+                                              r"\(full_attention\): mlp_types\[1\]='squared_relu' \(this converter "
+                                              r"writes only Fast-LLM's gated MLP, mlp type 'dense'\)\.$"):
+        hybrid_config_to_fast_llm(config)
 
 
 def test_unregistering_takes_the_fields_out():

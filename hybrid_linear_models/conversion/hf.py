@@ -83,7 +83,9 @@ def _check_before_building(fields: Fields, census: TensorCensus | None) -> None:
     for name in ("rope_parameters", "id2label", "label2id"):
         if fields.get(name) is not None:
             fields.mapping(name)
-    fields.string("hidden_act", None)
+    for name, declared in declared_fields().items():  # activations by name (hidden_act): strings
+        if declared.kind == "activation":
+            fields.string(name, None)
     dtype = fields.string("dtype", None)
     if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise fields.wrong("dtype", "the name of a torch dtype (float32, bfloat16, ...)", dtype)
