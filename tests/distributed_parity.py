@@ -38,6 +38,7 @@ def main():
     parser.add_argument("--float64", action="store_true", help="train in float64 (rounding then cannot drift)")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--cuda", action="store_true", help="one GPU per rank (NCCL) instead of the CPU (gloo)")
+    parser.add_argument("--moe", action="store_true", help="sparse MoE MLPs in three of the four layers")
     args = parser.parse_args()
     torch.manual_seed(0)
     # on GPUs fla's kernels need head dims of at least 16
@@ -47,6 +48,9 @@ def main():
         if args.heterogeneous:  # fla's kernels need head dims of at least 16
             settings["per_layer_config"] = {index: {k: v for k, v in layer.items() if not k.endswith("head_dim")}
                                             for index, layer in HETEROGENEOUS.items()}
+    if args.moe:  # no aux loss: it pools each rank's tokens, so 2 ranks x 4 documents cannot equal 1 x 8
+        settings.update(mlp_types=["sparse_moe", "sparse_moe", "dense", "sparse_moe"], num_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
     model = tiny_model(**settings).train()
     if args.float64:
         model = model.double()

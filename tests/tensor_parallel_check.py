@@ -41,6 +41,10 @@ def compare(path: str, device: torch.device, size: int) -> tuple[float, float]:
         for name in HEAD_SPLIT[layer.layer_type]:
             weight = layer.get_submodule(name).weight
             assert weight.to_local().shape[0] * size == full(weight).shape[0], (index, name, weight.to_local().shape)
+        if hasattr(layer.mlp, "experts"):  # sparse MoE layers: every expert split along its width
+            experts = layer.mlp.experts
+            assert experts.gate_up_proj.to_local().shape[1] * size == full(experts.gate_up_proj).shape[1]
+            assert experts.down_proj.to_local().shape[2] * size == full(experts.down_proj).shape[2]
 
     input_ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
