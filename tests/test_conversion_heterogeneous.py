@@ -286,7 +286,9 @@ _REFUSALS = [
      ("Fast-LLM block config.base_model.decoder.blocks.sliding (layer 1)", "blocks.sliding.mixer.head_groups")),
     (_set(("gdn_narrow", "mixer", "value_heads"), 3),
      ("Fast-LLM block config.base_model.decoder.blocks.gdn_narrow (layer 4)", "blocks.gdn_narrow.mixer.value_heads")),
-    (_set(("kda", "mlp", "type"), "moe"), ("blocks.kda.mlp.type = 'moe' is not supported",)),
+    (_set(("kda", "mlp", "type"), "hybrid_moe"), ("blocks.kda.mlp.type = 'hybrid_moe' is not supported",)),
+    (lambda blocks: blocks["kda"]["mlp"].update(type="moe", experts=4, shared_experts=1, add_linear_biases=False),
+     ("blocks.kda.mlp.shared_experts = 1 is not supported", "ungated")),
     (_set(("attn", "mixer", "query_norm"), {"type": "rms_norm"}), ("blocks.attn.mixer.query_norm",)),
 ]
 

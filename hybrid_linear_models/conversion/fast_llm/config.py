@@ -146,7 +146,8 @@ def _defaults_and_overrides(layers: list[tuple[str, dict[str, Any]]], fixed: dic
 def _block_alone_error(block: dict[str, Any], shared: dict[str, Any]) -> str | None:
     """HybridLinearConfig's objection to one block's settings alone (a one-layer model), or None."""
     try:
-        HybridLinearConfig(**shared, **block["fields"], layer_types=[block["layer_type"]])
+        HybridLinearConfig(**shared, **block["fields"], layer_types=[block["layer_type"]],
+                           mlp_types=[block["mlp_type"]])
     except (ValueError, TypeError) as error:
         return str(error).removeprefix("Invalid HybridLinearConfig: ")
     return None

@@ -61,7 +61,7 @@ from ..converters import IDENTITY, Converter, Shape
 from ..errors import ConversionError
 from ..untrusted import brief
 from .metadata_fields import MetadataFields
-from .mlps import ACTIVATION_FROM_HF, ACTIVATION_TO_HF, FastLlmMlp
+from .mlps import ACTIVATION_FROM_HF, ACTIVATION_TO_HF, FastLlmMlp, register
 from .parameter_spec import NEVER, Parameter
 
 MOE_TYPE = "moe"  # Fast-LLM's `mlp.type`
@@ -182,10 +182,7 @@ def write(layer: HybridLinearConfig) -> dict[str, Any]:
             "activation": ACTIVATION_FROM_HF[layer.hidden_act], "add_linear_biases": False, "routing": "aux_loss"}
 
 
-# The record. It is registered (`register(SPARSE_MOE_MLP)` and the import at the bottom of mlps.py) once our config
-# has the "sparse_moe" MLP type (mlp_types) and its fields: until then a Fast-LLM `moe` block is refused as an MLP
-# type this converter does not read.
-SPARSE_MOE_MLP = FastLlmMlp(
+SPARSE_MOE_MLP = register(FastLlmMlp(
     type_name=MOE_TYPE,
     mlp_type=SPARSE_MOE,
     description="mixture of experts",
@@ -195,7 +192,7 @@ SPARSE_MOE_MLP = FastLlmMlp(
     field_sources=FIELD_SOURCES,
     unsupported=unsupported,
     checked_alone=("hidden_act",),  # the others are related (num_experts_per_tok <= num_experts): chosen together
-)
+))
 
 
 __all__ = ["MOE_TYPE", "SPARSE_MOE", "StackedExperts", "PARAMETERS", "FIELD_SOURCES", "SPARSE_MOE_MLP", "read", "write",

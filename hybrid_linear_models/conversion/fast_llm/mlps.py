@@ -72,4 +72,4 @@ __all__ = ["ACTIVATION_TO_HF", "ACTIVATION_FROM_HF", "DENSE", "FastLlmMlp", "FAS
            "our_mlp_type", "mlp_of_type"]
 
 # The registrations: one import per Fast-LLM MLP module.
-from . import mlp_dense  # noqa: E402, F401
+from . import mlp_dense, mlp_moe  # noqa: E402, F401
