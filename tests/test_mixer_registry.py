@@ -239,7 +239,8 @@ def test_the_fast_llm_writer_refuses_an_mlp_it_cannot_express(toy_mlp):
                          rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
     with pytest.raises(ConversionError, match=r"^this model cannot be expressed as a Fast-LLM model: layer 1 "
                                               r"\(full_attention\): mlp_types\[1\]='squared_relu' \(this converter "
-                                              r"writes only Fast-LLM's gated MLP, mlp type 'dense'\)\.$"):
+                                              r"writes the MLP types 'dense' \(Fast-LLM's gated MLP\), 'sparse_moe' "
+                                              r"\(Fast-LLM's mixture of experts\)\)\.$"):
         hybrid_config_to_fast_llm(config)
 
 

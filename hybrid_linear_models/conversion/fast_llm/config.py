@@ -287,8 +287,8 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
         else:
             problems += [f"{where}: {problem}" for problem in mixer.unsupported(layer)]
         if mlp is None:
-            written = " and ".join(f"{m.description}, mlp type {m.mlp_type!r}" for m in FAST_LLM_MLPS.values())
-            problems.append(f"{where}: mlp_types[{index}]={brief(mlp_type)} (this converter writes only Fast-LLM's "
+            written = ", ".join(f"{m.mlp_type!r} (Fast-LLM's {m.description})" for m in FAST_LLM_MLPS.values())
+            problems.append(f"{where}: mlp_types[{index}]={brief(mlp_type)} (this converter writes the MLP types "
                             f"{written})")
         else:
             problems += [f"{where}: {problem}" for problem in mlp.unsupported(layer)]
