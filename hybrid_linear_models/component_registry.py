@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # How the configuration checks a declared field (configuration_hybrid_linear._field_problems): "size" a positive
-# integer (bounded), "epsilon" a finite number > 0, "bool" True/False, "gate_activation" one of GATE_ACTIVATIONS,
-# "activation" a name in transformers' ACT2FN, "window" None or a positive integer (required on the layers whose
-# component declares it), "rope" a rope_parameters dict the rotary embedding runs.
-FIELD_KINDS = ("size", "epsilon", "bool", "gate_activation", "activation", "window", "rope")
+# integer (bounded), "size_or_zero" the same or 0 (the part it sizes left out), "epsilon" a finite number > 0, "bool"
+# True/False, "gate_activation" one of GATE_ACTIVATIONS, "activation" a name in transformers' ACT2FN, "window" None
+# or a positive integer (required on the layers whose component declares it), "rope" a rope_parameters dict the
+# rotary embedding runs.
+FIELD_KINDS = ("size", "size_or_zero", "epsilon", "bool", "gate_activation", "activation", "window", "rope")
 # The annotation of each kind's dataclass field (what `help(HybridLinearConfig)` and the signature show).
-_ANNOTATIONS = {"size": "int", "epsilon": "float", "bool": "bool", "gate_activation": "str", "activation": "str",
-                "window": "int | None", "rope": "dict | None"}
+_ANNOTATIONS = {"size": "int", "size_or_zero": "int", "epsilon": "float", "bool": "bool", "gate_activation": "str",
+                "activation": "str", "window": "int | None", "rope": "dict | None"}
 _IMMUTABLE_DEFAULTS = (type(None), bool, int, float, str)  # a dataclass default is shared by every instance
 
 

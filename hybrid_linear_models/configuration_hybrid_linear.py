@@ -110,7 +110,9 @@ ROPE_REQUIRED_KEYS = {
 _SHARED_FIELD_KINDS = {
     "vocab_size": "size", "hidden_size": "size", "max_position_embeddings": "size",
     "rms_norm_eps": "epsilon", "initializer_range": "initializer_range", "attention_dropout": "dropout",
-    **dict.fromkeys(("zero_centered_norms", "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache"), "bool"),
+    **dict.fromkeys(("zero_centered_norms", "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache",
+                     "output_router_logits"), "bool"),
+    "router_aux_loss_coef": "coefficient",
 }
 
 
@@ -123,7 +125,7 @@ def _field_kinds() -> dict[str, str]:
 def _layer_size_fields(layer_type: str, mlp_type: str) -> tuple[str, ...]:
     """The fields a layer's weight count grows with (named when the count is over MAX_PARAMETERS)."""
     sizes = (name for spec in (MLPS[mlp_type], MIXERS[layer_type]) for name, declared in spec.fields.items()
-             if declared.kind == "size")
+             if declared.kind in ("size", "size_or_zero"))
     return ("hidden_size", *dict.fromkeys(sizes))
 
 
@@ -238,8 +240,11 @@ def _field_problems(s: _Settings, p: str, names: tuple[str, ...]) -> list[str]:
             problems += [problem] if (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)) else []
         elif kind == "epsilon":
             problems += _number_problems(p + name, value, low=0.0, low_inclusive=False)
-        elif kind == "initializer_range":
+        elif kind in ("initializer_range", "coefficient"):
             problems += _number_problems(name, value, low=0.0)
+        elif kind == "size_or_zero":
+            if value != 0 and (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)):
+                problems.append(problem + " or 0 (none)")
         elif kind == "dropout":
             problems += _number_problems(name, value, low=0.0, high=1.0)
         elif kind == "bool":
@@ -395,6 +400,9 @@ _CLASS_DOC = """
         zero_centered_norms (`bool`): the block, final and q/k RMSNorms compute x_hat * (1 + w) with w initialised to 0
             (Qwen3-Next) instead of x_hat * w with w initialised to 1. The gated output norms of GDN/KDA are always
             x_hat * w.
+        output_router_logits (`bool`, defaults to False): return each sparse MoE layer's router logits and the
+            load-balancing loss `aux_loss`, added to the loss times `router_aux_loss_coef` (Qwen3-Next's names).
+        router_aux_loss_coef (`float`, defaults to 0.001): the weight of the load-balancing loss in the loss.
         fuse_linear_cross_entropy (`bool`): in training (`model.train()`, `labels` given, CUDA tensors, fla
             installed), compute the loss from the hidden states with fla's fused linear + cross-entropy, which does
             not keep the [tokens, vocab] logits for the backward (and holds at most 4 GiB of them at once): the
@@ -461,6 +469,8 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
     attention_dropout: float = 0.0
     zero_centered_norms: bool = True
     fuse_linear_cross_entropy: bool = True
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None

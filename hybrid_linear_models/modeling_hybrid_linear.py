@@ -19,12 +19,12 @@ from transformers.masking_utils import (
     prepare_padding_mask,
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
@@ -35,6 +35,8 @@ from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
 from .mlp_registry import MLPS
+from .mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock, HybridLinearTopKRouter
+from .moe_load_balancing import load_balancing_loss
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info
 from .short_convolution import ShortConvolution
@@ -114,7 +116,15 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = False
     _is_stateful = True
-    _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention}
+    # router_logits: each sparse MoE layer's router logits [tokens, experts] (output_router_logits)
+    _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention,
+                           "router_logits": OutputRecorder(HybridLinearTopKRouter, index=0)}
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # The sparse MoE layers' experts (mlp_sparse_moe.py) are a `@use_experts_implementation` class, so
+        # `experts_implementation=` and `set_experts_implementation` apply to them. Unset, they run this package's
+        # grouped_mm_gather (benchmarks/bench_moe.py: faster than transformers' default grouped_mm, in the same run).
+        return super().get_correct_experts_implementation(requested_experts or EXPERTS_IMPLEMENTATIONS[0])
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with config.json's `auto_map` naming every Auto class of the family.
@@ -328,7 +338,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> MoeModelOutputWithPast:
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -370,7 +380,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
     def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor,
                     cache: Cache, windows=None) -> torch.Tensor:
@@ -455,9 +465,13 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> MoeCausalLMOutputWithPast:
+        """output_router_logits (default config.output_router_logits): return each sparse MoE layer's router logits
+        and the load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask),
+        added to `loss` times config.router_aux_loss_coef when labels are given, as Qwen3-Next does."""
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)  # before any shape is read
         if labels is not None:
             expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
@@ -468,7 +482,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         if (labels is None and self._graph_decoder is not None
                 and CudaGraphDecoder.applies(self, input_ids, inputs_embeds, cache, attention_mask, kwargs)):
             logits = self._graph_decoder.step(self, input_ids, position_ids, attention_mask, cache)
-            return CausalLMOutputWithPast(logits=logits, cache=cache)
+            return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -476,6 +490,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_router_logits=output_router_logits,
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
@@ -488,13 +503,27 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden_states)
             if labels is not None:
                 loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        aux_loss = None
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        if output_router_logits:
+            aux_loss = load_balancing_loss(outputs.router_logits or (), self._moe_top_k(), attention_mask)
+            if loss is not None and aux_loss is not None:
+                loss = loss + getattr(self.config, "router_aux_loss_coef", 0.001) * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
             loss=loss,
+            aux_loss=aux_loss,
             logits=logits,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
         )
+
+    def _moe_top_k(self) -> list[int]:
+        """num_experts_per_tok of each sparse MoE layer, in layer order (the order the router logits are recorded)."""
+        return [layer.mlp.gate.top_k for layer in self.model.layers
+                if isinstance(layer.mlp, HybridLinearSparseMoeBlock)]
 
 
 def _auto_map_entry(cls: type) -> str:

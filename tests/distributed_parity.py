@@ -1,8 +1,9 @@
 """Trains the tiny test model for a few steps with transformers.Trainer and prints the logged losses as JSON.
 
 Run as one process (`python tests/distributed_parity.py --batch 8`) or several
-(`torchrun --nproc_per_node 2 tests/distributed_parity.py --batch 4 [--fsdp]`): with sequential sampling the global
-batches are the same documents, so the losses and the trained weights must match.
+(`torchrun --nproc_per_node 2 tests/distributed_parity.py --batch 4 [--fsdp]`), of the tiny model or, with
+`--heterogeneous`, of a model whose layers differ (`distributed_helpers.HETEROGENEOUS`): with sequential sampling the
+global batches are the same documents, so the losses and the trained weights must match.
 """
 
 import argparse
@@ -16,7 +17,7 @@ from datasets import Dataset
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_helpers import leave
+from distributed_helpers import HETEROGENEOUS, HETEROGENEOUS_TYPES, leave
 from model_helpers import tiny_model
 
 
@@ -33,12 +34,26 @@ def main():
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--heterogeneous", action="store_true", help="layers that differ (distributed_helpers)")
+    parser.add_argument("--float64", action="store_true", help="train in float64 (rounding then cannot drift)")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--cuda", action="store_true", help="one GPU per rank (NCCL) instead of the CPU (gloo)")
+    parser.add_argument("--moe", action="store_true", help="sparse MoE MLPs in three of the four layers")
     args = parser.parse_args()
     torch.manual_seed(0)
     # on GPUs fla's kernels need head dims of at least 16
-    model = (tiny_model(gdn_value_head_dim=16, kda_head_dim=16, head_dim=16) if args.cuda else tiny_model()).train()
+    settings = {"layer_types": HETEROGENEOUS_TYPES, "per_layer_config": HETEROGENEOUS} if args.heterogeneous else {}
+    if args.cuda:
+        settings.update(gdn_value_head_dim=16, kda_head_dim=16, head_dim=16)
+        if args.heterogeneous:  # fla's kernels need head dims of at least 16
+            settings["per_layer_config"] = {index: {k: v for k, v in layer.items() if not k.endswith("head_dim")}
+                                            for index, layer in HETEROGENEOUS.items()}
+    if args.moe:  # no aux loss: it pools each rank's tokens, so 2 ranks x 4 documents cannot equal 1 x 8
+        settings.update(mlp_types=["sparse_moe", "sparse_moe", "dense", "sparse_moe"], num_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    model = tiny_model(**settings).train()
+    if args.float64:
+        model = model.double()
     # equal-length documents: every rank then averages over the same number of tokens
     documents = [[2 + (start + 3 * i) % 126 for i in range(16)] for start in range(64)]
     training = TrainingArguments(

@@ -80,6 +80,11 @@ def _block_parameters(block: dict) -> list[tuple[str, tuple[int, ...], bool, boo
                    ("mixer.dt_bias", (p,), False, True), ("mixer.A_log", (heads,), False, True),
                    ("mixer.norm.weight", (d,), False, False)]
     i, bias = mlp["intermediate_size"], mlp.get("add_linear_biases", True)
+    if mlp.get("type") == "moe":  # MLPBase: layer_1 (experts x [gate | up]), layer_2 (transposed); then the router
+        experts = mlp.get("experts", 2)
+        return params + [("mlp.layer_1.weight", (experts * 2 * i, h), True, True),
+                         ("mlp.layer_2.weight", (experts * i, h), True, True),
+                         ("mlp.router.weight", (experts, h), True, False)]
     params += [("mlp.layer_1.weight", (2 * i, h), True, True)] + ([("mlp.layer_1.bias", (2 * i,), False, True)]
                                                                   if bias else [])
     params += [("mlp.layer_2.weight", (i, h), True, True)] + ([("mlp.layer_2.bias", (h,), False, False)]

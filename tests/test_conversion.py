@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import hybrid_linear_models  # noqa: F401  (registers the Auto classes)
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.conversion import convert_checkpoint
-from hybrid_linear_models.conversion.fast_llm import parameters as fast_llm_parameters
+from hybrid_linear_models.conversion.fast_llm import mixers as fast_llm_mixers
 from hybrid_linear_models.conversion.converters import IDENTITY
 from hybrid_linear_models.conversion.hf_layout import hf_tensor_shapes
 from hybrid_linear_models.conversion.synthetic import write_random_checkpoint
@@ -92,8 +92,9 @@ def test_distributed_and_fast_llm_give_identical_tensors(tmp_path, exported, fix
 def test_gdn_row_permutation_is_pinned_by_the_logits(tmp_path, monkeypatch):
     """Negative control: keeping Fast-LLM's flat GDN layout (no regrouping) must break the logits, so the reference
     comparison above really pins the permutation (the fixture has 2 value heads per key head)."""
-    flat = tuple(dataclasses.replace(p, converter=IDENTITY) for p in fast_llm_parameters.GATED_DELTANET)
-    monkeypatch.setitem(fast_llm_parameters.MIXERS, "gated_deltanet", flat)
+    gdn = fast_llm_mixers.FAST_LLM_MIXERS["gdn"]
+    flat = tuple(dataclasses.replace(p, converter=IDENTITY) for p in gdn.parameters)
+    monkeypatch.setitem(fast_llm_mixers.FAST_LLM_MIXERS, "gdn", dataclasses.replace(gdn, parameters=flat))
     dst = convert_checkpoint(FIXTURES / "hybrid_attn_gdn_kda" / "fast_llm", tmp_path / "flat", from_format="fast_llm",
                              to_format="hf").destination
     ref = reference("hybrid_attn_gdn_kda")

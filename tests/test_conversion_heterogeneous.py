@@ -210,3 +210,114 @@ def test_sizes_beyond_the_stored_weights_are_refused_before_any_data_is_read():
     with pytest.raises(ConversionError, match=r"model\.layers\.0\.linear_attn\.q_proj\.weight of shape \[262144, "
                                               r"16384\].*more than the 1000000 weight elements"):
         check_tensor_sizes(config, TensorCensus(10**6), "x")
+
+
+@pytest.mark.parametrize("layer_type, settings", [
+    ("full_attention", {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "attention_bias": True,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0,
+                                            "partial_rotary_factor": 1.0}}),
+    ("sliding_attention", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16, "sliding_window": 7,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 1.0}}),
+    ("gated_deltanet", {"gdn_num_key_heads": 2, "gdn_num_value_heads": 6, "gdn_key_head_dim": 8,
+                        "gdn_value_head_dim": 12, "gdn_conv_kernel_size": 3, "gdn_norm_eps": 1e-6,
+                        "gdn_gate_activation": "sigmoid"}),
+    ("kimi_delta_attention", {"kda_num_heads": 3, "kda_head_dim": 8, "kda_conv_kernel_size": 2, "kda_norm_eps": 1e-4,
+                              "kda_gate_activation": "sigmoid"}),
+])
+def test_each_fast_llm_mixer_record_reads_back_what_it_writes(layer_type, settings):
+    """Each Fast-LLM mixer is one record (`mixers.py`): its writer's mixer config, read by its reader, gives back the
+    layer type and every one of the layer's mixer fields that the reader sets (all of MIXER_FIELDS except the
+    attention switches Fast-LLM's attention does not have, which are always off)."""
+    from hybrid_linear_models import HybridLinearConfig
+    from hybrid_linear_models.configuration_hybrid_linear import MIXER_FIELDS
+    from hybrid_linear_models.conversion.fast_llm.metadata_fields import MetadataFields
+    from hybrid_linear_models.conversion.fast_llm.mixers import FAST_LLM_MIXERS, mixer_of_layer_type
+
+    config = HybridLinearConfig(layer_types=[layer_type], hidden_size=32, vocab_size=16, intermediate_size=8,
+                                attention_output_gate=False, attention_qk_norm=False, **settings)
+    layer = config.per_layer_config[0]
+    record = mixer_of_layer_type(layer_type)
+    written = record.write(layer, layer_type)
+    assert FAST_LLM_MIXERS[written["type"]] is record
+    read_type, read = record.read(MetadataFields(written, "mixer"))
+    assert read_type == layer_type
+    assert set(read) <= set(MIXER_FIELDS[layer_type])
+    assert set(MIXER_FIELDS[layer_type]) - set(read) <= {"attention_output_gate", "attention_qk_norm",
+                                                         "sliding_window"}
+    assert read == {field: getattr(layer, field) for field in read}
+    assert {field: read[field] for field in settings} == settings  # the non-default values themselves
+
+
+def _set(path: tuple[str, ...], value):
+    def edit(blocks: dict) -> None:
+        node = blocks
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return edit
+
+
+_GDN_LAYERS = ("qkv_projection_layer", "ba_projection_layer", "output_layer", "convolution_layer")
+_KDA_LAYERS = tuple(f"{n}_projection_layer" for n in ("q", "k", "v", "f_a", "f_b", "g_a", "g_b", "beta", "output")
+                    ) + ("convolution_layer",)
+_REFUSALS = [
+    # Fast-LLM's GDN and KDA layers may have biases (AffineLinearConfig `bias.enabled`); ours have none
+    *[(_set(("gdn_narrow", "mixer", layer, "bias", "enabled"), True),
+       (f"blocks.gdn_narrow.mixer.{layer} has a bias", f"blocks.gdn_narrow.mixer.{layer}.bias.enabled is true"))
+      for layer in _GDN_LAYERS],
+    *[(_set(("kda", "mixer", layer, "bias", "enabled"), True),
+       (f"blocks.kda.mixer.{layer} has a bias", f"blocks.kda.mixer.{layer}.bias.enabled is true"))
+      for layer in _KDA_LAYERS],
+    # Fast-LLM's GDN mixer has no add_linear_biases: an unknown field, named
+    (_set(("gdn", "mixer", "add_linear_biases"), True), ("blocks.gdn.mixer.add_linear_biases not supported",)),
+    # attention biases per linear layer: our attention has one attention_bias switch for the four of them
+    (_set(("attn", "mixer", "query_layer", "bias", "enabled"), True),
+     ("blocks.attn.mixer mixes linear layers with and without biases", "query_layer: bias", "attention_bias")),
+    (_set(("sliding", "mixer", "key_layer", "bias", "enabled"), False),
+     ("blocks.sliding.mixer mixes linear layers with and without biases", "key_layer: no bias")),
+    (_set(("gdn", "mlp", "layer_2", "bias", "enabled"), True),
+     ("blocks.gdn.mlp mixes linear layers with and without biases", "layer_2: bias", "mlp_bias")),
+    # invalid head counts in the block the flat defaults come from, and in a block that is a per-layer override
+    (_set(("gdn", "mixer", "value_heads"), 3),
+     ("Fast-LLM block config.base_model.decoder.blocks.gdn (layer 2)", "blocks.gdn.mixer.value_heads",
+      "blocks.gdn.mixer.key_heads")),
+    (_set(("sliding", "mixer", "head_groups"), 3),
+     ("Fast-LLM block config.base_model.decoder.blocks.sliding (layer 1)", "blocks.sliding.mixer.head_groups")),
+    (_set(("gdn_narrow", "mixer", "value_heads"), 3),
+     ("Fast-LLM block config.base_model.decoder.blocks.gdn_narrow (layer 4)", "blocks.gdn_narrow.mixer.value_heads")),
+    (_set(("kda", "mlp", "type"), "hybrid_moe"), ("blocks.kda.mlp.type = 'hybrid_moe' is not supported",)),
+    (lambda blocks: blocks["kda"]["mlp"].update(type="moe", experts=4, shared_experts=1, add_linear_biases=False),
+     ("blocks.kda.mlp.shared_experts = 1 is not supported", "ungated")),
+    (_set(("attn", "mixer", "query_norm"), {"type": "rms_norm"}), ("blocks.attn.mixer.query_norm",)),
+]
+
+
+@pytest.mark.parametrize("edit, fragments", _REFUSALS)
+def test_every_refusal_names_the_fast_llm_block_and_field(edit, fragments):
+    blocks = heterogeneous_blocks()
+    edit(blocks)
+    base = yaml.safe_load((FIXTURE / "fast_llm" / "metadata.yaml").read_text())["config"]["base_model"]
+    base["decoder"] = {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)}
+    with pytest.raises(ConversionError) as caught:
+        fast_llm_to_hybrid_config(base)
+    message = str(caught.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+@pytest.mark.parametrize("block, edit, fragments", [
+    ("gdn_narrow", {"key_heads": 1, "value_heads": 2}, ("blocks.gdn_narrow (layer 4)", "mixer.key_heads")),
+    ("kda", {"heads": 1}, ("blocks.kda (layer 3)", "mixer.heads is 1")),
+])
+def test_unverified_distributed_layouts_name_the_block_and_field(tmp_path, block, edit, fragments):
+    blocks = heterogeneous_blocks()
+    blocks[block]["mixer"].update(edit)
+    decoder = {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)}
+    write_fast_llm_checkpoint(tmp_path, blocks, PATTERN, decoder)
+    with pytest.raises(ConversionError) as caught:
+        convert_checkpoint(tmp_path / "distributed", tmp_path / "hf", from_format="fast_llm_distributed",
+                           to_format="hf")
+    for fragment in fragments:
+        assert fragment in str(caught.value), str(caught.value)

@@ -345,10 +345,13 @@ def test_heterogeneous_model_writes_apriel2s_layout(tmp_path, heterogeneous_mode
     ({"gdn_gate_activation": "sigmoid"}, ("gdn_gate_activation='sigmoid'",)),
     ({"mlp_bias": True, "hidden_act": "tanh"}, ("mlp_bias=True", "hidden_act='tanh'")),
     ({"zero_centered_norms": True}, ("zero_centered_norms=True",)),
+    ({"mlp_types": ["dense", "sparse_moe", "dense"], "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 8, "shared_expert_intermediate_size": 0}, ("layer 1 (gated_deltanet): mlp_types[1]",)),
+    ({"kda_gate_bias": True}, ("layer 2 (kimi_delta_attention): kda_gate_bias=True",)),
 ])
 def test_what_apriel2_cannot_express_is_refused(tmp_path, overrides, fragments):
     settings = {**FLAT, **overrides}
-    model = HybridLinearForCausalLM(HybridLinearConfig(layer_types=LAYER_TYPES[:2], **settings))
+    model = HybridLinearForCausalLM(HybridLinearConfig(layer_types=LAYER_TYPES[:3], **settings))
     model.save_pretrained(tmp_path / "ours")
     with pytest.raises(ConversionError) as caught:
         convert_checkpoint(tmp_path / "ours", tmp_path / "apriel2", from_format="hf", to_format="apriel2")

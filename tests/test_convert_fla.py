@@ -491,6 +491,9 @@ def test_models_fla_cannot_express_are_refused_naming_the_first_misfit(tmp_path)
          "layer 1 (full_attention): rope_parameters="),
         (dict(layer_types=["gated_deltanet", "gated_deltanet"], zero_centered_norms=False,
               per_layer_config={1: {"gdn_num_value_heads": 2}}), "layer 1 (gated_deltanet): gdn_num_value_heads=2"),
+        (dict(layer_types=["gated_deltanet", "gated_deltanet"], zero_centered_norms=False,
+              mlp_types=["dense", "sparse_moe"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+         "layer 1 (gated_deltanet): mlp_types[1]='sparse_moe'"),
     ]
     for index, (overrides, expected) in enumerate(cases):
         src = tmp_path / f"hf{index}"

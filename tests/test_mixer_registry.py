@@ -126,7 +126,7 @@ def test_shared_settings_are_declared_once():
 
 def test_the_dense_mlp_is_a_registered_per_layer_choice():
     spec = MLPS["dense"]
-    assert tuple(MLPS) == ("dense",) and spec.module_class is HybridLinearMLP
+    assert tuple(MLPS) == ("dense", "sparse_moe") and spec.module_class is HybridLinearMLP  # + the MoE (issue 15)
     assert set(spec.fields) == {"intermediate_size", "hidden_act", "mlp_bias"}
     config = tiny_config(["gated_deltanet", "full_attention"], per_layer_config={1: {"intermediate_size": 32}})
     assert config.mlp_types == ["dense", "dense"]  # resolved explicitly, like layer_types
@@ -242,7 +242,8 @@ def test_the_fast_llm_writer_refuses_an_mlp_it_cannot_express(toy_mlp):
                          rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
     with pytest.raises(ConversionError, match=r"^this model cannot be expressed as a Fast-LLM model: layer 1 "
                                               r"\(full_attention\): mlp_types\[1\]='squared_relu' \(this converter "
-                                              r"writes only Fast-LLM's gated MLP, mlp type 'dense'\)\.$"):
+                                              r"writes the MLP types 'dense' \(Fast-LLM's gated MLP\), 'sparse_moe' "
+                                              r"\(Fast-LLM's mixture of experts\)\)\.$"):
         hybrid_config_to_fast_llm(config)
 
 

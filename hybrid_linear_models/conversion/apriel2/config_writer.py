@@ -47,6 +47,11 @@ def unsupported_for_apriel2(config: HybridLinearConfig) -> list[str]:
     for index in distinct_layers(config).values():
         layer, layer_type = layer_config(config, index), config.layer_types[index]
         where = f"layer {index} ({layer_type})"
+        if config.mlp_types[index] != "dense":
+            problems.append(f"{where}: mlp_types[{index}]={brief(config.mlp_types[index])} (this converter writes "
+                            "only Apriel2's gated MLP, mlp type 'dense')")
+        if layer_type == "kimi_delta_attention" and layer.kda_gate_bias:
+            problems.append(f"{where}: kda_gate_bias=True (Apriel2's KDA output gate has no bias)")
         if layer.hidden_act not in ACTIVATION_FROM_HF:
             problems.append(f"{where}: hidden_act={brief(layer.hidden_act)} (Apriel2 takes "
                             f"{', '.join(ACTIVATION_FROM_HF)})")

@@ -192,7 +192,7 @@ def _layer_difference(expected: HybridLinearConfig, got: HybridLinearConfig) -> 
     firsts = sorted(set(distinct_layers(expected).values()) | set(distinct_layers(got).values()))
     for index in firsts:
         want, have = layer_config(expected, index), layer_config(got, index)
-        for field in fast_llm_carried_layer_fields(expected.layer_types[index]):
+        for field in fast_llm_carried_layer_fields(expected, index):
             if getattr(want, field) != getattr(have, field):
                 return (f"{field} of layer {index} ({brief(getattr(want, field))} reads back as "
                         f"{brief(getattr(have, field))})")

@@ -9,8 +9,9 @@ holding one flat buffer per state shard (`weights_shard`, optimizer shards). Sup
   then norms, then weights that are not tensor-parallel (low-rank KDA projections, MQA key_value), then the rest.
 
 Tensor-parallel means "has a dimension Fast-LLM can split over heads", independent of the actual parallelism; both
-flags are columns of the parameter tables in `parameters.py`, which also give the name map, and each block's flags
-follow that block's own settings (a 1-KV-head block's key_value is not tensor-parallel, a 2-KV-head block's is).
+flags are columns of the parameter tables (`parameters.py`, and each mixer's record in `mixers.py`), which also give
+the name map, and each block's flags follow that block's own settings (a 1-KV-head block's key_value is not
+tensor-parallel, a 2-KV-head block's is).
 Biases (no weight decay; tensor-parallel unless they belong to an output projection) follow Fast-LLM's
 AffineLinearConfig; the fixtures have none, so their place is pinned only by Fast-LLM's source and by the tests'
 checkpoints laid out from it. The weight layouts are checked against both fixtures; configurations the fixtures do not
@@ -36,7 +37,8 @@ from ..pipeline import SourceCheckpoint, TensorCensus
 from ..safetensors_io import SafetensorsFile, TensorInfo
 from ..untrusted import Fields, brief, matches
 from .checkpoint import WEIGHTS_SHARD, load_metadata
-from .config import fast_llm_to_hybrid_config
+from .config import block_path, fast_llm_to_hybrid_config
+from .mixers import mixer_of_layer_type
 from .parameters import (
     EMBEDDINGS_PARAMETERS,
     HEAD_PARAMETERS,
@@ -49,17 +51,13 @@ from .parameters import (
 STAGE_PAD = 32
 
 
-def _check_verified(config: HybridLinearConfig) -> None:
+def _check_verified(config: HybridLinearConfig, base_model: dict) -> None:
     for index in distinct_layers(config).values():
-        layer, layer_type = layer_config(config, index), config.layer_types[index]
-        if layer_type == "gated_deltanet" and min(layer.gdn_num_key_heads, layer.gdn_num_value_heads) == 1:
-            raise ConversionError(f"layer {index}: the distributed layout of a Gated DeltaNet mixer with a single key "
-                                  "or value head is not verified; save the checkpoint in Fast-LLM's `fast_llm` format "
-                                  "and convert that.")
-        if layer_type == "kimi_delta_attention" and layer.kda_num_heads == 1:
-            raise ConversionError(f"layer {index}: the distributed layout of a Kimi Delta Attention mixer with a "
-                                  "single head is not verified; save the checkpoint in Fast-LLM's `fast_llm` format "
-                                  "and convert that.")
+        layer_type = config.layer_types[index]
+        reason = mixer_of_layer_type(layer_type).distributed_unverified(layer_config(config, index))
+        if reason is not None:
+            raise ConversionError(f"metadata.yaml: Fast-LLM block {block_path(base_model, index)} (layer {index}): "
+                                  f"{reason}; save the checkpoint in Fast-LLM's `fast_llm` format and convert that.")
 
 
 def _stage_order(parameters: list[Parameter], prefix: str, config: HybridLinearConfig) -> list[str]:
@@ -72,8 +70,8 @@ def _stage_order(parameters: list[Parameter], prefix: str, config: HybridLinearC
 def stage_layout(config: HybridLinearConfig) -> list[list[str]]:
     """Parameter names per stage, in buffer order; each block's flags follow that block's own settings."""
     stages = [_stage_order(list(EMBEDDINGS_PARAMETERS), "", config)]
-    for index, layer_type in enumerate(config.layer_types):
-        stages.append(_stage_order(list(block_definition_order(layer_type)), block_prefix(index),
+    for index in range(len(config.layer_types)):
+        stages.append(_stage_order(list(block_definition_order(config, index)), block_prefix(index),
                                    layer_config(config, index)))
     stages.append(_stage_order(list(HEAD_PARAMETERS), "", config))
     return stages
@@ -153,7 +151,7 @@ def read_fast_llm_distributed(path: Path) -> SourceCheckpoint:
         raise ConversionError(f"{file.path}: {buffer} has shape {list(info.shape)}, but the config in metadata.yaml "
                               f"implies [{expected}]. The config does not match the weights, or the checkpoint was "
                               "saved with a parallel layout; save it in the `fast_llm` format instead.")
-    _check_verified(config)
+    _check_verified(config, metadata["config"]["base_model"])
     rows = build_fast_llm_rows(config)
     shapes = _format_shapes(config, rows)
     slices: dict[str, tuple[int, tuple[int, ...]]] = {}

@@ -334,6 +334,8 @@ def _fla_problem(config: HybridLinearConfig) -> str | None:
     reference = layer_config(config, first)
     for index, layer_type in enumerate(config.layer_types):
         layer, where = layer_config(config, index), f"layer {index} ({layer_type})"
+        if config.mlp_types[index] != "dense":
+            return f"{where}: mlp_types[{index}]={brief(config.mlp_types[index])} (fla's models have dense MLPs only)"
         for field in ("intermediate_size", "rms_norm_eps"):
             if getattr(layer, field) != getattr(reference, field):
                 return f"{where}: {field}={brief(getattr(layer, field))} differs from layer {first}'s (fla has one)"
