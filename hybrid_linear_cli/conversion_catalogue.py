@@ -39,7 +39,8 @@ class OutputLayout:
 class FormatEntry:
     """One checkpoint format. `read`, `target_rows` and `write` name functions as "module:function" in
     `hybrid_linear_models.conversion` (see `formats.py` for their signatures); a format needs `read` to be read, and
-    `target_rows`, `write` and `output` to be written."""
+    `target_rows`, `write` and `output` to be written. `keeps_extra_tensors`: its writer keeps the tensors a reader
+    carries beside the model's (Qwen3-Next's multi-token prediction head); other formats refuse such a source."""
 
     name: str
     description: str
@@ -47,6 +48,7 @@ class FormatEntry:
     target_rows: str | None = None
     write: str | None = None
     output: OutputLayout | None = None
+    keeps_extra_tensors: bool = False
 
     @property
     def can_read(self) -> bool:
@@ -76,8 +78,10 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
             files=(r"config\.json", r"generation_config\.json", r"README\.md", r"model\.safetensors",
                    r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json",
                    r"[a-z_][a-z0-9_]*\.py",  # the modeling sources shipped as remote code
+                   r"extra_tensors\.safetensors",  # carried tensors the model does not load (Qwen3-Next's mtp.*)
                    *_TOKENIZER_FILES),
         ),
+        keeps_extra_tensors=True,
     ),
     FormatEntry(
         "fast_llm",
@@ -90,6 +94,18 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         "fast_llm_distributed",
         "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
         read="fast_llm.distributed:read_fast_llm_distributed",
+    ),
+    FormatEntry(
+        "qwen3_next",
+        "transformers' Qwen3-Next folder (Qwen3NextForCausalLM; hub layout, per-expert MoE tensors, mtp.* kept)",
+        read="qwen3_next.checkpoint:read_qwen3_next", target_rows="qwen3_next.checkpoint:qwen3_next_rows",
+        write="qwen3_next.checkpoint:write_qwen3_next",
+        output=OutputLayout(
+            marker="config.json", marker_fields={"model_type": "qwen3_next"},
+            files=(r"config\.json", r"generation_config\.json", r"model\.safetensors",
+                   r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json", *_TOKENIZER_FILES),
+        ),
+        keeps_extra_tensors=True,
     ),
 )
 
