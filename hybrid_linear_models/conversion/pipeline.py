@@ -308,5 +308,5 @@ class WriteOptions:
 
 
 __all__ = ["TensorSource", "TensorCensus", "CarriedTensors", "check_carried",
-            "check_tensor_sizes", "config_difference", "SourceCheckpoint",
+           "check_tensor_sizes", "config_difference", "SourceCheckpoint",
            "ConversionPlan", "WriteOptions", "plan_conversion", "stream_tensors"]
