@@ -104,14 +104,13 @@ def _rope_parameters(fields: Fields) -> dict:
     from transformers import Qwen3NextConfig
 
     given = {name: fields.get(name) for name in _ROPE_FIELDS if fields.has(name)}
-    if isinstance(given.get("rope_parameters"), dict):
-        fields.mapping("rope_parameters")
+    if given.get("rope_parameters") is not None:
+        fields.mapping("rope_parameters")  # a mapping, or one clear line
     try:
         return dict(Qwen3NextConfig(num_hidden_layers=1, **given).rope_parameters)
     except Exception as error:  # noqa: BLE001 - transformers' own checks, of several kinds, on untrusted values
         raise ConversionError(f"{fields.file}: the rotary settings ({', '.join(given) or 'defaults'}) are not valid "
-                              f"for Qwen3NextConfig: {clip(str(error).splitlines()[0] if str(error) else '', 200)}"
-                              ) from None
+                              f"for Qwen3NextConfig: {clip(' '.join(str(error).split()), 200)}") from None
 
 
 def _mlp_types(fields: Fields, layers: int, census: TensorCensus | None) -> tuple[list[str], dict[str, Any]]:
