@@ -179,6 +179,7 @@ def test_mtp_tensors_survive_every_hop(tmp_path):
     mtp = add_mtp_tensors(tmp_path / "source", fields)
     convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
     assert (tmp_path / "hf" / EXTRA_TENSORS_FILE).is_file()
+    assert all(FORMATS["hf"].output.writes(path.name) for path in (tmp_path / "hf").iterdir())  # --force may replace
     ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info
     assert_same_predictions(Qwen3NextForCausalLM.from_pretrained(tmp_path / "source").eval(), ours.eval(), 96)
@@ -270,3 +271,90 @@ def test_catalogue_entry():
     assert fmt.can_read and fmt.can_write and fmt.keeps_extra_tensors
     assert fmt.output.marker_fields == {"model_type": "qwen3_next"} and fmt.output.writes("model.safetensors")
     assert FORMATS["hf"].output.writes(EXTRA_TENSORS_FILE) and not FORMATS["fast_llm"].keeps_extra_tensors
+
+
+# --------------------------------------------------------------------------------------------- sparse MoE layers
+
+MOE_CASES = {
+    # layer 1 dense, the others sparse with a shared expert; 2 of 4 experts per token
+    "mixed": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                  mlp_only_layers=[1]),
+    # every second layer sparse (decoder_sparse_step 2), top-k weights not renormalised, 1 value head per key head
+    "sparse_step": dict(num_experts=3, num_experts_per_tok=1, moe_intermediate_size=8,
+                        shared_expert_intermediate_size=16, decoder_sparse_step=2, norm_topk_prob=False,
+                        linear_num_key_heads=2, linear_num_value_heads=2),
+}
+
+
+@MOE
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_qwen3_next_converts_with_transformers_logits(tmp_path, case):
+    theirs = save_qwen3_next(tmp_path / "qwen3_next", **MOE_CASES[case])
+    assert (tmp_path / "qwen3_next" / "model.safetensors").is_file()
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in tensors_of(tmp_path / "qwen3_next")  # hub layout
+    convert_checkpoint(tmp_path / "qwen3_next", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
+    ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    assert_same_predictions(theirs, ours.eval(), theirs.config.vocab_size)
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="qwen3_next")
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "qwen3_next")  # per expert again, bit for bit
+    assert_same_predictions(theirs, Qwen3NextForCausalLM.from_pretrained(tmp_path / "back").eval(), 96)
+
+
+@MOE
+def test_hub_layouts_built_by_hand_and_fused_read_the_same(tmp_path):
+    """The per-expert hub layout written here from the in-memory (fused) weights, independently of transformers'
+    save_pretrained, and a folder saved fused (save_original_format=False) convert to the same tensors."""
+    theirs = save_qwen3_next(tmp_path / "saved", **MOE_CASES["mixed"])
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    shutil.copy(tmp_path / "saved" / "config.json", hub / "config.json")
+    tensors, size = {}, 16
+    for name, tensor in theirs.state_dict().items():
+        if name == "lm_head.weight" and theirs.config.tie_word_embeddings:
+            continue
+        prefix, _, leaf = name.rpartition("experts.")
+        if leaf == "gate_up_proj":
+            for e, expert in enumerate(tensor):
+                tensors[f"{prefix}experts.{e}.gate_proj.weight"] = expert[:size].clone()
+                tensors[f"{prefix}experts.{e}.up_proj.weight"] = expert[size:].clone()
+        elif leaf == "down_proj":
+            tensors.update({f"{prefix}experts.{e}.down_proj.weight": expert.clone() for e, expert in enumerate(tensor)})
+        else:
+            tensors[name] = tensor.clone()
+    from safetensors.torch import save_file
+
+    save_file(tensors, hub / "model.safetensors", metadata={"format": "pt"})
+    theirs.save_pretrained(tmp_path / "fused", save_original_format=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors_of(tmp_path / "fused")
+    converted = {}
+    for source in ("saved", "hub", "fused"):
+        convert_checkpoint(tmp_path / source, tmp_path / f"{source}-hf", from_format="qwen3_next", to_format="hf")
+        converted[source] = tensors_of(tmp_path / f"{source}-hf")
+    assert converted["hub"] == converted["saved"] == converted["fused"]
+    assert_same_predictions(theirs, HybridLinearForCausalLM.from_pretrained(tmp_path / "hub-hf").eval(), 96)
+
+
+@MOE
+def test_our_moe_model_converts_to_transformers_qwen3_next(tmp_path):
+    ours = tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"],
+                      mlp_types=["sparse_moe", "dense", "sparse_moe"], num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    ours.save_pretrained(tmp_path / "ours")
+    convert_checkpoint(tmp_path / "ours", tmp_path / "qwen3_next", from_format="hf", to_format="qwen3_next")
+    config = json.loads((tmp_path / "qwen3_next" / "config.json").read_text())
+    assert (config["num_experts"], config["mlp_only_layers"], config["decoder_sparse_step"]) == (4, [1], 1)
+    theirs, info = Qwen3NextForCausalLM.from_pretrained(tmp_path / "qwen3_next", output_loading_info=True)
+    assert not any(info.values()), info
+    assert_same_predictions(theirs.eval(), ours, ours.config.vocab_size)
+
+
+@MOE
+def test_moe_without_shared_expert_does_not_fit(tmp_path):
+    from model_helpers import tiny_config
+
+    config = tiny_config(["gated_deltanet", "full_attention"], mlp_types=["sparse_moe", "sparse_moe"],
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=0)
+    with pytest.raises(ConversionError, match="no shared expert"):
+        qwen3_next_rows(config)
