@@ -122,6 +122,11 @@ def test_sparse_layers_need_the_moe_mlp(folder):
     refused(folder, "layer 0 is a sparse MoE layer (num_experts 4)", "has no MoE MLP")
 
 
+def test_hf_reader_points_to_qwen3_next(folder):
+    with pytest.raises(ConversionError, match=r"model_type 'qwen3_next'; --from hf reads .* use --from qwen3_next\."):
+        get_format("hf", "read").read(folder)
+
+
 def test_refused_source_writes_nothing(folder, tmp_path):
     edit_config(folder, lambda config: config.__setitem__("hidden_act", "gelu"))
     with pytest.raises(ConversionError, match="hidden_act"):

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE
+
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
 from .extra_tensors import EXTRA_TENSORS_FILE, extra_tensors_file, read_extra_tensors
@@ -93,8 +95,10 @@ def _config_fields(text: str, label: str) -> Fields:
     fields = Fields(parse_json(text, label), "", label, missing_is_empty=False)
     model_type = fields.get("model_type")
     if model_type != HybridLinearConfig.model_type:
+        readable = [entry.name for entry in FORMAT_CATALOGUE if entry.can_read and entry.name == model_type]
+        hint = f" It is a {readable[0]} folder: use --from {readable[0]}." if readable else ""
         raise ConversionError(f"{label} has model_type {brief(model_type)}; --from hf reads "
-                              f"{HybridLinearConfig.model_type!r} models (this project's format).")
+                              f"{HybridLinearConfig.model_type!r} models (this project's format).{hint}")
     return fields
 
 
