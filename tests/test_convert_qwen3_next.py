@@ -68,7 +68,7 @@ def tensors_of(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], by
 
 
 def assert_same_predictions(theirs: torch.nn.Module, ours: torch.nn.Module, vocab: int) -> None:
-    """Logits within LOGITS_TOLERANCE over a batch without padding, and the same 6 greedy tokens (cached
+    """Logits within LOGITS_TOLERANCE over a batch without padding, and the same 4 greedy tokens (cached
     decoding)."""
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, vocab, (2, 13), generator=generator)  # no 0: generate would take it for padding
@@ -77,7 +77,7 @@ def assert_same_predictions(theirs: torch.nn.Module, ours: torch.nn.Module, voca
         difference = (expected - got).abs().max().item()
         assert difference <= LOGITS_TOLERANCE, difference
         assert expected.abs().max() > 0.1  # logits of a real size: the comparison means something
-        greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(tokens))
+        greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(tokens))
         assert torch.equal(theirs.generate(tokens, **greedy), ours.generate(tokens, **greedy))
 
 
@@ -132,8 +132,7 @@ def test_sharded_source_and_output(tmp_path):
                        max_shard_size="30KB")
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "source")
-    assert_same_predictions(theirs, Qwen3NextForCausalLM.from_pretrained(tmp_path / "back").eval(), 96)
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "source")  # the same model, bit for bit
 
 
 def test_defaults_are_transformers_own():
@@ -204,8 +203,8 @@ def test_mtp_tensors_survive_every_hop(tmp_path):
 
 
 def test_our_model_that_fits_converts_to_transformers_qwen3_next(tmp_path):
-    ours = tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"], rms_norm_eps=1e-5, tie_word_embeddings=True,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
+    ours = tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"], rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
     ours.save_pretrained(tmp_path / "ours")
     convert_checkpoint(tmp_path / "ours", tmp_path / "qwen3_next", from_format="hf", to_format="qwen3_next")
     assert sorted(p.name for p in (tmp_path / "qwen3_next").iterdir()) == [

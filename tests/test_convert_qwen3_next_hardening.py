@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from fuzz_strategies import FUZZ_SETTINGS, mutated, safetensors_file, split_safetensors
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from test_convert_qwen3_next import save_qwen3_next
@@ -178,14 +178,14 @@ def outcome(folder: Path) -> str:
     return "read"
 
 
-@FUZZ_SETTINGS
+@settings(FUZZ_SETTINGS, max_examples=50)  # half the others' examples: one small folder, two files
 @given(data=st.data())
 def test_fuzz_qwen3_next_config_json(mutable, data):
     config = data.draw(mutated(json.loads(mutable.originals["config.json"])))
     outcome(mutable.with_file("config.json", json.dumps(config)))
 
 
-@FUZZ_SETTINGS
+@settings(FUZZ_SETTINGS, max_examples=50)  # half the others' examples: one small folder, two files
 @given(data=st.data())
 def test_fuzz_qwen3_next_safetensors_header(mutable, data):
     header, tensor_data = split_safetensors(mutable.originals["model.safetensors"])
