@@ -204,7 +204,8 @@ def test_mtp_tensors_survive_every_hop(tmp_path):
 
 def test_our_model_that_fits_converts_to_transformers_qwen3_next(tmp_path):
     ours = tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"], rms_norm_eps=1e-5,
-                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
+                      tie_word_embeddings=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5})
     ours.save_pretrained(tmp_path / "ours")
     convert_checkpoint(tmp_path / "ours", tmp_path / "qwen3_next", from_format="hf", to_format="qwen3_next")
     assert sorted(p.name for p in (tmp_path / "qwen3_next").iterdir()) == [
