@@ -172,8 +172,15 @@ class StackedExperts(Converter):
         return (self.experts * self.parts, 1)
 
     def forward(self, tensors):
-        return [torch.stack([torch.cat(list(tensors[e * self.parts:(e + 1) * self.parts]), dim=0)
-                             for e in range(self.experts)])]
+        # one output buffer, each expert's parts copied into it: the peak is the inputs plus one stacked tensor
+        # (a real layer's experts hold gigabytes; cat then stack would hold a third copy)
+        first = tensors[0]
+        stacked = first.new_empty((self.experts, first.shape[0] * self.parts, *first.shape[1:]))
+        rows = first.shape[0]
+        for index, tensor in enumerate(tensors):
+            expert, part = divmod(index, self.parts)
+            stacked[expert, part * rows:(part + 1) * rows].copy_(tensor)
+        return [stacked]
 
     def inverse(self, tensors):
         return [chunk.contiguous() for expert in tensors[0].unbind(0)
