@@ -268,7 +268,6 @@ _BLOCKING_RUN = textwrap.dedent("""
     api._with_progress = gated
     if mode == "cli":
         from hybrid_linear_cli.convert import main
-from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
         sys.exit(main(["--from", "fast_llm", "--to", "hf", src, dst, "--quiet", "--dtype", "float32", *flags]))
     api.convert_checkpoint(src, dst, from_format="fast_llm", to_format="hf", dtype="float32", force=bool(flags))
 """)
