@@ -8,7 +8,23 @@ A decoder of `num_hidden_layers` blocks, each with one token mixer picked by `la
 - "gated_deltanet":       Gated DeltaNet (Qwen3-Next's linear attention);
 - "kimi_delta_attention": Kimi Delta Attention (per-channel decay);
 
-followed by a gated MLP, each sub-block pre-normed with RMSNorm and added to the residual stream.
+followed by an MLP picked by `mlp_types` (default: every layer "dense", the gated MLP), each sub-block pre-normed
+with RMSNorm and added to the residual stream.
+
+The mixers and MLPs are registered components (`mixer_registry`, `mlp_registry`), and each owns its settings: its
+spec declares every config field it reads once (`component_registry.ConfigField`: kind, default, one-line doc,
+optionally `default_from` another field, resolved here when the value is None). This class takes those fields from
+the registries rather than from lines written here. transformers makes every `PreTrainedConfig` subclass a dataclass
+when the class statement runs (`PreTrainedConfig.__init_subclass__`), so the fields must exist then: the class
+inherits a dataclass generated from the registered declarations (`_fields_dataclass`: fields only, no methods), whose
+fields the dataclass machinery collects as it does any dataclass base's (defaults, `dataclasses.fields`, the
+generated `__init__` signature and `__eq__`, transformers' `to_diff_dict`). A component registered later (a plugin, a
+test) adds its fields when it registers (`_sync_registered_fields`: Field records made by the same generator, entered
+in `__dataclass_fields__`, which transformers' keyword `__init__`, defaults and serialisation read at each call; only
+the generated `__eq__` and signature, fixed at class creation, do not list them); removing it takes them out. The
+docstring's Args for these fields is built from their docs, so `help(HybridLinearConfig)` lists every setting. Only
+the fields the whole model shares (embeddings, the layer lists, norms, ...) are written in the class. This module
+imports no torch itself (the registrations it reads live in the component modules).
 
 Every switch that changes the math is a field, written explicitly into config.json (defaults are resolved here, never
 left for the modeling code to guess).
@@ -24,45 +40,54 @@ Heterogeneous layers use transformers' own mechanism, `per_layer_config` ({layer
 overrides of the flat fields, which stay the defaults (a config without it is the homogeneous model it always was, and
 saves unchanged). `config.per_layer_config[i]` is layer i's resolved config; reading a field that varies between
 layers from the global config raises transformers' AmbiguousGlobalPerLayerAttributeError, so no reader can miss it.
-Only fields that shape one layer may vary (`PER_LAYER_FIELDS`): the mixer's (`MIXER_FIELDS`, by layer type) and the
-block's own (MLP and block norms, `BLOCK_FIELDS`). Everything the layers share (hidden_size, vocab_size, embeddings
-and their tying, the norm parametrisation, position range, init and dropout, the layer list itself) has one value per
-model and is refused per layer, as is a field the layer's mixer does not read (gdn_* on an attention layer: it would be
-silently ignored). Each layer's resolved settings are validated like the global ones, the messages naming the layer:
-"per_layer_config[3].num_key_value_heads ...". A per-layer `rope_parameters` replaces the global dict; its missing
-rope_type, rope_theta and partial_rotary_factor are filled from the global one at construction (so config.json shows
-every layer's full rotary settings). The final norm uses the flat `rms_norm_eps`; GDN/KDA norm epsilons default to
-the flat `rms_norm_eps`, not to a layer's override of it.
+Only fields that shape one layer may vary (`PER_LAYER_FIELDS`): the mixer's (`MIXER_FIELDS`, by layer type), the
+MLP's (`MLP_FIELDS`, by MLP type) and the block norms' (`BLOCK_FIELDS`). Everything the layers share (hidden_size,
+vocab_size, embeddings and their tying, the norm parametrisation, position range, init and dropout, the layer lists
+themselves) has one value per model and is refused per layer, as is a field the layer's mixer or MLP does not read
+(gdn_* on an attention layer: it would be silently ignored). Each layer's resolved settings are validated like the
+global ones, the messages naming the layer: "per_layer_config[3].num_key_value_heads ...". A per-layer
+`rope_parameters` replaces the global dict; its missing rope_type, rope_theta and partial_rotary_factor are filled
+from the global one at construction (so config.json shows every layer's full rotary settings). The final norm uses
+the flat `rms_norm_eps`; GDN/KDA norm epsilons default to the flat `rms_norm_eps`, not to a layer's override of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import textwrap
 from typing import Any
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
+from .component_registry import ConfigField, declarations_of, declared_fields, on_change
 from .mixer_registry import MIXERS
 from .mixer_registry import layer_types as registered_layer_types
-from .mixer_registry import tensor_parallel_plan as registered_tensor_parallel_plan
+from .mixer_registry import tensor_parallel_plan as mixers_tensor_parallel_plan
+from .mlp_registry import MLPS
+from .mlp_registry import tensor_parallel_plan as mlps_tensor_parallel_plan
 from .shown_values import brief, clip
 
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 
-# The layer types and the fields each one's mixer reads (and may set per layer) come from the mixers' registrations
-# (mixer_registry; these tuples as registered at import, validation reads the registry itself); the rest of a block
-# (MLP, block norms) reads BLOCK_FIELDS.
+# The layer types, MLP types and the fields each one's component reads (and may set per layer) come from the
+# registrations (mixer_registry, mlp_registry; these tuples as registered at import, validation reads the registries
+# themselves); every layer also reads BLOCK_FIELDS (its block norms).
 LAYER_TYPES = registered_layer_types()
 ATTENTION_LAYER_TYPES = registered_layer_types("kv")
 LINEAR_LAYER_TYPES = registered_layer_types("recurrent")
+MLP_TYPES = tuple(MLPS)
 MIXER_FIELDS = {layer_type: tuple(spec.fields) for layer_type, spec in MIXERS.items()}
-BLOCK_FIELDS = ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps")
-PER_LAYER_FIELDS = tuple(dict.fromkeys(f for fields in (*MIXER_FIELDS.values(), BLOCK_FIELDS) for f in fields))
+MLP_FIELDS = {mlp_type: tuple(spec.fields) for mlp_type, spec in MLPS.items()}
+BLOCK_FIELDS = ("rms_norm_eps",)
+PER_LAYER_FIELDS = tuple(dict.fromkeys(f for fields in (*MIXER_FIELDS.values(), *MLP_FIELDS.values(), BLOCK_FIELDS)
+                                       for f in fields))
 # At most this many per-layer problems are listed in one error (a hostile config could have one per layer).
 _MAX_LAYER_PROBLEMS = 4
 
 _DEFAULT_LAYER_TYPES = ["gated_deltanet", "gated_deltanet", "gated_deltanet", "full_attention"] * 2
+DEFAULT_MLP_TYPE = "dense"  # every layer's MLP unless mlp_types says otherwise
 
 # Generous bounds that no real model reaches, so that a hostile config fails in validate(), before any allocation.
 MAX_LAYERS = 100_000
@@ -80,26 +105,28 @@ ROPE_REQUIRED_KEYS = {
     "llama3": ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"),
 }
 
-# How each field is checked: the shared ones here, the mixers' as their registrations say (mixer_registry.FIELD_KINDS)
+# How each field is checked: the shared ones here, the components' as their registrations declare them
+# (component_registry.FIELD_KINDS)
 _SHARED_FIELD_KINDS = {
-    "vocab_size": "size", "hidden_size": "size", "intermediate_size": "size", "max_position_embeddings": "size",
+    "vocab_size": "size", "hidden_size": "size", "max_position_embeddings": "size",
     "rms_norm_eps": "epsilon", "initializer_range": "initializer_range", "attention_dropout": "dropout",
-    **dict.fromkeys(("mlp_bias", "zero_centered_norms", "tie_word_embeddings", "fuse_linear_cross_entropy",
-                     "use_cache"), "bool"),
-    "hidden_act": "activation",
+    **dict.fromkeys(("zero_centered_norms", "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache",
+                     "output_router_logits"), "bool"),
+    "router_aux_loss_coef": "coefficient",
 }
 
 
 def _field_kinds() -> dict[str, str]:
-    """Every checked field and its kind, the registered mixers' included (read at each validation, so a mixer
-    registered later is validated too)."""
-    return {**_SHARED_FIELD_KINDS, **{name: kind for spec in MIXERS.values() for name, kind in spec.fields.items()}}
+    """Every checked field and its kind, the registered components' included (read at each validation, so a
+    component registered later is validated too)."""
+    return {**_SHARED_FIELD_KINDS, **{name: declared.kind for name, declared in declared_fields().items()}}
 
 
-def _layer_size_fields(layer_type: str) -> tuple[str, ...]:
+def _layer_size_fields(layer_type: str, mlp_type: str) -> tuple[str, ...]:
     """The fields a layer's weight count grows with (named when the count is over MAX_PARAMETERS)."""
-    sizes = (name for name, kind in MIXERS[layer_type].fields.items() if kind == "size")
-    return ("hidden_size", "intermediate_size", *sizes)
+    sizes = (name for spec in (MLPS[mlp_type], MIXERS[layer_type]) for name, declared in spec.fields.items()
+             if declared.kind in ("size", "size_or_zero"))
+    return ("hidden_size", *dict.fromkeys(sizes))
 
 
 _SIZE_FIELDS = tuple(name for name, kind in _field_kinds().items() if kind == "size")  # as registered at import
@@ -184,15 +211,22 @@ def _completed_rope(config: PreTrainedConfig, rope: Any) -> Any:
     return rope
 
 
-def _layer_problems(settings: _Settings, index: int, layer_type: str, fields: dict) -> list[str]:
+def _window_fields(layer_type: str) -> tuple[str, ...]:
+    """The "window" fields of a layer type's mixer: None globally, but required on its layers (sliding_window)."""
+    return tuple(name for name, declared in MIXERS[layer_type].fields.items() if declared.kind == "window")
+
+
+def _layer_problems(settings: _Settings, index: int, layer_type: str, mlp_type: str, fields: dict) -> list[str]:
     """Problems of layer `index`'s overridden fields, then of the relations and sizes they take part in."""
     prefix = f"per_layer_config[{index}]."
     problems = _field_problems(settings, prefix, tuple(name for name in _field_kinds() if name in fields))
-    if layer_type == "sliding_attention" and settings.sliding_window is None:
-        problems.append(f"{prefix}sliding_window must be a positive integer for this 'sliding_attention' layer, got "
-                        "None")
+    for name in _window_fields(layer_type):
+        if getattr(settings, name) is None:
+            problems.append(f"{prefix}{name} must be a positive integer for this {layer_type!r} layer, got None")
     if not problems:
-        problems = _relation_problems(settings, prefix, (layer_type,)) + _size_problems(settings, prefix, (layer_type,))
+        specs = (MIXERS[layer_type], MLPS[mlp_type])
+        problems = _relation_problems(settings, prefix, specs) + _size_problems(settings, prefix,
+                                                                               ((layer_type, mlp_type),))
     return problems
 
 
@@ -206,8 +240,11 @@ def _field_problems(s: _Settings, p: str, names: tuple[str, ...]) -> list[str]:
             problems += [problem] if (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)) else []
         elif kind == "epsilon":
             problems += _number_problems(p + name, value, low=0.0, low_inclusive=False)
-        elif kind == "initializer_range":
+        elif kind in ("initializer_range", "coefficient"):
             problems += _number_problems(name, value, low=0.0)
+        elif kind == "size_or_zero":
+            if value != 0 and (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)):
+                problems.append(problem + " or 0 (none)")
         elif kind == "dropout":
             problems += _number_problems(name, value, low=0.0, high=1.0)
         elif kind == "bool":
@@ -228,11 +265,12 @@ def _field_problems(s: _Settings, p: str, names: tuple[str, ...]) -> list[str]:
 
 
 def _windowed_layers(per_layer: Any) -> set[int]:
-    """The layers that a (not yet validated) per_layer_config gives a sliding window of their own."""
+    """The layers that a (not yet validated) per_layer_config gives a window of their own (sliding_window)."""
     if not isinstance(per_layer, dict):
         return set()
+    windows = {name for name, declared in declared_fields().items() if declared.kind == "window"}
     return {_layer_index(key) for key, fields in per_layer.items()
-            if isinstance(fields, dict) and fields.get("sliding_window") is not None}
+            if isinstance(fields, dict) and any(fields.get(name) is not None for name in windows)}
 
 
 def _layer_types_problems(s: _Settings, windowed_layers: set[int]) -> list[str]:
@@ -251,10 +289,28 @@ def _layer_types_problems(s: _Settings, windowed_layers: set[int]) -> list[str]:
     if layers is not None and layers != len(layer_types):
         problems.append(f"num_hidden_layers={layers} but layer_types has {len(layer_types)} entries; "
                         "give one layer type per layer (or leave num_hidden_layers unset)")
-    if "sliding_attention" in layer_types and s.sliding_window is None:
-        if any(t == "sliding_attention" and i not in windowed_layers for i, t in enumerate(layer_types)):
-            problems.append("layer_types has 'sliding_attention' layers, so sliding_window must be a positive "
-                            "integer, got None")
+    for layer_type in dict.fromkeys(t for t in layer_types if isinstance(t, str) and t in MIXERS):
+        for name in _window_fields(layer_type):
+            if getattr(s, name) is None and any(t == layer_type and i not in windowed_layers
+                                                for i, t in enumerate(layer_types)):
+                problems.append(f"layer_types has {layer_type!r} layers, so {name} must be a positive integer, got "
+                                "None")
+    return problems
+
+
+def _mlp_types_problems(s: _Settings) -> list[str]:
+    """mlp_types: one registered MLP type per layer (checked once layer_types is sound)."""
+    mlp_types, layers = s.mlp_types, len(s.layer_types)
+    if not isinstance(mlp_types, list) or not mlp_types:
+        return [f"mlp_types must be a non-empty list of {tuple(MLPS)}, one per layer, got {brief(mlp_types)}"]
+    problems = []
+    if len(mlp_types) != layers:
+        problems.append(f"mlp_types has {len(mlp_types)} entries but layer_types has {layers}; give one MLP type per "
+                        f"layer (or leave mlp_types unset: every layer {DEFAULT_MLP_TYPE!r})")
+    unknown = [t for t in mlp_types[:MAX_LAYERS] if not isinstance(t, str) or t not in MLPS]
+    if unknown:
+        problems.append(f"mlp_types has unknown entries {brief(_distinct(unknown))}; each entry must be one of "
+                        f"{tuple(MLPS)}")
     return problems
 
 
@@ -287,10 +343,10 @@ def _rope_problems(rope: Any, p: str = "") -> list[str]:
     return problems
 
 
-def _relation_problems(s: _Settings, p: str, layer_types) -> list[str]:
-    """Checks between the fields that the mixers of `layer_types` read (each field already known to be well typed),
-    as their registrations define them."""
-    checks = dict.fromkeys(MIXERS[t].relation_problems for t in layer_types)  # full and sliding attention share one
+def _relation_problems(s: _Settings, p: str, specs) -> list[str]:
+    """Checks between the fields that the components `specs` read (each field already known to be well typed), as
+    their registrations define them."""
+    checks = dict.fromkeys(spec.relation_problems for spec in specs)  # full and sliding attention share one
     return [problem for check in checks for problem in check(s, p)]
 
 
@@ -305,14 +361,17 @@ def _token_id_problems(s: _Settings) -> list[str]:
     return problems
 
 
-def _size_problems(s: _Settings, p: str, layer_types) -> list[str]:
-    """Bounds the weights a model of these settings would allocate, so a hostile config fails here, not in torch."""
+def _size_problems(s: _Settings, p: str, layers) -> list[str]:
+    """Bounds the weights a model of these settings would allocate, so a hostile config fails here, not in torch.
+    `layers`: the distinct (layer type, MLP type) pairs to bound."""
     counts = {}
     if not p:
         embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
         counts["the embeddings"] = (("vocab_size", "hidden_size"), embeddings)
-    for kind in layer_types:
-        counts[f"one {kind} layer"] = (_layer_size_fields(kind), _layer_parameter_count(s, kind))
+    several_mlps = len({mlp_type for _, mlp_type in layers}) > 1
+    for layer_type, mlp_type in layers:
+        what = f"one {layer_type} layer" + (f" with a {mlp_type!r} MLP" if several_mlps else "")
+        counts[what] = (_layer_size_fields(layer_type, mlp_type), _layer_parameter_count(s, layer_type, mlp_type))
     over = {what: (fields, count) for what, (fields, count) in counts.items() if count > MAX_PARAMETERS}
     if not over:
         return []
@@ -321,96 +380,97 @@ def _size_problems(s: _Settings, p: str, layer_types) -> list[str]:
     return [f"the sizes give more weights than the limit of 2**40 ({holding}): reduce {', '.join(fields)}"]
 
 
-def _layer_parameter_count(s: _Settings, layer_type: str) -> int:
+def _layer_parameter_count(s: _Settings, layer_type: str, mlp_type: str) -> int:
     """Weights of one decoder layer (norms and biases left out: they are small next to the projections)."""
-    return 3 * s.hidden_size * s.intermediate_size + MIXERS[layer_type].parameter_count(s)
+    return MLPS[mlp_type].parameter_count(s) + MIXERS[layer_type].parameter_count(s)
 
 
-class HybridLinearConfig(PreTrainedConfig):
-    r"""
+# ----------------------------------------------------------------------------------- fields from the registries
+
+_CLASS_DOC = """
     Args:
-        vocab_size, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, hidden_act,
-        rms_norm_eps, max_position_embeddings, rope_parameters, tie_word_embeddings, sliding_window,
-        initializer_range, attention_bias, attention_dropout, pad_token_id, bos_token_id, eos_token_id, use_cache:
-            as in other transformers decoders. `rope_parameters` also holds `partial_rotary_factor`, the fraction of
-            each attention head's dims that are rotated (Qwen3-Next: 0.25; Llama-style models: 1.0).
-        layer_types (`list[str]`): one mixer per layer, among "full_attention", "sliding_attention",
-            "gated_deltanet", "kimi_delta_attention". Default: 3 Gated DeltaNet layers to 1 attention layer, 8 layers.
+        vocab_size, hidden_size, max_position_embeddings, tie_word_embeddings, initializer_range, attention_dropout,
+        rms_norm_eps, pad_token_id, bos_token_id, eos_token_id, use_cache:
+            as in other transformers decoders. `rms_norm_eps` is the epsilon of the block, final and q/k RMSNorms (a
+            layer may set its own).
+        layer_types (`list[str]`): one mixer per layer. Default: 3 Gated DeltaNet layers to 1 attention layer, 8
+            layers. Registered: {layer_types}.
+        mlp_types (`list[str]`): one MLP per layer. Default: every layer "dense". Registered: {mlp_types}.
         num_hidden_layers (`int`, *optional*): follows from `layer_types`; if given, must match its length.
-        mlp_bias (`bool`): biases in the MLP projections.
-        attention_output_gate (`bool`): Qwen3-Next's gated attention: q_proj also produces a gate per head, and the
-            attention output is multiplied by sigmoid(gate).
-        attention_qk_norm (`bool`): per-head RMSNorm of queries and keys before the rotary embedding.
         zero_centered_norms (`bool`): the block, final and q/k RMSNorms compute x_hat * (1 + w) with w initialised to 0
             (Qwen3-Next) instead of x_hat * w with w initialised to 1. The gated output norms of GDN/KDA are always
             x_hat * w.
-        gdn_num_key_heads, gdn_num_value_heads, gdn_key_head_dim, gdn_value_head_dim (`int`): Gated DeltaNet heads;
-            value heads must be a multiple of key heads (value head j reads key head j // (values / keys)).
-        gdn_conv_kernel_size (`int`): width of GDN's depthwise causal convolution over [q | k | v].
-        gdn_gate_activation (`str`): activation of the output gate of GDN's gated RMSNorm, "silu" (Qwen3-Next,
-            Fast-LLM) or "sigmoid".
-        gdn_norm_eps (`float`): epsilon of GDN's gated RMSNorm. Defaults to `rms_norm_eps`.
-        kda_num_heads, kda_head_dim (`int`): Kimi Delta Attention heads.
-        kda_conv_kernel_size (`int`): width of KDA's depthwise causal convolutions.
-        kda_gate_activation (`str`): activation of KDA's output gate, "sigmoid" (Kimi Linear) or "silu" (Fast-LLM).
-        kda_norm_eps (`float`): epsilon of KDA's gated RMSNorm. Defaults to `rms_norm_eps`.
+        output_router_logits (`bool`, defaults to False): return each sparse MoE layer's router logits and the
+            load-balancing loss `aux_loss`, added to the loss times `router_aux_loss_coef` (Qwen3-Next's names).
+        router_aux_loss_coef (`float`, defaults to 0.001): the weight of the load-balancing loss in the loss.
         fuse_linear_cross_entropy (`bool`): in training (`model.train()`, `labels` given, CUDA tensors, fla
             installed), compute the loss from the hidden states with fla's fused linear + cross-entropy, which does
             not keep the [tokens, vocab] logits for the backward (and holds at most 4 GiB of them at once): the
             same loss, less memory; `outputs.logits` is then None. Evaluation and inference always return logits.
-    """
+
+    The settings of the registered mixers and MLPs (declared by their registrations; a layer may set those of its
+    own mixer and MLP in `per_layer_config`):
+{registered}
+"""
+
+
+def _registered_fields_doc() -> str:
+    """One Args entry per registered field, from its declaration, naming the components that read it."""
+    lines = []
+    for name, declared in declared_fields().items():
+        readers = ", ".join(key for _, key in declarations_of(name))
+        default = f"defaults to {declared.default_from if declared.default_from else repr(declared.default)}"
+        lines.append(textwrap.fill(f"{name} (`{declared.annotation}`, {default}; {readers}): {declared.doc}", 120,
+                                   initial_indent=" " * 8, subsequent_indent=" " * 12))
+    return "\n".join(lines)
+
+
+def _class_doc() -> str:
+    return _CLASS_DOC.format(layer_types=", ".join(map(repr, MIXERS)), mlp_types=", ".join(map(repr, MLPS)),
+                             registered=_registered_fields_doc())
+
+
+def _fields_dataclass(declared: dict[str, ConfigField]) -> type:
+    """A dataclass with one field per declared setting (its annotation and default) and nothing else (no __init__,
+    __eq__ or __repr__ of its own): HybridLinearConfig inherits it, so the registered fields exist when transformers
+    makes the config class a dataclass; a later registration takes its Field records from one too."""
+    entries = [(name, declared_field.annotation, dataclasses.field(default=declared_field.default, kw_only=True))
+               for name, declared_field in declared.items()]
+    return dataclasses.make_dataclass("HybridLinearRegisteredFields", entries, init=False, repr=False, eq=False,
+                                      match_args=False, namespace={"__module__": __name__})
+
+
+class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields())):
+    # __doc__: built from the registered fields' docs (_class_doc, at the end of this module)
 
     model_type = "hybrid_linear"
     keys_to_ignore_at_inference = ["cache", "past_key_values"]
 
-    # the MLP's entries, then each mixer's as its registration declares them (GDN and KDA split by heads, their conv
+    # each MLP's and mixer's entries as its registration declares them (GDN and KDA split by heads, their conv
     # kernels, dt_bias, A_log and norm weight replicated: see tensor_parallel_heads.py)
-    base_model_tp_plan = {
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
-        **registered_tensor_parallel_plan(),
-    }
+    base_model_tp_plan = {**mlps_tensor_parallel_plan(), **mixers_tensor_parallel_plan()}
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
         "norm": (["hidden_states"], ["hidden_states"]),
     }
 
+    # The fields the whole model shares (plus rms_norm_eps, every block's); the mixers' and MLPs' come from their
+    # registrations (the base class above).
     vocab_size: int = 32000
     hidden_size: int = 1024
-    intermediate_size: int = 3072
     layer_types: list[str] | None = None
+    mlp_types: list[str] | None = None
     num_hidden_layers: int | None = None
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 2
-    head_dim: int = 128
-    hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
-    rope_parameters: dict | None = None
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None
     initializer_range: float = 0.02
-    attention_bias: bool = False
     attention_dropout: float = 0.0
-    mlp_bias: bool = False
-    attention_output_gate: bool = True
-    attention_qk_norm: bool = True
     zero_centered_norms: bool = True
-    gdn_num_key_heads: int = 8
-    gdn_num_value_heads: int = 16
-    gdn_key_head_dim: int = 64
-    gdn_value_head_dim: int = 64
-    gdn_conv_kernel_size: int = 4
-    gdn_gate_activation: str = "silu"
-    gdn_norm_eps: float | None = None
-    kda_num_heads: int = 16
-    kda_head_dim: int = 64
-    kda_conv_kernel_size: int = 4
-    kda_gate_activation: str = "sigmoid"
-    kda_norm_eps: float | None = None
     fuse_linear_cross_entropy: bool = True
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -450,10 +510,13 @@ class HybridLinearConfig(PreTrainedConfig):
             self.rope_parameters.setdefault("rope_type", "default")
             self.rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", 10_000.0))
             self.rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor", 1.0))
-        if self.gdn_norm_eps is None:
-            self.gdn_norm_eps = self.rms_norm_eps
-        if self.kda_norm_eps is None:
-            self.kda_norm_eps = self.rms_norm_eps
+        for name, declared in declared_fields().items():  # defaults that follow another field (gdn_norm_eps)
+            if declared.default_from is not None and getattr(self, name) is None:
+                setattr(self, name, getattr(self, declared.default_from))
+        if self.mlp_types is None and isinstance(self.layer_types, list):
+            self.mlp_types = [DEFAULT_MLP_TYPE] * len(self.layer_types)
+        if isinstance(self.mlp_types, tuple):
+            self.mlp_types = list(self.mlp_types)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -490,7 +553,8 @@ class HybridLinearConfig(PreTrainedConfig):
                 break
         if not problems:
             for index, fields in sorted(overrides.items()):
-                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index], fields)
+                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index],
+                                            self.mlp_types[index], fields)
                 if len(problems) >= _MAX_LAYER_PROBLEMS:
                     break
         if problems:
@@ -503,17 +567,21 @@ class HybridLinearConfig(PreTrainedConfig):
         return {index: fields for index, fields in overrides.items() if fields}
 
     def _override_name_problems(self, index: int, fields: dict) -> list[str]:
-        layer_type = self.layer_types[index]
-        own = tuple(MIXERS[layer_type].fields) + BLOCK_FIELDS
-        per_layer = {name for spec in MIXERS.values() for name in spec.fields} | set(BLOCK_FIELDS)
+        layer_type, mlp_type = self.layer_types[index], self.mlp_types[index]
+        own = tuple(dict.fromkeys((*MIXERS[layer_type].fields, *MLPS[mlp_type].fields, *BLOCK_FIELDS)))
+        mixer_fields = {name for spec in MIXERS.values() for name in spec.fields}
+        mlp_fields = {name for spec in MLPS.values() for name in spec.fields}
         problems = []
         for name in fields:
             where = f"per_layer_config[{index}].{clip(str(name), 60)}"
             if name in own:
                 continue
-            if name in per_layer:
+            if name in mixer_fields:
                 problems.append(f"{where} is not read by layer {index}, a {layer_type!r} layer (it would be "
                                 f"ignored); remove it, or change layer_types[{index}]")
+            elif name in mlp_fields:
+                problems.append(f"{where} is not read by layer {index}, whose MLP is {mlp_type!r} (mlp_types[{index}]"
+                                f"; it would be ignored); remove it, or change mlp_types[{index}]")
             elif name == "skip":
                 problems.append(f"{where}: every layer of this model runs its mixer and its MLP (transformers' "
                                 "'skip' is not supported); remove it")
@@ -541,13 +609,16 @@ class HybridLinearConfig(PreTrainedConfig):
         if windowed_layers is None and self.is_heterogeneous:
             windowed_layers = _windowed_layers(self._heterogeneity_spec.per_layer_overrides)
         problems = _field_problems(settings, "", tuple(_field_kinds()))
-        problems += _layer_types_problems(settings, windowed_layers or set())
+        layer_types_problems = _layer_types_problems(settings, windowed_layers or set())
+        problems += layer_types_problems or _mlp_types_problems(settings)
         if not problems:
-            problems = _relation_problems(settings, "", tuple(MIXERS)) + _token_id_problems(settings)
-            problems += _size_problems(settings, "", dict.fromkeys(self.layer_types))
+            specs = (*MIXERS.values(), *MLPS.values())
+            problems = _relation_problems(settings, "", specs) + _token_id_problems(settings)
+            problems += _size_problems(settings, "", dict.fromkeys(zip(self.layer_types, self.mlp_types)))
         if not problems and self.is_heterogeneous:
             for index, fields in sorted(self._heterogeneity_spec.per_layer_overrides.items()):
-                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index], fields)
+                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index],
+                                            self.mlp_types[index], fields)
                 if len(problems) >= _MAX_LAYER_PROBLEMS:
                     break
         if problems:
@@ -560,4 +631,37 @@ class HybridLinearConfig(PreTrainedConfig):
         return [i for i, t in enumerate(self.layer_types) if t in types]
 
 
-__all__ = ["HybridLinearConfig", "LAYER_TYPES", "PER_LAYER_FIELDS"]
+# The config's own fields, which no registration may declare (PreTrainedConfig's and those written above).
+_OWN_FIELDS = frozenset(PreTrainedConfig.__dataclass_fields__) | frozenset(HybridLinearConfig.__annotations__)
+_REGISTERED_FIELDS = set(declared_fields())  # the fields HybridLinearConfig holds from the registries
+
+
+def _sync_registered_fields() -> None:
+    """Makes HybridLinearConfig's registered fields, docstring and TP plan those of the components registered now
+    (called by component_registry after every registration or removal)."""
+    declared = declared_fields()
+    clashes = sorted(set(declared) & _OWN_FIELDS)
+    if clashes:
+        owners = "; ".join(f"{name} (declared by {', '.join(key for _, key in declarations_of(name))})"
+                           for name in clashes)
+        raise ValueError(f"a registered component declares a field that HybridLinearConfig owns: {owners}; rename it "
+                         "(prefix it with the component's name, as gdn_* and kda_* are).")
+    cls, fields = HybridLinearConfig, HybridLinearConfig.__dataclass_fields__
+    new = {name: declared_field for name, declared_field in declared.items() if name not in fields}
+    for name, record in _fields_dataclass(new).__dataclass_fields__.items():
+        fields[name] = record  # read by transformers' keyword __init__, to_diff_dict and dataclasses.fields
+        setattr(cls, name, record.default)
+    for name in _REGISTERED_FIELDS - set(declared):
+        del fields[name]
+        if name in cls.__dict__:
+            delattr(cls, name)
+    _REGISTERED_FIELDS.clear()
+    _REGISTERED_FIELDS.update(declared)
+    cls.__doc__ = _class_doc()
+    cls.base_model_tp_plan = {**mlps_tensor_parallel_plan(), **mixers_tensor_parallel_plan()}
+
+
+_sync_registered_fields()  # the docstring, and the check that no registered field clashes with the config's own
+on_change(_sync_registered_fields)
+
+__all__ = ["HybridLinearConfig", "LAYER_TYPES", "MLP_TYPES", "PER_LAYER_FIELDS"]

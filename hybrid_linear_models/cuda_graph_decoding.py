@@ -27,6 +27,7 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import derived_weights
+from .mlp_sparse_moe import graph_safe_experts
 
 
 class WindowSteps:
@@ -224,8 +225,9 @@ class CudaGraphDecoder:
         saved = [t.clone() for t in _cache_tensors(cache)]
 
         def run():
-            hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
-                                            self._windows)
+            with graph_safe_experts(model.config):  # sparse MoE layers: an implementation without host syncs
+                hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
+                                                self._windows)
             return model.lm_head(hidden)
 
         self._graph, self._logits = self._record(run, device)

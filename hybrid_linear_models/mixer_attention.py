@@ -21,7 +21,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .mixer_registry import MixerSpec, register
+from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
 from .shown_values import brief
 from .tensor_parallel_heads import local_heads
@@ -236,15 +236,41 @@ def _parameter_count(s: Any) -> int:
     return s.hidden_size * (q * 2 + 2 * s.num_key_value_heads * s.head_dim) + q * s.hidden_size
 
 
-_FIELDS = {"num_attention_heads": "size", "num_key_value_heads": "size", "head_dim": "size", "rope_parameters": "rope",
-           "attention_output_gate": "bool", "attention_qk_norm": "bool", "attention_bias": "bool"}
+_FIELDS = {  # read by full and sliding attention alike: one declaration, shared by both registrations
+    "num_attention_heads": ConfigField(kind="size", default=8, doc="attention query heads."),
+    "num_key_value_heads": ConfigField(kind="size", default=2,
+                                       doc="attention key/value heads (GQA); num_attention_heads must be a multiple."),
+    "head_dim": ConfigField(kind="size", default=128, doc="width of each attention head."),
+    "rope_parameters": ConfigField(
+        kind="rope", default=None,
+        doc="the rotary embedding (rope_type, rope_theta, partial_rotary_factor: the fraction of each head's dims "
+            "rotated, Qwen3-Next 0.25, Llama-style 1.0). Default: {'rope_type': 'default', 'rope_theta': 10000.0, "
+            "'partial_rotary_factor': 0.25}."),
+    "attention_output_gate": ConfigField(
+        kind="bool", default=True, doc="Qwen3-Next's gated attention: q_proj also produces a gate per head, and the "
+                                       "attention output is multiplied by sigmoid(gate)."),
+    "attention_qk_norm": ConfigField(kind="bool", default=True,
+                                     doc="per-head RMSNorm of queries and keys before the rotary embedding."),
+    "attention_bias": ConfigField(kind="bool", default=False, doc="biases in the attention projections."),
+}
+_SLIDING_FIELDS = {**_FIELDS, "sliding_window": ConfigField(
+    kind="window", default=None, doc="tokens each query of a 'sliding_attention' layer sees (itself included).")}
 _TENSOR_PARALLEL_PLAN = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise",
                          "q_norm": "replicated_with_grad_allreduce", "k_norm": "replicated_with_grad_allreduce",
                          "o_proj": "rowwise"}
-_SLIDING_FIELDS = {**_FIELDS, "sliding_window": "window"}
-for _layer_type, _fields in (("full_attention", _FIELDS), ("sliding_attention", _SLIDING_FIELDS)):
+
+
+def _describe(s: Any) -> str:
+    return f"{s.num_attention_heads} heads of {s.head_dim}, {s.num_key_value_heads} KV heads"
+
+
+for _layer_type, _title, _fields, _description in (
+        ("full_attention", "full attention", _FIELDS, _describe),
+        ("sliding_attention", "sliding-window attention", _SLIDING_FIELDS,
+         lambda s: f"{_describe(s)}, window {s.sliding_window}")):
     register(MixerSpec(
-        layer_type=_layer_type, fields=_fields, module_class=HybridLinearAttention, attribute="self_attn", state="kv",
-        parameter_count=_parameter_count, relation_problems=_relation_problems,
+        layer_type=_layer_type, title=_title, fields=_fields, module_class=HybridLinearAttention,
+        attribute="self_attn", state="kv", parameter_count=_parameter_count, relation_problems=_relation_problems,
         tensor_parallel_plan=_TENSOR_PARALLEL_PLAN, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+        describe=_description,
     ))

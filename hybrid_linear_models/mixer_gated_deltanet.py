@@ -21,7 +21,7 @@ from .norms import GatedRMSNorm
 from .ops import gated_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
-from .mixer_registry import MixerSpec, register
+from .mixer_registry import ConfigField, MixerSpec, register
 from .tensor_parallel_heads import LocalHeads, local_heads, sum_gradients_over_ranks
 
 if TYPE_CHECKING:
@@ -123,14 +123,30 @@ def _init_weights(module: HybridLinearGatedDeltaNet) -> None:
 
 
 register(MixerSpec(
-    layer_type="gated_deltanet",
-    fields={"gdn_num_key_heads": "size", "gdn_num_value_heads": "size", "gdn_key_head_dim": "size",
-            "gdn_value_head_dim": "size", "gdn_conv_kernel_size": "size", "gdn_gate_activation": "gate_activation",
-            "gdn_norm_eps": "epsilon"},
+    layer_type="gated_deltanet", title="Gated DeltaNet",
+    fields={
+        "gdn_num_key_heads": ConfigField(kind="size", default=8, doc="Gated DeltaNet key heads."),
+        "gdn_num_value_heads": ConfigField(
+            kind="size", default=16,
+            doc="Gated DeltaNet value heads, a multiple of the key heads (value head j reads key head j // (values / "
+                "keys))."),
+        "gdn_key_head_dim": ConfigField(kind="size", default=64, doc="width of each Gated DeltaNet key head."),
+        "gdn_value_head_dim": ConfigField(kind="size", default=64, doc="width of each Gated DeltaNet value head."),
+        "gdn_conv_kernel_size": ConfigField(
+            kind="size", default=4, doc="width of Gated DeltaNet's depthwise causal convolution over [q | k | v]."),
+        "gdn_gate_activation": ConfigField(
+            kind="gate_activation", default="silu",
+            doc="activation of the output gate of Gated DeltaNet's gated RMSNorm, 'silu' (Qwen3-Next, Fast-LLM) or "
+                "'sigmoid'."),
+        "gdn_norm_eps": ConfigField(kind="epsilon", default=None, default_from="rms_norm_eps",
+                                    doc="epsilon of Gated DeltaNet's gated RMSNorm."),
+    },
     module_class=HybridLinearGatedDeltaNet, attribute="linear_attn", state="recurrent",
     parameter_count=_parameter_count, relation_problems=_relation_problems, init_weights=_init_weights,
     cache_layer=LinearStateLayer,
     # split by heads; conv kernel, dt_bias, A_log and norm weight replicated (see tensor_parallel_heads)
     tensor_parallel_plan={"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
     lora_targets=("in_proj_qkvz", "in_proj_ba", "out_proj"),
+    describe=lambda s: (f"{s.gdn_num_key_heads} key heads of {s.gdn_key_head_dim}, {s.gdn_num_value_heads} value "
+                        f"heads of {s.gdn_value_head_dim}"),
 ))

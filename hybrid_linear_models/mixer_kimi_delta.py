@@ -21,7 +21,7 @@ from .norms import GatedRMSNorm
 from .ops import kimi_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
-from .mixer_registry import MixerSpec, register
+from .mixer_registry import ConfigField, MixerSpec, register
 from .tensor_parallel_heads import local_heads, sum_gradients_over_ranks
 
 if TYPE_CHECKING:
@@ -96,12 +96,22 @@ def _init_weights(module: HybridLinearKimiDeltaAttention) -> None:
 
 
 register(MixerSpec(
-    layer_type="kimi_delta_attention",
-    fields={"kda_num_heads": "size", "kda_head_dim": "size", "kda_conv_kernel_size": "size",
-            "kda_gate_activation": "gate_activation", "kda_norm_eps": "epsilon"},
+    layer_type="kimi_delta_attention", title="Kimi Delta Attention",
+    fields={
+        "kda_num_heads": ConfigField(kind="size", default=16, doc="Kimi Delta Attention heads."),
+        "kda_head_dim": ConfigField(kind="size", default=64, doc="width of each Kimi Delta Attention head."),
+        "kda_conv_kernel_size": ConfigField(kind="size", default=4,
+                                            doc="width of Kimi Delta Attention's depthwise causal convolutions."),
+        "kda_gate_activation": ConfigField(
+            kind="gate_activation", default="sigmoid",
+            doc="activation of Kimi Delta Attention's output gate, 'sigmoid' (Kimi Linear) or 'silu' (Fast-LLM)."),
+        "kda_norm_eps": ConfigField(kind="epsilon", default=None, default_from="rms_norm_eps",
+                                    doc="epsilon of Kimi Delta Attention's gated RMSNorm."),
+    },
     module_class=HybridLinearKimiDeltaAttention, attribute="linear_attn", state="recurrent",
     parameter_count=_parameter_count, init_weights=_init_weights, cache_layer=LinearStateLayer,
     tensor_parallel_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "f_b_proj": "colwise",
                           "g_b_proj": "colwise", "b_proj": "colwise", "o_proj": "rowwise"},
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj"),
+    describe=lambda s: f"{s.kda_num_heads} heads of {s.kda_head_dim}",
 ))

@@ -1,6 +1,7 @@
 """Hybrid linear-attention decoder: every layer picks its token mixer (softmax attention, sliding-window attention,
-Gated DeltaNet or Kimi Delta Attention) from `config.layer_types`, followed by a gated MLP, pre-norm residual blocks
-(Qwen3-Next's architecture, with the mixers freely interleaved)."""
+Gated DeltaNet or Kimi Delta Attention) from `config.layer_types` and its MLP from `config.mlp_types` (the dense gated
+MLP by default), pre-norm residual blocks (Qwen3-Next's architecture, with the mixers freely interleaved). Both come
+from their registrations (`mixer_registry`, `mlp_registry`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import torch
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
@@ -19,19 +19,24 @@ from transformers.masking_utils import (
     prepare_padding_mask,
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import PreTrainedModel, slice_logits_to_keep
 from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
-from transformers.utils.output_capturing import capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .block_ops import fused_causal_lm_loss, silu_and_mul
+from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
 from .mixer_attention import HybridLinearAttention, SlidingWindowMask
+from .component_registry import all_specs
 from .mixer_registry import MIXERS
+from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
+from .mlp_registry import MLPS
+from .mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock, HybridLinearTopKRouter
+from .moe_load_balancing import load_balancing_loss
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info
 from .short_convolution import ShortConvolution
@@ -65,23 +70,6 @@ class HybridLinearRotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
 
 
-class HybridLinearMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
-
-    def __init__(self, config: HybridLinearConfig):
-        super().__init__()
-        H, I, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(H, I, bias=bias)
-        self.up_proj = nn.Linear(H, I, bias=bias)
-        self.down_proj = nn.Linear(I, H, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.swiglu = config.hidden_act == "silu"  # fused by fla on CUDA
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
-
-
 class HybridLinearDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
         """config: the model's; the layer reads its own settings, config.per_layer_config[layer_idx]."""
@@ -92,7 +80,8 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         self.mixer_attribute, self.mixer_state = mixer.attribute, mixer.state
         setattr(self, mixer.attribute, mixer.module_class(config, layer_idx))
         settings = config.per_layer_config[layer_idx]
-        self.mlp = HybridLinearMLP(settings)
+        self.mlp_type = config.mlp_types[layer_idx]
+        self.mlp = MLPS[self.mlp_type].module_class(config, layer_idx)  # its registration (mlp_registry)
         norm = lambda: HybridLinearRMSNorm(settings.hidden_size, settings.rms_norm_eps, settings.zero_centered_norms)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
 
@@ -127,7 +116,15 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = False
     _is_stateful = True
-    _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention}
+    # router_logits: each sparse MoE layer's router logits [tokens, experts] (output_router_logits)
+    _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention,
+                           "router_logits": OutputRecorder(HybridLinearTopKRouter, index=0)}
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        # The sparse MoE layers' experts (mlp_sparse_moe.py) are a `@use_experts_implementation` class, so
+        # `experts_implementation=` and `set_experts_implementation` apply to them. Unset, they run this package's
+        # grouped_mm_gather (benchmarks/bench_moe.py: faster than transformers' default grouped_mm, in the same run).
+        return super().get_correct_experts_implementation(requested_experts or EXPERTS_IMPLEMENTATIONS[0])
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with config.json's `auto_map` naming every Auto class of the family.
@@ -148,10 +145,10 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         elif isinstance(module, ShortConvolution):
             bound = module.kernel_size**-0.5
             init.uniform_(module.weight, -bound, bound)
-        else:  # a mixer initialises its own parameters (its registration's init_weights)
-            for mixer in MIXERS.values():
-                if mixer.init_weights is not None and isinstance(module, mixer.module_class):
-                    mixer.init_weights(module)
+        else:  # a mixer or MLP initialises its own parameters (its registration's init_weights)
+            for spec in all_specs():
+                if spec.init_weights is not None and isinstance(module, spec.module_class):
+                    spec.init_weights(module)
                     break
 
 
@@ -341,7 +338,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> MoeModelOutputWithPast:
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -383,7 +380,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
     def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor,
                     cache: Cache, windows=None) -> torch.Tensor:
@@ -468,9 +465,13 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.FloatTensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> MoeCausalLMOutputWithPast:
+        """output_router_logits (default config.output_router_logits): return each sparse MoE layer's router logits
+        and the load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask),
+        added to `loss` times config.router_aux_loss_coef when labels are given, as Qwen3-Next does."""
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)  # before any shape is read
         if labels is not None:
             expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
@@ -481,7 +482,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         if (labels is None and self._graph_decoder is not None
                 and CudaGraphDecoder.applies(self, input_ids, inputs_embeds, cache, attention_mask, kwargs)):
             logits = self._graph_decoder.step(self, input_ids, position_ids, attention_mask, cache)
-            return CausalLMOutputWithPast(logits=logits, cache=cache)
+            return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -489,6 +490,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_router_logits=output_router_logits,
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
@@ -501,13 +503,27 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden_states)
             if labels is not None:
                 loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
+        aux_loss = None
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        if output_router_logits:
+            aux_loss = load_balancing_loss(outputs.router_logits or (), self._moe_top_k(), attention_mask)
+            if loss is not None and aux_loss is not None:
+                loss = loss + getattr(self.config, "router_aux_loss_coef", 0.001) * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(
             loss=loss,
+            aux_loss=aux_loss,
             logits=logits,
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
+            router_logits=outputs.router_logits,
         )
+
+    def _moe_top_k(self) -> list[int]:
+        """num_experts_per_tok of each sparse MoE layer, in layer order (the order the router logits are recorded)."""
+        return [layer.mlp.gate.top_k for layer in self.model.layers
+                if isinstance(layer.mlp, HybridLinearSparseMoeBlock)]
 
 
 def _auto_map_entry(cls: type) -> str:

@@ -35,10 +35,15 @@ def main():
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--output", type=Path)
     parser.add_argument("--cuda", action="store_true", help="one GPU per rank (NCCL) instead of the CPU (gloo)")
+    parser.add_argument("--moe", action="store_true", help="sparse MoE MLPs in three of the four layers")
     args = parser.parse_args()
     torch.manual_seed(0)
     # on GPUs fla's kernels need head dims of at least 16
-    model = (tiny_model(gdn_value_head_dim=16, kda_head_dim=16, head_dim=16) if args.cuda else tiny_model()).train()
+    dims = dict(gdn_value_head_dim=16, kda_head_dim=16, head_dim=16) if args.cuda else {}
+    if args.moe:  # no aux loss: it pools each rank's tokens, so 2 ranks x 4 documents cannot equal 1 x 8
+        dims.update(mlp_types=["sparse_moe", "sparse_moe", "dense", "sparse_moe"], num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    model = tiny_model(**dims).train()
     # equal-length documents: every rank then averages over the same number of tokens
     documents = [[2 + (start + 3 * i) % 126 for i in range(16)] for start in range(64)]
     training = TrainingArguments(

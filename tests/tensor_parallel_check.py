@@ -40,6 +40,11 @@ def main():
     for module in halved:
         local_rows = module.weight.to_local().shape[0]
         assert local_rows * 2 == full(module.weight).shape[0], (module, local_rows)
+    for layer in sharded.model.layers:  # sparse MoE layers: every expert split along its width
+        if hasattr(layer.mlp, "experts"):
+            experts = layer.mlp.experts
+            assert experts.gate_up_proj.to_local().shape[1] * 2 == full(experts.gate_up_proj).shape[1]
+            assert experts.down_proj.to_local().shape[2] * 2 == full(experts.down_proj).shape[2]
 
     input_ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():

@@ -58,6 +58,12 @@ INVALID = [
     ("num_hidden_layers", dict(layer_types=None, num_hidden_layers=10**12)),
     ("layer_types", dict(layer_types="full_attention")),
     ("layer_types", dict(layer_types=[["full_attention"]])),
+    ("mlp_types", dict(mlp_types="dense")),
+    ("mlp_types", dict(mlp_types=[])),
+    ("mlp_types has 3 entries but layer_types has 4", dict(mlp_types=["dense"] * 3)),
+    ("mlp_types has unknown entries \\['moe'\\]; each entry must be one of \\('dense',", dict(
+        mlp_types=["dense", "moe", "dense", "moe"])),
+    ("mlp_types has unknown entries", dict(mlp_types=[["dense"]] * 4)),
     ("hidden_act", dict(hidden_act=["silu"])),
     ("vocab_size", dict(vocab_size=2**40)),  # embeddings of 2**46 weights
     ("intermediate_size", dict(intermediate_size=2**40)),  # one layer's MLP over the limit
@@ -103,6 +109,8 @@ def test_valid_values_at_the_edges_are_accepted():
     dict(layer_types=["x" * 10**6]),
     dict(layer_types=[object()] * 10**6),
     dict(layer_types=["full_attention"] * 10**6),
+    dict(mlp_types=["x" * 10**6] * 4),
+    dict(mlp_types=[object()] * 10**6),
     dict(hidden_act="y" * 10**6),
     dict(vocab_size=10**5000),
     dict(rope_parameters={**ROPE, "rope_type": list(range(10**6))}),

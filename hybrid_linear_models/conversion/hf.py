@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 
 from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE
 
+from ..component_registry import declared_fields
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
 from .extra_tensors import EXTRA_TENSORS_FILE, extra_tensors_file, read_extra_tensors
@@ -59,33 +60,39 @@ def _read_json(path: Path) -> Any:
     return parse_json(read_text(path, "JSON"), str(path))
 
 
-# The config.json fields that size the model: read (type-checked, bounded by the stored tensors) before
-# HybridLinearConfig sees them, since it builds per-layer lists from them.
-_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim",
-                "gdn_conv_kernel_size", "kda_num_heads", "kda_head_dim", "kda_conv_kernel_size")
+
+
+def _size_fields() -> tuple[str, ...]:
+    """The config.json fields that size the model: read (type-checked, bounded by the stored tensors) before
+    HybridLinearConfig sees them, since it builds per-layer lists from them. The components' own sizes come from
+    their registrations (every declared field of kind "size")."""
+    sizes = (name for name, declared in declared_fields().items() if declared.kind == "size")
+    return ("vocab_size", "hidden_size", *sizes)
 
 
 def _check_before_building(fields: Fields, census: TensorCensus | None) -> None:
     """The fields HybridLinearConfig or transformers' PreTrainedConfig build from before validating (per-layer lists,
     mappings, the dtype): type-checked here, and the sizes bounded by the stored tensors."""
     layers = fields.integer("num_hidden_layers", None, minimum=1)
-    layer_types = fields.sequence("layer_types", None, non_empty=True)
-    if census is not None:
-        if layers is not None:
-            census.check_block_count(layers, f"{fields.file}: num_hidden_layers is {layers}")
-        if layer_types is not None:
-            census.check_block_count(len(layer_types), f"{fields.file}: layer_types lists {len(layer_types)} layers")
-    if layer_types is not None:
-        fields.sequence("layer_types", item=str)  # each entry, once the length is known to be sane
+    if census is not None and layers is not None:
+        census.check_block_count(layers, f"{fields.file}: num_hidden_layers is {layers}")
+    for name in ("layer_types", "mlp_types"):  # the per-layer lists
+        entries = fields.sequence(name, None, non_empty=True)
+        if entries is None:
+            continue
+        if census is not None:
+            census.check_block_count(len(entries), f"{fields.file}: {name} lists {len(entries)} layers")
+        fields.sequence(name, item=str)  # each entry, once the length is known to be sane
     for name in ("rope_parameters", "id2label", "label2id"):
         if fields.get(name) is not None:
             fields.mapping(name)
-    fields.string("hidden_act", None)
+    for name, declared in declared_fields().items():  # activations by name (hidden_act): strings
+        if declared.kind == "activation":
+            fields.string(name, None)
     dtype = fields.string("dtype", None)
     if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise fields.wrong("dtype", "the name of a torch dtype (float32, bfloat16, ...)", dtype)
-    for name in _SIZE_FIELDS:
+    for name in _size_fields():
         if fields.has(name):
             fields.integer(name, minimum=1, maximum=census.elements if census else None,
                            too_large=census.elements_phrase if census else "")

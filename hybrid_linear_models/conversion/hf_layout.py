@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
-from ..configuration_hybrid_linear import HybridLinearConfig
+from ..configuration_hybrid_linear import DEFAULT_MLP_TYPE, HybridLinearConfig
 
 Shape = tuple[int, ...]
 
@@ -44,19 +44,28 @@ def layer_config(config: HybridLinearConfig, index: int) -> HybridLinearConfig:
     return config.per_layer_config[index]
 
 
+def _layer_kinds(config: HybridLinearConfig) -> list[str]:
+    """Each layer's mixer type, with its MLP type when that is not the default one."""
+    return [layer_type if mlp_type == DEFAULT_MLP_TYPE else f"{layer_type}+{mlp_type}"
+            for layer_type, mlp_type in zip(config.layer_types, config.mlp_types)]
+
+
+def _setting(kind: str, overrides: dict[str, Any]) -> str:
+    return repr((kind, sorted(overrides.items()))) if overrides else kind
+
+
 def layer_setting(config: HybridLinearConfig, index: int) -> str:
-    """A key equal for two layers exactly when they have the same type and the same overrides (same tensors)."""
-    overrides = layer_overrides(config, index)
-    layer_type = config.layer_types[index]
-    return repr((layer_type, sorted(overrides.items()))) if overrides else layer_type
+    """A key equal for two layers exactly when they have the same mixer and MLP types and the same overrides (same
+    tensors)."""
+    return _setting(_layer_kinds(config)[index], layer_overrides(config, index))
 
 
 def layer_settings(config: HybridLinearConfig) -> list[str]:
-    """`layer_setting` of every layer (cheap for the layers without overrides: their type)."""
-    spec = config.__dict__.get("_heterogeneity_spec")
+    """`layer_setting` of every layer (cheap for the layers without overrides: their types)."""
+    kinds, spec = _layer_kinds(config), config.__dict__.get("_heterogeneity_spec")
     if spec is None:
-        return list(config.layer_types)
-    return [layer_setting(config, index) for index in range(len(config.layer_types))]
+        return kinds
+    return [_setting(kind, spec.per_layer_overrides.get(index, {})) for index, kind in enumerate(kinds)]
 
 
 def distinct_layers(config: HybridLinearConfig) -> dict[str, int]:
@@ -92,6 +101,7 @@ def _top_level_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
     one_layer = copy.copy(config)
     one_layer.__dict__.pop("_heterogeneity_spec", None)  # layer 0's overrides do not change the top-level tensors
     one_layer.layer_types, one_layer.num_hidden_layers = list(config.layer_types[:1]), 1
+    one_layer.mlp_types = list(config.mlp_types[:1])
     with torch.device("meta"):
         model = HybridLinearForCausalLM(one_layer)
     shapes = {name: shape for name, shape in _meta_shapes(model).items() if not name.startswith(_LAYERS)}

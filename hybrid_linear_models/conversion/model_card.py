@@ -1,4 +1,9 @@
-"""Renders the model card (README.md) of an exported folder from the template `model_cards/hybrid_linear.md`."""
+"""Renders the model card (README.md) of an exported folder from the template `model_cards/hybrid_linear.md`.
+
+The card describes the layers through the registrations of their components (`mixer_registry`, `mlp_registry`):
+each spec's `title` names it ("Gated DeltaNet") and its `describe(settings)` sums up one layer's settings ("8 key
+heads of 64, 16 value heads of 64"), so a new mixer or MLP appears on the card with no edit here.
+"""
 
 from __future__ import annotations
 
@@ -7,32 +12,28 @@ from collections import Counter
 from importlib import resources
 from pathlib import Path
 
+from ..component_registry import ComponentSpec
 from ..configuration_hybrid_linear import HybridLinearConfig
+from ..mixer_registry import MIXERS
+from ..mlp_registry import MLPS
 from ..shown_values import brief
 from .errors import ConversionError
-from .hf_layout import layer_config, layer_overrides
+from .hf_layout import distinct_layers, layer_config, layer_overrides, layer_settings
 
 TEMPLATE_NAME = "hybrid_linear.md"
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
-_MIXER_NAMES = {
-    "full_attention": "full attention",
-    "sliding_attention": "sliding-window attention",
-    "gated_deltanet": "Gated DeltaNet",
-    "kimi_delta_attention": "Kimi Delta Attention",
-}
 
 
 def load_template() -> str:
-    """The template from the installed `hybrid_linear_models.model_cards` package, else from the source checkout's
-    top-level `model_cards/` folder."""
+    """The template of the source checkout this code runs from (its top-level `model_cards/` folder), else the one
+    installed as the `hybrid_linear_models.model_cards` package data. The checkout's comes first: an editable install
+    maps the package data to the checkout it was made from, which need not be this one (another worktree)."""
+    path = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
     try:
         return resources.files("hybrid_linear_models.model_cards").joinpath(TEMPLATE_NAME).read_text("utf-8")
-    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
-        pass
-    path = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as error:
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError, OSError) as error:
         raise ConversionError(f"model card template {TEMPLATE_NAME} not found ({error}); reinstall the "
                               "hybrid_linear_models package.") from error
 
@@ -44,9 +45,23 @@ def _human(count: int) -> str:
     return str(count)
 
 
-def _intermediate_sizes(config: HybridLinearConfig) -> str:
-    sizes = list(dict.fromkeys(layer_config(config, i).intermediate_size for i in range(config.num_hidden_layers)))
-    return str(sizes[0]) if len(sizes) == 1 else ", ".join(map(str, sizes)) + " (per layer)"
+def _title(spec: ComponentSpec, name: str) -> str:
+    return spec.title or name
+
+
+def _summary(config: HybridLinearConfig, kinds: list[str], registry: dict) -> str:
+    """The layers' components from one registry (`kinds`: each layer's entry in it), counted by title and
+    description: "6 Gated DeltaNet (8 key heads of 64, 16 value heads of 64), 2 full attention (8 heads of 128, 2 KV
+    heads)". Each distinct layer setting is described once."""
+    firsts, described, counts = distinct_layers(config), {}, Counter()
+    for setting in layer_settings(config):
+        if setting not in described:
+            index = firsts[setting]
+            spec = registry[kinds[index]]
+            description = spec.describe(layer_config(config, index))
+            described[setting] = _title(spec, kinds[index]) + (f" ({description})" if description else "")
+        counts[described[setting]] += 1
+    return ", ".join(f"{count} {text}" for text, count in counts.items())
 
 
 def _overrides_text(config: HybridLinearConfig, index: int) -> str:
@@ -55,23 +70,29 @@ def _overrides_text(config: HybridLinearConfig, index: int) -> str:
     return "".join(f", {field}={brief(value)}" for field, value in sorted(overrides.items()))
 
 
+def _layer_row(config: HybridLinearConfig, index: int, several_mlps: bool) -> str:
+    layer_type, mlp_type = config.layer_types[index], config.mlp_types[index]
+    mlp = f", {_title(MLPS[mlp_type], mlp_type)} (`{mlp_type}`)" if several_mlps else ""
+    mixer = f"{_title(MIXERS[layer_type], layer_type)} (`{layer_type}`)"
+    return f"| {index} | {mixer}{mlp}{_overrides_text(config, index)} |"
+
+
 def render_model_card(config: HybridLinearConfig, *, name: str, parameter_count: int, dtype: str,
                       source_format: str, source_format_description: str, source_path: str,
                       dtype_note: str = "", template: str | None = None) -> str:
-    counts = Counter(config.layer_types)
+    several_mlps = len(Counter(config.mlp_types)) > 1
     values = {
         "name": name,
         "parameter_count": _human(parameter_count),
         "parameter_count_exact": f"{parameter_count:,}",
         "num_layers": str(config.num_hidden_layers),
-        "mixer_summary": ", ".join(f"{n} {_MIXER_NAMES[t]}" for t, n in counts.items()),
+        "mixer_summary": _summary(config, config.layer_types, MIXERS),
+        "mlp_summary": _summary(config, config.mlp_types, MLPS),
         "hidden_size": str(config.hidden_size),
-        "intermediate_size": _intermediate_sizes(config),
         "vocab_size": str(config.vocab_size),
         "tied_embeddings": "yes" if config.tie_word_embeddings else "no",
         "dtype": dtype,
-        "layer_rows": "\n".join(f"| {i} | {_MIXER_NAMES[t]} (`{t}`){_overrides_text(config, i)} |"
-                                for i, t in enumerate(config.layer_types)),
+        "layer_rows": "\n".join(_layer_row(config, i, several_mlps) for i in range(config.num_hidden_layers)),
         "source_format": source_format,
         "source_format_description": source_format_description,
         "source_path": source_path,

@@ -41,7 +41,8 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 import hybrid_linear_models  # noqa: F401  (registers the model family)
-from hybrid_linear_models.mixer_registry import lora_targets
+from hybrid_linear_models.mixer_registry import lora_targets as mixer_lora_targets
+from hybrid_linear_models.mlp_registry import lora_targets as mlp_lora_targets
 from hybrid_linear_cli.finetune import (
     DERIVED,
     PROG,
@@ -55,8 +56,8 @@ from hybrid_linear_cli.finetune import (
 __all__ = ["LORA_TARGET_MODULES", "FinetuneError", "load_documents", "main", "parse_arguments", "run"]
 
 # Every linear projection of the family, as LoRA targets: attention, MLP, Gated DeltaNet and Kimi Delta Attention.
-# every mixer's projections, as its registration names them (mixer_registry), and the MLP's
-LORA_TARGET_MODULES = [*lora_targets(), "gate_proj", "up_proj", "down_proj"]
+# every mixer's and MLP's projections, as their registrations name them (mixer_registry, mlp_registry)
+LORA_TARGET_MODULES = list(dict.fromkeys([*mixer_lora_targets(), *mlp_lora_targets()]))
 
 # A local dataset file's suffix -> the `datasets` builder that reads it.
 DATASET_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}

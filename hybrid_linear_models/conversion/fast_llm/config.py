@@ -374,7 +374,7 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
 # (token ids, initializer_range, use_cache, ...) are not part of Fast-LLM's model config and are not written.
 # Per-layer values are compared layer by layer (`fast_llm_carried_layer_fields`): every field of the layer's mixer
 # (the config's own MIXER_FIELDS, from each mixer's registration) and of its block.
-_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "layer_types", "num_hidden_layers", "rms_norm_eps",
+_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "layer_types", "mlp_types", "num_hidden_layers", "rms_norm_eps",
                    "tie_word_embeddings", "zero_centered_norms")
 _CARRIED_BLOCK = ("intermediate_size", "hidden_act", "mlp_bias", "rms_norm_eps")
 def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
@@ -397,6 +397,10 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
     for index in distinct_layers(config).values():
         layer = layer_config(config, index)
         where = f"layer {index} ({config.layer_types[index]})"
+        if config.mlp_types[index] != "dense":
+            problems.append(f"{where}: mlp_types[{index}]={brief(config.mlp_types[index])} (this converter writes only "
+                            "Fast-LLM's gated MLP, mlp type 'dense')")
+            continue
         if layer.hidden_act not in ACTIVATION_FROM_HF:
             problems.append(f"{where}: hidden_act={brief(layer.hidden_act)} (Fast-LLM's gated MLP takes "
                             f"{', '.join(ACTIVATION_FROM_HF)})")

@@ -1,0 +1,217 @@
+"""Sparse MoE speed, ours vs transformers' Qwen3-Next with the same weights, side by side in one run.
+
+Two measurements, forward + backward (the training step), float32 on CPU, bfloat16 on CUDA:
+1. the MoE block alone (router + experts + shared expert) for every experts implementation, ours
+   (`HybridLinearSparseMoeBlock`) and transformers' `Qwen3NextSparseMoeBlock` with the same weights; the routing
+   overhead (router + permutation + un-permutation, without the expert GEMMs) as a share of the step;
+2. the whole model: `HybridLinearForCausalLM` against `Qwen3NextForCausalLM` (GDN + gated attention, MoE MLPs) with
+   the same weights copied by name, each with its default experts implementation and with transformers' eager.
+Prints tokens/s, the ratios against transformers' eager experts, and peak memory on CUDA.
+
+    python benchmarks/bench_moe.py                    # CPU, the small config (2 threads unless --threads)
+    python benchmarks/bench_moe.py --size gpu         # on CUDA: a Qwen3-Next-shaped config (hidden 2048, 128 experts)
+    python benchmarks/bench_moe.py --skip-model       # the block only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hybrid_linear_models.experts_grouped_gather import _GatherRows  # noqa: E402
+from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock  # noqa: E402
+
+# MoE shapes: Qwen3-Next's ratios (many narrow experts, top-8 or 10, a shared expert as wide as one expert)
+SIZES = {
+    "cpu": dict(hidden=256, experts=64, top_k=8, expert_width=64, shared_width=64, batch=2, seq=1024,
+                layers=4, vocab=4096),
+    "gpu": dict(hidden=2048, experts=128, top_k=8, expert_width=512, shared_width=512, batch=4, seq=4096,
+                layers=8, vocab=32000),
+    "tiny": dict(hidden=64, experts=8, top_k=2, expert_width=32, shared_width=32, batch=2, seq=64,
+                 layers=4, vocab=256),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(steps: dict, device: torch.device, repeats: int, warmup: int = 1) -> dict:
+    """Seconds of each `steps[name]()` (forward + backward): the fastest of `repeats` runs, the candidates taken in
+    turn (round robin) so that a load from other processes falls on them alike; the minimum is the least disturbed
+    figure of a step that does the same work every time."""
+    times = {name: [] for name in steps}
+    for i in range(warmup + repeats):
+        for name, step in steps.items():
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: min(values) for name, values in times.items()}
+
+
+def peak_memory(device: torch.device, step) -> str:
+    if device.type != "cuda":
+        return "-"
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    _sync(device)
+    return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+
+
+def moe_config(size: dict, implementation: str) -> Qwen3NextConfig:
+    config = Qwen3NextConfig(hidden_size=size["hidden"], num_experts=size["experts"],
+                             num_experts_per_tok=size["top_k"], moe_intermediate_size=size["expert_width"],
+                             shared_expert_intermediate_size=size["shared_width"], norm_topk_prob=True)
+    config._experts_implementation = implementation
+    return config
+
+
+def routing_step(block: HybridLinearSparseMoeBlock, x: torch.Tensor):
+    """The routing alone, as grouped_mm_gather runs it: router, sort, the permutation of the token rows and the
+    un-permutation of the outputs (the expert GEMMs left out: the rows go straight back)."""
+    def step():
+        flat_x = x.reshape(-1, x.shape[-1])
+        _, weights, experts = block.gate(flat_x)
+        tokens, k = experts.shape
+        _, order = torch.sort(experts.reshape(-1), stable=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        rows = _GatherRows.apply(flat_x, order // k, inverse, k)
+        rows = rows * _GatherRows.apply(weights.reshape(-1, 1), order, inverse, 1)
+        out = _GatherRows.apply(rows, inverse, order, 1).view(tokens, k, -1).sum(1)
+        out.sum().backward()
+    return step
+
+
+def bench_block(size: dict, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
+    tokens = size["batch"] * size["seq"]
+    torch.manual_seed(0)
+    reference = Qwen3NextSparseMoeBlock(moe_config(size, "eager")).to(device, dtype)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(size["batch"], size["seq"], size["hidden"], device=device, dtype=dtype, requires_grad=True)
+    print(f"\nMoE block, fwd+bwd, {tokens} tokens, {size['experts']} experts top-{size['top_k']}, hidden "
+          f"{size['hidden']}, expert width {size['expert_width']}, shared {size['shared_width']}, {dtype}, {device}")
+    steps, blocks = {}, {}
+    for implementation in EXPERTS_IMPLEMENTATIONS:
+        if implementation == "batched_mm" and tokens * size["top_k"] * size["hidden"] * size["expert_width"] > 2**31:
+            continue  # it gathers one expert matrix per (token, expert) pair
+        ours = HybridLinearSparseMoeBlock(moe_config(size, implementation)).to(device, dtype)
+        ours.load_state_dict(reference.state_dict())
+        blocks["ours", implementation] = ours
+        if implementation != "grouped_mm_gather":  # registered in transformers' table, theirs would run ours
+            theirs = Qwen3NextSparseMoeBlock(moe_config(size, implementation)).to(device, dtype)
+            theirs.load_state_dict(reference.state_dict())
+            blocks["theirs", implementation] = theirs
+    for key, block in blocks.items():
+        def step(block=block):
+            block(x).float().square().mean().backward()
+        steps[key] = step
+    default = ("ours", EXPERTS_IMPLEMENTATIONS[0])
+    steps["routing"] = routing_step(blocks[default], x)
+    seconds = timed(steps, device, repeats)
+    print(f"{'implementation':<20} {'ours tok/s':>12} {'transformers tok/s':>19} {'ours / tf eager':>16} "
+          f"{'ours / tf same':>15} {'peak ours':>10}")
+    for implementation in EXPERTS_IMPLEMENTATIONS:
+        if ("ours", implementation) not in seconds:
+            print(f"{implementation:<20} skipped (gathers one expert matrix per (token, expert) pair)")
+            continue
+        ours_s, theirs_s = seconds["ours", implementation], seconds.get(("theirs", implementation))
+        print(f"{implementation:<20} {tokens / ours_s:>12.0f} "
+              f"{(f'{tokens / theirs_s:.0f}' if theirs_s else '-'):>19} "
+              f"{seconds['theirs', 'eager'] / ours_s:>15.2f}x "
+              f"{(f'{theirs_s / ours_s:.2f}x' if theirs_s else '-'):>15} "
+              f"{peak_memory(device, steps['ours', implementation]):>10}")
+    print(f"routing (router + permutation + un-permutation, fwd+bwd): {seconds['routing'] * 1e3:.2f} ms = "
+          f"{100 * seconds['routing'] / seconds[default]:.0f}% of the {default[1]} step "
+          f"({seconds[default] * 1e3:.2f} ms)")
+
+
+def model_pair(size: dict):
+    """Ours and transformers' Qwen3-Next: GDN layers and one gated attention layer in four, every MLP sparse MoE."""
+    from hybrid_linear_models import HybridLinearConfig
+
+    layers = size["layers"]
+    types = ["full_attention" if (i + 1) % 4 == 0 else "gated_deltanet" for i in range(layers)]
+    heads = max(2, size["hidden"] // 256)
+    common = dict(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["expert_width"],
+                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64, rms_norm_eps=1e-6,
+                  num_experts=size["experts"], num_experts_per_tok=size["top_k"],
+                  moe_intermediate_size=size["expert_width"], shared_expert_intermediate_size=size["shared_width"],
+                  norm_topk_prob=True)
+    gdn = dict(key_heads=heads, value_heads=2 * heads, dim=64)
+    ours = HybridLinearConfig(**common, layer_types=types, mlp_types=["sparse_moe"] * layers,
+                              gdn_num_key_heads=gdn["key_heads"], gdn_num_value_heads=gdn["value_heads"],
+                              gdn_key_head_dim=gdn["dim"], gdn_value_head_dim=gdn["dim"])
+    theirs = Qwen3NextConfig(
+        **common, num_hidden_layers=layers,
+        layer_types=["linear_attention" if t == "gated_deltanet" else t for t in types],
+        linear_num_key_heads=gdn["key_heads"], linear_num_value_heads=gdn["value_heads"],
+        linear_key_head_dim=gdn["dim"], linear_value_head_dim=gdn["dim"], decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters=dict(ours.rope_parameters))
+    return ours, theirs
+
+
+def bench_model(size: dict, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
+    from transformers import Qwen3NextForCausalLM
+
+    from hybrid_linear_models import HybridLinearForCausalLM
+
+    ours_config, theirs_config = model_pair(size)
+    torch.manual_seed(0)
+    theirs = Qwen3NextForCausalLM(theirs_config).to(device, dtype)
+    ours = HybridLinearForCausalLM(ours_config).to(device, dtype)
+    missing, unexpected = ours.load_state_dict(theirs.state_dict(), strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"names differ: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    tokens = size["batch"] * size["seq"]
+    input_ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), device=device)
+    print(f"\nWhole model, fwd+bwd, {size['layers']} layers (GDN, 1 in 4 gated attention), every MLP MoE, "
+          f"{tokens} tokens, {dtype}, {device}")
+    print(f"{'model':<28} {'experts':<18} {'tok/s':>10} {'/ tf eager':>11} {'peak':>10}")
+    rows = [("Qwen3NextForCausalLM", theirs, "eager"), ("Qwen3NextForCausalLM", theirs, "grouped_mm"),
+            ("HybridLinearForCausalLM", ours, "eager"), ("HybridLinearForCausalLM", ours, "grouped_mm"),
+            ("HybridLinearForCausalLM", ours, EXPERTS_IMPLEMENTATIONS[0])]
+    steps = {}
+    for name, model, implementation in rows:
+        def step(model=model, implementation=implementation):
+            model.set_experts_implementation(implementation)
+            model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
+        steps[name, implementation] = step
+    seconds = timed(steps, device, repeats)
+    reference = seconds["Qwen3NextForCausalLM", "eager"]
+    for (name, implementation), value in seconds.items():
+        print(f"{name:<28} {implementation:<18} {tokens / value:>10.0f} {reference / value:>10.2f}x "
+              f"{peak_memory(device, steps[name, implementation]):>10}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: gpu on CUDA, else cpu")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-model", action="store_true", help="the MoE block only")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = SIZES[args.size or ("gpu" if device.type == "cuda" else "cpu")]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    bench_block(size, device, dtype, args.repeats)
+    if not args.skip_model:
+        bench_model(size, device, dtype, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

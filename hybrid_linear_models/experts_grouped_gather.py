@@ -1,0 +1,89 @@
+"""The "grouped_mm_gather" experts implementation: transformers' grouped_mm experts with permutations that are gathers
+both ways, registered in transformers' experts interface (`ALL_EXPERTS_FUNCTIONS`) under that name.
+
+The routed computation is, for the S = tokens * k (token, expert) pairs sorted by expert (a stable sort of the flat
+top-k experts; `order` lists the pairs in sorted order, `inverse` is its inverse permutation):
+
+    xs = x[order // k]                              each pair's token row, grouped by expert
+    ys = down_e( act(gate_e xs) * up_e xs )        one grouped GEMM per projection (offsets: cumulative counts)
+    out[t] = sum_j  (ys * w[order])[inverse][t * k + j]
+
+transformers' grouped_mm writes the same math with advanced indexing (`x[perm // k]`, `w[perm]`, `out[inv_perm]`),
+whose backward is an accumulating index_put (a scatter, slow on CPU: a fifth of the MoE step there). Here each
+permutation is a custom autograd function whose backward is the inverse gather (`index_select` by the inverse
+permutation, then a sum over the k copies of each token for x): no scatter, no atomics, deterministic.
+benchmarks/bench_moe.py measures it against transformers' grouped_mm and eager in the same run (it is kept because it
+is faster there, CPU and CUDA); the numbers differ from theirs only by summation order inside the GEMMs.
+
+No host synchronisation on CUDA (sort, histc, cumsum and gathers stay on the device, shapes depend on the token
+count only), so a CUDA graph can capture it, as transformers' grouped_mm.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
+
+NAME = "grouped_mm_gather"
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped_mm kernels take
+
+
+def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [S, in] @ weight[e].T for the rows of each expert e (weight [E, out, in]); float64 (the tests' exact
+    comparisons), which torch's grouped_mm refuses, goes through transformers' per-expert fallback."""
+    weight = weight.transpose(1, 2)
+    if rows.dtype in _GROUPED_MM_DTYPES:
+        return _grouped_mm(rows, weight, offsets)
+    return torch.ops.transformers.grouped_mm_fallback(rows, weight.to(rows.dtype), offs=offsets)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x.index_select(0, index), where `index` takes every row of x exactly `copies` times (a permutation of the rows
+    of x repeated `copies` times, row r's copies at positions r * copies ... in `inverse`'s numbering). Backward:
+    the gradient gathered back by `inverse`, then summed over each row's copies."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.copies, ctx.rows = copies, x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse)
+        if ctx.copies > 1:
+            grad = grad.view(ctx.rows, ctx.copies, *grad.shape[1:]).sum(1)
+        return grad, None, None, None
+
+
+def grouped_mm_gather_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output [tokens, H] for hidden_states [tokens, H], top_k_index / top_k_weights [tokens, k]."""
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    _, order = torch.sort(flat, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    if flat.device.type == "cuda":  # histc on the device: no host sync (bincount reads its length on the host)
+        counts = torch.histc(flat.int(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    else:
+        counts = torch.bincount(flat, minlength=self.num_experts)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    selected = _GatherRows.apply(hidden_states, order // k, inverse, k)  # [S, H], grouped by expert
+    projected = _grouped_linear(selected, self.gate_up_proj, offsets)  # [S, 2I]
+    projected = _grouped_linear(self._apply_gate(projected), self.down_proj, offsets)  # [S, H]
+    weights = _GatherRows.apply(top_k_weights.reshape(-1, 1), order, inverse, 1)  # [S, 1]
+    weighted = _GatherRows.apply(projected * weights, inverse, order, 1)  # back in (token, slot) order
+    return weighted.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
+
+
+def register_grouped_mm_gather() -> None:
+    """Adds NAME to transformers' experts implementations (what `experts_implementation=` accepts)."""
+    if NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(NAME, grouped_mm_gather_experts_forward)
+
+
+register_grouped_mm_gather()
+
+__all__ = ["NAME", "grouped_mm_gather_experts_forward", "register_grouped_mm_gather"]

@@ -1,0 +1,62 @@
+"""The dense gated MLP ("dense" in `mlp_types`, every layer's default), as in Llama and Qwen3-Next's dense layers:
+
+    y = down_proj(act(gate_proj(x)) * up_proj(x))
+
+act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). Tensor names `mlp.gate_proj`, `mlp.up_proj`,
+`mlp.down_proj` (each Linear stores (out_features, in_features)), as every checkpoint of this family has them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from .block_ops import silu_and_mul
+from .mlp_registry import ConfigField, MlpSpec, register
+
+if TYPE_CHECKING:
+    from .configuration_hybrid_linear import HybridLinearConfig
+
+
+class HybridLinearMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: HybridLinearConfig, layer_idx: int):
+        super().__init__()
+        settings = config.per_layer_config[layer_idx]  # this layer's settings
+        hidden, width, bias = settings.hidden_size, settings.intermediate_size, settings.mlp_bias
+        self.gate_proj = nn.Linear(hidden, width, bias=bias)
+        self.up_proj = nn.Linear(hidden, width, bias=bias)
+        self.down_proj = nn.Linear(width, hidden, bias=bias)
+        self.act_fn = ACT2FN[settings.hidden_act]
+        self.swiglu = settings.hidden_act == "silu"  # fused by fla on CUDA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
+
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+
+def _parameter_count(s: Any) -> int:
+    return 3 * s.hidden_size * s.intermediate_size
+
+
+register(MlpSpec(
+    mlp_type="dense", title="gated MLP",
+    fields={
+        "intermediate_size": ConfigField(kind="size", default=3072, doc="width of the gated MLP (dense layers)."),
+        "hidden_act": ConfigField(
+            kind="activation", default="silu",
+            doc="activation of the gated MLP's gate (silu: SwiGLU; any transformers ACT2FN name)."),
+        "mlp_bias": ConfigField(kind="bool", default=False, doc="biases in the gated MLP's projections."),
+    },
+    module_class=HybridLinearMLP, parameter_count=_parameter_count,
+    tensor_parallel_plan={"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"},
+    lora_targets=("gate_proj", "up_proj", "down_proj"),
+    describe=lambda s: f"intermediate size {s.intermediate_size}",
+))

@@ -1,0 +1,64 @@
+"""The registry of MLPs: one record per `mlp_types` entry, declared by the MLP's own module, as `mixer_registry` is
+for token mixers (the shared parts, `ConfigField` and `ComponentSpec`, are in `component_registry`).
+
+Each decoder layer's MLP is a per-layer choice, `config.mlp_types[i]` (default: every layer "dense", the gated MLP of
+`mlp_dense`). The configuration (its fields with their defaults and docs, which fields a layer of that MLP reads, their
+checks, the weight-count bound), the decoder layer (which module it builds as `self.mlp`, so checkpoints name its
+tensors `mlp.*`), the weight initialisation, the tensor-parallel plan (entries under "layers.*.mlp."), LoRA and the
+model card read this registry. The one line that registers a new MLP module is the import at the bottom of this
+file: a relative `from .module import Name` import, so a saved model folder ships the module with its remote code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .component_registry import ComponentSpec, ConfigField, Registry, add_spec, lora_targets_of, plan_of, remove_spec
+
+MLP_ATTRIBUTE = "mlp"  # the decoder layer's attribute holding its MLP (checkpoint names: "model.layers.{i}.mlp.*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlpSpec(ComponentSpec):
+    """Everything the rest of the package needs to know about one MLP type. Its module is called (x) -> y, x and y
+    [batch, tokens, hidden_size]."""
+
+    mlp_type: str  # the `mlp_types` entry
+
+
+MLPS: Registry = Registry("mlp_types")
+
+
+def register(spec: MlpSpec) -> MlpSpec:
+    """Adds the MLP of `spec.mlp_type` (its fields join the config)."""
+    add_spec(MLPS, spec.mlp_type, spec)
+    return spec
+
+
+def unregister(mlp_type: str) -> MlpSpec:
+    """Undoes `register` (its fields leave the config): for tests and plugins."""
+    return remove_spec(MLPS, mlp_type)
+
+
+def mlp_types() -> tuple[str, ...]:
+    """The registered MLP types, in registration order."""
+    return tuple(MLPS)
+
+
+def tensor_parallel_plan() -> dict[str, str]:
+    """Every MLP's plan entries under the decoder layers ("layers.*.mlp.gate_proj": "colwise", ...)."""
+    return plan_of(MLPS, lambda spec: MLP_ATTRIBUTE)
+
+
+def lora_targets() -> tuple[str, ...]:
+    """The projection names LoRA adapts in every MLP."""
+    return lora_targets_of(MLPS)
+
+
+# The registrations: one import per MLP module (each calls `register` when imported), last, in the form transformers
+# follows when it copies a saved folder's remote code (see mixer_registry).
+from .mlp_dense import HybridLinearMLP  # noqa: E402,F401
+from .mlp_sparse_moe import HybridLinearSparseMoeBlock  # noqa: E402,F401
+
+__all__ = ["MLPS", "MLP_ATTRIBUTE", "ConfigField", "MlpSpec", "lora_targets", "mlp_types", "register",
+           "tensor_parallel_plan", "unregister"]

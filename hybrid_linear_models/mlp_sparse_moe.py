@@ -1,0 +1,236 @@
+"""Sparse mixture-of-experts MLP, Qwen3-Next's (`Qwen3NextSparseMoeBlock`), with its module and parameter names.
+
+For a token x (a row of the pre-MLP normed hidden states, width H), with E experts, top-k routing and expert width I:
+
+    logits = W_r x                                   router `gate.weight` (E, H)
+    p      = softmax(logits) in float32              over the E experts
+    (w, e) = top-k of p                              the k largest probabilities and their experts
+    w      = w / sum(w)                              only when `norm_topk_prob`
+    y      = sum_j w_j * down_e_j( act(gate_e_j x) * up_e_j x )
+           + sigmoid(w_s . x) * down_s( act(gate_s x) * up_s x )      shared expert and its gate, when
+                                                                        shared_expert_intermediate_size > 0
+
+Weights as transformers stores them: `experts.gate_up_proj` (E, 2I, H), the gate's rows first then the up's, and
+`experts.down_proj` (E, H, I); `shared_expert.{gate,up,down}_proj` and `shared_expert_gate` (1, H) are Linear layers.
+The router's probabilities are rounded to the hidden dtype after the top-k (Qwen3-Next's rounding point), and the
+router logits are the first output of `HybridLinearTopKRouter`, which the model records (`output_router_logits`).
+
+The experts run through transformers' experts machinery (`use_experts_implementation`), chosen by the model config's
+`_experts_implementation` (`from_pretrained(..., experts_implementation=...)`, `model.set_experts_implementation`):
+- "grouped_mm_gather" (this package's default, experts_grouped_gather.py): transformers' grouped_mm with the
+  permutations written as gathers both ways (no scatter in the backward); faster on CPU (benchmarks/bench_moe.py);
+- "grouped_mm" (transformers' default): the (token, expert) pairs sorted by expert, one grouped GEMM per projection
+  (torch.nn.functional.grouped_mm: a CPU kernel in torch >= 2.9, CUDA SM80+);
+- "batched_mm": each pair multiplies by its own gathered expert matrix (bmm); memory k*E-fold, for tiny batches;
+- "eager" (this class's own forward): transformers' loop over the experts that received tokens, one host sync.
+The first three keep everything on the device with shapes that depend only on the token count, so a CUDA graph can
+capture them; the captured decoding step runs "grouped_mm_gather" when the model's choice is "eager"
+(`graph_safe_experts_implementation`).
+
+Each field may vary per layer (per_layer_config): num_experts, num_experts_per_tok, moe_intermediate_size,
+shared_expert_intermediate_size (0: no shared expert and no gate), norm_topk_prob, hidden_act.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.integrations.moe import use_experts_implementation
+
+from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
+from .mlp_registry import MLPS, ConfigField, MlpSpec, register
+
+# The experts implementations this module offers (transformers' names and ours); the first is the model's default.
+EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager")
+# the implementations a captured CUDA graph can run (no host synchronisation)
+GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm")
+
+
+def graph_safe_experts_implementation(requested: str | None) -> str:
+    """The experts implementation a captured one-token step runs for a model configured with `requested`."""
+    return requested if requested in GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS else GROUPED_MM_GATHER
+
+
+@contextmanager
+def graph_safe_experts(config: Any) -> Iterator[None]:
+    """Inside: the model config's experts implementation is a graph-safe one (the eager loop's host-read expert
+    list would be frozen into a captured graph, and its sync refused during capture); restored on exit."""
+    requested = getattr(config, "_experts_implementation", None)
+    safe = graph_safe_experts_implementation(requested)
+    if safe == requested:
+        yield
+        return
+    config._experts_implementation_internal = safe
+    try:
+        yield
+    finally:
+        config._experts_implementation_internal = requested
+
+
+class HybridLinearTopKRouter(nn.Module):
+    """Softmax over the experts in float32, then top-k; (logits, top-k weights, top-k experts)."""
+
+    def __init__(self, settings: Any):
+        super().__init__()
+        self.top_k = settings.num_experts_per_tok
+        self.num_experts = settings.num_experts
+        self.norm_topk_prob = settings.norm_topk_prob
+        self.hidden_dim = settings.hidden_size
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.weight)  # (tokens, E)
+        probabilities = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        top_weights, top_experts = torch.topk(probabilities, self.top_k, dim=-1)  # (tokens, k)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return router_logits, top_weights.to(router_logits.dtype), top_experts
+
+
+@use_experts_implementation
+class HybridLinearExperts(nn.Module):
+    """E gated experts stored as 3-D tensors (transformers' layout). Built as (config, settings): `config` is the
+    model's (its `_experts_implementation` picks the forward, and follows `set_experts_implementation`), `settings`
+    the layer's resolved config (its sizes)."""
+
+    def __init__(self, config: Any, settings: Any | None = None):
+        super().__init__()
+        settings = config if settings is None else settings
+        self.num_experts = settings.num_experts
+        self.hidden_dim = settings.hidden_size
+        self.intermediate_dim = settings.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[settings.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The "eager" implementation: a loop over the experts that received tokens (their list read on the host)."""
+        output = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            # (E + 1, k, tokens): which (slot, token) pairs each expert serves; index E is expert parallelism's
+            # sentinel for pairs routed to another rank's experts, skipped
+            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = (expert_mask[: self.num_experts].sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist()
+        for expert in hit:
+            slot, token = torch.where(expert_mask[expert])
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            out = F.linear(self.act_fn(gate) * up, self.down_proj[expert]) * top_k_weights[token, slot, None]
+            output.index_add_(0, token, out.to(output.dtype))
+        return output
+
+
+class HybridLinearSharedExpert(nn.Module):
+    """The shared expert: a gated MLP every token goes through, down(act(gate(x)) * up(x))."""
+
+    def __init__(self, settings: Any):
+        super().__init__()
+        hidden, width = settings.hidden_size, settings.shared_expert_intermediate_size
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.act_fn = ACT2FN[settings.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HybridLinearSparseMoeBlock(nn.Module):
+    """Router + routed experts + (optional) sigmoid-gated shared expert; [..., H] -> [..., H]."""
+
+    def __init__(self, config: Any, layer_idx: int | None = None):
+        """config: the model's (its experts implementation); the layer reads its sizes from
+        config.per_layer_config[layer_idx] (from `config` itself when layer_idx is None: a standalone block)."""
+        super().__init__()
+        settings = config if layer_idx is None else config.per_layer_config[layer_idx]
+        self.initializer_range = getattr(settings, "initializer_range", 0.02)  # the router's and experts' init std
+        self.gate = HybridLinearTopKRouter(settings)
+        self.experts = HybridLinearExperts(config, settings)
+        self.shared_expert = self.shared_expert_gate = None
+        if settings.shared_expert_intermediate_size > 0:
+            self.shared_expert = HybridLinearSharedExpert(settings)
+            self.shared_expert_gate = nn.Linear(settings.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, routing_weights, selected_experts = self.gate(x)
+        out = self.experts(x, selected_experts, routing_weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
+def sparse_moe_parameter_count(settings: Any) -> int:
+    """The weights of one layer's sparse MoE MLP (the configuration's size bound)."""
+    hidden, experts, width, shared = (settings.hidden_size, settings.num_experts, settings.moe_intermediate_size,
+                                      settings.shared_expert_intermediate_size)
+    return experts * hidden + 3 * experts * width * hidden + (3 * shared * hidden + hidden if shared > 0 else 0)
+
+
+def init_sparse_moe_weights(block: HybridLinearSparseMoeBlock) -> None:
+    """Qwen3-Next's initialisation of what the generic init does not reach: the router and the 3-D expert weights
+    drawn from N(0, initializer_range); the shared expert's Linear layers get the generic init. (transformers'
+    `init` functions skip tensors loaded from a checkpoint.)"""
+    from transformers import initialization as init
+
+    std = block.initializer_range
+    init.normal_(block.gate.weight, mean=0.0, std=std)
+    init.normal_(block.experts.gate_up_proj, mean=0.0, std=std)
+    init.normal_(block.experts.down_proj, mean=0.0, std=std)
+
+
+def _relation_problems(s: Any, prefix: str) -> list[str]:
+    if isinstance(s.num_experts_per_tok, int) and isinstance(s.num_experts, int) and (
+            s.num_experts_per_tok > s.num_experts):
+        return [f"{prefix}num_experts_per_tok={s.num_experts_per_tok} exceeds num_experts={s.num_experts}; route "
+                "each token to at most num_experts experts (lower num_experts_per_tok or add experts)"]
+    return []
+
+
+# The experts' 3-D weights, for peft's `LoraConfig(target_parameters=...)` (one rank-r update per expert); LoRA's
+# `target_modules` reach the shared expert's projections (lora_targets below).
+LORA_TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+register(MlpSpec(
+    mlp_type="sparse_moe", title="sparse mixture of experts",
+    fields={
+        "num_experts": ConfigField(kind="size", default=64, doc="routed experts of each sparse MoE layer."),
+        "num_experts_per_tok": ConfigField(kind="size", default=8,
+                                           doc="experts each token is routed to (top-k of the router's softmax)."),
+        "moe_intermediate_size": ConfigField(kind="size", default=512, doc="width of each routed expert's MLP."),
+        "shared_expert_intermediate_size": ConfigField(
+            kind="size_or_zero", default=512,
+            doc="width of the shared expert every token goes through, with its sigmoid gate (0: none)."),
+        "norm_topk_prob": ConfigField(kind="bool", default=True,
+                                      doc="renormalise the top-k routing probabilities to sum to 1."),
+        "hidden_act": MLPS["dense"].fields["hidden_act"],
+    },
+    module_class=HybridLinearSparseMoeBlock, parameter_count=sparse_moe_parameter_count,
+    relation_problems=_relation_problems, init_weights=init_sparse_moe_weights,
+    # transformers' Qwen3-Next plan: experts split along their width on every rank ("packed_colwise" splits the gate
+    # and up halves of gate_up_proj alike), their partial outputs summed by "moe_tp_experts"; router replicated
+    tensor_parallel_plan={
+        "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts",
+        "shared_expert.gate_proj": "colwise", "shared_expert.up_proj": "colwise", "shared_expert.down_proj": "rowwise",
+    },
+    lora_targets=("gate_proj", "up_proj", "down_proj"),
+    describe=lambda s: (f"{s.num_experts} experts of {s.moe_intermediate_size}, top-{s.num_experts_per_tok}"
+                        + (f", shared expert of {s.shared_expert_intermediate_size}"
+                           if s.shared_expert_intermediate_size else "")),
+))
+
+
+__all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
+           "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
+           "graph_safe_experts", "graph_safe_experts_implementation", "init_sparse_moe_weights",
+           "sparse_moe_parameter_count"]
