@@ -292,7 +292,7 @@ MOE_CASES = {
 def test_moe_qwen3_next_converts_with_transformers_logits(tmp_path, case):
     theirs = save_qwen3_next(tmp_path / "qwen3_next", **MOE_CASES[case])
     assert (tmp_path / "qwen3_next" / "model.safetensors").is_file()
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in tensors_of(tmp_path / "qwen3_next")  # hub layout
+    assert any(key.endswith("mlp.experts.0.gate_proj.weight") for key in tensors_of(tmp_path / "qwen3_next"))  # hub
     convert_checkpoint(tmp_path / "qwen3_next", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
     ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info

@@ -191,3 +191,28 @@ def test_fuzz_qwen3_next_safetensors_header(mutable, data):
     header, tensor_data = split_safetensors(mutable.originals["model.safetensors"])
     blob = data.draw(safetensors_file(data.draw(mutated(header)), tensor_data))
     outcome(mutable.with_file("model.safetensors", blob))
+
+
+@pytest.mark.skipif(not supports_moe(), reason="the sparse MoE MLP (branch s7-b) is not in this version")
+def test_bad_moe_folders_are_refused_by_name(tmp_path):
+    moe = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+               mlp_only_layers=[1, 2, 3])
+    save_qwen3_next(tmp_path / "moe", **moe)
+    cases = [
+        (lambda t: t.pop("model.layers.0.mlp.experts.2.up_proj.weight"), None,
+         "is missing tensor(s) model.layers.0.mlp.experts.2.up_proj.weight"),
+        (lambda t: t.update({"model.layers.0.mlp.experts.3.up_proj.weight": torch.zeros(8, 32)}), None,
+         "has tensor(s) model.layers.0.mlp.experts.3.up_proj.weight that its config does not account for"),
+        (None, lambda c: c.update(num_experts_per_tok=4), "num_experts_per_tok (4) is more than num_experts (3)"),
+        (None, lambda c: c.update(shared_expert_intermediate_size=0),
+         "shared_expert_intermediate_size is 0; Qwen3-Next then still has a shared-expert gate"),
+        (None, lambda c: c.update(num_experts=10**12), "num_experts is 1000000000000, more than the"),
+        (None, lambda c: c.update(decoder_sparse_step=0), "decoder_sparse_step should be an integer >= 1"),
+    ]
+    for index, (tensor_edit, config_edit, fragment) in enumerate(cases):
+        folder = Path(shutil.copytree(tmp_path / "moe", tmp_path / f"case{index}"))
+        if tensor_edit:
+            edit_tensors(folder, tensor_edit)
+        if config_edit:
+            edit_config(folder, config_edit)
+        refused(folder, fragment)

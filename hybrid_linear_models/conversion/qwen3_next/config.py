@@ -133,6 +133,10 @@ def _mlp_types(fields: Fields, layers: int, census: TensorCensus | None) -> tupl
             raise ConversionError(f"{fields.file}: layer {first} is a sparse MoE layer (num_experts {experts}), and "
                                   "this version of HybridLinearConfig has no MoE MLP; convert a dense model (all "
                                   "layers in mlp_only_layers) or update hybrid_linear_models.")
+        if fields.get("shared_expert_intermediate_size") == 0:
+            raise ConversionError(f"{fields.file}: shared_expert_intermediate_size is 0; Qwen3-Next then still has a "
+                                  "shared-expert gate (1, hidden) on a zero-width expert, which this model would have "
+                                  "to drop; only models with a shared expert convert.")
         for name in _MOE_SIZES:
             moe[name] = fields.integer(name, QWEN3_NEXT_DEFAULTS[name], minimum=1,
                                        maximum=census.elements if census else None,
