@@ -31,12 +31,10 @@ from hybrid_linear_models.conversion.qwen3_next.config import (
     IRRELEVANT,
     QWEN3_NEXT_DEFAULTS,
     qwen3_next_to_hybrid_config,
-    supports_moe,
 )
 from hybrid_linear_models.conversion.safetensors_io import SafetensorsFile, write_files, plan_files, TensorInfo
 
 LOGITS_TOLERANCE = 1e-4  # see the module docstring
-MOE = pytest.mark.skipif(not supports_moe(), reason="the sparse MoE MLP (branch s7-b) is not in this version")
 
 
 def tiny_qwen3_next_config(**overrides) -> Qwen3NextConfig:
@@ -287,7 +285,6 @@ MOE_CASES = {
 }
 
 
-@MOE
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
 def test_moe_qwen3_next_converts_with_transformers_logits(tmp_path, case):
     theirs = save_qwen3_next(tmp_path / "qwen3_next", **MOE_CASES[case])
@@ -302,7 +299,6 @@ def test_moe_qwen3_next_converts_with_transformers_logits(tmp_path, case):
     assert_same_predictions(theirs, Qwen3NextForCausalLM.from_pretrained(tmp_path / "back").eval(), 96)
 
 
-@MOE
 def test_hub_layouts_built_by_hand_and_fused_read_the_same(tmp_path):
     """The per-expert hub layout written here from the in-memory (fused) weights, independently of transformers'
     save_pretrained, and a folder saved fused (save_original_format=False) convert to the same tensors."""
@@ -336,7 +332,6 @@ def test_hub_layouts_built_by_hand_and_fused_read_the_same(tmp_path):
     assert_same_predictions(theirs, HybridLinearForCausalLM.from_pretrained(tmp_path / "hub-hf").eval(), 96)
 
 
-@MOE
 def test_our_moe_model_converts_to_transformers_qwen3_next(tmp_path):
     ours = tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"],
                       mlp_types=["sparse_moe", "dense", "sparse_moe"], num_experts=4, num_experts_per_tok=2,
@@ -350,7 +345,6 @@ def test_our_moe_model_converts_to_transformers_qwen3_next(tmp_path):
     assert_same_predictions(theirs.eval(), ours, ours.config.vocab_size)
 
 
-@MOE
 def test_moe_without_shared_expert_does_not_fit(tmp_path):
     from model_helpers import tiny_config
 

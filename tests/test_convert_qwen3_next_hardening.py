@@ -19,7 +19,6 @@ from test_convert_qwen3_next import save_qwen3_next
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.formats import get_format
 from hybrid_linear_models.conversion.pipeline import plan_conversion
-from hybrid_linear_models.conversion.qwen3_next.config import supports_moe
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +115,6 @@ def test_bad_config_values_are_refused_by_name(folder, field, value, fragments):
     refused(folder, *fragments)
 
 
-@pytest.mark.skipif(supports_moe(), reason="the MoE MLP is there: sparse layers convert")
-def test_sparse_layers_need_the_moe_mlp(folder):
-    edit_config(folder, lambda config: config.update(num_experts=4, mlp_only_layers=[1, 2, 3]))
-    refused(folder, "layer 0 is a sparse MoE layer (num_experts 4)", "has no MoE MLP")
-
-
 def test_hf_reader_points_to_qwen3_next(folder):
     with pytest.raises(ConversionError, match=r"model_type 'qwen3_next'; --from hf reads .* use --from qwen3_next\."):
         get_format("hf", "read").read(folder)
@@ -193,7 +186,6 @@ def test_fuzz_qwen3_next_safetensors_header(mutable, data):
     outcome(mutable.with_file("model.safetensors", blob))
 
 
-@pytest.mark.skipif(not supports_moe(), reason="the sparse MoE MLP (branch s7-b) is not in this version")
 def test_bad_moe_folders_are_refused_by_name(tmp_path):
     moe = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
                mlp_only_layers=[1, 2, 3])

@@ -60,7 +60,7 @@ _MOE_FIELDS = ("mlp_types", "num_experts", "num_experts_per_tok", "moe_intermedi
 
 
 def _sparse_layers(config: HybridLinearConfig) -> list[int]:
-    return [i for i, t in enumerate(getattr(config, "mlp_types", None) or []) if t == "sparse_moe"]
+    return [i for i, t in enumerate(config.mlp_types) if t == "sparse_moe"]
 
 
 def qwen3_next_rows(config: HybridLinearConfig, fused_experts: bool = False) -> list[MapRow]:

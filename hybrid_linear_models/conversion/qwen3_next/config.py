@@ -23,7 +23,6 @@ Absent fields take Qwen3NextConfig's defaults (`QWEN3_NEXT_DEFAULTS`, pinned by 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ...configuration_hybrid_linear import HybridLinearConfig
@@ -77,11 +76,6 @@ def is_carried_field(name: str) -> bool:
     return name.startswith("mtp_") or name == "num_nextn_predict_layers"
 
 
-def supports_moe() -> bool:
-    """Whether this version of HybridLinearConfig has the sparse MoE MLP (`mlp_types`)."""
-    return "mlp_types" in {f.name for f in dataclasses.fields(HybridLinearConfig)}
-
-
 def _layer_types(fields: Fields, layers: int) -> list[str]:
     if not fields.has("layer_types"):
         interval = fields.integer("full_attention_interval", 4, minimum=1)
@@ -128,11 +122,6 @@ def _mlp_types(fields: Fields, layers: int, census: TensorCensus | None) -> tupl
              for i in range(layers)]
     moe = {}
     if "sparse_moe" in types:
-        if not supports_moe():
-            first = types.index("sparse_moe")
-            raise ConversionError(f"{fields.file}: layer {first} is a sparse MoE layer (num_experts {experts}), and "
-                                  "this version of HybridLinearConfig has no MoE MLP; convert a dense model (all "
-                                  "layers in mlp_only_layers) or update hybrid_linear_models.")
         if fields.get("shared_expert_intermediate_size") == 0:
             raise ConversionError(f"{fields.file}: shared_expert_intermediate_size is 0; Qwen3-Next then still has a "
                                   "shared-expert gate (1, hidden) on a zero-width expert, which this model would have "
@@ -252,7 +241,7 @@ def hybrid_config_to_qwen3_next(config: HybridLinearConfig, carried: dict[str, A
         tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
         rope_parameters=dict(config.rope_parameters), **{name: getattr(config, name) for name in _TOKEN_FIELDS},
     )
-    mlp_types = getattr(config, "mlp_types", None) or ["dense"] * len(config.layer_types)
+    mlp_types = config.mlp_types
     if "sparse_moe" in mlp_types:
         out.update({name: getattr(config, name) for name in (*_MOE_SIZES, *_MOE_FLAGS, "router_aux_loss_coef")})
         if config.shared_expert_intermediate_size == 0:
@@ -265,5 +254,5 @@ def hybrid_config_to_qwen3_next(config: HybridLinearConfig, carried: dict[str, A
     return out
 
 
-__all__ = ["qwen3_next_to_hybrid_config", "hybrid_config_to_qwen3_next", "check_fits_qwen3_next", "supports_moe",
+__all__ = ["qwen3_next_to_hybrid_config", "hybrid_config_to_qwen3_next", "check_fits_qwen3_next",
            "is_carried_field", "QWEN3_NEXT_DEFAULTS", "IRRELEVANT", "MODEL_TYPE", "ARCHITECTURES"]
