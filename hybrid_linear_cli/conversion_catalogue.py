@@ -39,7 +39,10 @@ class OutputLayout:
 class FormatEntry:
     """One checkpoint format. `read`, `target_rows` and `write` name functions as "module:function" in
     `hybrid_linear_models.conversion` (see `formats.py` for their signatures); a format needs `read` to be read, and
-    `target_rows`, `write` and `output` to be written."""
+    `target_rows`, `write` and `output` to be written. `keeps_extra_tensors`: its writer keeps the tensors a reader
+    carries beside the model's (Qwen3-Next's multi-token prediction head); other formats refuse such a source.
+    `model_types`: the config.json `model_type` values of the folders it reads (so that another reader, handed such
+    a folder, can name the right `--from`)."""
 
     name: str
     description: str
@@ -47,6 +50,8 @@ class FormatEntry:
     target_rows: str | None = None
     write: str | None = None
     output: OutputLayout | None = None
+    keeps_extra_tensors: bool = False
+    model_types: tuple[str, ...] = ()
 
     @property
     def can_read(self) -> bool:
@@ -76,8 +81,10 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
             files=(r"config\.json", r"generation_config\.json", r"README\.md", r"model\.safetensors",
                    r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json",
                    r"[a-z_][a-z0-9_]*\.py",  # the modeling sources shipped as remote code
+                   r"extra_tensors\.safetensors",  # carried tensors the model does not load (Qwen3-Next's mtp.*)
                    *_TOKENIZER_FILES),
         ),
+        keeps_extra_tensors=True,
     ),
     FormatEntry(
         "fast_llm",
@@ -89,6 +96,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
     FormatEntry(
         "fla",
         "fla's Hugging Face models: config.json with model_type gated_deltanet (attn layers too) or kda, safetensors",
+        model_types=("gated_deltanet", "kda"),
         read="fla.checkpoint:read_fla", target_rows="fla.checkpoint:fla_rows", write="fla.checkpoint:write_fla",
         output=OutputLayout(marker="config.json", files=(r"config\.json", r"model\.safetensors",
                                                          r"model-\d{5}-of-\d{5}\.safetensors",
@@ -102,6 +110,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
     FormatEntry(
         "apriel2",
         "Fast-LLM's Hugging Face export (model_type apriel2_text): config.json + safetensors",
+        model_types=("apriel2_text",),
         read="apriel2.checkpoint:read_apriel2", target_rows="apriel2.checkpoint:apriel2_rows",
         write="apriel2.checkpoint:write_apriel2",
         output=OutputLayout(
@@ -109,6 +118,19 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
             files=(r"config\.json", r"model\.safetensors", r"model-\d{5}-of-\d{5}\.safetensors",
                    r"model\.safetensors\.index\.json"),
         ),
+    ),
+    FormatEntry(
+        "qwen3_next",
+        "transformers' Qwen3-Next folder (Qwen3NextForCausalLM; hub layout, per-expert MoE tensors, mtp.* kept)",
+        model_types=("qwen3_next",),
+        read="qwen3_next.checkpoint:read_qwen3_next", target_rows="qwen3_next.checkpoint:qwen3_next_rows",
+        write="qwen3_next.checkpoint:write_qwen3_next",
+        output=OutputLayout(
+            marker="config.json", marker_fields={"model_type": "qwen3_next"},
+            files=(r"config\.json", r"generation_config\.json", r"model\.safetensors",
+                   r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json", *_TOKENIZER_FILES),
+        ),
+        keeps_extra_tensors=True,
     ),
 )
 

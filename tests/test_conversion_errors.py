@@ -359,8 +359,8 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
 
 def test_cli_rejects_unknown_format_and_bad_size(tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
-        main(["--from", "qwen3_next", "--to", "hf", "a", "b"])
-    assert caught.value.code == 2 and "invalid choice: 'qwen3_next'" in capsys.readouterr().err
+        main(["--from", "no_such_format", "--to", "hf", "a", "b"])
+    assert caught.value.code == 2 and "invalid choice: 'no_such_format'" in capsys.readouterr().err
     assert main(["--from", "fast_llm", "--to", "hf", str(HYBRID / "fast_llm"), str(tmp_path / "dst"),
                  "--max-shard-size", "lots"]) == 1
     assert "cannot read size 'lots'" in capsys.readouterr().err

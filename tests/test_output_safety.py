@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hybrid_linear_cli.convert import main
+from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.conversion import FORMATS, ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.interrupts import Interrupted, signals_deferred, stop_signals_raise
 
@@ -174,21 +175,41 @@ def test_force_replaces_the_formats_own_output_sharded_with_tokenizer(tmp_path, 
 
 def test_each_writers_output_matches_its_registration(tmp_path):
     """The files each writer creates (one file or shards) are the ones its registration declares: --force can
-    replace every folder the converter writes."""
-    source_config = FORMATS["fast_llm"].read(SRC).config
+    replace every folder the converter writes. Each writer converts the first of these sources its format can
+    express: the Fast-LLM fixture (GDN, KDA and attention), a Qwen3-Next-like model (our defaults: GDN and gated
+    attention, zero-centred norms), an fla-like one (GDN and plain attention, plain norms)."""
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, head_dim=8, num_attention_heads=4,
+                 gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=8, gdn_value_head_dim=8)
+    fla_like = dict(small, layer_types=["gated_deltanet", "full_attention"], zero_centered_norms=False,
+                    attention_output_gate=False, attention_qk_norm=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
+    sources = [SRC]
+    for index, settings in enumerate((small, fla_like)):
+        sources.append(tmp_path / f"source-{index}")
+        HybridLinearForCausalLM(HybridLinearConfig(**settings)).save_pretrained(sources[-1])
+    source_format = {SRC: "fast_llm"}
     for name, fmt in FORMATS.items():
         if not fmt.can_write:
             continue
-        try:
-            fmt.target_rows(source_config)
-        except ConversionError:  # a format that cannot express this source (fla: one linear mixer type per model)
-            continue  # checks its own output layout in its own tests (test_convert_fla.py)
-        for shard in ("5GB", "100kB"):
+        fitting = [src for src in sources if _expresses(fmt, FORMATS[source_format.get(src, "hf")].read(src).config)]
+        assert fitting, f"no test source fits the {name} writer"
+        for shard in ("5GB", "10kB"):
             dst = tmp_path / f"{name}-{shard}"
-            convert(dst, force=False, to_format=name, max_shard_size=shard)
+            convert_checkpoint(fitting[0], dst, from_format=source_format.get(fitting[0], "hf"), to_format=name,
+                               max_shard_size=shard)
             unexpected = [p.name for p in dst.iterdir() if not fmt.output.writes(p.name) or p.is_dir()]
             assert not unexpected, (name, unexpected)
             assert (dst / fmt.output.marker).is_file()
+            if shard == "10kB":
+                assert len(list(dst.glob("*.safetensors"))) > 1, name  # the sharded layout was exercised
+
+
+def _expresses(fmt, config) -> bool:
+    try:
+        fmt.target_rows(config)
+    except ConversionError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------- lock and leftovers

@@ -22,7 +22,7 @@ from hybrid_linear_cli.conversion_catalogue import DEFAULT_MAX_SHARD_SIZE, DTYPE
 from .errors import ConversionError
 from .formats import get_format
 from .interrupts import stop_signals_raise
-from .pipeline import ConversionPlan, WriteOptions, plan_conversion, stream_tensors
+from .pipeline import ConversionPlan, WriteOptions, check_carried, plan_conversion, stream_tensors
 from ..shown_values import brief
 from .safety import atomic_output_dir, check_existing, check_paths
 from .tokenizer_files import copy_tokenizer, tokenizer_to_copy
@@ -101,6 +101,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     check_existing(output, replace)  # fail before reading anything; checked again under the lock
     with stop_signals_raise(redeliver=True), atomic_output_dir(output, replace) as staging:
         source = reader.read(Path(src))
+        check_carried(source, to_format, writer.keeps_extra_tensors)
         plan = plan_conversion(source, writer.target_rows(source.config), torch_dtype)
         tokenizer_copied = tokenizer_to_copy(to_format, Path(src), tokenizer, source.config.vocab_size)
         options = WriteOptions(max_shard_bytes, output_name=output.name, source_description=reader.description)

@@ -224,9 +224,53 @@ class ConfigDependent(Converter):
         return self.build(config).bind(config)
 
 
+@dataclass(frozen=True)
+class StackedExperts(Converter):
+    """Mixture-of-experts weights stored one expert at a time on the format side (the hub layout of Qwen3-Next and
+    Qwen2-MoE: `experts.{e}.gate_proj`, `experts.{e}.up_proj`, ...) and as one 3-D tensor on the canonical side.
+    The format tensors come expert by expert, `parts` per expert (gate then up, or down alone); canonical expert e is
+    their concatenation along dim 0: `canonical[e] = cat(format[e * parts : (e + 1) * parts], dim=0)`, so gate and up
+    of shape (I, H) become the (E, 2I, H) `gate_up_proj` whose first I rows per expert are the gate."""
+
+    experts: int
+    parts: int = 1
+
+    @property
+    def arity(self):
+        return (self.experts * self.parts, 1)
+
+    def forward(self, tensors):
+        # one output buffer, each expert's parts copied into it: the peak is the inputs plus one stacked tensor
+        # (a real layer's experts hold gigabytes; cat then stack would hold a third copy)
+        first = tensors[0]
+        stacked = first.new_empty((self.experts, first.shape[0] * self.parts, *first.shape[1:]))
+        rows = first.shape[0]
+        for index, tensor in enumerate(tensors):
+            expert, part = divmod(index, self.parts)
+            stacked[expert, part * rows:(part + 1) * rows].copy_(tensor)
+        return [stacked]
+
+    def inverse(self, tensors):
+        return [chunk.contiguous() for expert in tensors[0].unbind(0)
+                for chunk in torch.chunk(expert, self.parts, dim=0)]
+
+    def forward_shapes(self, shapes):
+        first = tuple(shapes[0])
+        if len(shapes) != self.experts * self.parts or any(tuple(s) != first for s in shapes):
+            raise ValueError(f"{self.experts} experts of {self.parts} equal tensors expected")
+        return [(self.experts, first[0] * self.parts, *first[1:])]
+
+    def inverse_shapes(self, shapes):
+        experts, rows, *rest = shapes[0]
+        if experts != self.experts or rows % self.parts:
+            raise ValueError(f"shape {tuple(shapes[0])} is not {self.experts} experts of {self.parts} parts")
+        return [(rows // self.parts, *rest)] * (self.experts * self.parts)
+
+
 IDENTITY = Identity()
 TRANSPOSE = Transpose()
 SPLIT_HALVES = SplitRows(2)
 
 __all__ = ["Converter", "Identity", "Transpose", "SplitRows", "RowPermutation", "GdnKeyHeadGrouping", "ConcatRows",
-           "Chain", "ConfigDependent", "flat_to_grouped_order", "IDENTITY", "TRANSPOSE", "SPLIT_HALVES"]
+           "Chain", "ConfigDependent", "StackedExperts", "flat_to_grouped_order", "IDENTITY", "TRANSPOSE",
+           "SPLIT_HALVES"]

@@ -44,7 +44,7 @@ class CheckpointFormat(FormatEntry):
     def from_entry(cls, entry: FormatEntry) -> CheckpointFormat:
         """The format of a catalogue entry, its "module:function" references imported."""
         return cls(entry.name, entry.description, _resolve(entry.read), _resolve(entry.target_rows),
-                   _resolve(entry.write), entry.output)
+                   _resolve(entry.write), entry.output, entry.keeps_extra_tensors, entry.model_types)
 
 
 def _resolve(reference: str | None) -> Callable | None:

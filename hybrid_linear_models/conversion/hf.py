@@ -15,9 +15,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE
+
 from ..component_registry import declared_fields
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
+from .extra_tensors import EXTRA_TENSORS_FILE, extra_tensors_file, read_extra_tensors
 from .hf_layout import hf_tensor_shapes
 from .model_card import render_model_card
 from .name_maps import build_hf_rows
@@ -99,7 +102,8 @@ def _config_fields(text: str, label: str) -> Fields:
     fields = Fields(parse_json(text, label), "", label, missing_is_empty=False)
     model_type = fields.get("model_type")
     if model_type != HybridLinearConfig.model_type:
-        hint = " It is Fast-LLM's Hugging Face export: use --from apriel2." if model_type == "apriel2_text" else ""
+        readable = [entry.name for entry in FORMAT_CATALOGUE if entry.can_read and model_type in entry.model_types]
+        hint = f" It is a {readable[0]} folder: use --from {readable[0]}." if readable else ""
         raise ConversionError(f"{label} has model_type {brief(model_type)}; --from hf reads "
                               f"{HybridLinearConfig.model_type!r} models (this project's format).{hint}")
     return fields
@@ -149,7 +153,7 @@ def _weight_map(path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str] | None]:
+def open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str] | None]:
     if (path / INDEX_FILE).is_file():
         weight_map = _weight_map(path)
     elif (path / SINGLE_FILE).is_file():
@@ -183,11 +187,19 @@ def read_hf(path: Path) -> SourceCheckpoint:
     if not path.is_dir():
         raise ConversionError(f"SRC {path} is not a folder; a Hugging Face checkpoint is a folder with {CONFIG_FILE}.")
     fields = _config_fields(_config_text(path), str(path / CONFIG_FILE))  # our format at all? before the weights
-    files, _ = _open_weights(path)  # headers only: the census bounds the config's sizes before it is built
+    files, _ = open_weights(path)  # headers only: the census bounds the config's sizes before it is built
     census = TensorCensus.of(((key, file.info(key)) for key, file in files.items()), "model.layers.")
     config = _build_config(fields, census)
     check_tensor_sizes(config, census, str(path / CONFIG_FILE))
-    return SourceCheckpoint("hf", path, config, SafetensorsTensors(files), build_hf_rows(config))
+    extra = read_extra_tensors(path)  # tensors kept beside the model's (Qwen3-Next's mtp.*), carried on untouched
+    if extra is not None:
+        for key in extra[1].keys:
+            if key in files:
+                raise ConversionError(f"tensor {clip(key, 100)} is stored twice, in {files[key].path.name} and "
+                                      f"{EXTRA_TENSORS_FILE}; the checkpoint is corrupt.")
+            files[key] = extra[0]
+    return SourceCheckpoint("hf", path, config, SafetensorsTensors(files), build_hf_rows(config),
+                            carried=extra[1] if extra is not None else None)
 
 
 def _shard_name(index: int, count: int) -> str:
@@ -228,10 +240,13 @@ def write_hf(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, t
     config = export_config(source.config, plan.dtype or plan.targets[0][1].dtype)
     config_text = config.to_json_string(use_diff=False)
     check_config_reads_back(config, config_text)  # before any file is written
-    files = plan_files(plan.targets, options.max_shard_bytes, _shard_name)
-    write_files(out_dir, files, tensors, {"format": "pt"})
+    extra = extra_tensors_file(plan)  # carried tensors (last in the plan): a file the model does not load
+    model_targets = plan.targets[:len(plan.targets) - len(plan.carried)]
+    files = plan_files(model_targets, options.max_shard_bytes, _shard_name)
+    write_files(out_dir, files + ([extra[0]] if extra else []), tensors, {"format": "pt"},
+                {extra[0].name: extra[1]} if extra else None)
     if len(files) > 1:
-        index = {"metadata": {"total_size": plan.total_bytes},
+        index = {"metadata": {"total_size": sum(info.nbytes for _, info in model_targets)},
                  "weight_map": {name: file.name for file in files for name, _ in file.tensors}}
         (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -249,5 +264,6 @@ def write_hf(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, t
     (out_dir / "README.md").write_text(card, encoding="utf-8")
 
 
-__all__ = ["read_hf", "write_hf", "read_hf_config", "parse_hf_config", "check_config_reads_back", "export_config",
+__all__ = ["read_hf", "write_hf", "open_weights", "INDEX_FILE", "SINGLE_FILE",
+           "read_hf_config", "parse_hf_config", "check_config_reads_back", "export_config",
            "AUTO_MAP", "ARCHITECTURES"]

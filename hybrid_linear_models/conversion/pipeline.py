@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -111,6 +111,18 @@ def config_difference(expected: HybridLinearConfig, got: HybridLinearConfig, fie
     return None
 
 
+@dataclass(frozen=True)
+class CarriedTensors:
+    """Stored tensors our model has no parameters for but a conversion must not lose (Qwen3-Next's multi-token
+    prediction head, `mtp.*`): they travel by name and byte for byte (cast only by an explicit --dtype) to formats
+    that keep them (`FormatEntry.keeps_extra_tensors`), with the source config fields that describe them, so that a
+    later conversion back gives both back. `origin` names the format whose fields these are."""
+
+    origin: str
+    keys: tuple[str, ...]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class SourceCheckpoint:
     """What a format reader returns: the model config, the tensors and how they map to the canonical layout."""
@@ -122,6 +134,7 @@ class SourceCheckpoint:
     rows: list[MapRow]
     skipped: list[str] = field(default_factory=list)  # stored tensors deliberately not converted (optimizer state,
     # the mixers of a supernet that inference does not use)
+    carried: CarriedTensors | None = None  # stored tensors kept untouched beside the model's
 
 
 @dataclass(frozen=True)
@@ -135,8 +148,9 @@ class ConversionPlan:
     source: SourceCheckpoint
     target_rows: list[MapRow]
     steps: list[Step]
-    targets: list[tuple[str, TensorInfo]]  # target tensors, in the order they are produced
+    targets: list[tuple[str, TensorInfo]]  # target tensors, in the order they are produced; carried ones last
     dtype: torch.dtype | None
+    carried: tuple[str, ...] = ()  # the names of the carried tensors among `targets` (source.carried's keys)
 
     @property
     def total_bytes(self) -> int:
@@ -151,6 +165,7 @@ def _listing(names: Sequence[str]) -> str:
 def _check_accounting(source: SourceCheckpoint) -> None:
     stored = set(source.tensors.keys())
     used = [key for row in source.rows for key in row.format_keys]
+    used += list(source.carried.keys) if source.carried is not None else []
     duplicated = {key for key in used if used.count(key) > 1} if len(used) != len(set(used)) else set()
     if duplicated:
         raise RuntimeError(f"name map uses {sorted(duplicated)} twice")
@@ -172,8 +187,9 @@ def _check_accounting(source: SourceCheckpoint) -> None:
 
 
 def _check_floating_point(source: SourceCheckpoint) -> None:
-    for row in source.rows:
-        for key in row.format_keys:
+    carried = source.carried.keys if source.carried is not None else ()
+    for keys in [*(row.format_keys for row in source.rows), carried]:
+        for key in keys:
             dtype = source.tensors.info(key).dtype
             if not dtype.is_floating_point:
                 raise ConversionError(
@@ -227,10 +243,14 @@ def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: 
                 shapes = target.converter.inverse_shapes([canonical[k] for k in target.canonical_keys])
                 out_dtype = dtype or canonical_dtype[target.canonical_keys[0]]
                 targets += [(k, TensorInfo(tuple(s), out_dtype)) for k, s in zip(target.format_keys, shapes)]
+    carried = source.carried.keys if source.carried is not None else ()
+    for key in carried:
+        info = source.tensors.info(key)
+        targets.append((key, TensorInfo(tuple(info.shape), dtype or info.dtype)))
     emitted = [key for key, _ in targets]
     if len(emitted) != len(set(emitted)) or available:
-        raise RuntimeError(f"conversion schedule incomplete: pending {sorted(available)}")
-    return ConversionPlan(source, target_rows, steps, targets, dtype)
+        raise RuntimeError(f"conversion schedule incomplete: pending {sorted(available)} or a name twice")
+    return ConversionPlan(source, target_rows, steps, targets, dtype, tuple(carried))
 
 
 def stream_tensors(plan: ConversionPlan) -> Iterator[tuple[str, torch.Tensor]]:
@@ -257,6 +277,26 @@ def stream_tensors(plan: ConversionPlan) -> Iterator[tuple[str, torch.Tensor]]:
                 raise RuntimeError(f"produced {key} {tuple(tensor.shape)}, planned {name} {info.shape}")
             yield key, tensor
             del tensor
+    for key in plan.carried:  # untouched, after the model's tensors
+        tensor = source.tensors.load(key)
+        name, info = next(planned)
+        if plan.dtype is not None and tensor.dtype != plan.dtype:
+            tensor = tensor.to(plan.dtype)
+        if name != key or tuple(tensor.shape) != info.shape:
+            raise RuntimeError(f"produced {key} {tuple(tensor.shape)}, planned {name} {info.shape}")
+        yield key, tensor
+        del tensor
+
+
+def check_carried(source: SourceCheckpoint, to_format: str, keeps_extra_tensors: bool) -> None:
+    """A source with carried tensors converts only to a format that keeps them: never drop a weight silently."""
+    if source.carried is not None and not keeps_extra_tensors:
+        raise ConversionError(
+            f"{source.path} holds {len(source.carried.keys)} tensor(s) beside the model's "
+            f"({_listing(source.carried.keys)}, from {source.carried.origin}), which the {to_format} format cannot "
+            "keep; convert to a format that keeps them (hf, or their own format), or remove them from the source if "
+            "you mean to drop them."
+        )
 
 
 @dataclass(frozen=True)
@@ -268,5 +308,6 @@ class WriteOptions:
     source_description: str = ""  # one line on the source format, for the model card
 
 
-__all__ = ["TensorSource", "TensorCensus", "check_tensor_sizes", "config_difference", "SourceCheckpoint",
+__all__ = ["TensorSource", "TensorCensus", "CarriedTensors", "check_carried",
+           "check_tensor_sizes", "config_difference", "SourceCheckpoint",
            "ConversionPlan", "WriteOptions", "plan_conversion", "stream_tensors"]

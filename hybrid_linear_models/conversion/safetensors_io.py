@@ -238,13 +238,15 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def write_files(directory: Path, plans: Sequence[FilePlan], tensors: Iterable[tuple[str, torch.Tensor]],
-                metadata: Mapping[str, str] | None = None) -> None:
+                metadata: Mapping[str, str] | None = None,
+                file_metadata: Mapping[str, Mapping[str, str]] | None = None) -> None:
     """Writes `plans` into `directory`, streaming `tensors`, which must arrive exactly in plan order with the planned
-    shapes and dtypes. A file is opened when its first tensor arrives and closed after its last."""
+    shapes and dtypes. A file is opened when its first tensor arrives and closed after its last. Every header holds
+    `metadata`, and a file named in `file_metadata` also its own entries."""
     iterator: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
     for plan in plans:
         with open(directory / plan.name, "wb") as file:
-            file.write(_header_bytes(plan, metadata))
+            file.write(_header_bytes(plan, {**(metadata or {}), **(file_metadata or {}).get(plan.name, {})}))
             for name, info in plan.tensors:
                 try:
                     got_name, tensor = next(iterator)

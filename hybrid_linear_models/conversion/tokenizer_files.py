@@ -70,12 +70,15 @@ def check_fits_vocabulary(files: list[Path], vocab_size: int) -> None:
                                   "trained with.")
 
 
+HF_FOLDER_FORMATS = ("hf", "qwen3_next")  # the formats whose folders hold a tokenizer beside the model
+
+
 def tokenizer_to_copy(to_format: str, source: Path, tokenizer: str | Path | None, vocab_size: int) -> list[Path]:
     """The tokenizer files a conversion copies into its output (Hugging Face folders only), checked."""
-    if to_format != "hf":
+    if to_format not in HF_FOLDER_FORMATS:
         if tokenizer is not None:
-            raise ConversionError(f"a tokenizer is copied into Hugging Face folders only (--to hf), not --to "
-                                  f"{to_format}; leave the tokenizer option out.")
+            raise ConversionError(f"a tokenizer is copied into Hugging Face folders only (--to hf or qwen3_next), "
+                                  f"not --to {to_format}; leave the tokenizer option out.")
         return []
     files = find_tokenizer(source, None if tokenizer is None else Path(tokenizer))
     check_fits_vocabulary(files, vocab_size)
