@@ -17,7 +17,7 @@ import torch
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..errors import ConversionError
 from ..fast_llm.checkpoint import _layer_difference
-from ..hf import _open_weights
+from ..hf import open_weights
 from ..name_maps import MapRow
 from ..pipeline import (
     ConversionPlan,
@@ -49,7 +49,7 @@ def read_apriel2(path: Path) -> SourceCheckpoint:
         raise ConversionError(f"SRC {path} is not an Apriel2 checkpoint: it has no {CONFIG_FILE}.{hint}")
     data = parse_json(read_text(config_path, "JSON"), str(config_path))
     check_model_type(data, str(config_path))  # the right format at all? before the weights
-    files, _ = _open_weights(path)  # headers only: the census bounds the config's sizes before it is built
+    files, _ = open_weights(path)  # headers only: the census bounds the config's sizes before it is built
     census = TensorCensus.of(((key, file.info(key)) for key, file in files.items()), BLOCK_PREFIX)
     model = apriel2_to_hybrid_config(data, census)
     check_tensor_sizes(model.config, census, str(config_path))

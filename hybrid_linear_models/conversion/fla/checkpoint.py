@@ -14,7 +14,7 @@ import transformers
 
 from ...configuration_hybrid_linear import BLOCK_FIELDS, MIXER_FIELDS, HybridLinearConfig
 from ..errors import ConversionError
-from ..hf import _open_weights
+from ..hf import open_weights
 from ..hf_layout import distinct_layers, layer_config
 from ..name_maps import MapRow
 from ..pipeline import (
@@ -45,7 +45,7 @@ def read_fla(path: Path) -> SourceCheckpoint:
     label = str(config_path)
     data = parse_json(read_text(config_path, "JSON"), label)
     model_type_of(Fields(data, "", label, missing_is_empty=False))  # an fla model at all? before the weights
-    files, _ = _open_weights(path)  # headers only: the census bounds the config's sizes before it is built
+    files, _ = open_weights(path)  # headers only: the census bounds the config's sizes before it is built
     census = TensorCensus.of(((key, file.info(key)) for key, file in files.items()), "model.layers.")
     config = fla_to_hybrid_config(data, label, census)
     check_tensor_sizes(config, census, label)
