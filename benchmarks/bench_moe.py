@@ -34,6 +34,8 @@ from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridL
 SIZES = {
     "cpu": dict(hidden=256, experts=64, top_k=8, expert_width=64, shared_width=64, batch=2, seq=1024,
                 layers=4, vocab=4096),
+    "cpu128": dict(hidden=256, experts=128, top_k=8, expert_width=64, shared_width=64, batch=2, seq=1024,
+                   layers=4, vocab=4096),
     "gpu": dict(hidden=2048, experts=128, top_k=8, expert_width=512, shared_width=512, batch=4, seq=4096,
                 layers=8, vocab=32000),
     "tiny": dict(hidden=64, experts=8, top_k=2, expert_width=32, shared_width=32, batch=2, seq=64,
