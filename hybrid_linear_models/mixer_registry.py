@@ -68,7 +68,17 @@ def unregister(layer_type: str) -> MixerSpec:
         for mapping in (DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING):
             if mapping.get(layer_type) is spec.cache_layer:
                 del mapping[layer_type]
+    if layer_type in _ADDED_TO_GENERIC_CONFIGS:
+        from transformers import configuration_utils
+
+        _ADDED_TO_GENERIC_CONFIGS.discard(layer_type)
+        for table in ("ALLOWED_ATTN_LAYER_TYPES", "ALLOWED_LAYER_TYPES"):
+            kept = tuple(t for t in getattr(configuration_utils, table) if t != layer_type)
+            setattr(configuration_utils, table, kept)
     return spec
+
+
+_ADDED_TO_GENERIC_CONFIGS: set[str] = set()  # the layer types that _allow_in_generic_configs added (not theirs)
 
 
 def _allow_in_generic_configs(layer_type: str) -> None:
@@ -81,6 +91,7 @@ def _allow_in_generic_configs(layer_type: str) -> None:
     if layer_type not in configuration_utils.ALLOWED_ATTN_LAYER_TYPES:
         configuration_utils.ALLOWED_ATTN_LAYER_TYPES += (layer_type,)
         configuration_utils.ALLOWED_LAYER_TYPES += (layer_type,)
+        _ADDED_TO_GENERIC_CONFIGS.add(layer_type)
 
 
 def layer_types(state: str | None = None) -> tuple[str, ...]:

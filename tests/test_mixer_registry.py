@@ -14,6 +14,7 @@ import pytest
 import torch
 from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, tiny_config
 from torch import nn
+from transformers import configuration_utils
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, DynamicCache
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
@@ -84,6 +85,8 @@ def toy_mixer():
     unregister("cumulative_mean")
     assert "cumulative_mean" not in MIXERS and "cumulative_mean" not in DYNAMIC_LAYER_TYPE_MAPPING
     assert "cumulative_mean" not in STATIC_LAYER_TYPE_MAPPING
+    assert "cumulative_mean" not in configuration_utils.ALLOWED_LAYER_TYPES
+    assert "full_attention" in configuration_utils.ALLOWED_LAYER_TYPES  # transformers' own names stay
 
 
 def test_a_new_mixer_is_its_module_plus_its_registration(toy_mixer):
