@@ -5,13 +5,16 @@ The routed computation is, for the S = tokens * k (token, expert) pairs sorted b
 top-k experts; `order` lists the pairs in sorted order, `inverse` is its inverse permutation):
 
     xs = x[order // k]                              each pair's token row, grouped by expert
-    ys = down_e( act(gate_e xs) * up_e xs )        one grouped GEMM per projection (offsets: cumulative counts)
-    out[t] = sum_j  (ys * w[order])[inverse][t * k + j]
+    ys = down_e( act(gate_e xs) * up_e xs * w[order] )   one grouped GEMM per projection (offsets: cumulative
+                                                          counts); the routing weight applied before down_proj
+    out[t] = sum_j  ys[inverse][t * k + j]
 
 transformers' grouped_mm writes the same math with advanced indexing (`x[perm // k]`, `w[perm]`, `out[inv_perm]`),
 whose backward is an accumulating index_put (a scatter, slow on CPU: a fifth of the MoE step there). Here each
 permutation is a custom autograd function whose backward is the inverse gather (`index_select` by the inverse
-permutation, then a sum over the k copies of each token for x): no scatter, no atomics, deterministic.
+permutation, then a sum over the k copies of each token for x): no scatter, no atomics, deterministic. On the CPU the
+un-permutation and the sum over each token's k experts are one `index_add` (deterministic there; its backward is a
+gather), which saves the [S, H] un-permuted copy.
 benchmarks/bench_moe.py measures it against transformers' grouped_mm and eager in the same run (it is kept because it
 is faster there, CPU and CUDA); the numbers differ from theirs only by summation order inside the GEMMs.
 
@@ -70,12 +73,21 @@ def grouped_mm_gather_experts_forward(self: torch.nn.Module, hidden_states: torc
     else:
         counts = torch.bincount(flat, minlength=self.num_experts)
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    selected = _GatherRows.apply(hidden_states, order // k, inverse, k)  # [S, H], grouped by expert
+    token_of = order // k  # the token of each sorted pair
+    selected = _GatherRows.apply(hidden_states, token_of, inverse, k)  # [S, H], grouped by expert
     projected = _grouped_linear(selected, self.gate_up_proj, offsets)  # [S, 2I]
-    projected = _grouped_linear(self._apply_gate(projected), self.down_proj, offsets)  # [S, H]
     weights = _GatherRows.apply(top_k_weights.reshape(-1, 1), order, inverse, 1)  # [S, 1]
-    weighted = _GatherRows.apply(projected * weights, inverse, order, 1)  # back in (token, slot) order
-    return weighted.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
+    # the routing weight scales the expert's input to down_proj (I wide) rather than its output (H wide): the same
+    # product by linearity, a quarter of the elementwise work at Qwen3-Next's I = H / 4
+    projected = _grouped_linear(self._apply_gate(projected) * weights.to(projected.dtype), self.down_proj, offsets)
+    if projected.device.type == "cpu":
+        # each token's k rows summed into it in place (index_add: deterministic on the CPU, and its backward a
+        # gather), without the [S, H] un-permuted copy
+        return torch.zeros_like(hidden_states).index_add(0, token_of, projected.to(hidden_states.dtype))
+    # CUDA: index_add would accumulate by atomics (order-dependent, in the output's dtype); the un-permutation as a
+    # gather, then the sum over each token's k rows in float32 for bf16 (as transformers' grouped_mm)
+    weighted = _GatherRows.apply(projected, inverse, order, 1)  # back in (token, slot) order
+    return weighted.view(tokens, k, -1).sum(1, dtype=torch.float32).to(hidden_states.dtype)
 
 
 def register_grouped_mm_gather() -> None:

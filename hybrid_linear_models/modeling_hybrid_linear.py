@@ -135,6 +135,15 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         self.config.auto_map = dict(AUTO_MAP)
         super().save_pretrained(save_directory, *args, **kwargs)
 
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        # transformers skips a custom-code module that holds no parameter directly (all of none are "initialised"),
+        # which would skip a registered component whose parameters sit in its submodules (the sparse MoE block: its
+        # router and experts): such a component's init_weights runs all the same. transformers' `init` functions
+        # still leave tensors loaded from a checkpoint alone.
+        if any(spec.init_weights is not None and isinstance(module, spec.module_class) for spec in all_specs()):
+            is_custom_code = False
+        super()._initialize_weights(module, is_custom_code)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
