@@ -7,15 +7,22 @@ math with torch.nn.functional ops and the model's own weights.
 
 from __future__ import annotations
 
+import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
+from fast_llm_layout import VOCAB, heterogeneous_blocks, write_fast_llm_checkpoint
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 import hybrid_linear_models  # noqa: F401
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.component_registry import ConfigField
+from hybrid_linear_models.conversion import convert_checkpoint
 
 _TINY = dict(hidden_size=32, vocab_size=64, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, attention_output_gate=False, attention_qk_norm=False, zero_centered_norms=False,
@@ -132,3 +139,100 @@ def test_qkv_biases_without_output_bias_match_the_math(output_bias):
     # float32, the same products summed in another order (repeat_kv, softmax): measured 6e-8 on logits of ~1
     assert (logits - reference).abs().max().item() <= 1e-6
     assert logits.abs().max().item() > 0.1
+
+
+# ------------------------------------------------------------------------------------------------------ Fast-LLM
+
+def _qwen2_block(blocks: dict) -> dict:
+    """The fixture's attention block with biases as Fast-LLM's Qwen2 importer writes them
+    (fast_llm/models/gpt/conversion/qwen2.py: add_linear_biases false, q/k/v bias.enabled true, dense false)."""
+    block = copy.deepcopy(blocks["attn"])
+    block["mixer"].update(add_linear_biases=False, query_layer={"bias": {"enabled": True}},
+                          key_layer={"bias": {"enabled": True}}, value_layer={"bias": {"enabled": True}},
+                          dense_layer={"bias": {"enabled": False}})
+    return block
+
+
+def _fast_llm_reference(tensors: dict[str, torch.Tensor], block: dict, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a one-block Fast-LLM attention model from its own tensors and the math: key_value holds K rows then
+    V rows, rotary rotate-half over the whole head, query head i reads KV head i // (heads / head_groups), MLP
+    layer_1 = [gate | up], layer_2 stored transposed, plain RMSNorms (epsilon 1e-5)."""
+    mixer, eps = block["mixer"], 1e-5
+    heads, groups, d = mixer["heads"], mixer["head_groups"], mixer["head_size"]
+    p = {name.removeprefix("decoder.0."): tensor for name, tensor in tensors.items()}
+    B, T = input_ids.shape
+    x = p["embeddings.word_embeddings_weight"][input_ids]
+    h = _rms_norm(x, p["norm_1.weight"], eps)
+    q = F.linear(h, p["mixer.query.weight"], p.get("mixer.query.bias")).view(B, T, heads, d).transpose(1, 2)
+    k, v = F.linear(h, p["mixer.key_value.weight"], p.get("mixer.key_value.bias")).chunk(2, dim=-1)
+    k, v = (t.reshape(B, T, groups, d).transpose(1, 2).repeat_interleave(heads // groups, 1) for t in (k, v))
+    inv_freq = 1.0 / mixer["rotary"]["theta"] ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(T, dtype=torch.float32)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q, k = (t * cos + torch.cat([-t[..., d // 2:], t[..., :d // 2]], -1) * sin for t in (q, k))
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1),
+                                                                 float("-inf"))
+    o = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, heads * d)
+    x = x + F.linear(o, p["mixer.dense.weight"], p.get("mixer.dense.bias"))
+    gate, up = F.linear(_rms_norm(x, p["norm_2.weight"], eps), p["mlp.layer_1.weight"]).chunk(2, dim=-1)
+    x = x + (F.silu(gate) * up) @ p["mlp.layer_2.weight"]
+    return F.linear(_rms_norm(x, p["head.final_norm.weight"], eps), p["head.output_weights"])
+
+
+def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for file in folder.glob("*.safetensors") for k, v in load_file(file).items()}
+
+
+def test_a_qwen2_style_fast_llm_block_converts_and_gives_the_logits_of_the_math(tmp_path):
+    blocks = heterogeneous_blocks()
+    block = _qwen2_block(blocks)
+    tensors = write_fast_llm_checkpoint(tmp_path, {"qwen2": block}, ["qwen2"],
+                                        {"type": "fixed", "block": block, "num_blocks": 1})
+    assert "decoder.0.mixer.query.bias" in tensors and "decoder.0.mixer.dense.bias" not in tensors
+    convert_checkpoint(tmp_path / "fast_llm", tmp_path / "hf", from_format="fast_llm", to_format="hf")
+    model = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    assert model.config.attention_bias and not model.config.attention_output_bias
+    assert _biases(model, 0) == {"q_proj": True, "k_proj": True, "v_proj": True, "o_proj": False}
+    input_ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        reference = _fast_llm_reference(tensors, block, input_ids)
+    # float32, the same products summed in another order: measured 4.8e-7, the issue's bound 1e-4 (with the query
+    # bias dropped from the reference they differ by 4e-3, so each bias counts)
+    assert (logits - reference).abs().max().item() <= 1e-4
+    assert logits.abs().max().item() > 0.1
+
+
+_MIXED_PATTERN = ["qwen2", "attn", "gdn", "sliding", "qwen2"]  # Qwen2-style, no biases, GDN, all four biased
+
+
+def test_qwen2_style_blocks_round_trip_bit_exact_and_read_alike_from_distributed(tmp_path):
+    blocks = heterogeneous_blocks()
+    blocks = {"qwen2": _qwen2_block(blocks), "attn": blocks["attn"], "gdn": blocks["gdn"],
+              "sliding": blocks["sliding"]}
+    decoder = {"type": "pattern", "blocks": blocks, "pattern": _MIXED_PATTERN, "num_blocks": len(_MIXED_PATTERN)}
+    tensors = write_fast_llm_checkpoint(tmp_path / "src", blocks, _MIXED_PATTERN, decoder)
+    convert_checkpoint(tmp_path / "src" / "fast_llm", tmp_path / "hf", from_format="fast_llm", to_format="hf")
+    layers = HybridLinearConfig.from_pretrained(tmp_path / "hf").per_layer_config
+    assert [(layers[i].attention_bias, layers[i].attention_output_bias) for i in (0, 1, 3, 4)] == [
+        (True, False), (False, False), (True, True), (True, False)]
+    # distributed: the dense bias (no weight decay, not tensor-parallel) sorts with the norms; q/k/v's before them
+    convert_checkpoint(tmp_path / "src" / "distributed", tmp_path / "hf_d", from_format="fast_llm_distributed",
+                       to_format="hf")
+    first, from_distributed = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "hf_d")
+    assert first.keys() == from_distributed.keys() and all(torch.equal(first[k], from_distributed[k]) for k in first)
+    back = Path(convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf",
+                                   to_format="fast_llm").destination)
+    stored = {}
+    for file in back.glob("*.safetensors"):
+        with safe_open(file, "pt") as opened:
+            stored.update({key.removesuffix("/weights"): opened.get_tensor(key) for key in opened.keys()})
+    assert stored.keys() == tensors.keys() and all(torch.equal(stored[k], tensors[k]) for k in tensors)
+    written = yaml.safe_load((back / "metadata.yaml").read_text())["config"]["base_model"]["decoder"]
+    qwen2 = written["blocks"][written["pattern"][0]]["mixer"]
+    assert qwen2["add_linear_biases"] is False
+    assert [qwen2[f"{n}_layer"]["bias"]["enabled"] for n in ("query", "key", "value", "dense")] == [True] * 3 + [False]
+    assert "dense_layer" not in written["blocks"][written["pattern"][3]]["mixer"]  # agreeing: add_linear_biases only
+    again = convert_checkpoint(back, tmp_path / "again", from_format="fast_llm", to_format="hf").destination
+    second = _hf_tensors(Path(again))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
