@@ -8,6 +8,7 @@ math with torch.nn.functional ops and the model's own weights.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
@@ -236,3 +237,54 @@ def test_qwen2_style_blocks_round_trip_bit_exact_and_read_alike_from_distributed
     again = convert_checkpoint(back, tmp_path / "again", from_format="fast_llm", to_format="hf").destination
     second = _hf_tensors(Path(again))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+# --------------------------------------------------------------------------------------- the other formats
+
+_PLAIN_ATTENTION = dict(zero_centered_norms=False, attention_output_gate=False, attention_qk_norm=False,
+                        rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
+
+
+def test_apriel2_writes_and_reads_per_layer_attention_biases_bit_exact(tmp_path):
+    """Apriel2 builds each projection's bias from its own bias.enabled (modeling_apriel2.py, Apriel2Attention):
+    Qwen2-style layers are written as Fast-LLM exports them and read back with the same tensors."""
+    from model_helpers import tiny_model
+
+    model = tiny_model(["full_attention", "gated_deltanet", "sliding_attention", "full_attention"], **_PLAIN_ATTENTION,
+                       attention_bias=True, attention_output_bias=False,
+                       per_layer_config={2: {"attention_output_bias": True}, 3: {"attention_bias": False}})
+    model.save_pretrained(tmp_path / "ours")
+    written = Path(convert_checkpoint(tmp_path / "ours", tmp_path / "apriel2", from_format="hf",
+                                      to_format="apriel2").destination)
+    config = json.loads((written / "config.json").read_text())
+    mixers = [config["decoder"]["blocks"][name]["mixer"] for name in config["decoder"]["pattern"]]
+    assert mixers[0]["add_linear_biases"] is False and mixers[0]["dense_layer"] == {"bias": {"enabled": False}}
+    assert [mixers[0][f"{n}_layer"]["bias"]["enabled"] for n in ("query", "key", "value")] == [True] * 3
+    assert mixers[2]["add_linear_biases"] is True and "dense_layer" not in mixers[2]
+    assert mixers[3]["add_linear_biases"] is False and "query_layer" not in mixers[3]
+    stored = _hf_tensors(written)
+    assert "model.decoder.blocks.0.mixer.q_proj.bias" in stored
+    assert "model.decoder.blocks.0.mixer.o_proj.bias" not in stored
+    assert "model.decoder.blocks.2.mixer.o_proj.bias" in stored
+    assert "model.decoder.blocks.3.mixer.q_proj.bias" not in stored
+    back = convert_checkpoint(written, tmp_path / "back", from_format="apriel2", to_format="hf").destination
+    first, second = _hf_tensors(tmp_path / "ours"), _hf_tensors(Path(back))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    layers = HybridLinearConfig.from_pretrained(back).per_layer_config
+    assert [(layers[i].attention_bias, layers[i].attention_output_bias) for i in (0, 2, 3)] == [
+        (True, False), (True, True), (False, False)]
+
+
+def test_qwen3_next_refuses_an_output_bias_unlike_attention_bias():
+    """Qwen3-Next's attention_bias switches all four projections (Qwen3NextAttention); q/k/v biases alone do not fit."""
+    from hybrid_linear_models.conversion.errors import ConversionError
+    from hybrid_linear_models.conversion.qwen3_next.config import check_fits_qwen3_next
+    from model_helpers import tiny_config
+
+    check_fits_qwen3_next(tiny_config(["gated_deltanet", "full_attention"], attention_bias=True))  # all four: fits
+    with pytest.raises(ConversionError) as caught:
+        check_fits_qwen3_next(tiny_config(["gated_deltanet", "full_attention"], attention_bias=True,
+                                          attention_output_bias=False))
+    assert "attention_output_bias is False and attention_bias True" in str(caught.value)
+    assert "\n" not in str(caught.value)
