@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,31 @@ def test_qwen3_next_refuses_an_output_bias_unlike_attention_bias():
                                           attention_output_bias=False))
     assert "attention_output_bias is False and attention_bias True" in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("explicit, outcome", [
+    # every projection's bias.enabled given: add_linear_biases (which Fast-LLM's exporter omits when true) is moot
+    ({"query": True, "key": True, "value": True, "dense": False}, (True, False)),
+    # the dense layer left to the missing add_linear_biases: ambiguous, refused naming the field
+    ({"query": True, "key": True, "value": True}, "decoder.block.mixer.add_linear_biases"),
+    # q unlike k/v: refused naming the block and the layers
+    ({"query": False, "key": True, "value": True, "dense": True},
+     "decoder.block.mixer mixes linear layers with and without biases (query_layer: no bias, key_layer: bias"),
+])
+def test_apriel2_reads_each_projections_bias(explicit, outcome):
+    from test_convert_apriel2 import BLOCKS, FLAT, apriel2_config
+
+    from hybrid_linear_models.conversion.apriel2.config import apriel2_to_hybrid_config
+    from hybrid_linear_models.conversion.errors import ConversionError
+
+    block = copy.deepcopy(BLOCKS["attn"])
+    del block["mixer"]["add_linear_biases"]
+    block["mixer"].update({f"{name}_layer": {"bias": {"enabled": on}} for name, on in explicit.items()})
+    decoder = {"type": "fixed", "block": block, "num_blocks": 1}
+    data = apriel2_config(decoder, FLAT["vocab_size"], FLAT["hidden_size"])
+    if isinstance(outcome, str):
+        with pytest.raises(ConversionError, match=re.escape(outcome)):
+            apriel2_to_hybrid_config(data)
+    else:
+        config = apriel2_to_hybrid_config(data).config
+        assert (config.attention_bias, config.attention_output_bias) == outcome
