@@ -39,6 +39,11 @@ class ConfigField:
     default: Any  # an immutable value (None, bool, int, float, str); None is resolved by the config
     doc: str  # one line for the config's docstring
     default_from: str | None = None  # when the value is None: the value of this other (flat) field, e.g. rms_norm_eps
+    # With default_from, while this field is left unset: a layer whose per_layer_config sets the default_from field
+    # but not this one takes that value too (attention_output_bias follows a layer's attention_bias, as when one
+    # switch covered all four projections). False: a layer's override of the other field does not carry over
+    # (gdn_norm_eps follows the flat rms_norm_eps, not a layer's block-norm epsilon).
+    per_layer_default_from: bool = False
 
     @property
     def annotation(self) -> str:
@@ -56,6 +61,8 @@ class ConfigField:
             problems.append("its doc must be one non-empty line")
         if self.default_from is not None and self.default is not None:
             problems.append("a field with default_from must default to None (resolved from that field)")
+        if self.per_layer_default_from and self.default_from is None:
+            problems.append("per_layer_default_from needs default_from (the field whose layer overrides it follows)")
         return [f"field {name!r}: {problem}" for problem in problems]
 
 

@@ -49,6 +49,9 @@ global ones, the messages naming the layer: "per_layer_config[3].num_key_value_h
 `rope_parameters` replaces the global dict; its missing rope_type, rope_theta and partial_rotary_factor are filled
 from the global one at construction (so config.json shows every layer's full rotary settings). The final norm uses
 the flat `rms_norm_eps`; GDN/KDA norm epsilons default to the flat `rms_norm_eps`, not to a layer's override of it.
+A field declared with `per_layer_default_from` and left unset follows its source in each layer too:
+`attention_output_bias` is a layer's own `attention_bias` unless given (a config written before the field existed,
+where `attention_bias` switched all four projections, keeps its meaning layer by layer).
 """
 
 from __future__ import annotations
@@ -209,6 +212,19 @@ def _completed_rope(config: PreTrainedConfig, rope: Any) -> Any:
     if rope["rope_type"] in ("llama3", "yarn", "longrope"):
         rope.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     return rope
+
+
+def _followed_defaults(fields: dict[str, Any], unset: frozenset[str], readable: tuple[str, ...]) -> dict[str, Any]:
+    """A layer's overrides plus, for each unset field it reads (`readable`) declared `per_layer_default_from` whose
+    source the layer overrides (and not the field), the source's value: attention_output_bias follows the layer's
+    attention_bias."""
+    followed = {}
+    for name in unset:
+        declared = declared_fields().get(name)
+        if (declared and declared.per_layer_default_from and name in readable and declared.default_from in fields
+                and name not in fields):
+            followed[name] = fields[declared.default_from]
+    return {**fields, **followed}
 
 
 def _window_fields(layer_type: str) -> tuple[str, ...]:
@@ -478,20 +494,21 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
 
     def __post_init__(self, **kwargs):
         per_layer = kwargs.pop("per_layer_config", None)
-        self._resolve_defaults(kwargs)
+        unset = self._resolve_defaults(kwargs)
         windows = _windowed_layers(per_layer)
         self.validate(windowed_layers=windows)  # before the base class, which rewrites some legacy layer-type names
         super().__post_init__(**kwargs)
         self.validate(windowed_layers=windows)  # again: the base class standardises rope_parameters
         if per_layer is not None:
             # checked before transformers applies it: it drops overrides equal to the default (1 == True included)
-            overrides = self._per_layer_overrides(per_layer)
+            overrides = self._per_layer_overrides(per_layer, unset)
             if overrides:
                 self.per_layer_config = overrides
                 self.validate()
 
-    def _resolve_defaults(self, kwargs: dict) -> None:
-        """Fills the fields whose defaults follow from others; leaves malformed values for validate() to name."""
+    def _resolve_defaults(self, kwargs: dict) -> frozenset[str]:
+        """Fills the fields whose defaults follow from others; leaves malformed values for validate() to name.
+        Returns the fields it filled from another (`default_from`), which were left unset."""
         if self.layer_types is None and _is_int(self.num_hidden_layers, allow_none=True):
             count = self.num_hidden_layers or len(_DEFAULT_LAYER_TYPES)
             if count <= MAX_LAYERS:  # never build a list for a hostile layer count
@@ -510,13 +527,16 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
             self.rope_parameters.setdefault("rope_type", "default")
             self.rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", 10_000.0))
             self.rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor", 1.0))
+        unset = set()
         for name, declared in declared_fields().items():  # defaults that follow another field (gdn_norm_eps)
             if declared.default_from is not None and getattr(self, name) is None:
                 setattr(self, name, getattr(self, declared.default_from))
+                unset.add(name)
         if self.mlp_types is None and isinstance(self.layer_types, list):
             self.mlp_types = [DEFAULT_MLP_TYPE] * len(self.layer_types)
         if isinstance(self.mlp_types, tuple):
             self.mlp_types = list(self.mlp_types)
+        return frozenset(unset)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -528,10 +548,11 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
 
     # ------------------------------------------------------------------------------------------- per-layer settings
 
-    def _per_layer_overrides(self, per_layer: Any) -> dict[int, dict[str, Any]]:
+    def _per_layer_overrides(self, per_layer: Any, unset: frozenset[str] = frozenset()) -> dict[int, dict[str, Any]]:
         """per_layer_config as {layer index: {field: value}}, rope dicts completed, or one ValueError naming every
         bad layer and field (an index out of range, a field that cannot vary or that the layer's mixer does not read,
-        a bad value)."""
+        a bad value). `unset`: the fields left unset that follow another; those declared `per_layer_default_from`
+        take a layer's override of their source (once it is validated)."""
         if not isinstance(per_layer, dict):
             raise ValueError(f"Invalid HybridLinearConfig: per_layer_config must be a dict {{layer index: {{field: "
                              f"value}}}}, got {brief(per_layer)}.")
@@ -559,6 +580,8 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
                     break
         if problems:
             raise ValueError("Invalid HybridLinearConfig: " + "; ".join(problems[:_MAX_LAYER_PROBLEMS]) + ".")
+        overrides = {index: _followed_defaults(fields, unset, self._layer_fields(index))
+                     for index, fields in overrides.items()}
         # only what differs from the defaults (as transformers keeps it), and no layer without overrides: a config
         # whose overrides all equal the defaults is homogeneous, and saves as such
         defaults = _Settings(self)
@@ -566,9 +589,14 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
                      for index, fields in overrides.items()}
         return {index: fields for index, fields in overrides.items() if fields}
 
+    def _layer_fields(self, index: int) -> tuple[str, ...]:
+        """The fields layer `index` reads (its mixer's, its MLP's, its block norms'): those it may override."""
+        layer_type, mlp_type = self.layer_types[index], self.mlp_types[index]
+        return tuple(dict.fromkeys((*MIXERS[layer_type].fields, *MLPS[mlp_type].fields, *BLOCK_FIELDS)))
+
     def _override_name_problems(self, index: int, fields: dict) -> list[str]:
         layer_type, mlp_type = self.layer_types[index], self.mlp_types[index]
-        own = tuple(dict.fromkeys((*MIXERS[layer_type].fields, *MLPS[mlp_type].fields, *BLOCK_FIELDS)))
+        own = self._layer_fields(index)
         mixer_fields = {name for spec in MIXERS.values() for name in spec.fields}
         mlp_fields = {name for spec in MLPS.values() for name in spec.fields}
         problems = []

@@ -1,6 +1,12 @@
 """Softmax attention mixer: GQA, optional per-head q/k RMSNorm, partial rotary embedding, optional sigmoid output
 gate (Qwen3-Next's gated attention), optional sliding window, through transformers' attention interface.
 
+Biases: `attention_bias` on the q, k and v projections, `attention_output_bias` on o_proj (unset: the same as
+attention_bias, the single switch of Llama and Qwen3-Next; Qwen2, Fast-LLM's Qwen2 import and fla's attention have
+q/k/v biases and none on the output). With gate g and query heads i over keys j of head group i // (H / H_kv):
+    q = x Wq + bq,  k = x Wk + bk,  v = x Wv + bv   (per head, then q/k norm and rotary)
+    o_i = softmax_j(q_i k_j^T / sqrt(d) + mask) v_j,  y = (o * sigmoid(g)) Wo + bo.
+
 Sliding-window attention in linear memory: for eager and sdpa, transformers expresses the window as a 4-D
 [batch, 1, queries, keys] mask, T x T elements for a prefill of T tokens (5.5 GB at T=32768), though each query sees
 at most `window` keys. The model hands such layers a `SlidingWindowMask` instead (a description of the mask, O(T)),
@@ -153,7 +159,7 @@ class HybridLinearAttention(nn.Module):
         self.q_proj = nn.Linear(H, q_out, bias=bias)
         self.k_proj = nn.Linear(H, kv_width, bias=bias)
         self.v_proj = nn.Linear(H, kv_width, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=settings.attention_output_bias)
         if settings.attention_qk_norm:
             self.q_norm = HybridLinearRMSNorm(self.head_dim, settings.rms_norm_eps, settings.zero_centered_norms)
             self.k_norm = HybridLinearRMSNorm(self.head_dim, settings.rms_norm_eps, settings.zero_centered_norms)
@@ -251,7 +257,13 @@ _FIELDS = {  # read by full and sliding attention alike: one declaration, shared
                                        "attention output is multiplied by sigmoid(gate)."),
     "attention_qk_norm": ConfigField(kind="bool", default=True,
                                      doc="per-head RMSNorm of queries and keys before the rotary embedding."),
-    "attention_bias": ConfigField(kind="bool", default=False, doc="biases in the attention projections."),
+    "attention_bias": ConfigField(
+        kind="bool", default=False,
+        doc="biases in the q, k and v projections (and in o_proj unless attention_output_bias says otherwise)."),
+    "attention_output_bias": ConfigField(
+        kind="bool", default=None, default_from="attention_bias", per_layer_default_from=True,
+        doc="a bias in the output projection o_proj; unset: as attention_bias, also per layer (Llama, Qwen3-Next: "
+            "all four; Qwen2 and fla: attention_bias=True, attention_output_bias=False)."),
 }
 _SLIDING_FIELDS = {**_FIELDS, "sliding_window": ConfigField(
     kind="window", default=None, doc="tokens each query of a 'sliding_attention' layer sees (itself included).")}

@@ -52,14 +52,18 @@ def _block_parameters(block: dict) -> list[tuple[str, tuple[int, ...], bool, boo
     params = [("norm_1.weight", (h,), False, False), ("norm_2.weight", (h,), False, False)]
     if mixer["type"] == "attention":
         q, kv = mixer["heads"] * mixer["head_size"], 2 * mixer["head_groups"] * mixer["head_size"]
-        bias = mixer.get("add_linear_biases", True)
         mqa_split = mixer["head_groups"] > 1
-        params += [("mixer.query.weight", (q, h), True, True)] + ([("mixer.query.bias", (q,), False, True)] if bias
-                                                                   else [])
+        # each layer's bias.enabled, else add_linear_biases (default true); key_value follows key_layer's config
+        # (fast_llm/layers/attention/attention.py)
+        bias = {name: mixer.get(f"{name}_layer", {}).get("bias", {}).get("enabled") for name in ("query", "key",
+                                                                                                   "dense")}
+        bias = {name: mixer.get("add_linear_biases", True) if on is None else on for name, on in bias.items()}
+        params += [("mixer.query.weight", (q, h), True, True)] + (
+            [("mixer.query.bias", (q,), False, True)] if bias["query"] else [])
         params += [("mixer.key_value.weight", (kv, h), True, mqa_split)] + (
-            [("mixer.key_value.bias", (kv,), False, mqa_split)] if bias else [])
-        params += [("mixer.dense.weight", (h, q), True, True)] + ([("mixer.dense.bias", (h,), False, False)] if bias
-                                                                   else [])
+            [("mixer.key_value.bias", (kv,), False, mqa_split)] if bias["key"] else [])
+        params += [("mixer.dense.weight", (h, q), True, True)] + (
+            [("mixer.dense.bias", (h,), False, False)] if bias["dense"] else [])
     elif mixer["type"] == "gdn":
         hk, hv, dk, dv = mixer["key_heads"], mixer["value_heads"], mixer["key_head_dim"], mixer["value_head_dim"]
         k = mixer.get("convolution_layer", {}).get("kernel_size", 4)

@@ -194,9 +194,11 @@ def _edit_block(block: str, path: tuple[str, ...], value):
 
 
 @pytest.mark.parametrize("block, path, value, fragments", [
-    # Biases and per-block settings convert since issue 14; what is refused is a mix our one switch cannot express.
-    ("attn", ("mixer", "dense_layer", "bias", "enabled"), True,
-     ("blocks.attn.mixer mixes linear layers with and without biases", "dense_layer: bias", "attention_bias")),
+    # Biases and per-block settings convert since issue 14 (the dense layer's bias on its own since
+    # attention_output_bias); what is refused is a mix our switches cannot express: q apart from k/v.
+    ("attn", ("mixer", "query_layer", "bias", "enabled"), True,
+     ("blocks.attn.mixer gives its query, key and value layers different biases", "query_layer: bias",
+      "attention_bias")),
     ("gdn", ("mixer", "output_layer", "bias", "enabled"), True, ("blocks.gdn.mixer.output_layer has a bias",)),
     ("gdn", ("mlp", "gated"), False, ("blocks.gdn.mlp.gated", "non-gated")),
     ("kda", ("mlp", "activation"), "identity", ("blocks.kda.mlp.activation", "'identity'")),

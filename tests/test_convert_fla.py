@@ -88,6 +88,9 @@ def fla_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             kv = spec["num_kv_heads"] * hd
             shapes.update({p + "attn.q_proj.weight": (H, H), p + "attn.k_proj.weight": (kv, H),
                            p + "attn.v_proj.weight": (kv, H), p + "attn.o_proj.weight": (H, H)})
+            if spec["qkv_bias"]:  # fla's Attention: q/k/v biases with qkv_bias, never one on o_proj
+                shapes.update({p + "attn.q_proj.bias": (H,), p + "attn.k_proj.bias": (kv,),
+                               p + "attn.v_proj.bias": (kv,)})
         elif config["model_type"] == "gated_deltanet":
             shapes.update({
                 p + "attn.q_proj.weight": (key_dim, H), p + "attn.k_proj.weight": (key_dim, H),
@@ -217,9 +220,8 @@ def _attention(x, w, spec, hidden_size):
     heads, kv_heads = spec["num_heads"], spec["num_kv_heads"]
     hd = hidden_size // heads
     T = x.shape[0]
-    q = (x @ w["q_proj.weight"].t()).view(T, heads, hd)
-    k = (x @ w["k_proj.weight"].t()).view(T, kv_heads, hd)
-    v = (x @ w["v_proj.weight"].t()).view(T, kv_heads, hd)
+    q, k, v = (F.linear(x, w[f"{n}_proj.weight"], w.get(f"{n}_proj.bias")) for n in "qkv")  # biases: qkv_bias
+    q, k, v = q.view(T, heads, hd), k.view(T, kv_heads, hd), v.view(T, kv_heads, hd)
     # fla's RotaryEmbedding: inv_freq, positions and their product in float32 (as transformers' rotary embeddings do),
     # cos and sin of those float32 angles
     inv_freq = 1.0 / (spec["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
@@ -274,6 +276,9 @@ GDN_CASES = {
     "gdn_tied_sigmoid": dict(TINY, num_hidden_layers=2, num_heads=2, head_dim=8, output_gate_activation="sigmoid",
                              elementwise_affine=True,
                              tie_word_embeddings=True, intermediate_size=None, hidden_ratio=2, conv_size=3),
+    # q/k/v biases (qkv_bias) on the attention layer 0 only, none on layer 2's
+    "gdn_qkv_bias": dict(TINY, num_hidden_layers=3, num_heads=2, head_dim=8,
+                         attn=[{"layers": [0], "num_heads": 2, "qkv_bias": True}, {"layers": [2], "num_heads": 4}]),
     # 4 value heads per key head, one attention layer at 0
     "gdn_ratio4": dict(TINY, num_hidden_layers=3, num_heads=1, num_v_heads=4, head_dim=8, expand_v=0.5,
                        attn={"layers": [0], "num_heads": 2}),
@@ -367,7 +372,6 @@ UNSUPPORTED = [
     ("gated_deltanet", dict(hidden_act="powlu"), "hidden_act = 'powlu'"),
     ("gated_deltanet", dict(num_heads=2, num_v_heads=3), "num_v_heads = 3 is not a multiple of num_heads = 2"),
     ("gated_deltanet", dict(expand_v=0.3), "head_dim * expand_v = 8 * 0.3"),
-    ("gated_deltanet", dict(attn={"layers": [0], "num_heads": 2, "qkv_bias": True}), "attn.qkv_bias = True"),
     ("gated_deltanet", dict(attn={"layers": [0], "num_heads": 2, "qk_norm": True}), "attn.qk_norm = True"),
     ("gated_deltanet", dict(attn={"layers": [0], "num_heads": 3}), "attn.num_heads = 3 does not divide"),
     ("gated_deltanet", dict(attn={"layers": [5], "num_heads": 2}), "outside [0, num_hidden_layers=3)"),
@@ -460,7 +464,7 @@ def test_kda_gate_bias_does_not_go_to_fast_llm(tmp_path):
 # ------------------------------------------------------------------------------------------------ --to fla
 
 
-@pytest.mark.parametrize("case", ["gdn_attn_gva_expand", "gdn_tied_sigmoid", "kda_attn"])
+@pytest.mark.parametrize("case", ["gdn_attn_gva_expand", "gdn_tied_sigmoid", "kda_attn", "gdn_qkv_bias"])
 def test_round_trip_fla_hf_fla_is_bit_identical(tmp_path, case):
     """fla -> hf -> fla gives fla's tensors back byte for byte, under fla's names, and a config.json that reads as the
     same model; the written folder holds what fla's save_pretrained writes (config.json, safetensors)."""
@@ -491,6 +495,11 @@ def test_models_fla_cannot_express_are_refused_naming_the_first_misfit(tmp_path)
          "layer 1 (full_attention): rope_parameters="),
         (dict(layer_types=["gated_deltanet", "gated_deltanet"], zero_centered_norms=False,
               per_layer_config={1: {"gdn_num_value_heads": 2}}), "layer 1 (gated_deltanet): gdn_num_value_heads=2"),
+        # attention_bias alone (q/k/v) is fla's qkv_bias; an o_proj bias (attention_output_bias follows it) is not
+        (dict(layer_types=["gated_deltanet", "full_attention"], zero_centered_norms=False, attention_output_gate=False,
+              attention_qk_norm=False, num_attention_heads=4, head_dim=16, attention_bias=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}),
+         "layer 1 (full_attention): attention_output_gate, attention_qk_norm and attention_output_bias must be False"),
         (dict(layer_types=["gated_deltanet", "gated_deltanet"], zero_centered_norms=False,
               mlp_types=["dense", "sparse_moe"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
          "layer 1 (gated_deltanet): mlp_types[1]='sparse_moe'"),

@@ -17,7 +17,9 @@ setting the math needs, this reader uses the default Apriel2's modeling code ass
 - Short convolutions: kernel size written; the activation is silu (GDN reads `convolution_layer.activation`, KDA
   hard-codes silu); no bias.
 - Attention: causal, softmax scale 1/sqrt(head_size) (Apriel2 ignores `softmax_scale_power`; only 0.5 is accepted),
-  Llama-style rotary (`mistral_1d`) over the whole head. `head_groups` defaults to `heads`.
+  Llama-style rotary (`mistral_1d`) over the whole head. `head_groups` defaults to `heads`. Biases per projection
+  (`{query,key,value,dense}_layer.bias.enabled`, else `add_linear_biases`): q, k and v must agree (our
+  `attention_bias`), the dense layer's is `attention_output_bias`; q/k/v that differ are refused, naming the block.
 - Block norms: Apriel2 builds every block's RMSNorm with the HEAD's epsilon (`head.normalization.epsilon`) and
   ignores the block's own `normalization.epsilon`; Fast-LLM uses the block's. A block epsilon that differs from the
   head's is refused (the two models disagree), so the converted model matches both.
@@ -92,23 +94,29 @@ class _Fields(Fields):
         return ConversionError(f"{CONFIG_FILE}: {self.where(key)} = {brief(value)} is not supported ({meaning}).")
 
 
-def _bias_switch(module: _Fields, names: tuple[str, ...], default: bool | None, what: str) -> bool:
-    """Whether the linear layers `names` of `module` have biases (`{name}.bias.enabled`, else `add_linear_biases`,
-    else `default`; None: the field must be given). Our model has one switch for them, so they must agree."""
-    if default is None and not module.has("add_linear_biases"):
+def _linear_biases(module: _Fields, names: tuple[str, ...], default: bool | None) -> dict[str, bool]:
+    """Whether each linear layer `names` of `module` has a bias: `{name}.bias.enabled`, else `add_linear_biases`,
+    else `default` (None: `add_linear_biases` must be given when a layer leaves its bias to it)."""
+    explicit = {}
+    for name in names:
+        layer = module.sub(name)
+        bias = layer.sub("bias")
+        explicit[name] = bias.boolean("enabled", None)
+        bias.finish()
+        layer.finish()
+    if default is None and None in explicit.values() and not module.has("add_linear_biases"):
         raise ConversionError(
             f"{CONFIG_FILE} does not give {module.where('add_linear_biases')}: Fast-LLM's exporter leaves it out when "
             "the attention HAS biases, while Apriel2's modeling code reads a missing value as no biases, so the file "
             "is ambiguous; add add_linear_biases: true or false as the model was trained.")
     shared = module.boolean("add_linear_biases", default)
-    enabled = {}
-    for name in names:
-        layer = module.sub(name)
-        bias = layer.sub("bias")
-        explicit = bias.boolean("enabled", None)
-        bias.finish()
-        layer.finish()
-        enabled[name] = shared if explicit is None else explicit
+    return {name: shared if value is None else value for name, value in explicit.items()}
+
+
+def _bias_switch(module: _Fields, names: tuple[str, ...], default: bool | None, what: str) -> bool:
+    """Whether the linear layers `names` of `module` have biases (`_linear_biases`). Our model has one switch for
+    them, so they must agree."""
+    enabled = _linear_biases(module, names, default)
     if len(set(enabled.values())) > 1:
         listing = ", ".join(f"{name}: {'bias' if on else 'no bias'}" for name, on in enabled.items())
         raise ConversionError(f"{CONFIG_FILE}: {module.path} mixes linear layers with and without biases ({listing}); "
@@ -147,8 +155,12 @@ def _attention(mixer: _Fields) -> dict[str, Any]:
         "num_key_value_heads": mixer.size("head_groups", heads),
         "head_dim": mixer.size("head_size"),
         "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0},
-        "attention_bias": _bias_switch(mixer, ("query_layer", "key_layer", "value_layer", "dense_layer"), None,
-                                   "attention projections (attention_bias)"),
+        # Apriel2 gives each projection its own bias (modeling_apriel2.py, Apriel2Attention); ours switches q, k and
+        # v together (attention_bias) and o_proj alone (attention_output_bias)
+        "attention_bias": _bias_switch(mixer, ("query_layer", "key_layer", "value_layer"), None,
+                                       "query, key and value projections (attention_bias; the dense layer has its "
+                                       "own, attention_output_bias)"),
+        "attention_output_bias": _linear_biases(mixer, ("dense_layer",), None)["dense_layer"],
     }
     window = mixer.integer("window_size", None, minimum=1)
     layer_type = "full_attention"
@@ -383,7 +395,7 @@ def apriel2_to_hybrid_config(data: Any, census: TensorCensus | None = None) -> A
         "use_cache": top.boolean("use_cache", True),
         **{key: _token_id(top, key) for key in _TOKEN_DEFAULTS},
     }
-    for field, value in (("sliding_window", None), ("attention_bias", False)):
+    for field, value in (("sliding_window", None), ("attention_bias", False), ("attention_output_bias", False)):
         kwargs.setdefault(field, value)
     kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10_000.0,
                                           "partial_rotary_factor": 1.0})

@@ -4,7 +4,8 @@ One named block per distinct layer setting, named as the fast_llm writer names t
 `sliding_attention`, `gdn`, `kda`, then `_2`, `_3`, ...), a `pattern` decoder over them. Only what Apriel2's
 modeling code reads is written, so a model Fast-LLM exports and one exported here describe the same math in the same
 fields: rotary `mistral_1d`; GDN's `norm_eps` only when it is not Apriel2's default 1e-5 (Fast-LLM never writes it);
-KDA's `normalization.activation` only when not silu.
+KDA's `normalization.activation` only when not silu; attention biases as `add_linear_biases`, plus each layer's
+`bias.enabled` when q/k/v and the output projection differ (Apriel2 reads both).
 
 Refused, listing every problem: what Apriel2 cannot express (Qwen3-Next's gated attention and q/k norms, zero-centred
 norms, partial or non-default rotary, MLP biases, activations outside Fast-LLM's table, a GDN gate other than silu)
@@ -78,9 +79,13 @@ def unsupported_for_apriel2(config: HybridLinearConfig) -> list[str]:
 
 def _mixer(layer: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
     if layer_type in _ATTENTION:
+        qkv_bias, output_bias = bool(layer.attention_bias), bool(layer.attention_output_bias)
         mixer = {"type": "attention", "heads": layer.num_attention_heads, "head_groups": layer.num_key_value_heads,
-                 "head_size": layer.head_dim, "add_linear_biases": bool(layer.attention_bias),
+                 "head_size": layer.head_dim, "add_linear_biases": qkv_bias and output_bias,
                  "rotary": {"type": "mistral_1d", "theta": float(layer.rope_parameters["rope_theta"])}}
+        if qkv_bias != output_bias:  # each layer's bias.enabled, as Fast-LLM exports a Qwen2-style attention
+            mixer.update({f"{name}_layer": {"bias": {"enabled": qkv_bias}} for name in ("query", "key", "value")})
+            mixer["dense_layer"] = {"bias": {"enabled": output_bias}}
         if layer_type == "sliding_attention":
             mixer["window_size"] = layer.sliding_window
         return mixer

@@ -22,13 +22,14 @@ def _same(name: str, canonical: str, when=None) -> Entry:
     return Entry(name, IDENTITY, canonical, when)
 
 
-_ATTENTION_BIAS = lambda config: bool(config.attention_bias)  # noqa: E731
+_ATTENTION_BIAS = lambda config: bool(config.attention_bias)  # noqa: E731  (q, k, v)
+_OUTPUT_BIAS = lambda config: bool(config.attention_output_bias)  # noqa: E731  (o)
 
 # Names relative to the mixer's prefix (format side) and to the layer's prefix (canonical side).
 ATTENTION = tuple(
     entry for n in ("q", "k", "v", "o") for entry in (
         _same(f"{n}_proj.weight", f"self_attn.{n}_proj.weight"),
-        _same(f"{n}_proj.bias", f"self_attn.{n}_proj.bias", _ATTENTION_BIAS),
+        _same(f"{n}_proj.bias", f"self_attn.{n}_proj.bias", _OUTPUT_BIAS if n == "o" else _ATTENTION_BIAS),
     )
 )
 

@@ -86,10 +86,9 @@ def linear_layers_without_bias(mixer: MetadataFields, names: tuple[str, ...]) ->
         check_no_bias(mixer.sub(name))
 
 
-def shared_bias(module: MetadataFields, names: tuple[str, ...], field: str) -> bool:
-    """Whether the linear layers `names` of `module` have biases (each layer's `bias.enabled`, else the module's
-    `add_linear_biases`, which Fast-LLM defaults to true). Our model has one switch (`field`) for all of them, so they
-    must agree."""
+def linear_biases(module: MetadataFields, names: tuple[str, ...]) -> dict[str, bool]:
+    """Whether each of the linear layers `names` of `module` has a bias: its `bias.enabled`, else the module's
+    `add_linear_biases`, which Fast-LLM defaults to true (OptionalParameterConfig.get_parameter)."""
     default = module.boolean("add_linear_biases", True)
     enabled = {}
     for name in names:
@@ -100,6 +99,13 @@ def shared_bias(module: MetadataFields, names: tuple[str, ...], field: str) -> b
         layer.sub("weight").finish()
         layer.finish()
         enabled[name] = default if explicit is None else explicit
+    return enabled
+
+
+def shared_bias(module: MetadataFields, names: tuple[str, ...], field: str) -> bool:
+    """Whether the linear layers `names` of `module` have biases (`linear_biases`). Our model has one switch
+    (`field`) for all of them, so they must agree."""
+    enabled = linear_biases(module, names)
     if len(set(enabled.values())) > 1:
         listing = ", ".join(f"{name}: {'bias' if on else 'no bias'}" for name, on in enabled.items())
         raise ConversionError(f"metadata.yaml: {module.path} mixes linear layers with and without biases ({listing}); "
@@ -137,4 +143,5 @@ def gated_norm_config(eps: float, activation: str) -> dict[str, Any]:
 
 
 __all__ = ["METADATA", "DEFAULT_NORM_EPS", "DEFAULT_CONV_KERNEL", "TRAINING_ONLY", "MetadataFields", "check_no_bias",
-           "linear_layers_without_bias", "shared_bias", "convolution", "gated_norm", "gated_norm_config"]
+           "linear_layers_without_bias", "linear_biases", "shared_bias", "convolution", "gated_norm",
+           "gated_norm_config"]

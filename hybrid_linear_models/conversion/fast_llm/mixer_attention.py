@@ -6,6 +6,14 @@ rotate_half over the whole head), an optional `window_size` (a sliding window), 
 and dense layers (each layer's `bias.enabled`, else the mixer's `add_linear_biases`, default true). Keys and values
 share one stored projection, `key_value` (K rows then V rows). Our attention can also gate its output and normalise
 q/k per head (Qwen3-Next) and rotate part of the head: Fast-LLM's cannot, so such layers are refused when writing.
+
+Biases: Fast-LLM builds `key_value` from `key_layer`'s config (its `value_layer` is declared but unused), so q, k and
+v can differ only as query vs key/value; ours has one switch for the three (`attention_bias`) and one for the dense
+layer (`attention_output_bias`). A block whose query_layer, key_layer and value_layer disagree is refused, naming
+them: no known model family (Llama, Mistral, Qwen2, Apriel) has such biases. The writer gives `add_linear_biases`
+alone when the two switches agree, else `add_linear_biases: false` and each layer's `bias.enabled`, as Fast-LLM's
+Qwen2 importer does (q/k/v true, dense false). The dense bias is not tensor-parallel (its output is the hidden size),
+so in the `distributed` buffer it sorts with the norms, whether or not the q/k/v biases exist.
 """
 
 from __future__ import annotations
@@ -16,13 +24,28 @@ from ...configuration_hybrid_linear import HybridLinearConfig
 from ..converters import IDENTITY, SPLIT_HALVES
 from ..errors import ConversionError
 from ..untrusted import brief
-from .metadata_fields import MetadataFields, shared_bias
+from .metadata_fields import MetadataFields, linear_biases
 from .mixers import FastLlmMixer, register
 from .parameter_spec import ALWAYS, NEVER, Parameter, Rule, bias, same
 
 DEFAULT_ROPE_THETA = 10_000.0
 _DEFAULTS = {"heads": 8, "head_groups": 1, "head_size": 128}  # Fast-LLM's AttentionConfig defaults
-_LINEAR_LAYERS = ("query_layer", "key_layer", "value_layer", "dense_layer")
+_QKV_LAYERS = ("query_layer", "key_layer", "value_layer")  # our attention_bias
+_DENSE_LAYER = "dense_layer"  # our attention_output_bias
+
+
+def _biases(mixer: MetadataFields) -> tuple[bool, bool]:
+    """(attention_bias, attention_output_bias) of a Fast-LLM attention mixer config."""
+    enabled = linear_biases(mixer, (*_QKV_LAYERS, _DENSE_LAYER))
+    qkv = {name: enabled[name] for name in _QKV_LAYERS}
+    if len(set(qkv.values())) > 1:
+        listing = ", ".join(f"{name}: {'bias' if on else 'no bias'}" for name, on in qkv.items())
+        raise ConversionError(
+            f"metadata.yaml: {mixer.path} gives its query, key and value layers different biases ({listing}); "
+            "HybridLinearConfig's attention_bias switches the q, k and v projections together (the dense layer has "
+            "its own, attention_output_bias), so give query_layer, key_layer and value_layer the same bias.enabled."
+        )
+    return enabled["query_layer"], enabled[_DENSE_LAYER]
 
 
 def read(mixer: MetadataFields) -> tuple[str, dict[str, Any]]:
@@ -31,7 +54,7 @@ def read(mixer: MetadataFields) -> tuple[str, dict[str, Any]]:
     for name in ("query_norm", "key_norm", "value_norm"):
         mixer.expect(name, (None,), None, "per-head q/k/v norms in Fast-LLM's layout")
     mixer.expect("shared_key_value", (False,), False, "one projection shared by keys and values")
-    attention_bias = shared_bias(mixer, _LINEAR_LAYERS, "attention_bias")
+    attention_bias, output_bias = _biases(mixer)
     rotary = mixer.sub("rotary")
     rotary_type = rotary.string("type", "none")
     if rotary_type != "default":
@@ -48,6 +71,7 @@ def read(mixer: MetadataFields) -> tuple[str, dict[str, Any]]:
         "head_dim": mixer.size("head_size", _DEFAULTS["head_size"]),
         "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0},
         "attention_bias": attention_bias,
+        "attention_output_bias": output_bias,
     }
     window = mixer.integer("window_size", None, minimum=1)
     if window is not None:
@@ -57,9 +81,13 @@ def read(mixer: MetadataFields) -> tuple[str, dict[str, Any]]:
 
 
 def write(layer: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
+    qkv_bias, output_bias = bool(layer.attention_bias), bool(layer.attention_output_bias)
     mixer = {"type": "attention", "heads": layer.num_attention_heads, "head_groups": layer.num_key_value_heads,
-             "head_size": layer.head_dim, "add_linear_biases": bool(layer.attention_bias),
+             "head_size": layer.head_dim, "add_linear_biases": qkv_bias and output_bias,
              "rotary": {"type": "default", "theta": float(layer.rope_parameters["rope_theta"])}}
+    if qkv_bias != output_bias:  # per-layer overrides, as Fast-LLM's Qwen2 importer writes them
+        mixer.update({name: {"bias": {"enabled": qkv_bias}} for name in _QKV_LAYERS})
+        mixer[_DENSE_LAYER] = {"bias": {"enabled": output_bias}}
     if layer_type == "sliding_attention":
         mixer["window_size"] = layer.sliding_window
     return mixer
@@ -81,6 +109,7 @@ def unsupported(layer: HybridLinearConfig) -> list[str]:
 
 
 _BIAS: Rule = lambda config: bool(config.attention_bias)  # noqa: E731
+_OUTPUT_BIAS: Rule = lambda config: bool(config.attention_output_bias)  # noqa: E731
 _KV_HEADS: Rule = lambda config: config.num_key_value_heads > 1  # noqa: E731  (MQA: key_value is not split)
 PARAMETERS = (
     same("mixer.query.weight", "self_attn.q_proj.weight"),
@@ -89,7 +118,7 @@ PARAMETERS = (
               tensor_parallel=_KV_HEADS),
     bias("mixer.key_value.bias", SPLIT_HALVES, ("self_attn.k_proj.bias", "self_attn.v_proj.bias"), _KV_HEADS, _BIAS),
     same("mixer.dense.weight", "self_attn.o_proj.weight"),
-    bias("mixer.dense.bias", IDENTITY, "self_attn.o_proj.bias", NEVER, _BIAS),
+    bias("mixer.dense.bias", IDENTITY, "self_attn.o_proj.bias", NEVER, _OUTPUT_BIAS),
 )
 
 ATTENTION = register(FastLlmMixer(
@@ -101,11 +130,13 @@ ATTENTION = register(FastLlmMixer(
     parameters=PARAMETERS,
     field_sources={"num_attention_heads": "mixer.heads", "num_key_value_heads": "mixer.head_groups",
                    "head_dim": "mixer.head_size", "rope_parameters": "mixer.rotary.theta",
-                   "attention_bias": "mixer.add_linear_biases", "sliding_window": "mixer.window_size"},
+                   "attention_bias": "mixer.add_linear_biases",
+                   "attention_output_bias": "mixer.dense_layer.bias.enabled", "sliding_window": "mixer.window_size"},
     unsupported=unsupported,
     checked_alone=("sliding_window",),  # only sliding layers have one
     # what a model gets when no layer sets them, and what Fast-LLM's attention always is
-    config_defaults={"sliding_window": None, "attention_bias": False, "attention_output_gate": False,
+    config_defaults={"sliding_window": None, "attention_bias": False, "attention_output_bias": False,
+                     "attention_output_gate": False,
                      "attention_qk_norm": False,
                      "rope_parameters": {"rope_type": "default", "rope_theta": DEFAULT_ROPE_THETA,
                                          "partial_rotary_factor": 1.0}},

@@ -5,9 +5,10 @@ What fla 0.6.0's `GatedDeltaNetConfig` / `KDAConfig` and the modules they build 
 - Every layer is the model's linear mixer (GDN or KDA) unless fla's `attn` setting places softmax attention there:
   `attn` is one mapping or a list of them, each {layers, num_heads, num_kv_heads (default num_heads), qkv_bias
   (false), window_size (null), rope_theta (1e4)}. fla's attention has head_dim = hidden_size // num_heads, full
-  rotary (rotate-half, theta), no q/k norm (0.6.0's `get_attention` never passes one), no output gate, no bias on
-  o_proj, and a flash-attention window of `window_size` keys including the query: our `full_attention` /
-  `sliding_attention` with attention_output_gate False, attention_qk_norm False, partial_rotary_factor 1.0.
+  rotary (rotate-half, theta), no q/k norm (0.6.0's `get_attention` never passes one), no output gate, biases on
+  q/k/v when qkv_bias and never on o_proj, and a flash-attention window of `window_size` keys including the query:
+  our `full_attention` / `sliding_attention` with attention_output_gate False, attention_qk_norm False,
+  partial_rotary_factor 1.0, attention_bias = qkv_bias, attention_output_bias False.
 - GDN (`gated_deltanet`): key heads num_heads x head_dim, value heads num_v_heads (default num_heads) x
   int(head_dim * expand_v), value head j reading key head j // (num_v_heads / num_heads) as ours;
   g = -exp(A_log) * softplus(a_proj x + dt_bias), beta = sigmoid(b_proj x) (x2 with allow_neg_eigval: refused);
@@ -142,10 +143,7 @@ def _attention_settings(spec: FlaFields, hidden_size: int) -> dict[str, Any]:
     if heads % kv_heads:
         raise ConversionError(f"{spec.file}: {spec.where('num_heads')} = {heads} is not a multiple of "
                               f"{spec.where('num_kv_heads')} = {kv_heads}; fix the config.")
-    qkv_bias = spec.boolean("qkv_bias", False)
-    if qkv_bias:
-        raise spec.refuse("qkv_bias", qkv_bias, "fla's attention has q/k/v biases and no o_proj bias; ours has "
-                          "biases on all four projections or on none")
+    qkv_bias = spec.boolean("qkv_bias", False)  # q/k/v biases, never one on o_proj (attention_output_bias False)
     qk_norm = spec.get("qk_norm", False)
     if qk_norm is not False and qk_norm is not None:
         raise spec.refuse("qk_norm", qk_norm, "fla 0.6.0 builds these attention layers without q/k norms whatever "
@@ -157,7 +155,8 @@ def _attention_settings(spec: FlaFields, hidden_size: int) -> dict[str, Any]:
         raise ConversionError(f"{spec.file}: {clip(', '.join(unknown))} not supported in fla's attn setting (known "
                               f"keys: {', '.join(_ATTENTION_KEYS)}).")
     settings = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": hidden_size // heads,
-                "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0}}
+                "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 1.0},
+                "attention_bias": qkv_bias}
     if window is not None:
         settings["sliding_window"] = window
     return settings
@@ -265,6 +264,7 @@ def fla_to_hybrid_config(data: Any, file: str, census: TensorCensus | None = Non
         "attention_output_gate": False,
         "attention_qk_norm": False,
         "attention_bias": False,
+        "attention_output_bias": False,  # fla's o_proj never has a bias
         "max_position_embeddings": fields.integer("max_position_embeddings",
                                                   _SHARED_DEFAULTS["max_position_embeddings"], minimum=1),
         "tie_word_embeddings": fields.boolean("tie_word_embeddings", False),
@@ -345,8 +345,9 @@ def _fla_problem(config: HybridLinearConfig) -> str | None:
             return f"{where}: rms_norm_eps={brief(layer.rms_norm_eps)}, the final norm's is {brief(flat_eps)}"
         if layer_type in _ATTENTION_TYPES:
             rope = layer.rope_parameters
-            if layer.attention_output_gate or layer.attention_qk_norm or layer.attention_bias:
-                return f"{where}: attention_output_gate, attention_qk_norm and attention_bias must be False for fla"
+            if layer.attention_output_gate or layer.attention_qk_norm or layer.attention_output_bias:
+                return (f"{where}: attention_output_gate, attention_qk_norm and attention_output_bias must be False "
+                        "for fla (its attention has no output gate, no q/k norm and no o_proj bias)")
             if rope.get("rope_type") != "default" or rope.get("partial_rotary_factor") != 1.0:
                 return f"{where}: rope_parameters={brief(rope)} (fla rotates the whole head, default rope)"
             if layer.num_attention_heads * layer.head_dim != config.hidden_size:
@@ -373,7 +374,8 @@ def _fla_problem(config: HybridLinearConfig) -> str | None:
 
 
 def _attention_spec(layer: HybridLinearConfig, layer_type: str) -> dict[str, Any]:
-    return {"num_heads": layer.num_attention_heads, "num_kv_heads": layer.num_key_value_heads, "qkv_bias": False,
+    return {"num_heads": layer.num_attention_heads, "num_kv_heads": layer.num_key_value_heads,
+            "qkv_bias": bool(layer.attention_bias),
             "window_size": layer.sliding_window if layer_type == "sliding_attention" else None,
             "rope_theta": float(layer.rope_parameters["rope_theta"])}
 

@@ -8,8 +8,8 @@ fla keeps every projection and convolution separate; ours fuses some:
   so stacking channels is exact).
 - KDA: the same names as ours for q/k/v and their convs, b_proj, A_log, dt_bias, o_norm, o_proj; fla's two-layer
   `f_proj` / `g_proj` (nn.Sequential) are our f_a/f_b and g_a/g_b, `g_proj.1.bias` our g_b_proj.bias.
-- Attention: `attn.{q,k,v,o}_proj`; block norms `attn_norm` / `mlp_norm`; `model.embeddings`; `model.norm`; `lm_head`
-  (absent when tied).
+- Attention: `attn.{q,k,v,o}_proj` (q/k/v biases with qkv_bias); block norms `attn_norm` / `mlp_norm`;
+  `model.embeddings`; `model.norm`; `lm_head` (absent when tied).
 
 Names are relative to `model.layers.{i}.` inside a block. Every converter is pure data movement: bit-exact both ways.
 """
@@ -33,8 +33,10 @@ BLOCK = (
     *(Entry(f"mlp.{name}.weight", IDENTITY, f"mlp.{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")),
 )
 
-ATTENTION = tuple(Entry(f"attn.{name}.weight", IDENTITY, f"self_attn.{name}.weight")
-                  for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+ATTENTION = (*(Entry(f"attn.{name}.weight", IDENTITY, f"self_attn.{name}.weight")
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
+             *(Entry(f"attn.{name}.bias", IDENTITY, f"self_attn.{name}.bias", when=lambda c: bool(c.attention_bias))
+               for name in ("q_proj", "k_proj", "v_proj")))  # qkv_bias; fla's o_proj has none
 
 
 def _gdn_widths(config: HybridLinearConfig) -> tuple[int, int]:

@@ -8,7 +8,8 @@ Qwen3-Next is the model our family mirrors, so the mapping is a renaming plus th
   `linear_conv_kernel_dim` -> `gdn_*`;
 - fixed by Qwen3-Next: gated attention (`attention_output_gate`), per-head q/k RMSNorm (`attention_qk_norm`), every
   RMSNorm zero-centred, x_hat * (1 + w) (`zero_centered_norms`), except GDN's gated output norm, x_hat * w * silu(z)
-  (`gdn_gate_activation` "silu"), whose epsilon is `rms_norm_eps` too (`gdn_norm_eps`); no MLP biases;
+  (`gdn_gate_activation` "silu"), whose epsilon is `rms_norm_eps` too (`gdn_norm_eps`); no MLP biases; one
+  `attention_bias` for q, k, v and o_proj (our `attention_output_bias` equal to `attention_bias`);
 - GDN's short convolution uses `hidden_act` in Qwen3-Next (ours: silu), so a model with GDN layers needs silu;
 - rotary settings (`rope_parameters`, or the older `rope_theta` / `rope_scaling` / `partial_rotary_factor`, default
   0.25) are standardised by transformers' own `Qwen3NextConfig`, so they mean what they mean to transformers;
@@ -171,6 +172,7 @@ def qwen3_next_to_hybrid_config(data: Any, label: str, census: TensorCensus | No
     kwargs["attention_dropout"] = fields.number("attention_dropout", 0.0)
     for name in ("use_cache", "tie_word_embeddings", "attention_bias"):
         kwargs[name] = fields.boolean(name, QWEN3_NEXT_DEFAULTS[name])
+    kwargs["attention_output_bias"] = kwargs["attention_bias"]  # Qwen3-Next's switches o_proj's bias too
     for name in _TOKEN_FIELDS:
         value = fields.get(name)
         if value is not None and not (isinstance(value, int) and not isinstance(value, bool)) and not (
@@ -219,6 +221,10 @@ def check_fits_qwen3_next(config: HybridLinearConfig) -> None:
     for name, value in FIXED.items():
         if getattr(config, name) != value:
             raise _refuse(f"{name} is {brief(getattr(config, name))}, and Qwen3-Next has {value!r}")
+    if config.attention_output_bias != config.attention_bias:
+        raise _refuse(f"attention_output_bias is {config.attention_output_bias} and attention_bias "
+                      f"{config.attention_bias}, and Qwen3-Next's attention_bias switches the q, k, v and o_proj "
+                      "biases together")
     has_gdn = "gated_deltanet" in config.layer_types
     if has_gdn and config.gdn_norm_eps != config.rms_norm_eps:
         raise _refuse(f"gdn_norm_eps ({config.gdn_norm_eps}) differs from rms_norm_eps ({config.rms_norm_eps}), and "
