@@ -158,9 +158,10 @@ def write_hf(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, t
     source = plan.source
     config = export_config(source.config, plan.dtype or plan.targets[0][1].dtype)
     config_text = config.to_json_string(use_diff=False)
-    check_config_reads_back(config, config_text)  # before any file is written
-    extra = extra_tensors_file(plan)  # carried tensors (last in the plan): a file the model does not load
-    write_hf_style_folder(out_dir, plan, tensors, options, config_text, beside=extra)
+    # carried tensors (last in the plan): a file the model does not load
+    write_hf_style_folder(out_dir, plan, tensors, options, config_text,
+                          reads_back=lambda text: check_config_reads_back(config, text),
+                          beside=lambda: extra_tensors_file(plan))
     dtypes = sorted({str(info.dtype).removeprefix("torch.") for _, info in plan.targets})
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     for file in remote_code_files():

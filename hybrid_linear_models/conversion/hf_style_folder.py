@@ -157,11 +157,14 @@ def shard_name(index: int, count: int) -> str:
 
 
 def write_hf_style_folder(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, torch.Tensor]],
-                          options: WriteOptions, config_text: str,
-                          beside: tuple[FilePlan, dict[str, str]] | None = None) -> None:
+                          options: WriteOptions, config_text: str, reads_back: Callable[[str], None],
+                          beside: Callable[[], tuple[FilePlan, dict[str, str]] | None] | None = None) -> None:
     """Writes the plan's tensors as save_pretrained does (one file up to `options.max_shard_bytes`, else shards and
-    the index) and `config_text` as config.json (checked by the caller to read back, before this is called).
-    `beside`: a file for the carried tensors (the plan's last ones), outside the index, with its own metadata."""
+    the index) and `config_text` as config.json, once `reads_back(config_text)` (the format's read-back check:
+    `read_back.check_reads_back`) has passed: before any file is written. `beside`: gives the file for the carried
+    tensors (the plan's last ones), outside the index, with its own metadata, or None."""
+    reads_back(config_text)
+    beside = beside() if beside is not None else None
     model_targets = plan.targets[:len(plan.targets) - len(beside[0].tensors)] if beside else plan.targets
     files = plan_files(model_targets, options.max_shard_bytes, shard_name)
     write_files(out_dir, files + ([beside[0]] if beside else []), tensors, {"format": "pt"},

@@ -73,9 +73,8 @@ def check_config_reads_back(config: HybridLinearConfig, text: str) -> None:
 def write_apriel2(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, torch.Tensor]],
                   options: WriteOptions) -> None:
     config = plan.source.config
-    text = config_json(config)
-    check_config_reads_back(config, text)  # before any file is written
-    write_hf_style_folder(out_dir, plan, tensors, options, text)
+    write_hf_style_folder(out_dir, plan, tensors, options, config_json(config),
+                          reads_back=lambda text: check_config_reads_back(config, text))
 
 
 __all__ = ["read_apriel2", "write_apriel2", "apriel2_rows", "config_json", "check_config_reads_back", "FORMAT_NAME"]

@@ -68,9 +68,8 @@ def write_fla(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, 
     dtype = plan.dtype or plan.targets[0][1].dtype
     fla_config.update(architectures=[_ARCHITECTURES[fla_config["model_type"]]], dtype=str(dtype).removeprefix("torch."),
                       transformers_version=transformers.__version__)
-    text = json.dumps(fla_config, indent=2, sort_keys=True) + "\n"
-    check_fla_config_reads_back(config, text)  # before any file is written
-    write_hf_style_folder(out_dir, plan, tensors, options, text)
+    write_hf_style_folder(out_dir, plan, tensors, options, json.dumps(fla_config, indent=2, sort_keys=True) + "\n",
+                          reads_back=lambda text: check_fla_config_reads_back(config, text))
 
 
 __all__ = ["read_fla", "write_fla", "fla_rows", "check_fla_config_reads_back", "CONFIG_FILE"]

@@ -131,8 +131,8 @@ def write_qwen3_next(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tupl
     config = plan.source.config
     dtype = plan.dtype or plan.targets[0][1].dtype
     config_text = qwen3_next_config_text(config, dtype, _carried_fields(plan))
-    check_config_reads_back(config, config_text)  # before any file is written
-    write_hf_style_folder(out_dir, plan, tensors, options, config_text)  # mtp.* in the shards, as on the hub
+    write_hf_style_folder(out_dir, plan, tensors, options, config_text,  # mtp.* in the shards, as on the hub
+                          reads_back=lambda text: check_config_reads_back(config, text))
     GenerationConfig.from_model_config(json.loads(config_text)).save_pretrained(out_dir)
 
 
