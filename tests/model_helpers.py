@@ -82,3 +82,36 @@ except ImportError:
     spec = None
 assert spec is None, "the package is still importable"
 """
+
+
+def greedy(model: HybridLinearForCausalLM, input_ids: torch.Tensor, new_tokens: int = 8, **kwargs):
+    """Greedy generation of exactly `new_tokens` tokens, with every step's logits (`kwargs` override the settings)."""
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                    output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        return model.generate(input_ids, **{**settings, **kwargs})
+
+
+def assert_same_generation(got, expected, tolerance: float) -> None:
+    """The same tokens, and every step's logits within `tolerance` (the caller's, justified there)."""
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+def assert_padded_and_packed_rows_run_alone(model: HybridLinearForCausalLM, seed: int, tolerance: float) -> None:
+    """Two prompts (7 and 4 tokens), run alone, as the rows of a left-padded batch (3 pads) and as two documents
+    packed in one row (position_ids restarting at 0): each row and each document gives the logits it gives alone,
+    within `tolerance` (the caller's: only the summation order may differ)."""
+    generator = torch.Generator().manual_seed(seed)
+    a, b = torch.randint(2, 128, (1, 7), generator=generator), torch.randint(2, 128, (1, 4), generator=generator)
+    with torch.no_grad():
+        alone_a, alone_b = model(a).logits, model(b).logits
+        padded = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
+        mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)]).long()
+        batch = model(padded, attention_mask=mask).logits
+        positions = torch.cat([torch.arange(7), torch.arange(4)]).unsqueeze(0)
+        packed = model(torch.cat([a, b], 1), position_ids=positions).logits
+    for got_a, got_b in ((batch[:1], batch[1:, 3:]), (packed[:, :7], packed[:, 7:])):
+        torch.testing.assert_close(got_a, alone_a, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(got_b, alone_b, rtol=tolerance, atol=tolerance)
