@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 
 ALL_TYPES = ["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"]
 
@@ -115,3 +116,29 @@ def assert_padded_and_packed_rows_run_alone(model: HybridLinearForCausalLM, seed
     for got_a, got_b in ((batch[:1], batch[1:, 3:]), (packed[:, :7], packed[:, 7:])):
         torch.testing.assert_close(got_a, alone_a, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(got_b, alone_b, rtol=tolerance, atol=tolerance)
+
+
+class EagerReplay:
+    """Replays `run` eagerly into the output buffer, as a CUDA graph replay refills it; counts its replays."""
+
+    def __init__(self, run, out):
+        self.run, self.out, self.replays = run, out, 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.run())
+
+
+def replay_graphs_eagerly(monkeypatch) -> list[EagerReplay]:
+    """The CUDA-graph decoding path on the CPU: each captured step stood in by an EagerReplay of the same step, so
+    what the path adds around the graph runs without a GPU. Returns the captured steps, in capture order."""
+    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+    captured: list[EagerReplay] = []
+
+    def record(run, device):
+        out = run()  # a warm-up step, undone by the caller as on the GPU
+        captured.append(EagerReplay(run, out))
+        return captured[-1], out
+
+    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
+    return captured

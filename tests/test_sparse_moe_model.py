@@ -10,13 +10,13 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 from hybrid_linear_models.mlp_sparse_moe import HybridLinearExperts, HybridLinearSparseMoeBlock
 from model_helpers import (
     assert_padded_and_packed_rows_run_alone,
     assert_same_generation,
     greedy,
     randomize,
+    replay_graphs_eagerly,
     tiny_config,
 )
 
@@ -131,27 +131,14 @@ def test_graph_decoding_runs_a_sync_free_experts_implementation(monkeypatch):
     """The captured one-token step (its graph stood in by an eager replay, as in test_graph_decoding_cpu.py) of a
     model configured with the eager experts loop runs grouped_mm_gather inside (no host sync), and equals uncached
     decoding; outside the step the model's own choice is back."""
-    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+    replay_graphs_eagerly(monkeypatch)
     inside = []
-
-    class EagerReplay:
-        def __init__(self, run, out):
-            self.run, self.out = run, out
-
-        def replay(self):
-            self.out.copy_(self.run())
-
-    def record(run, device):
-        out = run()
-        return EagerReplay(run, out), out
-
     original = HybridLinearExperts.forward
 
     def spy(self, *args, **kwargs):
         inside.append(self.config._experts_implementation)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
     monkeypatch.setattr(HybridLinearExperts, "forward", spy)
     model = moe_model()
     model.set_experts_implementation("eager")
