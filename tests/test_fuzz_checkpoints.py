@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conversion_helpers import FuzzFolder as Folder
 from conversion_helpers import Reading
-from fast_llm_layout import PATTERN, heterogeneous_blocks, write_fast_llm_checkpoint
+from fast_llm_layout import PATTERN, heterogeneous_blocks, pattern_decoder, write_fast_llm_checkpoint
 from fuzz_strategies import FUZZ_SETTINGS, hostile_values, mutated, safetensors_file, split_safetensors
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,8 +40,7 @@ def folders(tmp_path_factory) -> dict[str, Folder]:
                                               to_format="hf", max_shard_size="100KB").destination
     # a pattern decoder whose blocks differ (issue 14), as Fast-LLM lays it out, and its HF conversion
     blocks = heterogeneous_blocks()
-    write_fast_llm_checkpoint(root / "hetero", blocks, PATTERN,
-                              {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)})
+    write_fast_llm_checkpoint(root / "hetero", blocks, PATTERN, pattern_decoder(blocks, PATTERN))
     result["hetero_fast_llm"] = root / "hetero" / "fast_llm"
     result["hetero_distributed"] = root / "hetero" / "distributed"
     result["hetero_hf"] = convert_checkpoint(result["hetero_fast_llm"], root / "hetero_hf", from_format="fast_llm",
