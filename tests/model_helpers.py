@@ -100,6 +100,14 @@ def assert_same_generation(got, expected, tolerance: float) -> None:
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
+def assert_cached_generation_equals_uncached(model: HybridLinearForCausalLM, input_ids: torch.Tensor, cache: str,
+                                             tolerance: float, new_tokens: int = 8) -> None:
+    """Greedy decoding with a `cache` ("dynamic", "static") gives the tokens and logits of decoding without one."""
+    without = greedy(model, input_ids, new_tokens, use_cache=False)
+    cached = greedy(model, input_ids, new_tokens, cache_implementation=cache)
+    assert_same_generation(cached, without, tolerance)
+
+
 def assert_padded_and_packed_rows_run_alone(model: HybridLinearForCausalLM, seed: int, tolerance: float) -> None:
     """Two prompts (7 and 4 tokens), run alone, as the rows of a left-padded batch (3 pads) and as two documents
     packed in one row (position_ids restarting at 0): each row and each document gives the logits it gives alone,

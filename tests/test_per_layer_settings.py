@@ -12,14 +12,8 @@ import sys
 
 import pytest
 import torch
-from model_helpers import (
-    assert_padded_and_packed_rows_run_alone,
-    assert_same_generation,
-    greedy,
-    randomize,
-    replay_graphs_eagerly,
-    tiny_config,
-)
+from model_helpers import assert_cached_generation_equals_uncached, assert_padded_and_packed_rows_run_alone
+from model_helpers import assert_same_generation, greedy, randomize, replay_graphs_eagerly, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
@@ -180,9 +174,7 @@ def test_the_forward_equals_a_composition_of_homogeneous_layers():
 def test_cached_generation_equals_uncached(cache):
     model = heterogeneous_model()
     input_ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(2))
-    without = greedy(model, input_ids, use_cache=False)
-    cached = greedy(model, input_ids, cache_implementation=cache)
-    assert_same_generation(cached, without, tolerance=1e-9)  # float64 (see heterogeneous_model)
+    assert_cached_generation_equals_uncached(model, input_ids, cache, tolerance=1e-9)  # float64 (heterogeneous_model)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
