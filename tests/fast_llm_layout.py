@@ -156,3 +156,18 @@ def write_fast_llm_checkpoint(root: Path, blocks: dict, pattern: list[str], deco
 
 
 __all__ = ["FIXTURE", "HIDDEN", "VOCAB", "PATTERN", "heterogeneous_blocks", "write_fast_llm_checkpoint"]
+
+
+def pattern_decoder(blocks: dict, pattern: list[str]) -> dict:
+    """Fast-LLM's `decoder` config for the named `blocks` laid out as `pattern` (one block per layer)."""
+    return {"type": "pattern", "blocks": blocks, "pattern": pattern, "num_blocks": len(pattern)}
+
+
+def converted_pattern_checkpoint(root: Path, blocks: dict, pattern: list[str]) -> dict:
+    """A pattern decoder's `fast_llm` and `distributed` folders under `root` (write_fast_llm_checkpoint) and the
+    `fast_llm` one converted to `root / "hf"`; returns the Fast-LLM tensors."""
+    from hybrid_linear_models.conversion import convert_checkpoint
+
+    tensors = write_fast_llm_checkpoint(root, blocks, pattern, pattern_decoder(blocks, pattern))
+    convert_checkpoint(root / "fast_llm", root / "hf", from_format="fast_llm", to_format="hf")
+    return tensors

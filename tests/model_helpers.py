@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 
 ALL_TYPES = ["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"]
 
@@ -82,3 +83,70 @@ except ImportError:
     spec = None
 assert spec is None, "the package is still importable"
 """
+
+
+def greedy(model: HybridLinearForCausalLM, input_ids: torch.Tensor, new_tokens: int = 8, **kwargs):
+    """Greedy generation of exactly `new_tokens` tokens, with every step's logits (`kwargs` override the settings)."""
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                    output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        return model.generate(input_ids, **{**settings, **kwargs})
+
+
+def assert_same_generation(got, expected, tolerance: float) -> None:
+    """The same tokens, and every step's logits within `tolerance` (the caller's, justified there)."""
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.logits, expected.logits):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+def assert_cached_generation_equals_uncached(model: HybridLinearForCausalLM, input_ids: torch.Tensor, cache: str,
+                                             tolerance: float, new_tokens: int = 8) -> None:
+    """Greedy decoding with a `cache` ("dynamic", "static") gives the tokens and logits of decoding without one."""
+    without = greedy(model, input_ids, new_tokens, use_cache=False)
+    cached = greedy(model, input_ids, new_tokens, cache_implementation=cache)
+    assert_same_generation(cached, without, tolerance)
+
+
+def assert_padded_and_packed_rows_run_alone(model: HybridLinearForCausalLM, seed: int, tolerance: float) -> None:
+    """Two prompts (7 and 4 tokens), run alone, as the rows of a left-padded batch (3 pads) and as two documents
+    packed in one row (position_ids restarting at 0): each row and each document gives the logits it gives alone,
+    within `tolerance` (the caller's: only the summation order may differ)."""
+    generator = torch.Generator().manual_seed(seed)
+    a, b = torch.randint(2, 128, (1, 7), generator=generator), torch.randint(2, 128, (1, 4), generator=generator)
+    with torch.no_grad():
+        alone_a, alone_b = model(a).logits, model(b).logits
+        padded = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
+        mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)]).long()
+        batch = model(padded, attention_mask=mask).logits
+        positions = torch.cat([torch.arange(7), torch.arange(4)]).unsqueeze(0)
+        packed = model(torch.cat([a, b], 1), position_ids=positions).logits
+    for got_a, got_b in ((batch[:1], batch[1:, 3:]), (packed[:, :7], packed[:, 7:])):
+        torch.testing.assert_close(got_a, alone_a, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(got_b, alone_b, rtol=tolerance, atol=tolerance)
+
+
+class EagerReplay:
+    """Replays `run` eagerly into the output buffer, as a CUDA graph replay refills it; counts its replays."""
+
+    def __init__(self, run, out):
+        self.run, self.out, self.replays = run, out, 0
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.run())
+
+
+def replay_graphs_eagerly(monkeypatch) -> list[EagerReplay]:
+    """The CUDA-graph decoding path on the CPU: each captured step stood in by an EagerReplay of the same step, so
+    what the path adds around the graph runs without a GPU. Returns the captured steps, in capture order."""
+    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+    captured: list[EagerReplay] = []
+
+    def record(run, device):
+        out = run()  # a warm-up step, undone by the caller as on the GPU
+        captured.append(EagerReplay(run, out))
+        return captured[-1], out
+
+    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
+    return captured

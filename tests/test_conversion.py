@@ -14,6 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conversion_helpers import FAST_LLM_FIXTURES as FIXTURES
+from conversion_helpers import FIXTURE_LOGITS_TOLERANCE as TOLERANCE
+from conversion_helpers import FIXTURE_NAMES, load_tensors
 import torch
 from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE
 import yaml
@@ -28,18 +31,6 @@ from hybrid_linear_models.conversion.converters import IDENTITY
 from hybrid_linear_models.conversion.hf_layout import hf_tensor_shapes
 from hybrid_linear_models.conversion.synthetic import write_random_checkpoint
 from transformers import AutoModelForCausalLM
-
-FIXTURES = Path(__file__).parent / "fixtures" / "fast_llm"
-FIXTURE_NAMES = ["hybrid_attn_gdn_kda", "kda_attn"]
-TOLERANCE = 1e-4
-
-
-def load_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
 
 def reference(fixture: str) -> dict[str, torch.Tensor]:
     return load_file(FIXTURES / fixture / "reference_logits.safetensors")

@@ -184,16 +184,10 @@ MOE_PATTERN = ["attn", "gdn_moe", "sliding", "kda_moe", "gdn_moe"]
 
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory):
-    from fast_llm_layout import write_fast_llm_checkpoint
+    from fast_llm_layout import converted_pattern_checkpoint
 
-    from hybrid_linear_models.conversion import convert_checkpoint
-
-    root = tmp_path_factory.mktemp("moe")
-    blocks = _moe_blocks()
-    decoder = {"type": "pattern", "blocks": blocks, "pattern": MOE_PATTERN, "num_blocks": len(MOE_PATTERN)}
-    tensors = write_fast_llm_checkpoint(root, blocks, MOE_PATTERN, decoder)
-    convert_checkpoint(root / "fast_llm", root / "hf", from_format="fast_llm", to_format="hf")
-    return root, blocks, tensors
+    root, blocks = tmp_path_factory.mktemp("moe"), _moe_blocks()
+    return root, blocks, converted_pattern_checkpoint(root, blocks, MOE_PATTERN)
 
 
 class _FastLlmMoeReference(torch.nn.Module):
@@ -280,13 +274,13 @@ def test_moe_round_trips_are_bit_exact_and_distributed_reads_the_same(moe_checkp
 def test_the_moe_stage_order_is_pinned(moe_checkpoint, tmp_path):
     """Negative control: the router (weight decay, not tensor-parallel) sorts before layer_1 and layer_2; a buffer in
     plain definition order reads other tensors into the experts."""
-    from fast_llm_layout import write_fast_llm_checkpoint
+    from fast_llm_layout import pattern_decoder, write_fast_llm_checkpoint
     from safetensors.torch import load_file
 
     from hybrid_linear_models.conversion import convert_checkpoint
 
     root, blocks, tensors = moe_checkpoint
-    decoder = {"type": "pattern", "blocks": blocks, "pattern": MOE_PATTERN, "num_blocks": len(MOE_PATTERN)}
+    decoder = pattern_decoder(blocks, MOE_PATTERN)
     write_fast_llm_checkpoint(tmp_path / "unsorted", blocks, MOE_PATTERN, decoder, tensors, sort_stages=False)
     convert_checkpoint(tmp_path / "unsorted" / "distributed", tmp_path / "hf", from_format="fast_llm_distributed",
                        to_format="hf")

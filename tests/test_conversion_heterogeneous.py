@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from fast_llm_layout import FIXTURE, PATTERN, VOCAB, heterogeneous_blocks, write_fast_llm_checkpoint
+from fast_llm_layout import (
+    FIXTURE,
+    PATTERN,
+    VOCAB,
+    converted_pattern_checkpoint,
+    heterogeneous_blocks,
+    pattern_decoder,
+    write_fast_llm_checkpoint,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -30,12 +38,8 @@ from hybrid_linear_models.conversion.fast_llm.config import fast_llm_to_hybrid_c
 
 @pytest.fixture(scope="module")
 def heterogeneous(tmp_path_factory) -> tuple[Path, dict, dict]:
-    root = tmp_path_factory.mktemp("heterogeneous")
-    blocks = heterogeneous_blocks()
-    decoder = {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)}
-    tensors = write_fast_llm_checkpoint(root, blocks, PATTERN, decoder)
-    convert_checkpoint(root / "fast_llm", root / "hf", from_format="fast_llm", to_format="hf")
-    return root, blocks, tensors
+    root, blocks = tmp_path_factory.mktemp("heterogeneous"), heterogeneous_blocks()
+    return root, blocks, converted_pattern_checkpoint(root, blocks, PATTERN)
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -108,7 +112,7 @@ def test_the_distributed_order_is_pinned(heterogeneous, tmp_path):
     """Negative control: a buffer laid out in plain definition order (no sort) reads as other tensors, so the
     comparison above really pins Fast-LLM's order for blocks of different shapes."""
     root, blocks, tensors = heterogeneous
-    decoder = {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)}
+    decoder = pattern_decoder(blocks, PATTERN)
     write_fast_llm_checkpoint(tmp_path / "unsorted", blocks, PATTERN, decoder, tensors, sort_stages=False)
     convert_checkpoint(tmp_path / "unsorted" / "distributed", tmp_path / "hf", from_format="fast_llm_distributed",
                        to_format="hf")
@@ -148,7 +152,7 @@ def test_round_trips_are_bit_exact(heterogeneous, tmp_path):
 def test_what_is_refused_names_the_block_and_the_field(tmp_path, edit, fragments):
     blocks = heterogeneous_blocks()
     edit(blocks)
-    decoder = {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)}
+    decoder = pattern_decoder(blocks, PATTERN)
     # the tensors of the unedited blocks
     write_fast_llm_checkpoint(tmp_path / "src", heterogeneous_blocks(), PATTERN, decoder)
     with pytest.raises(ConversionError) as caught:
@@ -300,7 +304,7 @@ def test_every_refusal_names_the_fast_llm_block_and_field(edit, fragments):
     blocks = heterogeneous_blocks()
     edit(blocks)
     base = yaml.safe_load((FIXTURE / "fast_llm" / "metadata.yaml").read_text())["config"]["base_model"]
-    base["decoder"] = {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)}
+    base["decoder"] = pattern_decoder(blocks, PATTERN)
     with pytest.raises(ConversionError) as caught:
         fast_llm_to_hybrid_config(base)
     message = str(caught.value)
@@ -316,7 +320,7 @@ def test_every_refusal_names_the_fast_llm_block_and_field(edit, fragments):
 def test_unverified_distributed_layouts_name_the_block_and_field(tmp_path, block, edit, fragments):
     blocks = heterogeneous_blocks()
     blocks[block]["mixer"].update(edit)
-    decoder = {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)}
+    decoder = pattern_decoder(blocks, PATTERN)
     write_fast_llm_checkpoint(tmp_path, blocks, PATTERN, decoder)
     with pytest.raises(ConversionError) as caught:
         convert_checkpoint(tmp_path / "distributed", tmp_path / "hf", from_format="fast_llm_distributed",

@@ -15,6 +15,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conversion_helpers import FAST_LLM_FIXTURES as FIXTURES
+from conversion_helpers import FIXTURE_LOGITS_TOLERANCE as TOLERANCE
+from conversion_helpers import FIXTURE_NAMES, load_tensors
 import torch
 from model_helpers import randomize
 from safetensors.torch import load_file, save_file
@@ -26,21 +29,6 @@ from hybrid_linear_models.configuration_hybrid_linear import BLOCK_FIELDS, MIXER
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.apriel2 import read_apriel2
 from transformers import AutoModelForCausalLM
-
-FIXTURES = Path(__file__).parent / "fixtures" / "fast_llm"
-FIXTURE_NAMES = ["hybrid_attn_gdn_kda", "kda_attn"]
-# Fast-LLM's reference logits come from its torch.compile'd CPU path; its own eager run differs from them by up to
-# 4.3e-6 (fixtures README), and our kernels sum in another order: 1e-4 absolute on logits of std 1 leaves room for
-# that while any mapping mistake (a swapped norm, a wrong GDN row order) moves logits by O(0.1-1).
-TOLERANCE = 1e-4
-
-
-def load_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
 
 def logits_of(folder: Path, input_ids: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(folder).eval()

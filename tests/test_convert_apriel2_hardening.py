@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import FuzzFolder, Reading, edit_config
 from fuzz_strategies import FUZZ_SETTINGS, mutated, safetensors_file, split_safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,9 +28,8 @@ from hybrid_linear_models.conversion.apriel2 import checkpoint as apriel2_checkp
 from hybrid_linear_models.conversion.apriel2 import config_writer
 from hybrid_linear_models.conversion.apriel2.checkpoint import check_config_reads_back, config_json
 from hybrid_linear_models.conversion.apriel2 import apriel2_to_hybrid_config, read_apriel2
-from hybrid_linear_models.conversion.formats import get_format
 from hybrid_linear_models.conversion.hf import read_hf
-from hybrid_linear_models.conversion.pipeline import TensorCensus, plan_conversion
+from hybrid_linear_models.conversion.pipeline import TensorCensus
 from hybrid_linear_models.conversion.synthetic import write_random_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda" / "apriel2_text"
@@ -42,25 +42,8 @@ def folder(tmp_path) -> Path:
     return Path(shutil.copytree(FIXTURE, tmp_path / "apriel2"))
 
 
-def read_and_plan(folder: Path) -> None:
-    source = read_apriel2(folder)
-    plan_conversion(source, get_format("hf", "write").target_rows(source.config))
-
-
-def refused(folder: Path, *fragments: str) -> str:
-    with pytest.raises(ConversionError) as caught:
-        read_and_plan(folder)
-    message = str(caught.value)
-    assert "\n" not in message, message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
-
-
-def edit_config(folder: Path, edit: Callable[[dict], None]) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    edit(config)
-    (folder / "config.json").write_text(json.dumps(config))
+READING = Reading("apriel2")
+refused, outcome = READING.refused, READING.outcome
 
 
 def edit_tensors(folder: Path, edit: Callable[[dict], None]) -> None:
@@ -220,6 +203,14 @@ def test_unreadable_config_json_is_refused(folder, text, fragments):
     refused(folder, *fragments)
 
 
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="apriel2/config.py's check_model_type looks its hint up by "
+                   "an unhashable model_type (TypeError, not a ConversionError line); that module is not this "
+                   "change's to edit")
+def test_a_list_model_type_is_refused_in_one_line(folder):
+    edit_config(folder, setter("model_type", []))
+    refused(folder, "config.json has model_type []")
+
+
 def test_a_fast_llm_folder_is_pointed_to_its_reader():
     refused(FIXTURE.parent / "fast_llm", "has no config.json", "--from fast_llm")
 
@@ -228,25 +219,11 @@ def test_a_fast_llm_folder_is_pointed_to_its_reader():
 
 
 @pytest.fixture(scope="module")
-def fuzz_folder(tmp_path_factory) -> Path:
-    return Path(shutil.copytree(FIXTURE, tmp_path_factory.mktemp("fuzz") / "apriel2"))
+def fuzz_folder(tmp_path_factory) -> FuzzFolder:
+    return FuzzFolder(Path(shutil.copytree(FIXTURE, tmp_path_factory.mktemp("fuzz") / "apriel2")))
 
 
-def outcome(folder: Path) -> str:
-    try:
-        read_and_plan(folder)
-    except ConversionError as error:
-        assert str(error) and "\n" not in str(error), str(error)
-        return "refused"
-    return "read"
-
-
-def with_file(folder: Path, name: str, content: str | bytes) -> Path:
-    for original in FIXTURE.iterdir():
-        if original.name != name:
-            shutil.copyfile(original, folder / original.name)
-    (folder / name).write_bytes(content.encode() if isinstance(content, str) else content)
-    return folder
+with_file = FuzzFolder.with_file  # with_file(folder, name, content): the fuzz tests' examples follow their source
 
 
 def test_the_unmutated_folder_reads(fuzz_folder):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conversion_helpers import FuzzFolder, Reading, edit_config
 from fuzz_strategies import FUZZ_SETTINGS, mutated, safetensors_file, split_safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +19,6 @@ from test_convert_qwen3_next import save_qwen3_next
 
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.formats import get_format
-from hybrid_linear_models.conversion.pipeline import plan_conversion
 
 
 @pytest.fixture(scope="module")
@@ -33,30 +33,14 @@ def folder(tmp_path, original) -> Path:
     return Path(shutil.copytree(original, tmp_path / "model"))
 
 
-def read_and_plan(folder: Path, to_format: str = "hf") -> None:
-    source = get_format("qwen3_next", "read").read(folder)
-    plan_conversion(source, get_format(to_format, "write").target_rows(source.config))
-
-
-def refused(folder: Path, *fragments: str) -> str:
-    with pytest.raises(ConversionError) as caught:
-        read_and_plan(folder)
-    message = str(caught.value)
-    assert message and "\n" not in message, message
-    assert all(fragment in message for fragment in fragments), message
-    return message
+READING = Reading("qwen3_next")
+read_and_plan, refused, outcome = READING.read_and_plan, READING.refused, READING.outcome
 
 
 def edit_tensors(folder: Path, edit) -> None:
     tensors = load_file(folder / "model.safetensors")
     edit(tensors)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-
-
-def edit_config(folder: Path, edit) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    edit(config)
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 def test_the_unedited_folder_reads(folder):
@@ -143,32 +127,9 @@ def test_carried_tensors_from_elsewhere_are_not_written_as_qwen3_next(folder, tm
 # --------------------------------------------------------------------------------------------- fuzzing
 
 
-class Mutable:
-    """The fixture folder, its files written back before each example changes one."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.originals = {file.name: file.read_bytes() for file in path.iterdir() if file.is_file()}
-
-    def with_file(self, name: str, content: str | bytes) -> Path:
-        for other, data in self.originals.items():
-            (self.path / other).write_bytes(data)
-        (self.path / name).write_bytes(content.encode() if isinstance(content, str) else content)
-        return self.path
-
-
 @pytest.fixture(scope="module")
-def mutable(tmp_path_factory, original) -> Mutable:
-    return Mutable(Path(shutil.copytree(original, tmp_path_factory.mktemp("fuzz") / "model")))
-
-
-def outcome(folder: Path) -> str:
-    try:
-        read_and_plan(folder)
-    except ConversionError as error:
-        assert str(error) and "\n" not in str(error), str(error)
-        return "refused"
-    return "read"
+def mutable(tmp_path_factory, original) -> FuzzFolder:
+    return FuzzFolder(Path(shutil.copytree(original, tmp_path_factory.mktemp("fuzz") / "model")))
 
 
 @settings(FUZZ_SETTINGS, max_examples=50)  # half the others' examples: one small folder, two files

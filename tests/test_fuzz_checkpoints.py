@@ -13,52 +13,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fast_llm_layout import PATTERN, heterogeneous_blocks, write_fast_llm_checkpoint
+from conversion_helpers import FuzzFolder as Folder
+from conversion_helpers import Reading
+from fast_llm_layout import PATTERN, heterogeneous_blocks, pattern_decoder, write_fast_llm_checkpoint
 from fuzz_strategies import FUZZ_SETTINGS, hostile_values, mutated, safetensors_file, split_safetensors
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
-from hybrid_linear_models.conversion.formats import get_format
-from hybrid_linear_models.conversion.pipeline import plan_conversion
+from hybrid_linear_models.conversion import convert_checkpoint
 
 MESSAGES: list[str] = []  # for a look at what the fuzzer reached: pytest -s
 FIXTURE = Path(__file__).parent / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda"
 
 
-def read_and_plan(folder: Path, from_format: str, to_format: str = "hf") -> None:
-    """The reader, then the conversion plan (which checks names, dtypes and shapes), as the converter runs them."""
-    source = get_format(from_format, "read").read(folder)
-    plan_conversion(source, get_format(to_format, "write").target_rows(source.config))
-
-
 def outcome(folder: Path, from_format: str) -> str:
-    try:
-        read_and_plan(folder, from_format)
-    except ConversionError as error:
-        message = str(error)
-        assert message and "\n" not in message, message  # one line
-        MESSAGES.append(message)
-        return "refused"
-    return "read"
-
-
-class Folder:
-    """A checkpoint folder whose files are written back from their originals before each example changes one."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.originals = {file.name: file.read_bytes() for file in path.iterdir() if file.is_file()}
-
-    def original(self, name: str) -> bytes:
-        return self.originals[name]
-
-    def with_file(self, name: str, content: str | bytes) -> Path:
-        for other, data in self.originals.items():
-            if other != name:
-                (self.path / other).write_bytes(data)
-        (self.path / name).write_bytes(content.encode() if isinstance(content, str) else content)
-        return self.path
+    return Reading(from_format).outcome(folder, MESSAGES)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +40,7 @@ def folders(tmp_path_factory) -> dict[str, Folder]:
                                               to_format="hf", max_shard_size="100KB").destination
     # a pattern decoder whose blocks differ (issue 14), as Fast-LLM lays it out, and its HF conversion
     blocks = heterogeneous_blocks()
-    write_fast_llm_checkpoint(root / "hetero", blocks, PATTERN,
-                              {"type": "pattern", "blocks": blocks, "pattern": PATTERN, "num_blocks": len(PATTERN)})
+    write_fast_llm_checkpoint(root / "hetero", blocks, PATTERN, pattern_decoder(blocks, PATTERN))
     result["hetero_fast_llm"] = root / "hetero" / "fast_llm"
     result["hetero_distributed"] = root / "hetero" / "distributed"
     result["hetero_hf"] = convert_checkpoint(result["hetero_fast_llm"], root / "hetero_hf", from_format="fast_llm",

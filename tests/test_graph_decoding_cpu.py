@@ -13,34 +13,15 @@ from transformers import GenerationMixin, StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
-from model_helpers import tiny_model
+from model_helpers import replay_graphs_eagerly, tiny_model
 
 LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"]
 
 
-class EagerReplay:
-    """Replays `run` eagerly into the output buffer, as a CUDA graph replay refills it."""
-
-    records = 0
-
-    def __init__(self, run, out):
-        self.run, self.out = run, out
-        EagerReplay.records += 1
-
-    def replay(self):
-        self.out.copy_(self.run())
-
-
 @pytest.fixture
-def eager_graphs(monkeypatch):
-    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
-
-    def record(run, device):
-        out = run()  # a warm-up step, undone by the caller as on the GPU
-        return EagerReplay(run, out), out
-
-    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
-    EagerReplay.records = 0
+def eager_graphs(monkeypatch) -> list:
+    """The steps captured (each replayed eagerly), in capture order."""
+    return replay_graphs_eagerly(monkeypatch)
 
 
 def _generate(model, input_ids, attention_mask, cache=None):
@@ -72,7 +53,7 @@ def test_graph_path_decodes_left_padded_rows_like_eager(eager_graphs, monkeypatc
     monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation",
                         lambda self, *a, **k: generic.append(1) or original(self, *a, **k))
     graphed = _generate(model, input_ids, attention_mask)
-    assert EagerReplay.records == 1 and len(generic) == 1
+    assert len(eager_graphs) == 1 and len(generic) == 1
     model.set_cuda_graph_decoding(False)
     _assert_same(graphed, _generate(model, input_ids, attention_mask))
 
@@ -85,7 +66,7 @@ def test_generation_from_prompt_embeddings_replays_its_steps(eager_graphs):
                   cache_implementation="static", output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         graphed = model.generate(**kwargs)
-        assert EagerReplay.records == 1
+        assert len(eager_graphs) == 1
         model.set_cuda_graph_decoding(False)
         _assert_same(graphed, model.generate(**kwargs))
 
@@ -98,7 +79,7 @@ def test_graph_follows_weight_updates(eager_graphs):
     cache = StaticCache(config=model.config, max_cache_len=40)
     _generate(model, input_ids, attention_mask, cache)
     _generate(model, input_ids, attention_mask, cache)
-    assert EagerReplay.records == 1  # same cache, same weights: captured once
+    assert len(eager_graphs) == 1  # same cache, same weights: captured once
 
     def update_weights():
         with torch.no_grad():
@@ -122,7 +103,7 @@ def test_graph_follows_weight_updates(eager_graphs):
         graphed = model(**step, cache=cache).logits
         model.set_cuda_graph_decoding(False)
         eager = model(**step, cache=eager_cache).logits
-    assert EagerReplay.records == 3
+    assert len(eager_graphs) == 3
     torch.testing.assert_close(graphed, eager[:, -1:], rtol=1e-5, atol=1e-5)
 
 

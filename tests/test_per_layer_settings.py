@@ -12,13 +12,13 @@ import sys
 
 import pytest
 import torch
-from model_helpers import randomize, tiny_config
+from model_helpers import assert_cached_generation_equals_uncached, assert_padded_and_packed_rows_run_alone
+from model_helpers import assert_same_generation, greedy, randomize, replay_graphs_eagerly, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM, HybridLinearModel
 from hybrid_linear_models.configuration_hybrid_linear import PER_LAYER_FIELDS
-from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 
 LAYER_TYPES = ["gated_deltanet", "sliding_attention", "gated_deltanet", "full_attention", "kimi_delta_attention"]
 PER_LAYER = {
@@ -170,22 +170,11 @@ def test_the_forward_equals_a_composition_of_homogeneous_layers():
     torch.testing.assert_close(logits, expected, rtol=1e-9, atol=1e-9)  # float64 (see heterogeneous_model)
 
 
-def _greedy(model, input_ids, **kwargs):
-    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
-                    return_dict_in_generate=True)
-    with torch.no_grad():
-        return model.generate(input_ids, **{**settings, **kwargs})
-
-
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_cached_generation_equals_uncached(cache):
     model = heterogeneous_model()
     input_ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(2))
-    without = _greedy(model, input_ids, use_cache=False)
-    cached = _greedy(model, input_ids, cache_implementation=cache)
-    assert torch.equal(cached.sequences, without.sequences)
-    for a, b in zip(cached.logits, without.logits):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # float64 (see heterogeneous_model)
+    assert_cached_generation_equals_uncached(model, input_ids, cache, tolerance=1e-9)  # float64 (heterogeneous_model)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -194,22 +183,7 @@ def test_graph_decoding_of_a_heterogeneous_model_equals_uncached(monkeypatch, at
     """The issue's "done when" on the CUDA-graph path (its graph stood in by an eager replay of the captured step, as
     in test_graph_decoding_cpu.py): two GDN layers of different head counts, a 1-KV-head sliding layer (window 3)
     and a 2-KV-head full layer, a left-padded batch, and 16 steps, so that the window's buffer rolls over 5 times."""
-    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
-    steps = []
-
-    class EagerReplay:
-        def __init__(self, run, out):
-            self.run, self.out = run, out
-
-        def replay(self):
-            steps.append(1)
-            self.out.copy_(self.run())
-
-    def record(run, device):
-        out = run()
-        return EagerReplay(run, out), out
-
-    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
+    captured = replay_graphs_eagerly(monkeypatch)
     model = heterogeneous_model()
     model.config._attn_implementation = attention
     input_ids = torch.randint(2, 128, (3, prompt_length), generator=torch.Generator().manual_seed(3))
@@ -217,29 +191,16 @@ def test_graph_decoding_of_a_heterogeneous_model_equals_uncached(monkeypatch, at
     attention_mask[1, :1] = 0  # left pads: one, and (for the long prompt) more than the window
     attention_mask[2, : prompt_length - 1] = 0
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=16, min_new_tokens=16)
-    without = _greedy(model, input_ids, use_cache=False, **kwargs)
-    graphed = _greedy(model, input_ids, cache_implementation="static", **kwargs)
-    assert len(steps) == 15  # every decoding step went through the replayed graph
-    assert torch.equal(graphed.sequences, without.sequences)
-    for a, b in zip(graphed.logits, without.logits):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # float64 (see heterogeneous_model)
+    without = greedy(model, input_ids, use_cache=False, **kwargs)
+    graphed = greedy(model, input_ids, cache_implementation="static", **kwargs)
+    assert sum(step.replays for step in captured) == 15  # every decoding step went through the replayed graph
+    assert_same_generation(graphed, without, tolerance=1e-9)  # float64 (see heterogeneous_model)
 
 
 def test_left_padding_and_packing_follow_per_layer_settings():
     model = heterogeneous_model()
-    generator = torch.Generator().manual_seed(4)
-    a, b = torch.randint(2, 128, (1, 7), generator=generator), torch.randint(2, 128, (1, 4), generator=generator)
-    with torch.no_grad():
-        alone_a, alone_b = model(a).logits, model(b).logits
-        padded = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
-        mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)]).long()
-        batch = model(padded, attention_mask=mask).logits
-        positions = torch.cat([torch.arange(7), torch.arange(4)]).unsqueeze(0)
-        packed = model(torch.cat([a, b], 1), position_ids=positions).logits
     # each row/document as run alone (float64, see heterogeneous_model)
-    for got_a, got_b in ((batch[:1], batch[1:, 3:]), (packed[:, :7], packed[:, 7:])):
-        torch.testing.assert_close(got_a, alone_a, rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(got_b, alone_b, rtol=1e-9, atol=1e-9)
+    assert_padded_and_packed_rows_run_alone(model, seed=4, tolerance=1e-9)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():

@@ -10,9 +10,9 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 from hybrid_linear_models.mlp_sparse_moe import HybridLinearExperts, HybridLinearSparseMoeBlock
-from model_helpers import randomize, tiny_config
+from model_helpers import assert_cached_generation_equals_uncached, assert_padded_and_packed_rows_run_alone
+from model_helpers import assert_same_generation, greedy, randomize, replay_graphs_eagerly, tiny_config
 
 LAYERS = ["gated_deltanet", "full_attention", "gated_deltanet", "gated_deltanet"]
 MLPS = ["sparse_moe", "sparse_moe", "dense", "sparse_moe"]
@@ -89,19 +89,8 @@ def test_aux_loss_excludes_padding_as_qwen3_next():
 
 def test_packing_left_padding_and_router_logits_per_token():
     model = moe_model()
-    generator = torch.Generator().manual_seed(3)
-    a, b = torch.randint(2, 128, (1, 7), generator=generator), torch.randint(2, 128, (1, 4), generator=generator)
-    with torch.no_grad():
-        alone_a, alone_b = model(a).logits, model(b).logits
-        padded = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
-        mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)]).long()
-        batch = model(padded, attention_mask=mask).logits
-        positions = torch.cat([torch.arange(7), torch.arange(4)]).unsqueeze(0)
-        packed = model(torch.cat([a, b], 1), position_ids=positions).logits
     # float64 (moe_model): each row / document as run alone, the experts grouping other tokens in their GEMMs
-    for got_a, got_b in ((batch[:1], batch[1:, 3:]), (packed[:, :7], packed[:, 7:])):
-        torch.testing.assert_close(got_a, alone_a, rtol=1e-9, atol=1e-9)
-        torch.testing.assert_close(got_b, alone_b, rtol=1e-9, atol=1e-9)
+    assert_padded_and_packed_rows_run_alone(model, seed=3, tolerance=1e-9)
 
 
 def test_flattening_collator_rows_equal_separate_rows():
@@ -120,48 +109,28 @@ def test_flattening_collator_rows_equal_separate_rows():
 
 
 def _greedy(model, input_ids, **kwargs):
-    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
-                    return_dict_in_generate=True)
-    with torch.no_grad():
-        return model.generate(input_ids, **{**settings, **kwargs})
+    return greedy(model, input_ids, new_tokens=6, **kwargs)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_cached_generation_equals_uncached(cache):
     model = moe_model()
     input_ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(5))
-    without = _greedy(model, input_ids, use_cache=False)
-    cached = _greedy(model, input_ids, cache_implementation=cache)
-    assert torch.equal(cached.sequences, without.sequences)
-    for a, b in zip(cached.logits, without.logits):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)  # float64 (moe_model)
+    assert_cached_generation_equals_uncached(model, input_ids, cache, tolerance=1e-9, new_tokens=6)  # float64
 
 
 def test_graph_decoding_runs_a_sync_free_experts_implementation(monkeypatch):
     """The captured one-token step (its graph stood in by an eager replay, as in test_graph_decoding_cpu.py) of a
     model configured with the eager experts loop runs grouped_mm_gather inside (no host sync), and equals uncached
     decoding; outside the step the model's own choice is back."""
-    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+    replay_graphs_eagerly(monkeypatch)
     inside = []
-
-    class EagerReplay:
-        def __init__(self, run, out):
-            self.run, self.out = run, out
-
-        def replay(self):
-            self.out.copy_(self.run())
-
-    def record(run, device):
-        out = run()
-        return EagerReplay(run, out), out
-
     original = HybridLinearExperts.forward
 
     def spy(self, *args, **kwargs):
         inside.append(self.config._experts_implementation)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
     monkeypatch.setattr(HybridLinearExperts, "forward", spy)
     model = moe_model()
     model.set_experts_implementation("eager")
@@ -175,9 +144,7 @@ def test_graph_decoding_runs_a_sync_free_experts_implementation(monkeypatch):
     assert inside[:moe_layers] == ["eager"] * moe_layers  # the prompt runs eagerly, with the model's choice
     assert set(inside[moe_layers:]) == {"grouped_mm_gather"} and len(inside) > 2 * moe_layers
     assert model.config._experts_implementation == "eager"
-    assert torch.equal(graphed.sequences, without.sequences)
-    for a, b in zip(graphed.logits, without.logits):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert_same_generation(graphed, without, tolerance=1e-9)  # float64 (moe_model)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients_and_aux_loss():

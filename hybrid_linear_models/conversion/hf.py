@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
 import shutil
 from collections.abc import Iterable
@@ -20,46 +19,32 @@ from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE
 from ..component_registry import declared_fields
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
-from .extra_tensors import EXTRA_TENSORS_FILE, extra_tensors_file, read_extra_tensors
+from .extra_tensors import extra_tensors_file, read_extra_tensors
 from .hf_layout import hf_tensor_shapes
+from .hf_style_folder import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    FolderContents,
+    open_weights,
+    read_config_json,
+    read_hf_style_folder,
+    write_hf_style_folder,
+)
 from .model_card import render_model_card
 from .name_maps import build_hf_rows
-from .pipeline import (
-    ConversionPlan,
-    SourceCheckpoint,
-    TensorCensus,
-    WriteOptions,
-    check_tensor_sizes,
-    config_difference,
-)
+from .pipeline import ConversionPlan, SourceCheckpoint, TensorCensus, WriteOptions, config_difference
+from .read_back import check_reads_back
 from .remote_code import remote_code_files
-from .safetensors_io import SafetensorsFile, SafetensorsTensors, plan_files, write_files
-from .untrusted import (
-    Fields,
-    brief,
-    clip,
-    describe,
-    parse_json,
-    plain_file_name,
-    read_text,
-)
+from .untrusted import Fields, brief, clip, parse_json
 
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+_CHECKPOINT = "a Hugging Face checkpoint"
 AUTO_MAP = {
     "AutoConfig": "configuration_hybrid_linear.HybridLinearConfig",
     "AutoModel": "modeling_hybrid_linear.HybridLinearModel",
     "AutoModelForCausalLM": "modeling_hybrid_linear.HybridLinearForCausalLM",
 }
 ARCHITECTURES = ["HybridLinearForCausalLM"]
-_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def _read_json(path: Path) -> Any:
-    return parse_json(read_text(path, "JSON"), str(path))
-
-
 
 
 def _size_fields() -> tuple[str, ...]:
@@ -98,23 +83,24 @@ def _check_before_building(fields: Fields, census: TensorCensus | None) -> None:
                            too_large=census.elements_phrase if census else "")
 
 
-def _config_fields(text: str, label: str) -> Fields:
-    fields = Fields(parse_json(text, label), "", label, missing_is_empty=False)
-    model_type = fields.get("model_type")
+def _check_model_type(data: Any, label: str) -> None:
+    model_type = Fields(data, "", label, missing_is_empty=False).get("model_type")
     if model_type != HybridLinearConfig.model_type:
         readable = [entry.name for entry in FORMAT_CATALOGUE if entry.can_read and model_type in entry.model_types]
         hint = f" It is a {readable[0]} folder: use --from {readable[0]}." if readable else ""
         raise ConversionError(f"{label} has model_type {brief(model_type)}; --from hf reads "
                               f"{HybridLinearConfig.model_type!r} models (this project's format).{hint}")
-    return fields
 
 
 def parse_hf_config(text: str, label: str, census: TensorCensus | None = None) -> HybridLinearConfig:
     """config.json's text -> our config (the reader's path, also used to check what the writer writes)."""
-    return _build_config(_config_fields(text, label), census)
+    data = parse_json(text, label)
+    _check_model_type(data, label)
+    return _build_config(data, label, census)
 
 
-def _build_config(fields: Fields, census: TensorCensus | None) -> HybridLinearConfig:
+def _build_config(data: Any, label: str, census: TensorCensus | None) -> HybridLinearConfig:
+    fields = Fields(data, "", label, missing_is_empty=False)
     _check_before_building(fields, census)
     try:
         return HybridLinearConfig.from_dict(dict(fields.data))
@@ -128,82 +114,22 @@ def _build_config(fields: Fields, census: TensorCensus | None) -> HybridLinearCo
                               f"type ({type(error).__name__}: {clip(str(error), 200)}).") from None
 
 
-def _config_text(path: Path) -> str:
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        hint = " It contains metadata.yaml: if it is a Fast-LLM checkpoint, use --from fast_llm." if (
-            path / "metadata.yaml").exists() else ""
-        raise ConversionError(f"SRC {path} is not a Hugging Face checkpoint: it has no {CONFIG_FILE}.{hint}")
-    return read_text(config_path, "JSON")
-
-
 def read_hf_config(path: Path, census: TensorCensus | None = None) -> HybridLinearConfig:
-    return parse_hf_config(_config_text(path), str(path / CONFIG_FILE), census)
+    data, label = read_config_json(Path(path), _CHECKPOINT)
+    _check_model_type(data, label)
+    return _build_config(data, label, census)
 
 
-def _weight_map(path: Path) -> dict[str, str]:
-    """The index's weight_map: tensor name -> a file name inside the folder (never a path out of it)."""
-    label = str(path / INDEX_FILE)
-    weight_map = Fields(_read_json(path / INDEX_FILE), "", label, missing_is_empty=False).get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise ConversionError(f"{label}: weight_map should map tensor names to file names, got "
-                              f"{describe(weight_map)}; the file is corrupt.")
-    for key, name in weight_map.items():
-        plain_file_name(name, f"{label}: weight_map[{brief(key)}]")
-    return weight_map
-
-
-def open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str] | None]:
-    if (path / INDEX_FILE).is_file():
-        weight_map = _weight_map(path)
-    elif (path / SINGLE_FILE).is_file():
-        weight_map = None
-    else:
-        pickled = [name for name in _PICKLE_FILES if (path / name).exists()]
-        raise ConversionError(f"SRC {path} has no {SINGLE_FILE} or {INDEX_FILE}" + (
-            f"; it has {pickled[0]}, and only safetensors weights are read (no pickle): re-save it with "
-            "save_pretrained(..., safe_serialization=True)." if pickled else "; the checkpoint is incomplete."))
-    file_names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
-    files = {}
-    for name in file_names:
-        if not (path / name).is_file():
-            raise ConversionError(f"{path / INDEX_FILE} lists {clip(name, 100)}, which is missing; the checkpoint is "
-                                  "incomplete.")
-        opened = SafetensorsFile(path / name)
-        for key in opened.keys():
-            if key in files:
-                raise ConversionError(f"tensor {clip(key, 100)} is stored twice, in {files[key].path.name} and {name}; "
-                                      "the checkpoint is corrupt.")
-            files[key] = opened
-    for key, name in (weight_map or {}).items():
-        if key not in files or files[key].path.name != name:
-            raise ConversionError(f"{path / INDEX_FILE} says {name} holds {clip(key, 100)}, but it does not; the "
-                                  "checkpoint is incomplete or corrupt.")
-    return files, weight_map
+def _contents(path: Path, config: HybridLinearConfig) -> FolderContents:
+    extra = read_extra_tensors(path)  # tensors kept beside the model's (Qwen3-Next's mtp.*), carried on untouched
+    return FolderContents(build_hf_rows(config), carried=extra[1] if extra else None,
+                          beside=extra[0] if extra else None)
 
 
 def read_hf(path: Path) -> SourceCheckpoint:
     path = Path(path)
-    if not path.is_dir():
-        raise ConversionError(f"SRC {path} is not a folder; a Hugging Face checkpoint is a folder with {CONFIG_FILE}.")
-    fields = _config_fields(_config_text(path), str(path / CONFIG_FILE))  # our format at all? before the weights
-    files, _ = open_weights(path)  # headers only: the census bounds the config's sizes before it is built
-    census = TensorCensus.of(((key, file.info(key)) for key, file in files.items()), "model.layers.")
-    config = _build_config(fields, census)
-    check_tensor_sizes(config, census, str(path / CONFIG_FILE))
-    extra = read_extra_tensors(path)  # tensors kept beside the model's (Qwen3-Next's mtp.*), carried on untouched
-    if extra is not None:
-        for key in extra[1].keys:
-            if key in files:
-                raise ConversionError(f"tensor {clip(key, 100)} is stored twice, in {files[key].path.name} and "
-                                      f"{EXTRA_TENSORS_FILE}; the checkpoint is corrupt.")
-            files[key] = extra[0]
-    return SourceCheckpoint("hf", path, config, SafetensorsTensors(files), build_hf_rows(config),
-                            carried=extra[1] if extra is not None else None)
-
-
-def _shard_name(index: int, count: int) -> str:
-    return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+    return read_hf_style_folder(path, fmt="hf", checkpoint=_CHECKPOINT, check_model_type=_check_model_type,
+                                build_config=_build_config, contents=lambda config, _: _contents(path, config))
 
 
 def export_config(config: HybridLinearConfig, dtype: torch.dtype) -> HybridLinearConfig:
@@ -222,16 +148,9 @@ def check_config_reads_back(config: HybridLinearConfig, config_text: str) -> Non
     """The config.json about to be written, read back through the reader's own code, must give `config` again,
     field by field; otherwise the converter would write a folder it cannot read, or one that reads as another
     model."""
-    try:
-        again = parse_hf_config(config_text, CONFIG_FILE)
-    except ConversionError as error:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: it would not read back "
-                              f"({str(error).rstrip('.')}). This is a bug in the converter; please report it with the "
-                              "source config.") from None
-    difference = config_difference(config, again)
-    if difference is not None:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: the config field {difference} does not survive "
-                              "config.json, so the written folder would describe another model; fix the field.")
+    check_reads_back(config, config_text, file=CONFIG_FILE, read=lambda text: parse_hf_config(text, CONFIG_FILE),
+                     difference=config_difference, does_not_survive="config.json, so the written folder would "
+                     "describe another model; fix the field.")
 
 
 def write_hf(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -239,19 +158,11 @@ def write_hf(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, t
     source = plan.source
     config = export_config(source.config, plan.dtype or plan.targets[0][1].dtype)
     config_text = config.to_json_string(use_diff=False)
-    check_config_reads_back(config, config_text)  # before any file is written
-    extra = extra_tensors_file(plan)  # carried tensors (last in the plan): a file the model does not load
-    model_targets = plan.targets[:len(plan.targets) - len(plan.carried)]
-    files = plan_files(model_targets, options.max_shard_bytes, _shard_name)
-    write_files(out_dir, files + ([extra[0]] if extra else []), tensors, {"format": "pt"},
-                {extra[0].name: extra[1]} if extra else None)
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(info.nbytes for _, info in model_targets)},
-                 "weight_map": {name: file.name for file in files for name, _ in file.tensors}}
-        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
+    # carried tensors (last in the plan): a file the model does not load
+    write_hf_style_folder(out_dir, plan, tensors, options, config_text,
+                          reads_back=lambda text: check_config_reads_back(config, text),
+                          beside=lambda: extra_tensors_file(plan))
     dtypes = sorted({str(info.dtype).removeprefix("torch.") for _, info in plan.targets})
-    (out_dir / CONFIG_FILE).write_text(config_text, encoding="utf-8")
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     for file in remote_code_files():
         shutil.copy2(file, out_dir / file.name)

@@ -13,7 +13,6 @@ import yaml
 
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..errors import ConversionError
-from ..hf_layout import distinct_layers, layer_config
 from ..name_maps import MapRow
 from ..pipeline import (
     ConversionPlan,
@@ -23,6 +22,7 @@ from ..pipeline import (
     check_tensor_sizes,
     config_difference,
 )
+from ..read_back import check_reads_back, layer_difference
 from ..safetensors_io import SafetensorsFile, SafetensorsTensors, plan_files, write_files
 from ..untrusted import (
     Fields,
@@ -185,36 +185,22 @@ def write_fast_llm(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[
     (out_dir / METADATA_FILE).write_text(metadata_text, encoding="utf-8")
 
 
-def _layer_difference(expected: HybridLinearConfig, got: HybridLinearConfig) -> str | None:
-    """The first per-layer field Fast-LLM carries whose resolved value differs. Checking the first layer of each
-    distinct setting of either config covers every layer: two layers equal in both configs agree or differ together.
-    """
-    firsts = sorted(set(distinct_layers(expected).values()) | set(distinct_layers(got).values()))
-    for index in firsts:
-        want, have = layer_config(expected, index), layer_config(got, index)
-        for field in fast_llm_carried_layer_fields(expected, index):
-            if getattr(want, field) != getattr(have, field):
-                return (f"{field} of layer {index} ({brief(getattr(want, field))} reads back as "
-                        f"{brief(getattr(have, field))})")
-    return None
+def _read_metadata(text: str) -> HybridLinearConfig:
+    return fast_llm_to_hybrid_config(parse_yaml(text, METADATA_FILE)["config"]["base_model"])
+
+
+def _difference(expected: HybridLinearConfig, got: HybridLinearConfig) -> str | None:
+    return (config_difference(expected, got, fast_llm_carried_fields(expected))
+            or layer_difference(expected, got, fast_llm_carried_layer_fields))
 
 
 def check_metadata_reads_back(config: HybridLinearConfig, metadata_text: str) -> None:
     """The metadata.yaml about to be written, read back through the reader's own code, must give `config` again in
     every field Fast-LLM's metadata carries; otherwise the converter would write a checkpoint it cannot read, or one
     that reads as another model."""
-    try:
-        metadata = parse_yaml(metadata_text, METADATA_FILE)
-        again = fast_llm_to_hybrid_config(metadata["config"]["base_model"])
-    except ConversionError as error:
-        raise ConversionError(f"refusing to write {METADATA_FILE}: it would not read back "
-                              f"({str(error).rstrip('.')}). This is a bug in the converter; please report it with "
-                              "the source config.") from None
-    difference = config_difference(config, again, fast_llm_carried_fields(config)) or _layer_difference(config, again)
-    if difference is not None:
-        raise ConversionError(f"refusing to write {METADATA_FILE}: the config field {difference} does not survive "
-                              "Fast-LLM's metadata, so the written checkpoint would describe another model; convert "
-                              "to the hf format instead, or fix the field.")
+    check_reads_back(config, metadata_text, file=METADATA_FILE, read=_read_metadata, difference=_difference,
+                     does_not_survive="Fast-LLM's metadata, so the written checkpoint would describe another model; "
+                     "convert to the hf format instead, or fix the field.")
 
 
 __all__ = ["read_fast_llm", "write_fast_llm", "fast_llm_rows", "load_metadata", "check_metadata_reads_back",

@@ -8,48 +8,29 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
 from ...configuration_hybrid_linear import BLOCK_FIELDS, MIXER_FIELDS, HybridLinearConfig
-from ..errors import ConversionError
-from ..hf import open_weights
-from ..hf_layout import distinct_layers, layer_config
+from ..hf_style_folder import CONFIG_FILE, FolderContents, read_hf_style_folder, write_hf_style_folder
 from ..name_maps import MapRow
-from ..pipeline import (
-    ConversionPlan,
-    SourceCheckpoint,
-    TensorCensus,
-    WriteOptions,
-    check_tensor_sizes,
-    config_difference,
-)
-from ..safetensors_io import SafetensorsTensors, plan_files, write_files
-from ..untrusted import Fields, brief, parse_json, read_text
+from ..pipeline import ConversionPlan, SourceCheckpoint, WriteOptions, config_difference
+from ..read_back import check_reads_back, layer_difference
+from ..untrusted import Fields, parse_json
 from .config import fla_to_hybrid_config, hybrid_config_to_fla, model_type_of
 from .parameters import build_fla_rows
 
-CONFIG_FILE = "config.json"
+
+def _check_model_type(data: Any, label: str) -> None:
+    model_type_of(Fields(data, "", label, missing_is_empty=False))
 
 
 def read_fla(path: Path) -> SourceCheckpoint:
-    path = Path(path)
-    if not path.is_dir():
-        raise ConversionError(f"SRC {path} is not a folder; an fla checkpoint is a folder with {CONFIG_FILE}.")
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        hint = " It contains metadata.yaml: if it is a Fast-LLM checkpoint, use --from fast_llm." if (
-            path / "metadata.yaml").exists() else ""
-        raise ConversionError(f"SRC {path} is not an fla checkpoint: it has no {CONFIG_FILE}.{hint}")
-    label = str(config_path)
-    data = parse_json(read_text(config_path, "JSON"), label)
-    model_type_of(Fields(data, "", label, missing_is_empty=False))  # an fla model at all? before the weights
-    files, _ = open_weights(path)  # headers only: the census bounds the config's sizes before it is built
-    census = TensorCensus.of(((key, file.info(key)) for key, file in files.items()), "model.layers.")
-    config = fla_to_hybrid_config(data, label, census)
-    check_tensor_sizes(config, census, label)
-    return SourceCheckpoint("fla", path, config, SafetensorsTensors(files), build_fla_rows(config))
+    return read_hf_style_folder(path, fmt="fla", checkpoint="an fla checkpoint", check_model_type=_check_model_type,
+                                build_config=fla_to_hybrid_config,
+                                contents=lambda config, _: FolderContents(build_fla_rows(config)))
 
 
 def fla_rows(config: HybridLinearConfig) -> list[MapRow]:
@@ -63,34 +44,21 @@ _CARRIED = ("vocab_size", "hidden_size", "layer_types", "num_hidden_layers", "ti
             "zero_centered_norms", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def _layer_difference(expected: HybridLinearConfig, got: HybridLinearConfig) -> str | None:
-    """The first per-layer field (its mixer's and its block's) whose resolved value differs: checking the first layer
-    of each distinct setting of either config covers every layer."""
-    firsts = sorted(set(distinct_layers(expected).values()) | set(distinct_layers(got).values()))
-    for index in firsts:
-        want, have = layer_config(expected, index), layer_config(got, index)
-        for field in MIXER_FIELDS[expected.layer_types[index]] + BLOCK_FIELDS:
-            if getattr(want, field) != getattr(have, field):
-                return f"{field} of layer {index} ({brief(getattr(want, field))} reads back as " \
-                       f"{brief(getattr(have, field))})"
-    return None
+def _layer_fields(config: HybridLinearConfig, index: int) -> tuple[str, ...]:
+    """The per-layer fields fla's config.json carries: the layer's mixer's and its block's."""
+    return MIXER_FIELDS[config.layer_types[index]] + BLOCK_FIELDS
+
+
+def _difference(expected: HybridLinearConfig, got: HybridLinearConfig) -> str | None:
+    return config_difference(expected, got, _CARRIED) or layer_difference(expected, got, _layer_fields)
 
 
 def check_fla_config_reads_back(config: HybridLinearConfig, text: str) -> None:
     """The config.json about to be written, read back by the reader, must describe the same model."""
-    try:
-        again = fla_to_hybrid_config(parse_json(text, CONFIG_FILE), CONFIG_FILE)
-    except ConversionError as error:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: it would not read back ({str(error).rstrip('.')}). "
-                              "This is a bug in the converter; please report it with the source config.") from None
-    difference = config_difference(config, again, _CARRIED) or _layer_difference(config, again)
-    if difference is not None:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: the config field {difference} does not survive fla's "
-                              "config.json, so the written checkpoint would describe another model.")
-
-
-def _shard_name(index: int, count: int) -> str:
-    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+    check_reads_back(config, text, file=CONFIG_FILE,
+                     read=lambda text: fla_to_hybrid_config(parse_json(text, CONFIG_FILE), CONFIG_FILE),
+                     difference=_difference, does_not_survive="fla's config.json, so the written checkpoint would "
+                     "describe another model.")
 
 
 def write_fla(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -100,16 +68,8 @@ def write_fla(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, 
     dtype = plan.dtype or plan.targets[0][1].dtype
     fla_config.update(architectures=[_ARCHITECTURES[fla_config["model_type"]]], dtype=str(dtype).removeprefix("torch."),
                       transformers_version=transformers.__version__)
-    text = json.dumps(fla_config, indent=2, sort_keys=True) + "\n"
-    check_fla_config_reads_back(config, text)  # before any file is written
-    files = plan_files(plan.targets, options.max_shard_bytes, _shard_name)
-    write_files(out_dir, files, tensors, {"format": "pt"})
-    if len(files) > 1:
-        index = {"metadata": {"total_size": plan.total_bytes},
-                 "weight_map": {name: file.name for file in files for name, _ in file.tensors}}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n",
-                                                              encoding="utf-8")
-    (out_dir / CONFIG_FILE).write_text(text, encoding="utf-8")
+    write_hf_style_folder(out_dir, plan, tensors, options, json.dumps(fla_config, indent=2, sort_keys=True) + "\n",
+                          reads_back=lambda text: check_fla_config_reads_back(config, text))
 
 
 __all__ = ["read_fla", "write_fla", "fla_rows", "check_fla_config_reads_back", "CONFIG_FILE"]

@@ -17,7 +17,7 @@ that keep them (`extra_tensors`), and written back here.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +27,15 @@ from transformers import GenerationConfig
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..converters import StackedExperts
 from ..errors import ConversionError
-from ..hf import INDEX_FILE, SINGLE_FILE, open_weights
 from ..hf_layout import layer_prefix
+from ..hf_style_folder import CONFIG_FILE, FolderContents, read_hf_style_folder, write_hf_style_folder
 from ..name_maps import MapRow, build_hf_rows
-from ..pipeline import (
-    CarriedTensors,
-    ConversionPlan,
-    SourceCheckpoint,
-    TensorCensus,
-    WriteOptions,
-    check_tensor_sizes,
-    config_difference,
-)
-from ..safetensors_io import SafetensorsTensors, plan_files, write_files
-from ..untrusted import clip, parse_json, read_text
-from .config import MODEL_TYPE, is_carried_field, qwen3_next_to_hybrid_config, hybrid_config_to_qwen3_next
+from ..pipeline import CarriedTensors, ConversionPlan, SourceCheckpoint, WriteOptions, config_difference
+from ..read_back import check_reads_back
+from ..safetensors_io import SafetensorsFile
+from ..untrusted import clip
+from .config import MODEL_TYPE, hybrid_config_to_qwen3_next, is_carried_field, qwen3_next_to_hybrid_config
 
-CONFIG_FILE = "config.json"
 MTP_PREFIX = "mtp."
 _EXPERT_TENSORS = (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
 # our config fields that Qwen3-Next's config.json carries (the rest, kda_* and training switches, it does not)
@@ -84,29 +76,24 @@ def _has_fused_experts(keys: Iterable[str], config: HybridLinearConfig) -> bool:
     return bool(sparse) and f"{layer_prefix(sparse[0])}mlp.experts.gate_up_proj" in set(keys)
 
 
-def read_qwen3_next(path: Path) -> SourceCheckpoint:
-    path = Path(path)
-    if not path.is_dir():
-        raise ConversionError(f"SRC {path} is not a folder; a Qwen3-Next checkpoint is a folder with {CONFIG_FILE}.")
-    config_path = path / CONFIG_FILE
-    if not config_path.is_file():
-        raise ConversionError(f"SRC {path} is not a Hugging Face checkpoint: it has no {CONFIG_FILE}.")
-    data = parse_json(read_text(config_path, "JSON"), str(config_path))
-    if not isinstance(data, dict) or data.get("model_type") != MODEL_TYPE:  # before opening any weights
-        qwen3_next_to_hybrid_config(data, str(config_path))  # names the problem
-    files, _ = open_weights(path)
-    model_files = {key: file for key, file in files.items() if not key.startswith(MTP_PREFIX)}
-    census = TensorCensus.of(((key, file.info(key)) for key, file in model_files.items()), "model.layers.")
-    config, carried_fields = qwen3_next_to_hybrid_config(data, str(config_path), census)
-    check_tensor_sizes(config, census, str(config_path))
+def _check_model_type(data: Any, label: str) -> None:
+    if not isinstance(data, dict) or data.get("model_type") != MODEL_TYPE:
+        qwen3_next_to_hybrid_config(data, label)  # names the problem
+
+
+def _contents(parsed: tuple[HybridLinearConfig, dict[str, Any]], files: Mapping[str, SafetensorsFile]
+              ) -> FolderContents:
+    config, carried_fields = parsed
     mtp = tuple(key for key in files if key.startswith(MTP_PREFIX))
-    carried = CarriedTensors(MODEL_TYPE, mtp, carried_fields) if mtp else None
-    rows = qwen3_next_rows(config, fused_experts=_has_fused_experts(files, config))
-    return SourceCheckpoint(MODEL_TYPE, path, config, SafetensorsTensors(files), rows, carried=carried)
+    return FolderContents(qwen3_next_rows(config, fused_experts=_has_fused_experts(files, config)),
+                          carried=CarriedTensors(MODEL_TYPE, mtp, carried_fields) if mtp else None)
 
 
-def _shard_name(index: int, count: int) -> str:
-    return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+def read_qwen3_next(path: Path) -> SourceCheckpoint:
+    # the mtp.* tensors, which the config does not describe, stay out of the census and are carried
+    return read_hf_style_folder(path, fmt=MODEL_TYPE, checkpoint="a Qwen3-Next checkpoint",
+                                check_model_type=_check_model_type, build_config=qwen3_next_to_hybrid_config,
+                                config_of=lambda parsed: parsed[0], contents=_contents, outside_census=MTP_PREFIX)
 
 
 def _carried_fields(plan: ConversionPlan) -> dict[str, Any]:
@@ -132,16 +119,11 @@ def qwen3_next_config_text(config: HybridLinearConfig, dtype: torch.dtype, carri
 def check_config_reads_back(config: HybridLinearConfig, text: str) -> None:
     """The config.json about to be written, read back by the reader, must give `config` in every field Qwen3-Next
     carries; otherwise the folder would hold another model."""
-    try:
-        again, _ = qwen3_next_to_hybrid_config(json.loads(text), CONFIG_FILE)
-    except ConversionError as error:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: it would not read back ({str(error).rstrip('.')}). "
-                              "This is a bug in the converter; please report it with the source config.") from None
     fields = _CARRIED_FIELDS + (_MOE_FIELDS if _sparse_layers(config) else ())
-    difference = config_difference(config, again, fields)
-    if difference is not None:
-        raise ConversionError(f"refusing to write {CONFIG_FILE}: the config field {difference} does not survive "
-                              "Qwen3-Next's config.json; convert to the hf format instead.")
+    check_reads_back(config, text, file=CONFIG_FILE,
+                     read=lambda text: qwen3_next_to_hybrid_config(json.loads(text), CONFIG_FILE)[0],
+                     difference=lambda expected, got: config_difference(expected, got, fields),
+                     does_not_survive="Qwen3-Next's config.json; convert to the hf format instead.")
 
 
 def write_qwen3_next(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -149,14 +131,8 @@ def write_qwen3_next(out_dir: Path, plan: ConversionPlan, tensors: Iterable[tupl
     config = plan.source.config
     dtype = plan.dtype or plan.targets[0][1].dtype
     config_text = qwen3_next_config_text(config, dtype, _carried_fields(plan))
-    check_config_reads_back(config, config_text)  # before any file is written
-    files = plan_files(plan.targets, options.max_shard_bytes, _shard_name)  # mtp.* included, as on the hub
-    write_files(out_dir, files, tensors, {"format": "pt"})
-    if len(files) > 1:
-        index = {"metadata": {"total_size": plan.total_bytes},
-                 "weight_map": {name: file.name for file in files for name, _ in file.tensors}}
-        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    (out_dir / CONFIG_FILE).write_text(config_text, encoding="utf-8")
+    write_hf_style_folder(out_dir, plan, tensors, options, config_text,  # mtp.* in the shards, as on the hub
+                          reads_back=lambda text: check_config_reads_back(config, text))
     GenerationConfig.from_model_config(json.loads(config_text)).save_pretrained(out_dir)
 
 
