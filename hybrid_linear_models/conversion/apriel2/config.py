@@ -360,7 +360,7 @@ def check_model_type(data: Any, label: str = CONFIG_FILE) -> None:
         hint = {"hybrid_linear": " It is this project's format: use --from hf.",
                 "apriel2": " It is Apriel2's multimodal model; only the text model (apriel2_text) converts."}
         raise ConversionError(f"{label} has model_type {brief(model_type)}; --from apriel2 reads {MODEL_TYPE!r} "
-                              f"folders (Fast-LLM's Hugging Face export).{hint.get(model_type, '')}")
+                              f"folders (Fast-LLM's Hugging Face export).{hint.get(model_type, '') if isinstance(model_type, str) else ''}")
 
 
 def apriel2_to_hybrid_config(data: Any, census: TensorCensus | None = None) -> Apriel2Model:
