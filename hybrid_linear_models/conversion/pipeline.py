@@ -269,23 +269,21 @@ def stream_tensors(plan: ConversionPlan) -> Iterator[tuple[str, torch.Tensor]]:
         outputs = row.converter.inverse([canonical.pop(key) for key in row.canonical_keys])
         outputs.reverse()
         for key in row.format_keys:
-            tensor = outputs.pop()  # drop every reference once written, so memory stays near one tensor
-            name, info = next(planned)
-            if plan.dtype is not None and tensor.dtype != plan.dtype:
-                tensor = tensor.to(plan.dtype)
-            if name != key or tuple(tensor.shape) != info.shape:
-                raise RuntimeError(f"produced {key} {tuple(tensor.shape)}, planned {name} {info.shape}")
-            yield key, tensor
-            del tensor
+            # popped, not kept in a local: no reference outlives its write, so memory stays near one tensor (and a
+            # cast does not keep the uncast tensor alive beside it)
+            yield key, _as_planned(key, outputs.pop(), next(planned), plan.dtype)
     for key in plan.carried:  # untouched, after the model's tensors
-        tensor = source.tensors.load(key)
-        name, info = next(planned)
-        if plan.dtype is not None and tensor.dtype != plan.dtype:
-            tensor = tensor.to(plan.dtype)
-        if name != key or tuple(tensor.shape) != info.shape:
-            raise RuntimeError(f"produced {key} {tuple(tensor.shape)}, planned {name} {info.shape}")
-        yield key, tensor
-        del tensor
+        yield key, _as_planned(key, source.tensors.load(key), next(planned), plan.dtype)
+
+
+def _as_planned(key: str, tensor: torch.Tensor, planned: tuple, dtype: torch.dtype | None) -> torch.Tensor:
+    """`tensor` in the output dtype, checked against the (name, info) the plan wrote into the files' headers."""
+    name, info = planned
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    if name != key or tuple(tensor.shape) != info.shape:
+        raise RuntimeError(f"produced {key} {tuple(tensor.shape)}, planned {name} {info.shape}")
+    return tensor
 
 
 def check_carried(source: SourceCheckpoint, to_format: str, keeps_extra_tensors: bool) -> None:

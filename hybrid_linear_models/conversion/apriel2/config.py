@@ -46,7 +46,7 @@ from typing import Any
 
 from ...configuration_hybrid_linear import BLOCK_FIELDS, HybridLinearConfig
 from ..errors import ConversionError
-from ..fast_llm.config import ACTIVATION_FROM_HF, _defaults_and_overrides
+from ..fast_llm.config import ACTIVATION_FROM_HF, _defaults_and_overrides, pattern_layers
 from ..pipeline import TensorCensus
 from ..untrusted import REQUIRED, Fields, brief, clip
 
@@ -313,7 +313,7 @@ def _decoder_blocks(decoder: _Fields, head_eps: float) -> list[tuple[str, dict[s
         raise ConversionError(f"{CONFIG_FILE}: {decoder.where('pattern')} names block(s) {brief(missing)} that "
                               f"{blocks.path} does not define; add them or fix the pattern.")
     decoder.finish()
-    return [(pattern[i % len(pattern)], settings[pattern[i % len(pattern)]]) for i in range(num_blocks)]
+    return pattern_layers(pattern, settings, num_blocks)
 
 
 # ---------------------------------------------------------------------------------------------------- the model
@@ -359,8 +359,9 @@ def check_model_type(data: Any, label: str = CONFIG_FILE) -> None:
     if model_type != MODEL_TYPE:
         hint = {"hybrid_linear": " It is this project's format: use --from hf.",
                 "apriel2": " It is Apriel2's multimodal model; only the text model (apriel2_text) converts."}
+        known = hint.get(model_type, "") if isinstance(model_type, str) else ""  # (a list is not a dict key)
         raise ConversionError(f"{label} has model_type {brief(model_type)}; --from apriel2 reads {MODEL_TYPE!r} "
-                              f"folders (Fast-LLM's Hugging Face export).{hint.get(model_type, '') if isinstance(model_type, str) else ''}")
+                              f"folders (Fast-LLM's Hugging Face export).{known}")
 
 
 def apriel2_to_hybrid_config(data: Any, census: TensorCensus | None = None) -> Apriel2Model:

@@ -66,16 +66,21 @@ def _mlp_settings(mlp: MetadataFields) -> tuple[str, dict[str, Any], dict[str, s
             {name: record.field_sources[name] for name in fields})
 
 
-def _block_settings(block: MetadataFields) -> dict[str, Any]:
-    block.expect("type", ("decoder", None), None, "the block type")
-    mixer_type, layer_type, settings, groups, sources = _mixer_settings(block.sub("mixer"))
-    mlp_type, mlp_fields, mlp_groups, mlp_sources = _mlp_settings(block.sub("mlp"))
-    norm = block.sub("normalization")
-    norm.expect("type", ("rms_norm",), None, "the block norm must be RMSNorm; Fast-LLM's default is LayerNorm")
+def _rms_norm_eps(norm: MetadataFields, what: str) -> float:
+    """The epsilon of a block or final norm, which must be a plain (not zero-centred) RMSNorm."""
+    norm.expect("type", ("rms_norm",), None, f"{what} must be RMSNorm; Fast-LLM's default is LayerNorm")
     norm.expect("zero_centered", (False,), False, "zero-centred norms")
     eps = float(norm.number("epsilon", DEFAULT_NORM_EPS, positive=True))
     norm.sub("weight").finish()
     norm.finish()
+    return eps
+
+
+def _block_settings(block: MetadataFields) -> dict[str, Any]:
+    block.expect("type", ("decoder", None), None, "the block type")
+    mixer_type, layer_type, settings, groups, sources = _mixer_settings(block.sub("mixer"))
+    mlp_type, mlp_fields, mlp_groups, mlp_sources = _mlp_settings(block.sub("mlp"))
+    eps = _rms_norm_eps(block.sub("normalization"), "the block norm")
     block.finish()
     return {"mixer_type": mixer_type, "layer_type": layer_type, "mlp_type": mlp_type, "path": block.path,
             "fields": {**settings, **mlp_fields, "rms_norm_eps": eps},  # every per-layer field of ours it sets
@@ -113,7 +118,13 @@ def _decoder_blocks(decoder: MetadataFields) -> list[tuple[str, dict[str, Any]]]
         raise ConversionError(f"metadata.yaml: {decoder.where('pattern')} names block(s) {brief(missing)} that "
                               f"{blocks_field.path} does not define")
     decoder.finish()
-    return [(pattern[i % len(pattern)], settings[pattern[i % len(pattern)]]) for i in range(num_blocks)]
+    return pattern_layers(pattern, settings, num_blocks)
+
+
+def pattern_layers(pattern: list[str], blocks: dict[str, Any], num_blocks: int) -> list[tuple[str, Any]]:
+    """(block name, block) per layer of a pattern decoder: the pattern repeated over num_blocks layers (every name in
+    it defined in `blocks`; the readers check that first, with their own file's message)."""
+    return [(pattern[i % len(pattern)], blocks[pattern[i % len(pattern)]]) for i in range(num_blocks)]
 
 
 def _defaults_and_overrides(layers: list[tuple[str, dict[str, Any]]], fixed: dict[str, Any]
@@ -199,12 +210,7 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     head.expect("logits_scale_factor", (1.0,), 1.0, "scaled logits")
     head.expect("final_logit_softcapping", (None,), None, "logit soft-capping")
     head.expect("prediction_heads", (1,), 1, "multi-token prediction heads")
-    head_norm = head.sub("normalization")
-    head_norm.expect("type", ("rms_norm",), None, "the final norm must be RMSNorm; Fast-LLM's default is LayerNorm")
-    head_norm.expect("zero_centered", (False,), False, "zero-centred norms")
-    final_eps = float(head_norm.number("epsilon", DEFAULT_NORM_EPS, positive=True))
-    head_norm.sub("weight").finish()
-    head_norm.finish()
+    final_eps = _rms_norm_eps(head.sub("normalization"), "the final norm")
     head.finish()
 
     layers = _decoder_blocks(base.sub("decoder"))
