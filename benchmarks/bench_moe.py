@@ -9,9 +9,10 @@ Two measurements, forward + backward (the training step), float32 on CPU, bfloat
 Prints tokens/s, the ratios against transformers' eager experts, and peak memory on CUDA.
 
     python benchmarks/bench_moe.py                    # CPU, the small config (2 threads unless --threads)
-    python benchmarks/bench_moe.py --size gpu         # on CUDA: a Qwen3-Next-shaped config (hidden 2048, 128 experts)
+    python benchmarks/bench_moe.py --size gpu         # CUDA: issue 15's ~1B-active model (16 layers, 64 experts top-8)
     python benchmarks/bench_moe.py --skip-model       # the block only
     python benchmarks/bench_moe.py --cpu-time         # CPU shared with other work: 1 thread, CPU time
+    python benchmarks/bench_moe.py --decode 1 16      # and greedy decoding of the whole models, batch 1 and 16
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid_linear_models import experts_grouped_gather  # noqa: E402
 from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock  # noqa: E402
 
@@ -36,8 +37,12 @@ SIZES = {
                 layers=4, vocab=4096),
     "cpu128": dict(hidden=256, experts=128, top_k=8, expert_width=64, shared_width=64, batch=2, seq=1024,
                    layers=4, vocab=4096),
-    "gpu": dict(hidden=2048, experts=128, top_k=8, expert_width=512, shared_width=512, batch=4, seq=4096,
-                layers=8, vocab=32000),
+    # issue 15's ~1B-active model: 16 layers 3:1 GDN:attention, 64 experts top-8, Qwen3-Next's mixer shapes (GDN 16
+    # key / 32 value heads of 128, attention 16 heads / 2 KV heads of 256: the shapes of bench_generation's GDN model,
+    # so fla's tuning is shared)
+    "gpu": dict(hidden=2048, experts=64, top_k=8, expert_width=512, shared_width=512, batch=4, seq=4096,
+                layers=16, vocab=32000, heads=16, kv_heads=2, head_dim=256, gdn_key_heads=16, gdn_value_heads=32,
+                gdn_dim=128),
     "tiny": dict(hidden=64, experts=8, top_k=2, expert_width=32, shared_width=32, batch=2, seq=64,
                  layers=4, vocab=256),
 }
@@ -87,21 +92,34 @@ def moe_config(size: dict, implementation: str) -> Qwen3NextConfig:
     return config
 
 
-def _no_gemm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Stands in for the grouped GEMM: rows of the output's width (weight [E, out, in]) with no multiply."""
-    width = weight.shape[1]
-    return rows[:, :width] if width <= rows.shape[1] else rows.repeat(1, -(-width // rows.shape[1]))[:, :width]
-
-
-def routing_step(block: HybridLinearSparseMoeBlock, x: torch.Tensor):
-    """The routing alone, as grouped_mm_gather runs it: router, sort, permutation of the token rows, routing weights,
-    un-permutation and sum over each token's experts; the expert GEMMs replaced by slices (no multiply)."""
-    def step():
+def expert_gemms_step(block: HybridLinearSparseMoeBlock, x: torch.Tensor):
+    """The expert GEMMs alone, fwd+bwd, on token rows already grouped by expert (the routing of `x` computed once,
+    outside the step): gate_up grouped GEMM, activation and routing weight, down grouped GEMM."""
+    with torch.no_grad():
         flat_x = x.reshape(-1, x.shape[-1])
         _, weights, experts = block.gate(flat_x)
-        with mock.patch.object(experts_grouped_gather, "_grouped_linear", _no_gemm):
-            out = experts_grouped_gather.grouped_mm_gather_experts_forward(block.experts, flat_x, experts, weights)
-        out.float().square().mean().backward()
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True)[1]
+        counts = torch.bincount(flat, minlength=block.experts.num_experts)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = flat_x[order // experts.shape[1]].detach().requires_grad_()
+        row_weights = weights.reshape(-1, 1)[order].to(x.dtype)
+        grad = torch.randn_like(rows)  # a given output gradient: no loss over the k-fold rows in the timing
+    linear = experts_grouped_gather._grouped_linear
+
+    def step():
+        projected = linear(rows, block.experts.gate_up_proj, offsets)
+        linear(block.experts._apply_gate(projected) * row_weights, block.experts.down_proj, offsets).backward(grad)
+    return step
+
+
+def shared_expert_step(block: HybridLinearSparseMoeBlock, x: torch.Tensor):
+    """The shared expert and its gate alone, fwd+bwd."""
+    grad = torch.randn_like(x).reshape(-1, x.shape[-1])
+
+    def step():
+        flat_x = x.reshape(-1, x.shape[-1])
+        (torch.sigmoid(block.shared_expert_gate(flat_x)) * block.shared_expert(flat_x)).backward(grad)
     return step
 
 
@@ -131,7 +149,9 @@ def bench_block(size: dict, device: torch.device, dtype: torch.dtype, repeats: i
             block(x).float().square().mean().backward()
         steps[key] = step
     default = ("ours", EXPERTS_IMPLEMENTATIONS[0])
-    steps["routing"] = routing_step(blocks[default], x)
+    steps["expert GEMMs"] = expert_gemms_step(blocks[default], x)
+    if blocks[default].shared_expert is not None:
+        steps["shared expert"] = shared_expert_step(blocks[default], x)
     seconds = timed(steps, device, repeats)
     print(f"{'implementation':<20} {'ours tok/s':>12} {'transformers tok/s':>19} {'ours / tf eager':>16} "
           f"{'ours / tf same':>15} {'peak ours':>10}")
@@ -145,9 +165,12 @@ def bench_block(size: dict, device: torch.device, dtype: torch.dtype, repeats: i
               f"{seconds['theirs', 'eager'] / ours_s:>15.2f}x "
               f"{(f'{theirs_s / ours_s:.2f}x' if theirs_s else '-'):>15} "
               f"{peak_memory(device, steps['ours', implementation]):>10}")
-    print(f"routing (router + permutation + un-permutation, fwd+bwd): {seconds['routing'] * 1e3:.2f} ms = "
-          f"{100 * seconds['routing'] / seconds[default]:.0f}% of the {default[1]} step "
-          f"({seconds[default] * 1e3:.2f} ms)")
+    # routing = the block's step less its expert GEMMs and its shared expert, each timed alone in the same run
+    routing = seconds[default] - seconds["expert GEMMs"] - seconds.get("shared expert", 0.0)
+    print(f"{default[1]} step {seconds[default] * 1e3:.2f} ms: expert GEMMs {seconds['expert GEMMs'] * 1e3:.2f} ms, "
+          f"shared expert {seconds.get('shared expert', 0.0) * 1e3:.2f} ms, routing (router + permutation + "
+          f"un-permutation, fwd+bwd, the rest) {routing * 1e3:.2f} ms = {100 * routing / seconds[default]:.0f}% "
+          f"of the step")
 
 
 def model_pair(size: dict):
@@ -156,13 +179,15 @@ def model_pair(size: dict):
 
     layers = size["layers"]
     types = ["full_attention" if (i + 1) % 4 == 0 else "gated_deltanet" for i in range(layers)]
-    heads = max(2, size["hidden"] // 256)
+    heads = size.get("heads", max(2, size["hidden"] // 256))
     common = dict(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["expert_width"],
-                  num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64, rms_norm_eps=1e-6,
+                  num_attention_heads=heads, num_key_value_heads=size.get("kv_heads", max(1, heads // 4)),
+                  head_dim=size.get("head_dim", 64), rms_norm_eps=1e-6,
                   num_experts=size["experts"], num_experts_per_tok=size["top_k"],
                   moe_intermediate_size=size["expert_width"], shared_expert_intermediate_size=size["shared_width"],
                   norm_topk_prob=True)
-    gdn = dict(key_heads=heads, value_heads=2 * heads, dim=64)
+    gdn = dict(key_heads=size.get("gdn_key_heads", heads), value_heads=size.get("gdn_value_heads", 2 * heads),
+               dim=size.get("gdn_dim", 64))
     ours = HybridLinearConfig(**common, layer_types=types, mlp_types=["sparse_moe"] * layers,
                               gdn_num_key_heads=gdn["key_heads"], gdn_num_value_heads=gdn["value_heads"],
                               gdn_key_head_dim=gdn["dim"], gdn_value_head_dim=gdn["dim"])
@@ -206,6 +231,36 @@ def bench_model(size: dict, device: torch.device, dtype: torch.dtype, repeats: i
     for (name, implementation), value in seconds.items():
         print(f"{name:<28} {implementation:<18} {tokens / value:>10.0f} {reference / value:>10.2f}x "
               f"{peak_memory(device, steps[name, implementation]):>10}")
+    return ours, theirs
+
+
+def bench_decode(ours, theirs, device: torch.device, batches: list[int], prompt: int, new_tokens: int,
+                 repeats: int) -> None:
+    """Greedy decoding of the same model pair: ours with a static cache (one-token steps replayed from a captured
+    CUDA graph on CUDA, experts through the graph-safe grouped_mm_gather), transformers with its default cache and
+    its default experts implementation (and eager experts)."""
+    from transformers import StaticCache
+
+    from bench_generation import measure
+
+    for model in (ours, theirs):
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    ours.set_experts_implementation(EXPERTS_IMPLEMENTATIONS[0])
+    print(f"\nDecoding, prompt {prompt}, {new_tokens} new tokens, greedy, {next(ours.parameters()).dtype}, {device}")
+    print(f"{'batch':>5} {'ours tok/s':>11} {'tf grouped_mm':>14} {'tf eager':>9} {'ours/grouped':>13} "
+          f"{'ours/eager':>11}")
+    for batch in batches:
+        input_ids = torch.randint(1, ours.config.vocab_size, (batch, prompt),
+                                  generator=torch.Generator().manual_seed(batch)).to(device)
+        static = StaticCache(config=ours.config, max_cache_len=prompt + new_tokens) if device.type == "cuda" else None
+        kwargs = {"static_cache": static} if static is not None else {}
+        a = measure(ours, input_ids, new_tokens, repeats, **kwargs)["decode_tok_s"]
+        theirs.set_experts_implementation("grouped_mm")
+        b = measure(theirs, input_ids, new_tokens, repeats)["decode_tok_s"]
+        theirs.set_experts_implementation("eager")
+        c = measure(theirs, input_ids, new_tokens, repeats)["decode_tok_s"]
+        print(f"{batch:>5} {a:>11.1f} {b:>14.1f} {c:>9.1f} {a / b:>12.2f}x {a / c:>10.2f}x", flush=True)
 
 
 def main() -> None:
@@ -214,6 +269,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-model", action="store_true", help="the MoE block only")
+    parser.add_argument("--decode", type=int, nargs="*", default=[], metavar="BATCH",
+                        help="also time greedy decoding of the whole models at these batch sizes (e.g. 1 16)")
+    parser.add_argument("--prompt", type=int, default=512, help="decoding: prompt length")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decoding: new tokens")
     parser.add_argument("--cpu-time", action="store_true",
                         help="CPU: time by the process's CPU time on one thread (a machine shared with other work)")
     args = parser.parse_args()
@@ -226,7 +285,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     bench_block(size, device, dtype, args.repeats)
     if not args.skip_model:
-        bench_model(size, device, dtype, args.repeats)
+        ours, theirs = bench_model(size, device, dtype, args.repeats)
+        if args.decode:
+            bench_decode(ours, theirs, device, args.decode, args.prompt, args.new_tokens, max(1, args.repeats // 2))
 
 
 if __name__ == "__main__":

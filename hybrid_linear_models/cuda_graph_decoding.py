@@ -225,7 +225,8 @@ class CudaGraphDecoder:
         saved = [t.clone() for t in _cache_tensors(cache)]
 
         def run():
-            with graph_safe_experts(model.config):  # sparse MoE layers: an implementation without host syncs
+            # sparse MoE layers: an experts implementation without host syncs for this dtype and device
+            with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
                 hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
                                                 self._windows)
             return model.lm_head(hidden)

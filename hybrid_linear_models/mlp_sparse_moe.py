@@ -51,19 +51,28 @@ from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager")
 # the implementations a captured CUDA graph can run (no host synchronisation)
 GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm")
+# torch's CUDA grouped GEMM runs on the device only for bfloat16; other dtypes go through a fallback that reads the
+# group offsets on the host (refused during capture), so their captured steps take batched_mm (one bmm per pair)
+_CUDA_GROUPED_MM_GRAPH_DTYPES = (torch.bfloat16,)
 
 
-def graph_safe_experts_implementation(requested: str | None) -> str:
-    """The experts implementation a captured one-token step runs for a model configured with `requested`."""
-    return requested if requested in GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS else GROUPED_MM_GATHER
+def graph_safe_experts_implementation(requested: str | None, dtype: torch.dtype | None = None,
+                                      device_type: str = "cpu") -> str:
+    """The experts implementation a captured one-token step runs for a model configured with `requested`, whose
+    experts hold `dtype` on a `device_type` device."""
+    safe = requested if requested in GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS else GROUPED_MM_GATHER
+    if device_type == "cuda" and safe != "batched_mm" and dtype not in _CUDA_GROUPED_MM_GRAPH_DTYPES:
+        return "batched_mm"
+    return safe
 
 
 @contextmanager
-def graph_safe_experts(config: Any) -> Iterator[None]:
-    """Inside: the model config's experts implementation is a graph-safe one (the eager loop's host-read expert
-    list would be frozen into a captured graph, and its sync refused during capture); restored on exit."""
+def graph_safe_experts(config: Any, dtype: torch.dtype | None = None, device_type: str = "cpu") -> Iterator[None]:
+    """Inside: the model config's experts implementation is a graph-safe one for experts of `dtype` on
+    `device_type` (the eager loop's host-read expert list would be frozen into a captured graph, and its sync refused
+    during capture); restored on exit."""
     requested = getattr(config, "_experts_implementation", None)
-    safe = graph_safe_experts_implementation(requested)
+    safe = graph_safe_experts_implementation(requested, dtype, device_type)
     if safe == requested:
         yield
         return

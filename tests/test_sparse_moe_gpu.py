@@ -38,11 +38,15 @@ def test_experts_implementations_agree_on_cuda(dtype):
         assert max_rel_err(out, outputs["eager"]) <= tol, implementation
 
 
-@pytest.mark.parametrize("implementation", ["eager", "grouped_mm_gather", "grouped_mm"])
-def test_cuda_graph_decoding_of_a_moe_model_matches_eager_decoding(implementation):
-    """Capture refuses any host synchronisation, so a captured step proves the MoE path has none (the eager loop is
-    swapped for grouped_mm_gather inside the step); the replays route each new token afresh."""
-    model = tiny_model(LAYERS, **GPU_DIMS, **MOE).cuda()
+@pytest.mark.parametrize("dtype, implementation", [
+    (torch.float32, "eager"), (torch.float32, "grouped_mm"),  # float32: the captured step runs batched_mm
+    (torch.bfloat16, "grouped_mm_gather"), (torch.bfloat16, "grouped_mm"),  # bf16: torch's device-only grouped GEMM
+])
+def test_cuda_graph_decoding_of_a_moe_model_matches_eager_decoding(dtype, implementation):
+    """Capture refuses any host synchronisation, so a captured step proves the MoE path has none (the eager loop, and
+    torch's grouped GEMM outside bfloat16, which reads its offsets on the host, are swapped for a graph-safe
+    implementation inside the step: graph_safe_experts_implementation); the replays route each new token afresh."""
+    model = tiny_model(LAYERS, **GPU_DIMS, **MOE).to("cuda", dtype)
     model.set_experts_implementation(implementation)
     input_ids = torch.randint(1, 128, (3, 40), device="cuda")
     attention_mask = torch.ones_like(input_ids)
@@ -53,5 +57,13 @@ def test_cuda_graph_decoding_of_a_moe_model_matches_eager_decoding(implementatio
     assert model._graph_decoder._graph is not None  # the graph path ran
     assert model.config._experts_implementation == implementation  # restored after the capture
     model.set_cuda_graph_decoding(False)
+    if dtype == torch.float32:
+        eager = model.generate(input_ids, **kwargs)
+        assert_same_generation(graphed, eager, graphed.scores, eager.scores)
+        return
+    # bf16: eager static decoding with the implementation the graph ran gives the same tokens; scores within a few
+    # bf16 roundings (2^-8 relative) of the largest, as the kernels are the same but the replay's buffers are others
     eager = model.generate(input_ids, **kwargs)
-    assert_same_generation(graphed, eager, graphed.scores, eager.scores)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.scores, eager.scores):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
