@@ -46,6 +46,7 @@ from transformers.integrations.moe import use_experts_implementation
 
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
+from .shown_values import brief
 
 # The experts implementations this module offers (transformers' names and ours); the first is the model's default.
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager")
@@ -120,7 +121,10 @@ class HybridLinearExperts(nn.Module):
             # sentinel for pairs routed to another rank's experts, skipped
             expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = (expert_mask[: self.num_experts].sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist()
-        for expert in hit:
+        # no expert hit (expert parallelism: every route of the batch goes to other ranks): expert 0 on no rows, so
+        # the output stays in the graph of the inputs and weights, as on the ranks that have work: the dispatch's
+        # backward collectives (all-reduce of the inputs' gradients) then run on every rank
+        for expert in hit or [0]:
             slot, token = torch.where(expert_mask[expert])
             gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             out = F.linear(self.act_fn(gate) * up, self.down_proj[expert]) * top_k_weights[token, slot, None]
@@ -167,6 +171,21 @@ class HybridLinearSparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
+
+
+def check_expert_parallel_size(config: Any, ep_size: int) -> None:
+    """Expert parallelism over `ep_size` ranks holds num_experts / ep_size whole experts per rank: a ValueError naming
+    the first sparse MoE layer whose num_experts it does not divide (checked before transformers shards anything)."""
+    if ep_size <= 1:
+        return
+    for index, mlp_type in enumerate(config.mlp_types):
+        num_experts = config.per_layer_config[index].num_experts
+        if mlp_type == "sparse_moe" and num_experts % ep_size:
+            raise ValueError(
+                f"Expert parallelism over ep_size={ep_size} ranks (the world size of the expert group) needs layer "
+                f"{index}'s num_experts divisible by {ep_size}, got num_experts={brief(num_experts)}; use an ep_size "
+                f"that divides it, or a num_experts that ep_size divides (per_layer_config[{index}].num_experts or "
+                "num_experts).")
 
 
 def sparse_moe_parameter_count(settings: Any) -> int:
@@ -224,6 +243,14 @@ register(MlpSpec(
         "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts",
         "shared_expert.gate_proj": "colwise", "shared_expert.up_proj": "colwise", "shared_expert.down_proj": "rowwise",
     },
+    # expert parallelism (DistributedConfig(tp_size=n, ep_size=n)), transformers' Qwen3-Next plan: each rank holds
+    # E / n whole experts ("grouped_gemm" splits dim 0 and sets the module's num_experts to E / n), reached through
+    # "ep_dispatch_experts" (routes to other ranks' experts masked and the outputs all-reduced, or the tokens
+    # exchanged all-to-all: DistributedConfig.ep_implementation); these replace the experts' tensor-parallel entries,
+    # the router and the shared expert keep theirs
+    expert_parallel_plan={
+        "experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm", "experts": "ep_dispatch_experts",
+    },
     lora_targets=("gate_proj", "up_proj", "down_proj"),
     describe=lambda s: (f"{s.num_experts} experts of {s.moe_intermediate_size}, top-{s.num_experts_per_tok}"
                         + (f", shared expert of {s.shared_expert_intermediate_size}"
@@ -233,5 +260,5 @@ register(MlpSpec(
 
 __all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
            "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
-           "graph_safe_experts", "graph_safe_experts_implementation", "init_sparse_moe_weights",
-           "sparse_moe_parameter_count"]
+           "check_expert_parallel_size", "graph_safe_experts", "graph_safe_experts_implementation",
+           "init_sparse_moe_weights", "sparse_moe_parameter_count"]
