@@ -7,11 +7,13 @@ and each MoE layer's experts alone (output and input gradients, on the same rout
 exactly its own experts: num_experts / n of them, the slice [rank * E / n, (rank + 1) * E / n) of the unsharded ones.
 Rank 0 prints the largest differences, one line per dispatch.
 
+    python tests/expert_parallel_check.py --save-models DIR     (DIR/moe, the checked model; DIR/odd, --indivisible's)
     torchrun --nproc_per_node 2 tests/expert_parallel_check.py MODEL_DIR [--indivisible DIR] [--cuda]
 
 --indivisible DIR: a model one of whose layers has a num_experts the world size does not divide; loading it must fail
 with our ValueError (rank 0 prints it as `INDIVISIBLE <message>`).
---cuda: one GPU per rank over NCCL; otherwise CPUs over gloo. Everything else is the same code path.
+--cuda: one GPU per rank over NCCL (TF32 off: float32 products); otherwise CPUs over gloo. Everything else is the same
+code path. Rank 0 ends with `EP_CHECK PASS` or `EP_CHECK FAIL <what>` (the bounds below).
 """
 
 import argparse
@@ -23,9 +25,44 @@ from transformers import AutoModelForCausalLM, DistributedConfig
 import hybrid_linear_models  # noqa: F401
 from distributed_helpers import leave  # the script's folder is on sys.path
 from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS
+from model_helpers import tiny_model
 from tensor_parallel_check import HEAD_SPLIT, full
 
 DISPATCHES = ("auto", "all_reduce", "all_to_all")
+
+# Bounds, float32 (relative to the largest magnitude, but logits absolute, as tensor_parallel_check.py's).
+# The experts alone (each MoE layer's experts on the same routed tokens): the all-reduce dispatch computes each expert's
+# rows as the unsharded model and splits only the sum over a token's k experts between the ranks (measured on the CPU:
+# 0); the all-to-all dispatch applies the routing weights after down_proj and sums in another order (measured 3e-7):
+# a few float32 ulps either way, where a wrong sentinel (a skipped route computed, another rank's expert, an unwritten
+# row) is an O(1) error.
+EXPERTS_BOUND = 1e-6
+# The whole model: its non-expert parts are tensor parallel (the dense plan), whose row-parallel sums over 2 ranks round
+# differently: tensor_parallel_check.py's bound. Measured on the CPU: 3.4e-5 (logits), 3.1e-5 (relative gradients; the
+# same model under tensor parallelism alone: 3.0e-5 and 3.3e-5).
+MODEL_BOUND = 1e-4
+
+# the checked model: sparse MoE layers of 4 experts beside a dense one, with attention, GDN and KDA (head dims of 16,
+# which fla's kernels would take too); the indivisible one: its layer 2 has 3 experts, which 2 ranks cannot split
+LAYERS = ["full_attention", "gated_deltanet", "kimi_delta_attention", "full_attention"]
+MOE = dict(mlp_types=["sparse_moe", "dense", "sparse_moe", "sparse_moe"], num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=16, shared_expert_intermediate_size=24, gdn_value_head_dim=16)
+
+
+def save_models(folder: str) -> tuple[str, str]:
+    """Writes the checked model to folder/moe and the indivisible one to folder/odd; returns their paths."""
+    model, odd = os.path.join(folder, "moe"), os.path.join(folder, "odd")
+    tiny_model(LAYERS, **MOE).save_pretrained(model)
+    tiny_model(LAYERS, **MOE, per_layer_config={2: {"num_experts": 3}}).save_pretrained(odd)
+    return model, odd
+
+
+def failures(differences: list[float]) -> list[str]:
+    """What exceeds its bound in one dispatch's [logits, gradients, experts' outputs, experts' gradients]."""
+    bounds = (MODEL_BOUND, MODEL_BOUND, EXPERTS_BOUND, EXPERTS_BOUND)
+    names = ("logits", "gradients", "experts' outputs", "experts' gradients")
+    return [f"{name} {value:.3g} > {bound:g}" for name, value, bound in zip(names, differences, bounds)
+            if not value <= bound]
 
 
 def load_expert_parallel(path: str, size: int, dispatch: str = "auto"):
@@ -121,10 +158,16 @@ def indivisible_error(path: str, size: int) -> str:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("model")
+    parser.add_argument("model", nargs="?")
     parser.add_argument("--indivisible")
     parser.add_argument("--cuda", action="store_true")
+    parser.add_argument("--save-models", metavar="DIR")
     args = parser.parse_args()
+    if args.save_models:
+        print(*save_models(args.save_models))
+        return
+    if args.cuda:  # float32 products, as on the CPU (cuDNN's convolutions default to TF32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.cuda else torch.device("cpu")
     if args.cuda:
         torch.cuda.set_device(device)
@@ -137,6 +180,9 @@ def main():
             print(f"EP_MAX_DIFFERENCE {dispatch} " + " ".join(str(value) for value in differences))
         if message is not None:
             print(f"INDIVISIBLE {message}")
+        problems = [f"{dispatch}: {problem}" for dispatch, differences in results.items()
+                    for problem in failures(differences)]
+        print("EP_CHECK " + ("FAIL " + "; ".join(problems) if problems else "PASS"))
     torch.distributed.barrier()  # both ranks are done
     leave()
 
