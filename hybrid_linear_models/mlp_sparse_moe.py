@@ -75,6 +75,17 @@ def graph_safe_experts(config: Any) -> Iterator[None]:
         config._experts_implementation_internal = requested
 
 
+def graph_capturable_expert_dispatch(config: Any) -> bool:
+    """Whether a CUDA graph can capture the model's experts: False when they are expert parallel with a token dispatch
+    that reads its split sizes on the host (transformers' "all_to_all", which "auto" also picks when the ranks of the
+    expert group hold different batches, ep_size != tp_size); decoding then runs eagerly."""
+    distributed = getattr(config, "distributed_config", None)
+    if distributed is None or getattr(distributed, "ep_size", 1) <= 1:
+        return True
+    dispatch = distributed.ep_implementation
+    return dispatch == "all_reduce" or (dispatch == "auto" and distributed.ep_size == distributed.tp_size)
+
+
 class HybridLinearTopKRouter(nn.Module):
     """Softmax over the experts in float32, then top-k; (logits, top-k weights, top-k experts)."""
 
@@ -260,5 +271,6 @@ register(MlpSpec(
 
 __all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
            "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
-           "check_expert_parallel_size", "graph_safe_experts", "graph_safe_experts_implementation",
+           "check_expert_parallel_size", "graph_capturable_expert_dispatch", "graph_safe_experts",
+           "graph_safe_experts_implementation",
            "init_sparse_moe_weights", "sparse_moe_parameter_count"]

@@ -17,7 +17,7 @@ import torch
 
 from expert_parallel_check import EXPERTS_BOUND, MODEL_BOUND, save_models
 from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, check_expert_parallel_size
-from model_helpers import tiny_config, tiny_model
+from model_helpers import replay_graphs_eagerly, tiny_config, tiny_model
 from numerics import assert_close
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
@@ -129,6 +129,25 @@ def test_expert_parallel_size_must_divide_num_experts():
     message = str(error.value)
     assert "\n" not in message and "layer 1's num_experts" in message and "num_experts=6" in message, message
     assert "ep_size=4" in message and "per_layer_config[1].num_experts" in message, message
+
+
+@pytest.mark.parametrize("sizes, dispatch, captured", [
+    ({"tp_size": 2}, "auto", True), ({"tp_size": 2}, "all_reduce", True), ({"tp_size": 2}, "all_to_all", False),
+    ({"fsdp_size": 2}, "auto", False),  # different batches per rank: "auto" exchanges tokens all-to-all
+])
+def test_graph_decoding_captures_only_host_sync_free_expert_dispatches(monkeypatch, sizes, dispatch, captured):
+    # CUDA-graph decoding (stood in on the CPU) captures the step when the expert-parallel dispatch is the all-reduce
+    # one, and otherwise decodes eagerly: the all-to-all reads its split sizes on the host, which capture refuses.
+    # The distributed config is only recorded here (transformers records it so on a sharded model), no ranks run.
+    from transformers import DistributedConfig
+
+    graphs = replay_graphs_eagerly(monkeypatch)
+    model = tiny_model(["gated_deltanet", "full_attention"], mlp_types=["sparse_moe", "dense"], num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=0)
+    model.config.distributed_config = DistributedConfig(**sizes, ep_size=2, ep_implementation=dispatch)
+    with torch.no_grad():
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, do_sample=False, cache_implementation="static")
+    assert bool(graphs) == captured, (sizes, dispatch, len(graphs))
 
 
 def check_expert_parallel_plan(folder, cuda: bool = False, env=None) -> None:
