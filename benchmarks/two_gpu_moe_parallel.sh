@@ -2,9 +2,10 @@
 # The sparse MoE model's tensor- and expert-parallel checks on 2 GPUs of one host (NCCL), each against the unsharded
 # model on one GPU, in float32 on this package's torch kernels (fla hidden by a stub that fails to import; TF32 off):
 #   tests/tensor_parallel_check.py  tp_plan="auto": every expert split along its width over the 2 GPUs
-#   tests/expert_parallel_check.py  DistributedConfig(tp_size=2, ep_size=2): 2 whole experts of 4 per GPU, the rest
-#                                   tensor parallel; every token dispatch and experts implementation; and a model whose
-#                                   num_experts 2 does not divide, refused
+#   tests/expert_parallel_check.py  2 whole experts of 4 per GPU, the rest tensor parallel (DistributedConfig(tp_size=2,
+#                                   ep_size=2), each token dispatch) or FSDP2-sharded with a batch per GPU (fsdp_size=2,
+#                                   ep_size=2), every experts implementation; and a model whose num_experts 2 does not
+#                                   divide, refused
 # the scripts tests/test_sparse_moe_distributed.py runs on 2 gloo CPU ranks, with --cuda. Prints the largest
 # differences and a verdict per check (the bounds are the gloo test's: expert_parallel_check.py gives their reasons).
 #   usage: [GLOO=1] bash benchmarks/two_gpu_moe_parallel.sh [WORKDIR]     (GLOO=1: 2 CPU ranks instead, a dry run)
@@ -32,7 +33,7 @@ else
   echo "TP_CHECK FAIL: the run failed"; grep -v "Warning\|warn" "$work/tp.log" | tail -25
 fi
 
-echo "== expert parallelism (tests/expert_parallel_check.py --cuda): per dispatch, max |logits diff|, max relative"
+echo "== expert parallelism (tests/expert_parallel_check.py --cuda): per run, max |logits diff|, max relative"
 echo "   gradient diff, then the experts alone: max relative output diff, max relative gradient diff"
 "${torchrun[@]}" expert_parallel_check.py "$work/moe" --indivisible "$work/odd" "${device[@]}" > "$work/ep.log" 2>&1
 if grep -E "^(EP_MAX_DIFFERENCE|INDIVISIBLE|EP_CHECK)" "$work/ep.log"; then :; else
