@@ -28,6 +28,15 @@ The first three keep everything on the device with shapes that depend only on th
 capture them; the captured decoding step runs "grouped_mm_gather" when the model's choice is "eager"
 (`graph_safe_experts_implementation`).
 
+Expert parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=n, ep_size=n))`, or
+`fsdp_size=n, ep_size=n`): the registration's `expert_parallel_plan` is transformers' Qwen3-Next one. Each rank holds
+E / n whole experts (its `num_experts` becomes E / n, its expert ids local), and transformers' dispatch brings them
+their tokens: "all_reduce" hands every rank the whole batch with the routes to other ranks' experts given the sentinel
+id E / n and weight 0, and sums the ranks' outputs (every implementation here skips or zeroes those routes exactly, so
+the sum is the unsharded y up to the order of the k-term sum); "all_to_all" sends each rank only its own routes. A
+num_experts that n does not divide is refused at load (`check_expert_parallel_size`); CUDA-graph decoding captures only
+the all-reduce dispatch (`graph_capturable_expert_dispatch`).
+
 Each field may vary per layer (per_layer_config): num_experts, num_experts_per_tok, moe_intermediate_size,
 shared_expert_intermediate_size (0: no shared expert and no gate), norm_topk_prob, hidden_act.
 """
@@ -190,8 +199,10 @@ def check_expert_parallel_size(config: Any, ep_size: int) -> None:
     if ep_size <= 1:
         return
     for index, mlp_type in enumerate(config.mlp_types):
+        if mlp_type != "sparse_moe":
+            continue
         num_experts = config.per_layer_config[index].num_experts
-        if mlp_type == "sparse_moe" and num_experts % ep_size:
+        if num_experts % ep_size:
             raise ValueError(
                 f"Expert parallelism over ep_size={ep_size} ranks (the world size of the expert group) needs layer "
                 f"{index}'s num_experts divisible by {ep_size}, got num_experts={brief(num_experts)}; use an ep_size "
@@ -272,5 +283,4 @@ register(MlpSpec(
 __all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
            "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
            "check_expert_parallel_size", "graph_capturable_expert_dispatch", "graph_safe_experts",
-           "graph_safe_experts_implementation",
-           "init_sparse_moe_weights", "sparse_moe_parameter_count"]
+           "graph_safe_experts_implementation", "init_sparse_moe_weights", "sparse_moe_parameter_count"]
