@@ -7,6 +7,7 @@ reproduce the unsharded model."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -76,6 +77,14 @@ def _rank_experts(experts: torch.nn.Module, rank: int, ranks: int) -> torch.nn.M
     return local
 
 
+@functools.cache
+def _one_moe_layer(device: str) -> torch.nn.Module:
+    """A model of one sparse MoE layer of 4 experts on `device`, built once (each test sets its experts
+    implementation)."""
+    return tiny_model(["full_attention"], mlp_types=["sparse_moe"], num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=0).to(device)
+
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                         reason="needs CUDA")])
 
@@ -89,8 +98,7 @@ def test_experts_split_over_ranks_sum_to_the_whole(implementation, routing, devi
     # outputs are summed, as are their gradients of the shared inputs. Reference: the unsharded experts.
     # "all_on_rank_0": rank 1 receives sentinels only (empty groups; every row is skipped by its grouped GEMMs). On
     # CUDA the rows the grouped GEMMs skip are left unwritten (garbage, NaN at times), which the sentinel must mask.
-    model = tiny_model(["full_attention"], mlp_types=["sparse_moe"], num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=16, shared_expert_intermediate_size=0).to(device)
+    model = _one_moe_layer(device)
     model.set_experts_implementation(implementation)
     experts = model.model.layers[0].mlp.experts
     generator = torch.Generator().manual_seed(0)
