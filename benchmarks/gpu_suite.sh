@@ -3,7 +3,7 @@
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
-#   two-gpu, two-gpu-checks, gate-test, graph-tests, save-tuning (or a command without spaces)
+#   two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests, save-tuning (or a command without spaces)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 # Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
 #   CUDA_VISIBLE_DEVICES=0 SKIP_SETUP=1 bash benchmarks/gpu_suite.sh A B & CUDA_VISIBLE_DEVICES=1 SKIP_SETUP=1
@@ -52,6 +52,7 @@ for spec in "$@"; do
     generation-kda) cmd="python3 benchmarks/bench_generation.py --device cuda --skip-gdn" ;;
     two-gpu) cmd="bash benchmarks/two_gpu_finetune.sh" ;;
     two-gpu-checks) cmd="env CHECKS_ONLY=1 bash benchmarks/two_gpu_finetune.sh" ;;
+    two-gpu-moe) cmd="bash benchmarks/two_gpu_moe_parallel.sh" ;;  # MoE tensor- and expert-parallel checks, NCCL
     profile) cmd="python3 benchmarks/profile_gpu.py" ;;
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
     save-tuning) (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;

@@ -69,6 +69,7 @@ from .mixer_registry import MIXERS
 from .mixer_registry import layer_types as registered_layer_types
 from .mixer_registry import tensor_parallel_plan as mixers_tensor_parallel_plan
 from .mlp_registry import MLPS
+from .mlp_registry import expert_parallel_plan as mlps_expert_parallel_plan
 from .mlp_registry import tensor_parallel_plan as mlps_tensor_parallel_plan
 from .shown_values import brief, clip
 
@@ -465,6 +466,9 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
     # each MLP's and mixer's entries as its registration declares them (GDN and KDA split by heads, their conv
     # kernels, dt_bias, A_log and norm weight replicated: see tensor_parallel_heads.py)
     base_model_tp_plan = {**mlps_tensor_parallel_plan(), **mixers_tensor_parallel_plan()}
+    # the MoE experts whole on each rank, E / ep_size of them (DistributedConfig(tp_size=n, ep_size=n): the rest
+    # stays tensor parallel); see mlp_sparse_moe.py
+    base_model_ep_plan = mlps_expert_parallel_plan()
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
@@ -687,6 +691,7 @@ def _sync_registered_fields() -> None:
     _REGISTERED_FIELDS.update(declared)
     cls.__doc__ = _class_doc()
     cls.base_model_tp_plan = {**mlps_tensor_parallel_plan(), **mixers_tensor_parallel_plan()}
+    cls.base_model_ep_plan = mlps_expert_parallel_plan()
 
 
 _sync_registered_fields()  # the docstring, and the check that no registered field clashes with the config's own

@@ -27,7 +27,7 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import derived_weights
-from .mlp_sparse_moe import graph_safe_experts
+from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
 
 
 class WindowSteps:
@@ -153,6 +153,8 @@ class CudaGraphDecoder:
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
             return False
         if model.config._attn_implementation not in ("sdpa", "eager"):
+            return False
+        if not graph_capturable_expert_dispatch(model.config):  # expert parallelism's all-to-all: host-read sizes
             return False
         layers = cache.layers
         ready = [

@@ -18,6 +18,15 @@ gather), which saves the [S, H] un-permuted copy.
 benchmarks/bench_moe.py measures it against transformers' grouped_mm and eager in the same run (it is kept because it
 is faster there, CPU and CUDA); the numbers differ from theirs only by summation order inside the GEMMs.
 
+Expert parallelism (transformers' "ep_dispatch_experts" with "grouped_gemm" weights, mlp_sparse_moe.py's plan): this
+rank holds num_experts = E / ranks experts, numbered locally. transformers' all-reduce dispatch hands every rank the
+whole batch with the routes to other ranks' experts marked by the sentinel id num_experts and weight 0; the sort puts
+those pairs last, past offsets[-1], so the grouped GEMMs skip them, and because those kernels leave the rows they skip
+unwritten (in the forward output and in the input gradient), the sentinel rows are zeroed on both sides of each GEMM
+(`keep`): their contribution to the output, and to every gradient (hidden states, routing weights, experts), is then
+exactly zero, and the all-reduce of the ranks' partial outputs sums each token's k expert outputs. (The all-to-all
+dispatch sends this rank only its own pairs, top-1 with local ids and unit weights: no sentinel.)
+
 No host synchronisation on CUDA (sort, histc, cumsum and gathers stay on the device, shapes depend on the token
 count only), so a CUDA graph can capture it, as transformers' grouped_mm.
 """
@@ -60,26 +69,38 @@ class _GatherRows(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _zero_rows(rows: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """rows with the rows where `keep` [S, 1] is False set to 0 (its backward zeroes their gradient); `keep` None:
+    rows unchanged."""
+    return rows if keep is None else rows.masked_fill(~keep, 0.0)
+
+
 def grouped_mm_gather_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output [tokens, H] for hidden_states [tokens, H], top_k_index / top_k_weights [tokens, k]."""
     tokens, k = top_k_index.shape
+    num_experts = self.num_experts  # this rank's experts under expert parallelism
     flat = top_k_index.reshape(-1)
-    _, order = torch.sort(flat, stable=True)
+    sorted_experts, order = torch.sort(flat, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    if flat.device.type == "cuda":  # histc on the device: no host sync (bincount reads its length on the host)
-        counts = torch.histc(flat.int(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-    else:
-        counts = torch.bincount(flat, minlength=self.num_experts)
+    if flat.device.type == "cuda":  # histc on the device: no host sync (bincount reads its length on the host);
+        # it leaves out the expert-parallel sentinel (num_experts, above max)
+        counts = torch.histc(flat.int(), bins=num_experts, min=0, max=num_experts - 1)
+    else:  # minlength num_experts + 1 then the first num_experts: the sentinel's count dropped
+        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    # expert parallelism: the sorted pairs past offsets[-1] are the sentinel tail, which the grouped GEMMs skip and
+    # leave unwritten (forward rows and input-gradient rows); zeroed before and after each GEMM
+    keep = (sorted_experts < num_experts).unsqueeze(-1) if getattr(self, "_is_expert_parallel", False) else None
     token_of = order // k  # the token of each sorted pair
     selected = _GatherRows.apply(hidden_states, token_of, inverse, k)  # [S, H], grouped by expert
-    projected = _grouped_linear(selected, self.gate_up_proj, offsets)  # [S, 2I]
+    projected = _zero_rows(_grouped_linear(_zero_rows(selected, keep), self.gate_up_proj, offsets), keep)  # [S, 2I]
     weights = _GatherRows.apply(top_k_weights.reshape(-1, 1), order, inverse, 1)  # [S, 1]
     # the routing weight scales the expert's input to down_proj (I wide) rather than its output (H wide): the same
     # product by linearity, a quarter of the elementwise work at Qwen3-Next's I = H / 4
-    projected = _grouped_linear(self._apply_gate(projected) * weights.to(projected.dtype), self.down_proj, offsets)
+    gated = _zero_rows(self._apply_gate(projected) * weights.to(projected.dtype), keep)
+    projected = _zero_rows(_grouped_linear(gated, self.down_proj, offsets), keep)  # [S, H]
     if projected.device.type == "cpu":
         # each token's k rows summed into it in place (index_add: deterministic on the CPU, and its backward a
         # gather), without the [S, H] un-permuted copy

@@ -4,14 +4,15 @@ for token mixers (the shared parts, `ConfigField` and `ComponentSpec`, are in `c
 Each decoder layer's MLP is a per-layer choice, `config.mlp_types[i]` (default: every layer "dense", the gated MLP of
 `mlp_dense`). The configuration (its fields with their defaults and docs, which fields a layer of that MLP reads, their
 checks, the weight-count bound), the decoder layer (which module it builds as `self.mlp`, so checkpoints name its
-tensors `mlp.*`), the weight initialisation, the tensor-parallel plan (entries under "layers.*.mlp."), LoRA and the
-model card read this registry. The one line that registers a new MLP module is the import at the bottom of this
-file: a relative `from .module import Name` import, so a saved model folder ships the module with its remote code.
+tensors `mlp.*`), the weight initialisation, the tensor- and expert-parallel plans (entries under "layers.*.mlp."),
+LoRA and the model card read this registry. The one line that registers a new MLP module is the import at the bottom
+of this file: a relative `from .module import Name` import, so a saved model folder ships the module with its remote
+code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .component_registry import ComponentSpec, ConfigField, Registry, add_spec, lora_targets_of, plan_of, remove_spec
 
@@ -24,6 +25,8 @@ class MlpSpec(ComponentSpec):
     [batch, tokens, hidden_size]."""
 
     mlp_type: str  # the `mlp_types` entry
+    # submodule -> transformers expert-parallel style (`DistributedConfig(ep_size=...)`): for MLPs with experts
+    expert_parallel_plan: dict[str, str] = field(default_factory=dict)
 
 
 MLPS: Registry = Registry("mlp_types")
@@ -50,6 +53,13 @@ def tensor_parallel_plan() -> dict[str, str]:
     return plan_of(MLPS, lambda spec: MLP_ATTRIBUTE)
 
 
+def expert_parallel_plan() -> dict[str, str]:
+    """Every MLP's expert-parallel entries under the decoder layers ("layers.*.mlp.experts": "ep_dispatch_experts",
+    ...): transformers applies them when `ep_size > 1`, in place of the tensor-parallel entries of those modules."""
+    return {f"layers.*.{MLP_ATTRIBUTE}.{name}": style
+            for spec in MLPS.values() for name, style in spec.expert_parallel_plan.items()}
+
+
 def lora_targets() -> tuple[str, ...]:
     """The projection names LoRA adapts in every MLP."""
     return lora_targets_of(MLPS)
@@ -60,5 +70,5 @@ def lora_targets() -> tuple[str, ...]:
 from .mlp_dense import HybridLinearMLP  # noqa: E402,F401
 from .mlp_sparse_moe import HybridLinearSparseMoeBlock  # noqa: E402,F401
 
-__all__ = ["MLPS", "MLP_ATTRIBUTE", "ConfigField", "MlpSpec", "lora_targets", "mlp_types", "register",
-           "tensor_parallel_plan", "unregister"]
+__all__ = ["MLPS", "MLP_ATTRIBUTE", "ConfigField", "MlpSpec", "expert_parallel_plan", "lora_targets", "mlp_types",
+           "register", "tensor_parallel_plan", "unregister"]

@@ -28,6 +28,15 @@ The first three keep everything on the device with shapes that depend only on th
 capture them; the captured decoding step runs "grouped_mm_gather" when the model's choice is "eager"
 (`graph_safe_experts_implementation`).
 
+Expert parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=n, ep_size=n))`, or
+`fsdp_size=n, ep_size=n`): the registration's `expert_parallel_plan` is transformers' Qwen3-Next one. Each rank holds
+E / n whole experts (its `num_experts` becomes E / n, its expert ids local), and transformers' dispatch brings them
+their tokens: "all_reduce" hands every rank the whole batch with the routes to other ranks' experts given the sentinel
+id E / n and weight 0, and sums the ranks' outputs (every implementation here skips or zeroes those routes exactly, so
+the sum is the unsharded y up to the order of the k-term sum); "all_to_all" sends each rank only its own routes. A
+num_experts that n does not divide is refused at load (`check_expert_parallel_size`); CUDA-graph decoding captures only
+the all-reduce dispatch (`graph_capturable_expert_dispatch`).
+
 Each field may vary per layer (per_layer_config): num_experts, num_experts_per_tok, moe_intermediate_size,
 shared_expert_intermediate_size (0: no shared expert and no gate), norm_topk_prob, hidden_act.
 """
@@ -46,6 +55,7 @@ from transformers.integrations.moe import use_experts_implementation
 
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
+from .shown_values import brief
 
 # The experts implementations this module offers (transformers' names and ours); the first is the model's default.
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager")
@@ -81,6 +91,17 @@ def graph_safe_experts(config: Any, dtype: torch.dtype | None = None, device_typ
         yield
     finally:
         config._experts_implementation_internal = requested
+
+
+def graph_capturable_expert_dispatch(config: Any) -> bool:
+    """Whether a CUDA graph can capture the model's experts: False when they are expert parallel with a token dispatch
+    that reads its split sizes on the host (transformers' "all_to_all", which "auto" also picks when the ranks of the
+    expert group hold different batches, ep_size != tp_size); decoding then runs eagerly."""
+    distributed = getattr(config, "distributed_config", None)
+    if distributed is None or getattr(distributed, "ep_size", 1) <= 1:
+        return True
+    dispatch = distributed.ep_implementation
+    return dispatch == "all_reduce" or (dispatch == "auto" and distributed.ep_size == distributed.tp_size)
 
 
 class HybridLinearTopKRouter(nn.Module):
@@ -129,7 +150,10 @@ class HybridLinearExperts(nn.Module):
             # sentinel for pairs routed to another rank's experts, skipped
             expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = (expert_mask[: self.num_experts].sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist()
-        for expert in hit:
+        # no expert hit (expert parallelism: every route of the batch goes to other ranks): expert 0 on no rows, so
+        # the output stays in the graph of the inputs and weights, as on the ranks that have work: the dispatch's
+        # backward collectives (all-reduce of the inputs' gradients) then run on every rank
+        for expert in hit or [0]:
             slot, token = torch.where(expert_mask[expert])
             gate, up = F.linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
             out = F.linear(self.act_fn(gate) * up, self.down_proj[expert]) * top_k_weights[token, slot, None]
@@ -176,6 +200,23 @@ class HybridLinearSparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
+
+
+def check_expert_parallel_size(config: Any, ep_size: int) -> None:
+    """Expert parallelism over `ep_size` ranks holds num_experts / ep_size whole experts per rank: a ValueError naming
+    the first sparse MoE layer whose num_experts it does not divide (checked before transformers shards anything)."""
+    if ep_size <= 1:
+        return
+    for index, mlp_type in enumerate(config.mlp_types):
+        if mlp_type != "sparse_moe":
+            continue
+        num_experts = config.per_layer_config[index].num_experts
+        if num_experts % ep_size:
+            raise ValueError(
+                f"Expert parallelism over ep_size={ep_size} ranks (the world size of the expert group) needs layer "
+                f"{index}'s num_experts divisible by {ep_size}, got num_experts={brief(num_experts)}; use an ep_size "
+                f"that divides it, or a num_experts that ep_size divides (per_layer_config[{index}].num_experts or "
+                "num_experts).")
 
 
 def sparse_moe_parameter_count(settings: Any) -> int:
@@ -233,6 +274,14 @@ register(MlpSpec(
         "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts",
         "shared_expert.gate_proj": "colwise", "shared_expert.up_proj": "colwise", "shared_expert.down_proj": "rowwise",
     },
+    # expert parallelism (DistributedConfig(tp_size=n, ep_size=n)), transformers' Qwen3-Next plan: each rank holds
+    # E / n whole experts ("grouped_gemm" splits dim 0 and sets the module's num_experts to E / n), reached through
+    # "ep_dispatch_experts" (routes to other ranks' experts masked and the outputs all-reduced, or the tokens
+    # exchanged all-to-all: DistributedConfig.ep_implementation); these replace the experts' tensor-parallel entries,
+    # the router and the shared expert keep theirs
+    expert_parallel_plan={
+        "experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm", "experts": "ep_dispatch_experts",
+    },
     lora_targets=("gate_proj", "up_proj", "down_proj"),
     describe=lambda s: (f"{s.num_experts} experts of {s.moe_intermediate_size}, top-{s.num_experts_per_tok}"
                         + (f", shared expert of {s.shared_expert_intermediate_size}"
@@ -242,5 +291,5 @@ register(MlpSpec(
 
 __all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
            "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
-           "graph_safe_experts", "graph_safe_experts_implementation", "init_sparse_moe_weights",
-           "sparse_moe_parameter_count"]
+           "check_expert_parallel_size", "graph_capturable_expert_dispatch", "graph_safe_experts",
+           "graph_safe_experts_implementation", "init_sparse_moe_weights", "sparse_moe_parameter_count"]

@@ -9,6 +9,7 @@ import os
 
 import torch
 from torch import nn
+from transformers import DistributedConfig
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -35,7 +36,12 @@ from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
 from .mlp_registry import MLPS
-from .mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock, HybridLinearTopKRouter
+from .mlp_sparse_moe import (
+    EXPERTS_IMPLEMENTATIONS,
+    HybridLinearSparseMoeBlock,
+    HybridLinearTopKRouter,
+    check_expert_parallel_size,
+)
 from .moe_load_balancing import load_balancing_loss
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info
@@ -125,6 +131,13 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         # `experts_implementation=` and `set_experts_implementation` apply to them. Unset, they run this package's
         # grouped_mm_gather (benchmarks/bench_moe.py: faster than transformers' default grouped_mm, in the same run).
         return super().get_correct_experts_implementation(requested_experts or EXPERTS_IMPLEMENTATIONS[0])
+
+    def _resolve_parallel_plans(
+            self, distributed_config: DistributedConfig) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+        # transformers resolves the plans of `from_pretrained(..., distributed_config=...)` here, before sharding:
+        # an expert-parallel size that does not divide a layer's num_experts is refused in our words first
+        check_expert_parallel_size(self.config, distributed_config.ep_size)
+        return super()._resolve_parallel_plans(distributed_config)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with config.json's `auto_map` naming every Auto class of the family.
