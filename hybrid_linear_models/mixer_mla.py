@@ -12,7 +12,9 @@ an unrotated shared key slice. False (DeepSeek): qp_i and kp are rotated by posi
 all p dims of the slice rotate, so partial_rotary_factor does not apply; pairs (j, j + p/2) as transformers' Llama
 rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job).
 Parameter names are Kimi-Linear's (q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
-kv_b_proj, o_proj), no biases (as Kimi-Linear), so checkpoints map one to one.
+kv_b_proj, o_proj), so checkpoints map one to one; `attention_bias` puts biases where transformers' KimiLinearAttention
+and DeepSeek-V3 put them, on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj, q_b_proj or kv_b_proj, so the
+absorbed form below needs none; the released Kimi-Linear has none).
 
 The cache (cache_hybrid_linear.LatentKVLayer / StaticLatentKVLayer) keeps per token only [c | kp]: r + p values
 (`cache_bytes_per_token`), against h * (n + p + v) for the full keys and values (`full_kv_bytes_per_token`; Kimi-Linear
@@ -74,16 +76,17 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         self.num_key_value_groups = 1  # keys are per head (expanded) or one head for one query head (absorbed)
         H, heads = s.hidden_size, self.num_heads
         norm = lambda dim: HybridLinearRMSNorm(dim, s.mla_norm_eps, s.zero_centered_norms)  # noqa: E731
+        bias = s.attention_bias  # on the projections transformers' KimiLinearAttention gives one (module docstring)
         if self.q_lora_rank:
-            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=False)
+            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = norm(self.q_lora_rank)
             self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(H, heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = norm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=False)
+        self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=bias)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank:
@@ -187,10 +190,6 @@ def _rotary_settings(s: Any) -> _RopeSlice | None:
 def _relation_problems(s: Any, p: str) -> list[str]:
     """Checks between the MLA fields of one layer's settings `s`; p prefixes the field names in the messages."""
     problems = []
-    if s.attention_bias:
-        problems.append(f"{p}attention_bias=True, but an 'mla_attention' layer has no biases (Kimi-Linear's MLA): "
-                        f"set {p}attention_bias to False for its layers (per_layer_config when other attention layers "
-                        "keep theirs)")
     rope = s.rope_parameters
     if not s.mla_use_nope and s.qk_rope_head_dim:
         least = 4 if rope["rope_type"] == "dynamic" else 2  # dynamic NTK scales the base by a power dim / (dim - 2)

@@ -57,18 +57,18 @@ def mla_model(layer_types=None, seed: int = 0, **overrides) -> HybridLinearForCa
 # ------------------------------------------------------------------------------- the layer against references
 
 
-def _kimi_pair(q_lora_rank: int, rope: int):
+def _kimi_pair(q_lora_rank: int, rope: int, bias: bool = False):
     """transformers' KimiLinearAttention and ours with the same random weights (eager attention, plain norms of
     epsilon 1e-6: KimiLinearRMSNorm's default, which its MLA norms use)."""
     sizes = dict(MLA, qk_rope_head_dim=rope)
     kimi_config = KimiLinearConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, q_lora_rank=q_lora_rank or None,
-                                   num_key_value_heads=sizes["num_attention_heads"], **sizes)
+                                   num_key_value_heads=sizes["num_attention_heads"], attention_bias=bias, **sizes)
     kimi_config._attn_implementation = "eager"
     torch.manual_seed(0)
     kimi = KimiLinearAttention(kimi_config, 0)
     randomize(kimi, seed=1)
     config = mla_config(["mla_attention"], qk_rope_head_dim=rope, q_lora_rank=q_lora_rank, zero_centered_norms=False,
-                        mla_norm_eps=1e-6)
+                        mla_norm_eps=1e-6, attention_bias=bias)
     config._attn_implementation = "eager"
     ours = HybridLinearMultiHeadLatentAttention(config, 0)
     assert set(dict(ours.named_parameters())) == {n for n, p in kimi.named_parameters() if p is not None}
@@ -76,9 +76,11 @@ def _kimi_pair(q_lora_rank: int, rope: int):
     return kimi, ours
 
 
-@pytest.mark.parametrize("q_lora_rank,rope", [(0, 4), (12, 4), (0, 0), (12, 0)])
-def test_layer_and_gradients_equal_transformers_kimi_attention(q_lora_rank, rope):
-    kimi, ours = _kimi_pair(q_lora_rank, rope)
+@pytest.mark.parametrize("q_lora_rank,rope,bias", [(0, 4, False), (12, 4, False), (0, 0, False), (12, 0, False),
+                                                   (12, 4, True), (0, 4, True)])
+def test_layer_and_gradients_equal_transformers_kimi_attention(q_lora_rank, rope, bias):
+    kimi, ours = _kimi_pair(q_lora_rank, rope, bias)
+    assert (ours.o_proj.bias is not None) == bias
     x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3))
     mask = torch.full((9, 9), torch.finfo(torch.float32).min).triu(1)[None, None]
     outputs, gradients = [], []
@@ -224,7 +226,7 @@ def test_static_cache_uses_the_static_latent_layer():
     (dict(kv_lora_rank=0), "kv_lora_rank"),
     (dict(v_head_dim=None), "v_head_dim"),
     (dict(q_lora_rank=-1), "q_lora_rank"),
-    (dict(attention_bias=True), "attention_bias"),
+    (dict(mla_norm_eps=0.0), "mla_norm_eps"),
     (dict(per_layer_config={1: {"mla_use_nope": False, "qk_rope_head_dim": 3}}),
      "per_layer_config[1].qk_rope_head_dim"),
     (dict(per_layer_config={2: {"kv_lora_rank": 8}}), "per_layer_config[2].kv_lora_rank"),
