@@ -240,12 +240,16 @@ def test_bad_settings_give_one_error_naming_the_field(overrides, field):
 
 
 def test_model_card_and_docs_describe_the_layer():
-    from hybrid_linear_models.mixer_registry import MIXERS
+    from hybrid_linear_models.conversion.model_card import render_model_card
 
-    config = mla_config()
-    description = MIXERS["mla_attention"].describe(config.per_layer_config[1])
-    assert "KV latent rank 16" in description and "no rotary" in description
-    assert "kv_lora_rank (`int`" in HybridLinearConfig.__doc__
+    config = mla_config(per_layer_config={3: {"mla_use_nope": False, "q_lora_rank": 12}})
+    card = render_model_card(config, name="toy", parameter_count=1, dtype="float32", source_format="hf",
+                             source_format_description="d", source_path="p")
+    assert ("1 multi-head latent attention (4 heads (q/k 8 + 4, v 6), KV latent rank 16, full-rank q, no rotary "
+            "(NoPE)), 1 Gated DeltaNet") in card
+    assert "KV latent rank 16, q LoRA rank 12, rotary on the shared slice) |" in card
+    assert "| 3 | multi-head latent attention (`mla_attention`), mla_use_nope=False, q_lora_rank=12 |" in card
+    assert "        kv_lora_rank (`int`, defaults to 512; mla_attention): MLA: rank" in HybridLinearConfig.__doc__
 
 
 # --------------------------------------------------------------------------------------------- saving, remote code
