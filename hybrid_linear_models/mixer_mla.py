@@ -10,7 +10,9 @@ p (qk_rope_head_dim), value width v (v_head_dim), for a token x:
 `mla_use_nope` True (Kimi-Linear, whose released config says so with p = 64): no rotary embedding at all, kp is just
 an unrotated shared key slice. False (DeepSeek): qp_i and kp are rotated by position (the model's rope_parameters;
 all p dims of the slice rotate, so partial_rotary_factor does not apply; pairs (j, j + p/2) as transformers' Llama
-rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job).
+rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job; the
+softmax scale is 1/sqrt(n + p) whatever the rope type: DeepSeek-V3's YaRN correction of it, mscale_all_dim, is not
+applied).
 Parameter names are Kimi-Linear's (q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
 kv_b_proj, o_proj), so checkpoints map one to one; `attention_bias` puts biases where transformers' KimiLinearAttention
 and DeepSeek-V3 put them, on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj, q_b_proj or kv_b_proj, so the

@@ -161,6 +161,19 @@ def test_cached_generation_equals_uncached(cache):
     assert_cached_generation_equals_uncached(model, input_ids, cache, TOLERANCE)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_beside_full_and_sliding_attention_with_rotary_tables_of_their_own(cache):
+    """A rotary MLA layer (6 rotated dims) beside attention layers (16 * 0.25 = 4 rotated dims) and a NoPE one: two
+    rotary tables, one causal mask shared by full and latent attention, the sliding layer its own window."""
+    model = mla_model(["full_attention", "mla_attention", "sliding_attention", "mla_attention"], head_dim=16,
+                      num_key_value_heads=2, sliding_window=3, qk_rope_head_dim=6, mla_use_nope=False,
+                      per_layer_config={3: {"mla_use_nope": True, "q_lora_rank": 12}})
+    assert model.model.rotary_of_layer == [0, 1, 0, None]
+    assert [r.inv_freq.numel() for r in model.model.rotary_embs] == [2, 3]  # rotated pairs: 4 / 2 and 6 / 2
+    input_ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(13))
+    assert_cached_generation_equals_uncached(model, input_ids, cache, TOLERANCE)
+
+
 def test_cuda_graph_path_replayed_eagerly_equals_eager_decoding(monkeypatch):
     captured = replay_graphs_eagerly(monkeypatch)
     model = mla_model()
