@@ -1,0 +1,222 @@
+"""The kimi_linear format (issue 16): folders of transformers' own KimiLinearForCausalLM (random tiny models, saved by
+transformers, or laid out as the released checkpoints are) convert to our format with transformers' logits, back bit
+for bit, and our models that fit Kimi-Linear convert to folders transformers loads with our logits; those that do not
+fit are refused by the first layer or setting.
+
+Tolerance: logits within 1e-4 (float32, logits of order 1). Both models compute the same math in float32 through
+different kernels (transformers' reference chunked KDA and eager attention vs our chunked kernel and sdpa), so they
+differ only by summation order: ~1e-7 per op, a few ops deep in 3-4 layers (measured: below 1e-5). A mapping mistake
+(A_log reshaped across heads, q/k/v convolutions swapped, gate and up swapped, a norm taken as 1 + w) moves logits by
+1e-2 or more.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from model_helpers import randomize, tiny_config, tiny_model
+from safetensors.torch import save_file
+from test_convert_qwen3_next import tensors_of
+from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+from hybrid_linear_models import HybridLinearForCausalLM
+from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
+from hybrid_linear_models.conversion.formats import FORMATS
+from hybrid_linear_models.conversion.kimi_linear.checkpoint import kimi_linear_rows
+from hybrid_linear_models.conversion.kimi_linear.config import IRRELEVANT, KIMI_DEFAULTS, kimi_to_hybrid_config
+from hybrid_linear_models.conversion.kimi_linear.parameters import HeadsInDim2
+
+LOGITS_TOLERANCE = 1e-4  # see the module docstring
+VOCAB = 64
+
+
+def tiny_kimi_config(kda_heads: int = 2, kda_head_dim: int = 8, kernel: int = 4, layers: int = 3,
+                     full_attn_layers: tuple[int, ...] = (), **overrides) -> KimiLinearConfig:
+    """A tiny KimiLinearConfig in the hub's terms (1-indexed layer lists, first_k_dense_replace)."""
+    kda = [n for n in range(1, layers + 1) if n not in full_attn_layers]
+    settings = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                    linear_attn_config={"kda_layers": kda, "full_attn_layers": list(full_attn_layers),
+                                        "num_heads": kda_heads, "head_dim": kda_head_dim,
+                                        "short_conv_kernel_size": kernel},
+                    first_k_dense_replace=layers, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    settings.update(overrides)
+    return KimiLinearConfig(**settings)
+
+
+def save_kimi(folder: Path, seed: int = 0, **overrides) -> KimiLinearForCausalLM:
+    """A tiny KimiLinearForCausalLM with random weights everywhere (norms and A_log included), saved by transformers."""
+    torch.manual_seed(seed)
+    model = randomize(KimiLinearForCausalLM(tiny_kimi_config(**overrides)), seed).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def as_hub_layout(folder: Path) -> None:
+    """Rewrites a folder transformers saved into the released checkpoints' layout: transformers' save_pretrained
+    reverts its block_sparse_moe -> mlp renaming on every layer, dense ones included, where the hub keeps dense
+    layers' MLPs under mlp."""
+    tensors = {}
+    for key, (dtype, shape, data) in tensors_of(folder).items():
+        tensor = torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape) if data else torch.empty(shape,
+                                                                                                         dtype=dtype)
+        name = key
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            name = name.replace(f"block_sparse_moe.{part}.", f"mlp.{part}.")
+        tensors[name] = tensor
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def assert_same_logits(theirs: torch.nn.Module, ours: torch.nn.Module) -> None:
+    """Logits within LOGITS_TOLERANCE over a batch without padding (transformers' KimiLinear cannot build its cache
+    for a model without attention layers, hence use_cache=False)."""
+    tokens = torch.randint(1, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = theirs(tokens, use_cache=False).logits, ours(tokens, use_cache=False).logits
+    difference = (expected - got).abs().max().item()
+    assert difference <= LOGITS_TOLERANCE, difference
+    assert expected.abs().max() > 0.1  # logits of a real size: the comparison means something
+
+
+# --------------------------------------------------------------------------------------------- kimi_linear -> hf
+
+KDA_CASES = {
+    "2_heads_of_8": dict(),
+    "1_head_of_16_kernel_3": dict(kda_heads=1, kda_head_dim=16, kernel=3, rms_norm_eps=1e-6),
+    "4_heads_of_4": dict(kda_heads=4, kda_head_dim=4, layers=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KDA_CASES))
+def test_kda_kimi_linear_converts_with_transformers_logits(tmp_path, case):
+    theirs = save_kimi(tmp_path / "kimi", **KDA_CASES[case])
+    convert_checkpoint(tmp_path / "kimi", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
+    assert ours.config.kda_gate_activation == "sigmoid" and not ours.config.zero_centered_norms
+    assert_same_logits(theirs, ours.eval())
+
+
+def test_hub_layout_round_trip_is_bit_identical(tmp_path):
+    """kimi_linear (hub layout) -> hf -> kimi_linear: the same tensors byte for byte, names and A_log's (1, 1, H, 1)
+    included, and a config transformers reads as the source's."""
+    theirs = save_kimi(tmp_path / "source")
+    as_hub_layout(tmp_path / "source")
+    source = tensors_of(tmp_path / "source")
+    assert source["model.layers.0.self_attn.A_log"][1] == (1, 1, 2, 1) and "model.layers.0.mlp.up_proj.weight" in source
+    convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear")
+    assert tensors_of(tmp_path / "back") == source
+    again, info = KimiLinearForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info.values()), info
+    assert again.config.layer_types == theirs.config.layer_types
+    assert again.config.mlp_layer_types == theirs.config.mlp_layer_types
+    assert (again.config.linear_num_heads, again.config.linear_head_dim) == (2, 8)
+    assert_same_logits(theirs, again.eval())
+
+
+def test_saved_and_fused_layouts_read_the_same(tmp_path):
+    """transformers' save_pretrained folder (dense MLPs under block_sparse_moe), the hub layout and the in-memory
+    layout (save_original_format=False: one fused conv1d, forget_gate.*) convert to the same tensors."""
+    theirs = save_kimi(tmp_path / "saved")
+    shutil.copytree(tmp_path / "saved", tmp_path / "hub")
+    as_hub_layout(tmp_path / "hub")
+    theirs.save_pretrained(tmp_path / "fused", save_original_format=False)
+    fused = tensors_of(tmp_path / "fused")
+    assert "model.layers.0.self_attn.conv1d.weight" in fused and "model.layers.0.self_attn.forget_gate.A_log" in fused
+    converted = {}
+    for source in ("saved", "hub", "fused"):
+        convert_checkpoint(tmp_path / source, tmp_path / f"{source}-hf", from_format="kimi_linear", to_format="hf")
+        converted[source] = tensors_of(tmp_path / f"{source}-hf")
+    assert converted["saved"] == converted["hub"] == converted["fused"]
+
+
+def test_defaults_are_transformers_own():
+    """An absent field means what it means to transformers' KimiLinearConfig."""
+    defaults = KimiLinearConfig(pad_token_id=None, bos_token_id=None, eos_token_id=None).to_dict()
+    assert {name: defaults[name] for name in KIMI_DEFAULTS} == KIMI_DEFAULTS
+    config = kimi_to_hybrid_config({"model_type": "kimi_linear", "num_hidden_layers": 2, "first_k_dense_replace": 2,
+                                    "linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": []}},
+                                   "config.json")
+    assert config.layer_types == ["kimi_delta_attention"] * 2 and config.mlp_types == ["dense"] * 2
+    assert (config.kda_num_heads, config.kda_head_dim, config.rms_norm_eps, config.kda_norm_eps) == (32, 128, 1e-5,
+                                                                                                    1e-5)
+    assert set(IRRELEVANT) >= {"architectures", "transformers_version", "dtype", "auto_map"}
+
+
+def test_a_log_reshape():
+    converter = HeadsInDim2()
+    stored = torch.arange(3.0).reshape(1, 1, 3, 1)
+    (ours,) = converter.forward([stored])
+    assert ours.shape == (3,) and torch.equal(converter.inverse([ours])[0], stored)
+    assert converter.forward_shapes([(1, 1, 3, 1)]) == [(3,)] and converter.inverse_shapes([(3,)]) == [(1, 1, 3, 1)]
+    with pytest.raises(ValueError, match="not \\(1, 1, heads, 1\\)"):
+        converter.forward_shapes([(1, 3, 1, 1)])
+
+
+# --------------------------------------------------------------------------------------------- hf -> kimi_linear
+
+
+def test_our_kda_model_converts_to_transformers_kimi_linear(tmp_path):
+    """hf -> kimi_linear -> hf: bit for bit; transformers loads the Kimi folder (hub layout) with our logits."""
+    ours = tiny_model(["kimi_delta_attention"] * 3, hidden_size=32, kda_num_heads=2, kda_head_dim=8,
+                      vocab_size=VOCAB, rms_norm_eps=1e-5, zero_centered_norms=False)
+    ours.save_pretrained(tmp_path / "ours")
+    convert_checkpoint(tmp_path / "ours", tmp_path / "kimi", from_format="hf", to_format="kimi_linear")
+    assert sorted(p.name for p in (tmp_path / "kimi").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    written = tensors_of(tmp_path / "kimi")
+    assert written["model.layers.1.self_attn.A_log"][1] == (1, 1, 2, 1)
+    assert "model.layers.1.self_attn.q_conv1d.weight" in written and "model.layers.1.mlp.gate_proj.weight" in written
+    config = json.loads((tmp_path / "kimi" / "config.json").read_text())
+    assert config["linear_attn_config"]["kda_layers"] == [1, 2, 3] and config["first_k_dense_replace"] == 3
+    theirs, info = KimiLinearForCausalLM.from_pretrained(tmp_path / "kimi", output_loading_info=True)
+    assert not any(info.values()), info
+    assert_same_logits(theirs.eval(), ours)
+    convert_checkpoint(tmp_path / "kimi", tmp_path / "back", from_format="kimi_linear", to_format="hf")
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "ours")
+
+
+KDA_ONLY = ["kimi_delta_attention", "kimi_delta_attention"]
+FITS = dict(zero_centered_norms=False)
+
+
+@pytest.mark.parametrize("layer_types, overrides, fragments", [
+    (["kimi_delta_attention", "gated_deltanet"], FITS, ("layer 1 is 'gated_deltanet'",)),
+    (["sliding_attention", "kimi_delta_attention"], FITS, ("layer 0 is 'sliding_attention'",)),
+    (["kimi_delta_attention", "full_attention"], FITS, ("layer 1 is 'full_attention'",)),
+    (KDA_ONLY, {}, ("zero_centered_norms is True",)),
+    (KDA_ONLY, {**FITS, "kda_gate_activation": "silu"}, ("kda_gate_activation is 'silu'",)),
+    (KDA_ONLY, {**FITS, "kda_gate_bias": True}, ("kda_gate_bias is True",)),
+    (KDA_ONLY, {**FITS, "kda_norm_eps": 1e-3}, ("kda_norm_eps (0.001) differs",)),
+    (KDA_ONLY, {**FITS, "hidden_act": "gelu"}, ("hidden_act is 'gelu'",)),
+    (KDA_ONLY, {**FITS, "mlp_bias": True}, ("mlp_bias is True",)),
+    (KDA_ONLY, {**FITS, "tie_word_embeddings": True}, ("tie_word_embeddings is True", "random lm_head")),
+    (KDA_ONLY, {**FITS, "per_layer_config": {1: {"kda_num_heads": 4}}}, ("layer 1 has its own kda_num_heads",)),
+    (KDA_ONLY, {**FITS, "mlp_types": ["dense", "sparse_moe"], "num_experts": 2, "num_experts_per_tok": 1,
+                "moe_intermediate_size": 8}, ("layer 1's MLP is 'sparse_moe'",)),
+])
+def test_models_that_do_not_fit_are_refused_by_name(layer_types, overrides, fragments):
+    with pytest.raises(ConversionError) as caught:
+        kimi_linear_rows(tiny_config(layer_types, **overrides))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("this model does not fit Kimi-Linear: ")
+    assert all(fragment in message for fragment in fragments), message
+    assert "convert it to the hf format instead" in message
+
+
+def test_refusal_comes_before_any_output(tmp_path):
+    tiny_model(["kimi_delta_attention", "gated_deltanet"]).save_pretrained(tmp_path / "ours")
+    with pytest.raises(ConversionError, match="layer 1 is 'gated_deltanet'"):
+        convert_checkpoint(tmp_path / "ours", tmp_path / "out", from_format="hf", to_format="kimi_linear")
+    assert not (tmp_path / "out").exists()
+
+
+def test_catalogue_entry():
+    fmt = FORMATS["kimi_linear"]
+    assert fmt.can_read and fmt.can_write and not fmt.keeps_extra_tensors
+    assert fmt.output.marker_fields == {"model_type": "kimi_linear"} and fmt.output.writes("model.safetensors")
+    assert fmt.model_types == ("kimi_linear",)
