@@ -29,6 +29,8 @@ from hybrid_linear_models.conversion.formats import FORMATS
 from hybrid_linear_models.conversion.kimi_linear.checkpoint import kimi_linear_rows
 from hybrid_linear_models.conversion.kimi_linear.config import IRRELEVANT, KIMI_DEFAULTS, kimi_to_hybrid_config
 from hybrid_linear_models.conversion.kimi_linear.parameters import HeadsInDim2
+from hybrid_linear_models.mixer_registry import MIXERS
+from hybrid_linear_models.mlp_registry import MLPS
 
 LOGITS_TOLERANCE = 1e-4  # see the module docstring
 VOCAB = 64
@@ -220,3 +222,130 @@ def test_catalogue_entry():
     assert fmt.can_read and fmt.can_write and not fmt.keeps_extra_tensors
     assert fmt.output.marker_fields == {"model_type": "kimi_linear"} and fmt.output.writes("model.safetensors")
     assert fmt.model_types == ("kimi_linear",)
+
+
+# --------------------------------------------------------------------------------------------- MLA layers
+
+needs_mla = pytest.mark.skipif("mla_attention" not in MIXERS, reason="no MLA mixer ('mla_attention') registered")
+needs_kimi_moe = pytest.mark.skipif("kimi_moe" not in MLPS, reason="no Kimi MoE MLP ('kimi_moe') registered")
+
+MLA = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8,
+           qk_rope_head_dim=4, v_head_dim=8)
+MLA_CASES = {
+    # KDA, MLA, KDA, MLA: 2 heads, a plain q_proj
+    "q_proj_2_heads": dict(layers=4, full_attn_layers=(2, 4), **MLA),
+    # q LoRA (q_a_proj / q_a_layernorm / q_b_proj), 4 heads, v_head_dim unlike qk_nope_head_dim, MLA first
+    "q_lora_4_heads": dict(layers=3, full_attn_layers=(1,), **{**MLA, "num_attention_heads": 4,
+                                                               "num_key_value_heads": 4, "q_lora_rank": 12,
+                                                               "v_head_dim": 4}),
+    # 1 head, no rope part (qk_rope_head_dim 0), 3 KDA heads
+    "1_head_no_rope": dict(layers=3, full_attn_layers=(3,), kda_heads=3,
+                           **{**MLA, "num_attention_heads": 1, "num_key_value_heads": 1, "qk_rope_head_dim": 0}),
+}
+
+
+def assert_same_generation(theirs: torch.nn.Module, ours: torch.nn.Module, new_tokens: int = 20) -> None:
+    """Greedy cached generation of both models, token for token (a batch of 2 prompts without padding)."""
+    tokens = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(tokens))
+    with torch.no_grad():
+        expected, got = theirs.generate(tokens, **greedy), ours.generate(tokens, **greedy)
+    assert expected.shape == (2, 7 + new_tokens)
+    assert torch.equal(expected, got), (expected, got)
+
+
+@needs_mla
+@pytest.mark.parametrize("case", sorted(MLA_CASES))
+def test_mla_kimi_linear_converts_with_transformers_logits_and_generation(tmp_path, case):
+    theirs = save_kimi(tmp_path / "kimi", **MLA_CASES[case])
+    convert_checkpoint(tmp_path / "kimi", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    assert "mla_attention" in ours.config.layer_types
+    assert_same_logits(theirs, ours.eval())
+    assert_same_generation(theirs, ours)
+
+
+@needs_mla
+def test_mla_round_trips_are_bit_identical(tmp_path):
+    """kimi_linear (hub layout) -> hf -> kimi_linear and hf -> kimi_linear -> hf, byte for byte; transformers loads
+    the written folder with the source's logits and generation."""
+    theirs = save_kimi(tmp_path / "source", **MLA_CASES["q_lora_4_heads"])
+    as_hub_layout(tmp_path / "source")
+    convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear")
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "source")
+    convert_checkpoint(tmp_path / "back", tmp_path / "hf2", from_format="kimi_linear", to_format="hf")
+    assert tensors_of(tmp_path / "hf2") == tensors_of(tmp_path / "hf")
+    again, info = KimiLinearForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info.values()), info
+    assert again.config.q_lora_rank == 12 and again.config.layer_types == theirs.config.layer_types
+    assert_same_logits(theirs, again.eval())
+    assert_same_generation(theirs, again)
+
+
+# --------------------------------------------------------------------------------------------- Kimi's MoE
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1)
+MOE_CASES = {
+    # dense layer 0, then MoE; KDA and MLA; 2 groups of 2 experts, 1 group kept; renormalised top-2, scaled
+    "grouped": dict(layers=3, full_attn_layers=(2,), **MLA, **MOE, n_group=2, topk_group=1,
+                    routed_scaling_factor=2.5),
+    # one group, top-2 of 4 not renormalised, 2 shared experts
+    "not_renormalised": dict(layers=3, full_attn_layers=(3,), **MLA, **MOE, norm_topk_prob=False,
+                             n_shared_experts=2, routed_scaling_factor=1.0),
+}
+
+
+def save_kimi_moe(folder: Path, **overrides) -> KimiLinearForCausalLM:
+    """save_kimi with random router correction biases too (a buffer, which `randomize` leaves at zero)."""
+    theirs = save_kimi(folder, **overrides)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, buffer in theirs.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+    shutil.rmtree(folder)
+    theirs.save_pretrained(folder)
+    return theirs
+
+
+@needs_mla
+@needs_kimi_moe
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_kimi_linear_converts_with_transformers_logits_and_generation(tmp_path, case):
+    theirs = save_kimi_moe(tmp_path / "kimi", **MOE_CASES[case])
+    stored = tensors_of(tmp_path / "kimi")
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in stored  # the hub's per-expert layout
+    convert_checkpoint(tmp_path / "kimi", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    assert ours.config.mlp_types == ["dense", "kimi_moe", "kimi_moe"]
+    assert_same_logits(theirs, ours.eval())
+    assert_same_generation(theirs, ours)
+    as_hub_layout(tmp_path / "kimi")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear")
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "kimi")  # per expert again, bit for bit
+    convert_checkpoint(tmp_path / "back", tmp_path / "hf2", from_format="kimi_linear", to_format="hf")
+    assert tensors_of(tmp_path / "hf2") == tensors_of(tmp_path / "hf")
+
+
+@needs_mla
+@needs_kimi_moe
+def test_moe_fused_layout_reads_the_same(tmp_path):
+    theirs = save_kimi_moe(tmp_path / "saved", **MOE_CASES["grouped"])
+    theirs.save_pretrained(tmp_path / "fused", save_original_format=False)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in tensors_of(tmp_path / "fused")
+    for source in ("saved", "fused"):
+        convert_checkpoint(tmp_path / source, tmp_path / f"{source}-hf", from_format="kimi_linear", to_format="hf")
+    assert tensors_of(tmp_path / "saved-hf") == tensors_of(tmp_path / "fused-hf")
+
+
+@needs_kimi_moe
+def test_dense_layer_after_moe_does_not_fit():
+    config = tiny_config(KDA_ONLY + ["kimi_delta_attention"], zero_centered_norms=False,
+                         mlp_types=["kimi_moe", "dense", "kimi_moe"], num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=8)
+    with pytest.raises(ConversionError, match="layer 1 has a dense MLP after MoE layers"):
+        kimi_linear_rows(config)
