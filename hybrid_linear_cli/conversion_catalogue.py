@@ -134,7 +134,8 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
     ),
     FormatEntry(
         "kimi_linear",
-        "transformers' Kimi-Linear folder (KimiLinearForCausalLM; hub layout, per-expert MoE tensors)",
+        "Kimi-Linear's folder (KimiLinearForCausalLM, hub layout), read as transformers runs it: MLA without RoPE, "
+        "absent config fields at KimiLinearConfig's defaults",
         model_types=("kimi_linear",),
         read="kimi_linear.checkpoint:read_kimi_linear", target_rows="kimi_linear.checkpoint:kimi_linear_rows",
         write="kimi_linear.checkpoint:write_kimi_linear",

@@ -255,8 +255,6 @@ def _moe_settings(fields: Fields, census: TensorCensus | None, present: bool) ->
                               "hybrid_linear_models has no Kimi MoE MLP ('kimi_moe'); upgrade it.")
     read = _size(fields, census)
     out = {ours: _aliased(fields, theirs, read, KIMI_DEFAULTS[theirs]) for theirs, ours in _MOE_SIZES.items()}
-    out["n_shared_experts"] = _aliased(fields, "num_shared_experts", _size(fields, census, minimum=0),
-                                       KIMI_DEFAULTS["num_shared_experts"])
     out["norm_topk_prob"] = _aliased(fields, "moe_renormalize", fields.boolean, KIMI_DEFAULTS["moe_renormalize"])
     out["routed_scaling_factor"] = fields.number("routed_scaling_factor", KIMI_DEFAULTS["routed_scaling_factor"],
                                                  positive=True)
@@ -412,6 +410,9 @@ def hybrid_config_to_kimi(config: HybridLinearConfig) -> dict[str, Any]:
                    attention_bias=False, num_key_value_heads=config.num_attention_heads,
                    attention_dropout=config.attention_dropout)
     if KIMI_MOE in config.mlp_types:
+        if config.n_shared_experts == 0:
+            raise _refuse("the kimi_moe layers have no shared experts (n_shared_experts 0), and Kimi-Linear's always "
+                          "have them")
         out.update({theirs: getattr(config, ours) for theirs, ours in _MOE_SIZES.items()})
         out.update(moe_renormalize=config.norm_topk_prob, routed_scaling_factor=config.routed_scaling_factor,
                    moe_router_activation_func="sigmoid", use_grouped_topk=True,
