@@ -20,7 +20,8 @@ What Kimi-Linear's modules compute, and what it becomes here:
   models), one without lm_head.weight reads as tied; `--to kimi_linear` refuses tied models.
 - every other RMSNorm is plain x_hat * w (`zero_centered_norms` false); no MLP biases.
 - MLA: `num_attention_heads`, `kv_lora_rank`, `q_lora_rank` (null: a plain q_proj), `qk_nope_head_dim`,
-  `qk_rope_head_dim`, `v_head_dim`, `mla_use_nope`. transformers' KimiLinear never applies RoPE in MLA (what
+  `qk_rope_head_dim`, `v_head_dim`, `mla_use_nope`; its q_a_layernorm / kv_a_layernorm at epsilon 1e-6 (their
+  classes' default in both codes; `mla_norm_eps`), no biases. transformers' KimiLinear never applies RoPE in MLA (what
   `mla_use_nope: true` means in the original code, and what the released checkpoints use), so an absent
   `mla_use_nope` is taken as true and false is refused; `num_key_value_heads` must equal `num_attention_heads`
   (MLA has one latent KV shared by all heads; transformers repeats its keys by their ratio).
@@ -93,7 +94,10 @@ IRRELEVANT = ("architectures", "auto_map", "transformers_version", "dtype", "tor
 
 # Kimi-Linear's fixed settings, as our fields must be for `--to kimi_linear`.
 FIXED = {"zero_centered_norms": False, "kda_gate_activation": "sigmoid", "kda_gate_bias": False, "mlp_bias": False}
-FIXED_MLA = {"mla_use_nope": True}
+# MLA's q_a_layernorm / kv_a_layernorm: KimiLinearRMSNorm(dim) in transformers, KimiRMSNorm(dim) in the original
+# code, both at their default epsilon, not rms_norm_eps
+MLA_NORM_EPS = 1e-6
+FIXED_MLA = {"mla_use_nope": True, "mla_norm_eps": MLA_NORM_EPS, "attention_bias": False}
 
 
 def _refuse_read(label: str, what: str) -> ConversionError:
@@ -223,7 +227,8 @@ def _mla_settings(fields: Fields, census: TensorCensus | None, present: bool) ->
     read = _size(fields, census)
     out = {ours: read(theirs, KIMI_DEFAULTS[theirs]) for theirs, ours in _MLA_SIZES.items()}
     out["qk_rope_head_dim"] = _size(fields, census, minimum=0)("qk_rope_head_dim", KIMI_DEFAULTS["qk_rope_head_dim"])
-    out["q_lora_rank"] = read("q_lora_rank", None)
+    out["q_lora_rank"] = read("q_lora_rank", None) or 0  # null: one q_proj (ours: 0)
+    out["mla_norm_eps"] = MLA_NORM_EPS
     if not fields.boolean("mla_use_nope", True):
         raise ConversionError(f"{fields.file}: mla_use_nope is false; transformers' KimiLinear never applies RoPE in "
                               "its MLA layers (the released checkpoints use mla_use_nope true), so only true "
@@ -406,7 +411,7 @@ def hybrid_config_to_kimi(config: HybridLinearConfig) -> dict[str, Any]:
     }
     if MLA in config.layer_types:
         out.update({theirs: getattr(config, ours) for theirs, ours in _MLA_SIZES.items()})
-        out.update(qk_rope_head_dim=config.qk_rope_head_dim, q_lora_rank=config.q_lora_rank, mla_use_nope=True,
+        out.update(qk_rope_head_dim=config.qk_rope_head_dim, q_lora_rank=config.q_lora_rank or None, mla_use_nope=True,
                    attention_bias=False, num_key_value_heads=config.num_attention_heads,
                    attention_dropout=config.attention_dropout)
     if KIMI_MOE in config.mlp_types:
