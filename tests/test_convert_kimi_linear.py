@@ -349,3 +349,26 @@ def test_dense_layer_after_moe_does_not_fit():
                          moe_intermediate_size=8)
     with pytest.raises(ConversionError, match="layer 1 has a dense MLP after MoE layers"):
         kimi_linear_rows(config)
+
+
+@needs_mla
+@pytest.mark.parametrize("overrides, fragments", [
+    ({"mla_use_nope": False}, ("mla_use_nope is False",)),
+    ({"mla_norm_eps": 1e-5}, ("mla_norm_eps is 1e-05", "1e-06")),
+    ({"per_layer_config": {1: {"kv_lora_rank": 4}}}, ("layer 1 has its own kv_lora_rank",)),
+])
+def test_mla_models_that_do_not_fit_are_refused_by_name(overrides, fragments):
+    config = tiny_config(["kimi_delta_attention", "mla_attention"], zero_centered_norms=False, kv_lora_rank=8,
+                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, **overrides)
+    with pytest.raises(ConversionError) as caught:
+        kimi_linear_rows(config)
+    message = str(caught.value)
+    assert "\n" not in message and all(fragment in message for fragment in fragments), message
+
+
+@needs_kimi_moe
+def test_moe_without_shared_experts_does_not_fit():
+    config = tiny_config(KDA_ONLY, zero_centered_norms=False, mlp_types=["dense", "kimi_moe"], num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=0)
+    with pytest.raises(ConversionError, match=r"no shared experts \(n_shared_experts 0\)"):
+        kimi_linear_rows(config)

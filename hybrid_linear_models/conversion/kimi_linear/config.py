@@ -243,6 +243,7 @@ def _mla_settings(fields: Fields, census: TensorCensus | None, present: bool) ->
         raise ConversionError(f"{fields.file}: attention_bias is true; this converter's MLA has no projection biases, "
                               "so only false converts.")
     out["attention_dropout"] = fields.number("attention_dropout", 0.0)
+    out["num_key_value_heads"] = out["num_attention_heads"]  # read by no MLA layer; the config checks the ratio
     return out
 
 
