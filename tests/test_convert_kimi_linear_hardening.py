@@ -20,6 +20,7 @@ from test_convert_kimi_linear import as_hub_layout, save_kimi
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.formats import get_format
 from hybrid_linear_models.mixer_registry import MIXERS
+from hybrid_linear_models.mlp_registry import MLPS
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +178,45 @@ def test_fuzz_kimi_linear_safetensors_header(mutable, data):
     header, tensor_data = split_safetensors(mutable.originals["model.safetensors"])
     blob = data.draw(safetensors_file(data.draw(mutated(header)), tensor_data))
     outcome(mutable.with_file("model.safetensors", blob))
+
+
+# --------------------------------------------------------------------------------------------- MLA and MoE folders
+
+
+@pytest.fixture(scope="module")
+def moe_original(tmp_path_factory) -> Path:
+    from test_convert_kimi_linear import MOE_CASES, save_kimi_moe
+
+    folder = tmp_path_factory.mktemp("kimi_moe") / "model"
+    save_kimi_moe(folder, **MOE_CASES["grouped"])  # dense, MLA... layer 1 (0-indexed) is MLA, layers 1-2 MoE
+    return folder
+
+
+@pytest.mark.skipif("mla_attention" not in MIXERS or "kimi_moe" not in MLPS, reason="no MLA mixer or Kimi MoE")
+@pytest.mark.parametrize("tensor_edit, config_edit, fragment", [
+    (lambda t: t.pop("model.layers.2.block_sparse_moe.experts.3.w3.weight"), None,
+     "is missing tensor(s) model.layers.2.block_sparse_moe.experts.3.w3.weight"),
+    (lambda t: t.update({"model.layers.2.block_sparse_moe.experts.4.w1.weight": torch.zeros(16, 32)}), None,
+     "has tensor(s) model.layers.2.block_sparse_moe.experts.4.w1.weight that its config does not account for"),
+    (lambda t: t.pop("model.layers.1.self_attn.kv_a_layernorm.weight"), None,
+     "is missing tensor(s) model.layers.1.self_attn.kv_a_layernorm.weight"),
+    (None, lambda c: c.update(num_experts_per_token=5), "num_experts_per_token (5) is more than num_experts (4)"),
+    (None, lambda c: c.update(num_experts_per_tok=3),
+     "num_experts_per_token (2) and num_experts_per_tok (3) name the same setting and disagree"),
+    (None, lambda c: c.update(num_shared_experts=0), "num_shared_experts should be an integer >= 1, got 0"),
+    (None, lambda c: c.update(moe_router_activation_func="softmax"), "moe_router_activation_func is 'softmax'"),
+    (None, lambda c: c.update(use_grouped_topk=False), "use_grouped_topk is false with num_expert_group 2"),
+    (None, lambda c: c.update(num_experts=10**12), "num_experts is 1000000000000, more than the"),
+    (None, lambda c: c.update(num_key_value_heads=1), "num_key_value_heads (1) differs from num_attention_heads (2)"),
+    (None, lambda c: c.update(attention_bias=True), "attention_bias is true"),
+    (None, lambda c: c.update(q_lora_rank=0), "q_lora_rank should be an integer >= 1, got 0"),
+    (None, lambda c: c.update(kv_lora_rank=16),
+     "model.layers.1.self_attn.kv_a_proj_with_mqa.weight has shape [12, 32], but the config implies [20, 32]"),
+])
+def test_bad_mla_and_moe_folders_are_refused_by_name(tmp_path, moe_original, tensor_edit, config_edit, fragment):
+    folder = Path(shutil.copytree(moe_original, tmp_path / "model"))
+    if tensor_edit:
+        edit_tensors(folder, tensor_edit)
+    if config_edit:
+        edit_config(folder, config_edit)
+    refused(folder, fragment)
