@@ -136,6 +136,37 @@ def test_saved_and_fused_layouts_read_the_same(tmp_path):
     assert converted["saved"] == converted["hub"] == converted["fused"]
 
 
+def test_sharded_source_and_output(tmp_path):
+    theirs = save_kimi(tmp_path / "saved")
+    theirs.save_pretrained(tmp_path / "source", max_shard_size="20KB")
+    assert (tmp_path / "source" / "model.safetensors.index.json").is_file()
+    convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear",
+                       max_shard_size="30KB")
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    as_hub_layout(tmp_path / "saved")
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "saved")  # the same model, bit for bit
+
+
+def test_released_dtypes_survive_the_round_trip(tmp_path):
+    """The released checkpoints are bfloat16 with float32 A_log and dt_bias: every tensor keeps its own dtype and
+    bytes through hf and back."""
+    save_kimi(tmp_path / "source")
+    as_hub_layout(tmp_path / "source")
+    tensors = {}
+    for key, (dtype, shape, data) in tensors_of(tmp_path / "source").items():
+        tensor = torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+        tensors[key] = tensor if key.endswith(("A_log", "dt_bias")) else tensor.to(torch.bfloat16)
+    save_file(tensors, tmp_path / "source" / "model.safetensors", metadata={"format": "pt"})
+    convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    assert tensors_of(tmp_path / "hf")["model.layers.0.linear_attn.A_log"][0] == torch.float32
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear")
+    back = tensors_of(tmp_path / "back")
+    assert back == tensors_of(tmp_path / "source")
+    assert back["model.layers.0.self_attn.q_proj.weight"][0] == torch.bfloat16
+
+
 def test_defaults_are_transformers_own():
     """An absent field means what it means to transformers' KimiLinearConfig."""
     defaults = KimiLinearConfig(pad_token_id=None, bos_token_id=None, eos_token_id=None).to_dict()
