@@ -100,10 +100,6 @@ MLA_NORM_EPS = 1e-6
 FIXED_MLA = {"mla_use_nope": True, "mla_norm_eps": MLA_NORM_EPS, "attention_bias": False}
 
 
-def _refuse_read(label: str, what: str) -> ConversionError:
-    return ConversionError(f"{label}: {what}")
-
-
 def _aliased(fields: Fields, name: str, read: Callable[[str, Any], Any], default: Any) -> Any:
     """The setting `name` or its alias (`ALIASES`), read with `read(key, default)`; both given must agree."""
     names = [key for key in (name, ALIASES.get(name)) if key is not None and fields.has(key)]
