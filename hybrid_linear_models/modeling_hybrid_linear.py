@@ -35,7 +35,7 @@ from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
 from .mlp_registry import MLPS
-from .mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock, HybridLinearTopKRouter
+from .mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearTopKRouter
 from .moe_load_balancing import load_balancing_loss
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info
@@ -516,7 +516,11 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
         if output_router_logits:
-            aux_loss = load_balancing_loss(outputs.router_logits or (), self._moe_top_k(), attention_mask)
+            # the routers balanced by the loss (softmax top-k); Kimi's bias-balanced routers are recorded, not counted
+            balanced = [(logits, router.top_k) for logits, router in zip(outputs.router_logits or (), self._routers())
+                        if router.balanced_by_aux_loss]
+            aux_loss = load_balancing_loss(tuple(logits for logits, _ in balanced), [k for _, k in balanced],
+                                           attention_mask)
             if loss is not None and aux_loss is not None:
                 loss = loss + getattr(self.config, "router_aux_loss_coef", 0.001) * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(
@@ -529,10 +533,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
         )
 
-    def _moe_top_k(self) -> list[int]:
-        """num_experts_per_tok of each sparse MoE layer, in layer order (the order the router logits are recorded)."""
-        return [layer.mlp.gate.top_k for layer in self.model.layers
-                if isinstance(layer.mlp, HybridLinearSparseMoeBlock)]
+    def _routers(self) -> list[HybridLinearTopKRouter]:
+        """The router of each MoE layer, in layer order (the order their logits are recorded)."""
+        return [layer.mlp.gate for layer in self.model.layers
+                if isinstance(getattr(layer.mlp, "gate", None), HybridLinearTopKRouter)]
 
 
 def _auto_map_entry(cls: type) -> str:
