@@ -362,6 +362,22 @@ def test_moe_kimi_linear_converts_with_transformers_logits_and_generation(tmp_pa
     assert tensors_of(tmp_path / "hf2") == tensors_of(tmp_path / "hf")
 
 
+@needs_kimi_moe
+def test_moe_with_kda_layers_only_converts_and_round_trips(tmp_path):
+    """Kimi's MoE without MLA layers (logits only: transformers cannot cache a model without attention layers)."""
+    theirs = save_kimi_moe(tmp_path / "kimi", layers=3, **MOE, n_group=2, topk_group=1, routed_scaling_factor=2.5)
+    convert_checkpoint(tmp_path / "kimi", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info.values()), info
+    assert ours.config.mlp_types == ["dense", "kimi_moe", "kimi_moe"] and ours.config.n_group == 2
+    assert_same_logits(theirs, ours.eval())
+    as_hub_layout(tmp_path / "kimi")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear")
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "kimi")
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["first_k_dense_replace"], config["num_expert_group"], config["num_experts_per_token"]) == (1, 2, 2)
+
+
 @needs_mla
 @needs_kimi_moe
 def test_moe_fused_layout_reads_the_same(tmp_path):
