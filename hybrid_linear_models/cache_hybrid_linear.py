@@ -1,10 +1,11 @@
-"""Generation cache of GDN/KDA layers, plugged into transformers' Cache classes.
+"""Generation cache of GDN/KDA and latent-attention (MLA) layers, plugged into transformers' Cache classes.
 
 Attention layers use transformers' own KV layers (`DynamicLayer`, `DynamicSlidingWindowLayer`, or their static
-versions). A GDN/KDA layer keeps, per batch row, the last K-1 inputs of its short convolution and its float32
-recurrent state [H, dk, dv]: a fixed size, whatever the context length.
+versions). A multi-head latent attention layer (mixer_mla.py) keeps only its compressed KV, one [B, 1, T, r + rope]
+tensor (`LatentKVLayer`, `StaticLatentKVLayer`). A GDN/KDA layer keeps, per batch row, the last K-1 inputs of its
+short convolution and its float32 recurrent state [H, dk, dv]: a fixed size, whatever the context length.
 
-A recurrent mixer's registration (mixer_registry.register) puts this layer in transformers' layer-type tables, so
+A mixer's registration (mixer_registry.register) puts its cache layer in transformers' layer-type tables, so
 that `DynamicCache(config=config)` and `StaticCache(config=config, max_cache_len=...)` (what `generate` builds) hold
 the right layer for every mixer.
 """
@@ -15,7 +16,9 @@ import torch
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
+    DynamicLayer,
     LinearAttentionCacheLayerMixin,
+    StaticLayer,
 )
 
 
@@ -123,6 +126,31 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+
+class _LatentKV:
+    """What the two latent KV layers add to transformers' KV layers: the layout of what they hold.
+
+    An MLA layer caches, per token, its normalised KV latent (kv_lora_rank values) and the key slice shared by all
+    heads (qk_rope_head_dim values, rotated when the layer is rotary), concatenated: `keys` [B, 1, T, r + rope]. The
+    per-head keys and values are recomputed from it (mixer_mla.py), so `values` holds nothing ([B, 1, T, 0]). Being
+    transformers' dynamic and static layers otherwise (same update, crop, reorder, masks), the static one has the
+    fixed addresses CUDA-graph decoding needs and is treated there as any full-attention layer."""
+
+    def bytes_per_token(self) -> int:
+        """Bytes this layer holds per cached token and batch row (0 before its first update)."""
+        if not self.is_initialized:
+            return 0
+        return sum(t.shape[1] * t.shape[-1] * t.element_size() for t in (self.keys, self.values))
+
+
+class LatentKVLayer(_LatentKV, DynamicLayer):
+    """The dynamic cache layer of an MLA layer (see `_LatentKV`)."""
+
+
+class StaticLatentKVLayer(_LatentKV, StaticLayer):
+    """The static cache layer of an MLA layer (see `_LatentKV`), what `generate(cache_implementation="static")` and
+    CUDA-graph decoding use."""
 
 
 # One process can hold several copies of this module (the package, and the remote code of each folder loaded with

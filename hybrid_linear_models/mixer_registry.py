@@ -13,7 +13,9 @@ a relative import, so a saved model folder ships the module with its remote code
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .component_registry import (
     FIELD_KINDS,
@@ -35,7 +37,14 @@ class MixerSpec(ComponentSpec):
     attribute: str  # the decoder layer's attribute holding it ("self_attn", "linear_attn": the checkpoint names)
     state: str  # "kv": softmax attention, called (x, position_embeddings, mask, cache=...) with a KV cache layer;
     #             "recurrent": called (x, sequence_info, cache_layer) with `cache_layer` below
-    cache_layer: type | None = None  # the transformers cache layer of its state ("recurrent"; "kv" uses theirs)
+    # the transformers cache layer of its state: required for "recurrent"; for "kv", None means transformers' own
+    # table already knows the layer type (full and sliding attention), else the dynamic cache's layer class, with
+    # `static_cache_layer` the static cache's (a KV layer's two differ; unset: the same class)
+    cache_layer: type | None = None
+    static_cache_layer: type | None = None
+    # the settings its rotary embedding is built from (head_dim * rope_parameters["partial_rotary_factor"] dims
+    # rotated), from the layer's settings; None: the layer takes no position embeddings. Read for "kv" mixers only.
+    rotary_settings: Callable[[Any], Any] = lambda settings: settings
 
 
 MIXERS: Registry = Registry("layer_types")
@@ -46,15 +55,18 @@ def register(spec: MixerSpec) -> MixerSpec:
     transformers' layer-type tables, so DynamicCache(config=...) and StaticCache(config=...) hold it for that layer
     type."""
     recurrent = spec.state == "recurrent"
-    if spec.state not in ("kv", "recurrent") or recurrent != (spec.cache_layer is not None):
-        raise ValueError(f"MixerSpec of {spec.layer_type!r}: state must be 'kv' or 'recurrent', with a cache_layer "
-                         "exactly when recurrent.")
+    if spec.state not in ("kv", "recurrent") or (recurrent and spec.cache_layer is None):
+        raise ValueError(f"MixerSpec of {spec.layer_type!r}: state must be 'kv' or 'recurrent', a recurrent one with "
+                         "a cache_layer.")
+    if spec.static_cache_layer is not None and (recurrent or spec.cache_layer is None):
+        raise ValueError(f"MixerSpec of {spec.layer_type!r}: static_cache_layer is for a 'kv' mixer that also gives "
+                         "cache_layer (its dynamic cache layer).")
     add_spec(MIXERS, spec.layer_type, spec)
     if spec.cache_layer is not None:
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING
 
         DYNAMIC_LAYER_TYPE_MAPPING.setdefault(spec.layer_type, spec.cache_layer)
-        STATIC_LAYER_TYPE_MAPPING.setdefault(spec.layer_type, spec.cache_layer)
+        STATIC_LAYER_TYPE_MAPPING.setdefault(spec.layer_type, spec.static_cache_layer or spec.cache_layer)
     _allow_in_generic_configs(spec.layer_type)
     return spec
 
@@ -65,8 +77,9 @@ def unregister(layer_type: str) -> MixerSpec:
     if spec.cache_layer is not None:
         from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING
 
-        for mapping in (DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING):
-            if mapping.get(layer_type) is spec.cache_layer:
+        for mapping, layer in ((DYNAMIC_LAYER_TYPE_MAPPING, spec.cache_layer),
+                               (STATIC_LAYER_TYPE_MAPPING, spec.static_cache_layer or spec.cache_layer)):
+            if mapping.get(layer_type) is layer:
                 del mapping[layer_type]
     if layer_type in _ADDED_TO_GENERIC_CONFIGS:
         from transformers import configuration_utils
@@ -115,6 +128,7 @@ def lora_targets() -> tuple[str, ...]:
 from .mixer_attention import HybridLinearAttention  # noqa: E402,F401
 from .mixer_gated_deltanet import HybridLinearGatedDeltaNet  # noqa: E402,F401
 from .mixer_kimi_delta import HybridLinearKimiDeltaAttention  # noqa: E402,F401
+from .mixer_mla import HybridLinearMultiHeadLatentAttention  # noqa: E402,F401
 
 __all__ = ["FIELD_KINDS", "MIXERS", "ConfigField", "MixerSpec", "layer_types", "lora_targets", "register",
            "tensor_parallel_plan", "unregister"]

@@ -254,14 +254,16 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         self.layers = nn.ModuleList(HybridLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         final_eps = config._getattr_without_heterogeneous_validation("rms_norm_eps")  # the default (documented)
         self.norm = HybridLinearRMSNorm(config.hidden_size, final_eps, config.zero_centered_norms)
-        # one rotary embedding per distinct (head_dim, rope_parameters) of the attention layers, each computed once
-        # per forward; rotary_of_layer[i] picks layer i's (None for GDN/KDA layers)
+        # one rotary embedding per distinct (head_dim, rope_parameters) of the attention layers (as their
+        # registrations' rotary_settings give them), each computed once per forward; rotary_of_layer[i] picks layer
+        # i's (None for GDN/KDA layers and attention without rotary)
         rotary_settings, self.rotary_of_layer = {}, []
         for i, layer_type in enumerate(config.layer_types):
-            if MIXERS[layer_type].state != "kv":
+            spec = MIXERS[layer_type]
+            settings = spec.rotary_settings(config.per_layer_config[i]) if spec.state == "kv" else None
+            if settings is None:  # no position embeddings (a recurrent mixer, or attention without rotary)
                 self.rotary_of_layer.append(None)
                 continue
-            settings = config.per_layer_config[i]
             key = repr((settings.head_dim, sorted(settings.rope_parameters.items())))
             self.rotary_of_layer.append(rotary_settings.setdefault(key, (len(rotary_settings), settings))[0])
         rotary = [HybridLinearRotaryEmbedding(settings) for _, settings in rotary_settings.values()]
@@ -278,19 +280,15 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         return [rotary(hidden_states, position_ids) for rotary in self._rotary_embeddings()]
 
     def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> list:
-        """The attention mask of every layer (None for GDN/KDA layers): one per full attention, one per distinct
-        sliding window, each built once. A dict given by the caller maps layer types to masks."""
+        """The attention mask of every layer (None for GDN/KDA layers): one for all full (and latent) attention,
+        one per distinct sliding window, each built once. A dict given by the caller maps layer types to masks."""
         if isinstance(attention_mask, dict):
             return [attention_mask.get(t) for t in self.config.layer_types]
         kwargs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                       position_ids=position_ids)
         built, masks = {}, []
         for i, layer_type in enumerate(self.config.layer_types):
-            if layer_type == "full_attention":
-                key = "full"
-                if key not in built:
-                    built[key] = create_causal_mask(config=self.config, **kwargs)
-            elif layer_type == "sliding_attention":
+            if layer_type == "sliding_attention":
                 settings = self.config.per_layer_config[i]
                 key = settings.sliding_window
                 if key not in built:
@@ -300,6 +298,10 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                     # has another buffer length in a static cache when the windows differ
                     built[key] = described or create_sliding_window_causal_mask(config=settings, layer_idx=i,
                                                                                 **kwargs)
+            elif MIXERS[layer_type].state == "kv":  # full attention, and every other attention over all past keys
+                key = "full"
+                if key not in built:
+                    built[key] = create_causal_mask(config=self.config, **kwargs)
             else:
                 key = None
             masks.append(built.get(key))

@@ -85,12 +85,12 @@ FIELDS = {
         "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
         "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_size",
         "kda_num_heads", "kda_head_dim", "kda_conv_kernel_size", "max_position_embeddings", "num_hidden_layers",
-        "sliding_window")},
+        "sliding_window", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
     **{name: float_values() for name in (
-        "rms_norm_eps", "gdn_norm_eps", "kda_norm_eps", "initializer_range", "attention_dropout")},
+        "rms_norm_eps", "gdn_norm_eps", "kda_norm_eps", "mla_norm_eps", "initializer_range", "attention_dropout")},
     **{name: bool_values() for name in (
         "attention_bias", "mlp_bias", "attention_output_gate", "attention_qk_norm", "zero_centered_norms",
-        "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache")},
+        "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache", "mla_use_nope")},
     **{name: token_id_values() for name in ("pad_token_id", "bos_token_id", "eos_token_id")},
     "hidden_act": name_values(["silu", "gelu", "relu", "tanh"]),
     "gdn_gate_activation": name_values(["silu", "sigmoid"]),
@@ -210,6 +210,8 @@ def tiny_valid_kwargs(draw) -> dict:
                                          "gdn_conv_kernel_size": st.integers(1, 4)},
                       "kimi_delta_attention": {"kda_num_heads": st.integers(1, 3), "kda_head_dim": st.integers(1, 8),
                                                "kda_gate_activation": st.sampled_from(["silu", "sigmoid"])},
+                      "mla_attention": {"kv_lora_rank": st.integers(1, 8), "q_lora_rank": st.integers(0, 4),
+                                        "mla_use_nope": st.booleans(), "attention_bias": st.booleans()},
                       }[layer_type]}
         per_layer[index] = draw(st.fixed_dictionaries({}, optional=options))
     eos = draw(st.one_of(st.none(), st.integers(0, vocab - 1), st.lists(st.integers(0, vocab - 1), min_size=1,
@@ -230,6 +232,10 @@ def tiny_valid_kwargs(draw) -> dict:
         hidden_act=draw(st.sampled_from(["silu", "gelu", "relu"])),
         gdn_gate_activation=draw(st.sampled_from(["silu", "sigmoid"])),
         kda_gate_activation=draw(st.sampled_from(["silu", "sigmoid"])),
+        # MLA: its rotated slice as wide as attention's rotated dims (valid for every rope type), or none
+        kv_lora_rank=draw(st.integers(1, 8)), q_lora_rank=draw(st.integers(0, 4)),
+        qk_nope_head_dim=draw(st.integers(1, 8)), qk_rope_head_dim=draw(st.sampled_from([0, rotated_pairs * 2])),
+        v_head_dim=draw(st.integers(1, 8)), mla_use_nope=draw(st.booleans()),
         pad_token_id=draw(st.one_of(st.none(), st.integers(0, vocab - 1))), eos_token_id=eos,
     )
 

@@ -33,16 +33,19 @@ from hybrid_linear_models.training.finetune import LORA_TARGET_MODULES
 
 def test_every_layer_type_is_a_registered_mixer_whose_declarations_hold():
     assert LAYER_TYPES == tuple(MIXERS) == ("full_attention", "sliding_attention", "gated_deltanet",
-                                            "kimi_delta_attention")
-    config = tiny_config(["full_attention", "sliding_attention", "gated_deltanet", "kimi_delta_attention"])
+                                            "kimi_delta_attention", "mla_attention")
+    config = tiny_config(list(LAYER_TYPES))
     model = HybridLinearForCausalLM(config)
+    # with q LoRA, the MLA layer holds its q_a_proj / q_b_proj instead of q_proj (the plan and LoRA name both)
+    low_rank_q = HybridLinearForCausalLM(tiny_config(list(LAYER_TYPES), q_lora_rank=8))
     for index, (layer_type, spec) in enumerate(MIXERS.items()):
         for name, declared in spec.fields.items():  # its settings are config fields, with its defaults and docs
             assert HybridLinearConfig.__dataclass_fields__[name].default == declared.default
             assert f"        {name} (`{declared.annotation}`" in HybridLinearConfig.__doc__
         mixer = getattr(model.model.layers[index], spec.attribute)
         assert type(mixer) is spec.module_class
-        names = {name.rsplit(".", 1)[-1] for name, _ in mixer.named_modules()}
+        names = {name.rsplit(".", 1)[-1] for variant in (model, low_rank_q)
+                 for name, _ in getattr(variant.model.layers[index], spec.attribute).named_modules()}
         assert set(spec.tensor_parallel_plan) <= names and set(spec.lora_targets) <= names
         for name, style in spec.tensor_parallel_plan.items():
             assert HybridLinearConfig.base_model_tp_plan[f"layers.*.{spec.attribute}.{name}"] == style
@@ -264,7 +267,7 @@ def test_unregistering_takes_the_fields_out():
 @pytest.mark.parametrize("fields, message", [
     ({"num_attention_heads": ConfigField(kind="size", default=4, doc="heads.")},
      "MlpSpec of 'bad': field 'num_attention_heads' is declared differently by layer_types 'full_attention', "
-     "layer_types 'sliding_attention': declare it once and share the declaration."),
+     "layer_types 'sliding_attention', layer_types 'mla_attention': declare it once and share the declaration."),
     ({"hidden_size": ConfigField(kind="size", default=4, doc="width.")},
      "a registered component declares a field that HybridLinearConfig owns: hidden_size (declared by bad)"),
     ({"bad_size": ConfigField(kind="length", default=[4], doc="")},

@@ -1,0 +1,252 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3 and Kimi-Linear's attention layers), layer type "mla_attention".
+
+Keys and values come from one low-rank latent per token, shared by the heads; only that latent (and one shared key
+slice) is cached. With h heads, latent rank r (kv_lora_rank), per-head query/key widths n (qk_nope_head_dim) and
+p (qk_rope_head_dim), value width v (v_head_dim), for a token x:
+    q = x Wq  (or, with q LoRA: RMSNorm(x Wqa) Wqb),        q_i = [qn_i | qp_i]  per head i, widths n and p
+    [c | kp] = x Wkva  (kv_a_proj_with_mqa),  c = RMSNorm(c) (width r),  kp (width p) shared by all heads
+    [kn_i | v_i] = c Wkvb_i  (kv_b_proj),     k_i = [kn_i | kp]
+    o_i = softmax_j(q_i . k_ij / sqrt(n + p) + mask) v_ij,    y = [o_1 .. o_h] Wo.
+`mla_use_nope` True (Kimi-Linear, whose released config says so with p = 64): no rotary embedding at all, kp is just
+an unrotated shared key slice. False (DeepSeek): qp_i and kp are rotated by position (the model's rope_parameters;
+all p dims of the slice rotate, so partial_rotary_factor does not apply; pairs (j, j + p/2) as transformers' Llama
+rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job).
+Parameter names are Kimi-Linear's (q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
+kv_b_proj, o_proj), so checkpoints map one to one; `attention_bias` puts biases where transformers' KimiLinearAttention
+and DeepSeek-V3 put them, on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj, q_b_proj or kv_b_proj, so the
+absorbed form below needs none; the released Kimi-Linear has none).
+
+The cache (cache_hybrid_linear.LatentKVLayer / StaticLatentKVLayer) keeps per token only [c | kp]: r + p values
+(`cache_bytes_per_token`), against h * (n + p + v) for the full keys and values (`full_kv_bytes_per_token`; Kimi-Linear
+48B: 576 against 10240, 17.8x less).
+
+Two ways to attend, the same math:
+- expanded (training, prefill, any multi-token step, flash attention): every key's kn_i and v_i are computed from
+  its latent by kv_b_proj, then ordinary multi-head attention through transformers' attention interface (eager,
+  sdpa, flash: which pads v to the key width when they differ). Cost per step grows with T * r * h * (n + v).
+- absorbed (one-token decoding steps against a cache, eager or sdpa): kv_b_proj is folded into the query and the
+  output instead, so attention runs in the latent space, against the cache as it is: with Wkvb_i = [Uk_i | Uv_i],
+      q_i . k_ij = (qn_i Uk_i^T) . c_j + qp_i . kp_j,    o_i = (sum_j a_ij c_j) Uv_i^T,
+  one key "head" [c | kp] of width r + p and one value "head" c (a view of the same cache tensor) for all h heads.
+  The h queries of the step are the rows of a single query head (they share the step's mask), so the cache is read
+  once per step, with no copy per head. Cost per step grows with T * h * (2r + p): decoding does not re-expand the
+  context. The sums are regrouped, so it equals the expanded form up to rounding (float32: ~1e-6, checked in the
+  tests against the uncached forward). A kv_b_proj that is no plain Linear (a LoRA adapter around it) is expanded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .cache_hybrid_linear import LatentKVLayer, StaticLatentKVLayer
+from .mixer_attention import _FIELDS as ATTENTION_FIELDS
+from .mixer_attention import apply_rotary, eager_attention_forward
+from .mixer_registry import ConfigField, MixerSpec, register
+from .norms import HybridLinearRMSNorm
+
+if TYPE_CHECKING:
+    from .configuration_hybrid_linear import HybridLinearConfig
+
+_ABSORBING_IMPLEMENTATIONS = ("eager", "sdpa")  # take a value narrower than the key and a broadcast mask
+
+
+class HybridLinearMultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: HybridLinearConfig, layer_idx: int):
+        """config: the model's (its attention implementation can change after construction); the layer's own
+        settings are config.per_layer_config[layer_idx]."""
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        s = config.per_layer_config[layer_idx]
+        self.num_heads = s.num_attention_heads
+        self.kv_lora_rank, self.q_lora_rank = s.kv_lora_rank, s.q_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = s.qk_nope_head_dim, s.qk_rope_head_dim
+        self.v_head_dim = s.v_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.rotary = not s.mla_use_nope and self.qk_rope_head_dim > 0
+        self.scaling = self.qk_head_dim**-0.5
+        self.attention_dropout = s.attention_dropout
+        self.is_causal = True
+        self.num_key_value_groups = 1  # keys are per head (expanded) or one head for one query head (absorbed)
+        H, heads = s.hidden_size, self.num_heads
+        norm = lambda dim: HybridLinearRMSNorm(dim, s.mla_norm_eps, s.zero_centered_norms)  # noqa: E731
+        bias = s.attention_bias  # on the projections transformers' KimiLinearAttention gives one (module docstring)
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(H, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = norm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(H, heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = norm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=bias)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return self.q_proj(x)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T = hidden_states.shape[:2]
+        nope, rope, r = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        # head counts follow from the projections' sizes (-1), so a tensor-parallel shard runs its local heads
+        query = self._queries(hidden_states).view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, h, T, n + p]
+        latent, shared_key = self.kv_a_proj_with_mqa(hidden_states).split([r, rope], dim=-1)
+        shared_key = shared_key[:, None]  # [B, 1, T, p]
+        if self.rotary:
+            q_nope, q_rope = query.split([nope, rope], dim=-1)
+            q_rope, shared_key = apply_rotary(q_rope, shared_key, *position_embeddings)
+            query = torch.cat([q_nope, q_rope], dim=-1)
+        compressed = torch.cat([self.kv_a_layernorm(latent)[:, None], shared_key], dim=-1)  # [B, 1, T, r + p]
+        if cache is not None:
+            compressed, _ = cache.update(compressed, compressed[..., :0], self.layer_idx)
+
+        implementation = self.config._attn_implementation
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        settings = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, **kwargs)
+        if (cache is not None and T == 1 and implementation in _ABSORBING_IMPLEMENTATIONS
+                and type(self.kv_b_proj) is nn.Linear):
+            output, weights = self._absorbed(attention, query, compressed, attention_mask, settings)
+        else:
+            output, weights = self._expanded(attention, query, compressed, attention_mask, settings,
+                                             pad_value="flash" in implementation)
+        return self.o_proj(output.reshape(B, T, -1)), weights
+
+    def _expanded(self, attention: Callable, query: torch.Tensor, compressed: torch.Tensor, attention_mask,
+                  settings: dict, pad_value: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-head keys and values from every cached latent, then multi-head attention. Returns [B, T, h, v]."""
+        B, _, keys, _ = compressed.shape
+        latent, shared_key = compressed.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        expanded = self.kv_b_proj(latent[:, 0]).view(B, keys, -1, self.qk_nope_head_dim + self.v_head_dim)
+        key_nope, value = expanded.transpose(1, 2).split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        key = torch.cat([key_nope, shared_key.expand(-1, key_nope.shape[1], -1, -1)], dim=-1)
+        if pad_value and self.v_head_dim != self.qk_head_dim:  # flash attention wants one width for q, k and v
+            value = nn.functional.pad(value, [0, self.qk_head_dim - self.v_head_dim])
+        output, weights = attention(self, query, key, value, attention_mask, **settings)
+        return output[..., : self.v_head_dim], weights
+
+    def _absorbed(self, attention: Callable, query: torch.Tensor, compressed: torch.Tensor, attention_mask,
+                  settings: dict) -> tuple[torch.Tensor, None]:
+        """One token per row: attention in the latent space (see the module docstring). Returns [B, 1, h, v]."""
+        nope, r = self.qk_nope_head_dim, self.kv_lora_rank
+        weight = self.kv_b_proj.weight.view(-1, nope + self.v_head_dim, r)  # [h, n + v, r]: [Uk_i | Uv_i] per head
+        q_nope, q_rope = query[:, :, 0].split([nope, self.qk_rope_head_dim], dim=-1)  # [B, h, n], [B, h, p]
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, weight[:, :nope])
+        rows = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [B, 1, h, r + p]: the heads as one head's rows
+        settings = {**settings, "is_causal": False}  # the rows are heads, not positions: the mask alone applies
+        output, _ = attention(self, rows, compressed, compressed[..., :r], attention_mask, **settings)
+        output = torch.einsum("bhr,hvr->bhv", output[:, :, 0], weight[:, nope:])  # output [B, h, 1, r] -> [B, h, v]
+        return output[:, None], None
+
+
+# ---------------------------------------------------------------------------------------------- cache size
+
+
+def cache_bytes_per_token(settings: Any, dtype: torch.dtype) -> int:
+    """Bytes an MLA layer of these settings caches per token and batch row: its latent and shared key slice."""
+    return (settings.kv_lora_rank + settings.qk_rope_head_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+def full_kv_bytes_per_token(settings: Any, dtype: torch.dtype) -> int:
+    """Bytes per token and row of the full keys and values of the same heads (what an expanded cache would hold)."""
+    width = settings.qk_nope_head_dim + settings.qk_rope_head_dim + settings.v_head_dim
+    return settings.num_attention_heads * width * torch.empty((), dtype=dtype).element_size()
+
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+
+class _RopeSlice:
+    """A layer's settings as the model's rotary embedding reads them: the whole rope slice rotated (head_dim = p,
+    partial_rotary_factor 1), the rope type, theta and scaling of the layer's rope_parameters."""
+
+    def __init__(self, settings: Any):
+        self._settings = settings
+        self.head_dim = settings.qk_rope_head_dim
+        self.rope_parameters = {**settings.rope_parameters, "partial_rotary_factor": 1.0}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._settings, name)
+
+
+def _rotary_settings(s: Any) -> _RopeSlice | None:
+    return None if s.mla_use_nope or not s.qk_rope_head_dim else _RopeSlice(s)
+
+
+def _relation_problems(s: Any, p: str) -> list[str]:
+    """Checks between the MLA fields of one layer's settings `s`; p prefixes the field names in the messages."""
+    problems = []
+    rope = s.rope_parameters
+    if not s.mla_use_nope and s.qk_rope_head_dim:
+        least = 4 if rope["rope_type"] == "dynamic" else 2  # dynamic NTK scales the base by a power dim / (dim - 2)
+        if s.qk_rope_head_dim % 2 or s.qk_rope_head_dim < least:
+            problems.append(f"{p}qk_rope_head_dim={s.qk_rope_head_dim} is rotated (mla_use_nope=False), so it must be "
+                            f"even and at least {least} for rope_type {rope['rope_type']!r}; or set mla_use_nope=True")
+        if rope["rope_type"] == "llama3" and not rope["high_freq_factor"] > rope["low_freq_factor"]:
+            problems.append(f"{p}rope_parameters['high_freq_factor'] must be greater than ['low_freq_factor'] "
+                            "(llama3)")
+        for key in ("short_factor", "long_factor"):
+            values = rope.get(key)
+            if key in rope and not (isinstance(values, list) and len(values) == s.qk_rope_head_dim // 2):
+                problems.append(f"{p}rope_parameters['{key}'] must be a list of qk_rope_head_dim // 2 = "
+                                f"{s.qk_rope_head_dim // 2} numbers (one per rotated pair)")
+    return problems
+
+
+def _parameter_count(s: Any) -> int:
+    heads, H, qk = s.num_attention_heads, s.hidden_size, s.qk_nope_head_dim + s.qk_rope_head_dim
+    q = (H + heads * qk) * s.q_lora_rank if s.q_lora_rank else H * heads * qk
+    kv = H * (s.kv_lora_rank + s.qk_rope_head_dim) + s.kv_lora_rank * heads * (s.qk_nope_head_dim + s.v_head_dim)
+    return q + kv + heads * s.v_head_dim * H
+
+
+def _describe(s: Any) -> str:
+    query = f"q LoRA rank {s.q_lora_rank}" if s.q_lora_rank else "full-rank q"
+    position = "no rotary (NoPE)" if s.mla_use_nope or not s.qk_rope_head_dim else "rotary on the shared slice"
+    return (f"{s.num_attention_heads} heads (q/k {s.qk_nope_head_dim} + {s.qk_rope_head_dim}, v {s.v_head_dim}), KV "
+            f"latent rank {s.kv_lora_rank}, {query}, {position}")
+
+
+_FIELDS = {
+    "num_attention_heads": ATTENTION_FIELDS["num_attention_heads"],
+    "attention_bias": ATTENTION_FIELDS["attention_bias"],
+    "rope_parameters": ATTENTION_FIELDS["rope_parameters"],
+    "kv_lora_rank": ConfigField(kind="size", default=512,
+                                doc="MLA: rank of the KV latent each token's keys and values are computed from."),
+    "q_lora_rank": ConfigField(kind="size_or_zero", default=0,
+                               doc="MLA: rank of the low-rank query projection (q_a_proj, q_b_proj); 0: one q_proj."),
+    "qk_nope_head_dim": ConfigField(kind="size", default=128,
+                                    doc="MLA: per-head query/key width computed from the latent (never rotated)."),
+    "qk_rope_head_dim": ConfigField(kind="size_or_zero", default=64,
+                                    doc="MLA: width of the key slice all heads share (rotated unless mla_use_nope)."),
+    "v_head_dim": ConfigField(kind="size", default=128, doc="MLA: per-head value width."),
+    "mla_use_nope": ConfigField(
+        kind="bool", default=True,
+        doc="MLA without rotary embedding (Kimi-Linear); False: DeepSeek's rotary on the qk_rope_head_dim slice."),
+    "mla_norm_eps": ConfigField(kind="epsilon", default=None, default_from="rms_norm_eps",
+                                doc="MLA: epsilon of q_a_layernorm and kv_a_layernorm (default: rms_norm_eps)."),
+}
+
+register(MixerSpec(
+    layer_type="mla_attention", title="multi-head latent attention", fields=_FIELDS,
+    module_class=HybridLinearMultiHeadLatentAttention, attribute="self_attn", state="kv",
+    cache_layer=LatentKVLayer, static_cache_layer=StaticLatentKVLayer, rotary_settings=_rotary_settings,
+    parameter_count=_parameter_count, relation_problems=_relation_problems,
+    tensor_parallel_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"},
+    lora_targets=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    describe=_describe,
+))

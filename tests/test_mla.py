@@ -1,0 +1,301 @@
+"""Multi-head latent attention ("mla_attention", mixer_mla.py): the layer against transformers' KimiLinearAttention
+(the same weights) and, in its rotary (DeepSeek) form, against a reference written here from the math; its latent
+cache (dynamic, static, the CUDA-graph path replayed eagerly) against uncached decoding; packing, left padding,
+per-layer settings, config errors, saving and remote code."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from model_helpers import (
+    WITHOUT_THE_PACKAGE_PRELUDE,
+    assert_cached_generation_equals_uncached,
+    assert_padded_and_packed_rows_run_alone,
+    assert_same_generation,
+    greedy,
+    randomize,
+    replay_graphs_eagerly,
+)
+from transformers import DynamicCache
+from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
+
+from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models.cache_hybrid_linear import LatentKVLayer, StaticLatentKVLayer
+from hybrid_linear_models.mixer_mla import (
+    HybridLinearMultiHeadLatentAttention,
+    cache_bytes_per_token,
+    full_kv_bytes_per_token,
+)
+
+MLA = dict(num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+HYBRID = ["kimi_delta_attention", "mla_attention", "gated_deltanet", "mla_attention"]
+
+
+def mla_config(layer_types=None, **overrides) -> HybridLinearConfig:
+    settings = dict(vocab_size=128, hidden_size=32, intermediate_size=48, layer_types=layer_types or HYBRID,
+                    kda_num_heads=2, kda_head_dim=8, gdn_num_key_heads=2, gdn_num_value_heads=2,
+                    gdn_key_head_dim=8, gdn_value_head_dim=8, rms_norm_eps=1e-6, **MLA)
+    return HybridLinearConfig(**{**settings, **overrides})
+
+
+def mla_model(layer_types=None, seed: int = 0, **overrides) -> HybridLinearForCausalLM:
+    """A tiny hybrid model whose layer 1 is Kimi's form (no rotary, full-rank q) and layer 3 DeepSeek's (rotary on
+    the shared slice, q LoRA), with distinct random weights everywhere."""
+    overrides.setdefault("per_layer_config", {3: {"mla_use_nope": False, "q_lora_rank": 12}})
+    torch.manual_seed(seed)
+    return randomize(HybridLinearForCausalLM(mla_config(layer_types, **overrides)), seed).eval()
+
+
+# ------------------------------------------------------------------------------- the layer against references
+
+
+def _kimi_pair(q_lora_rank: int, rope: int, bias: bool = False):
+    """transformers' KimiLinearAttention and ours with the same random weights (eager attention, plain norms of
+    epsilon 1e-6: KimiLinearRMSNorm's default, which its MLA norms use)."""
+    sizes = dict(MLA, qk_rope_head_dim=rope)
+    kimi_config = KimiLinearConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, q_lora_rank=q_lora_rank or None,
+                                   num_key_value_heads=sizes["num_attention_heads"], attention_bias=bias, **sizes)
+    kimi_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    kimi = KimiLinearAttention(kimi_config, 0)
+    randomize(kimi, seed=1)
+    config = mla_config(["mla_attention"], qk_rope_head_dim=rope, q_lora_rank=q_lora_rank, zero_centered_norms=False,
+                        mla_norm_eps=1e-6, attention_bias=bias)
+    config._attn_implementation = "eager"
+    ours = HybridLinearMultiHeadLatentAttention(config, 0)
+    assert set(dict(ours.named_parameters())) == {n for n, p in kimi.named_parameters() if p is not None}
+    ours.load_state_dict(kimi.state_dict())
+    return kimi, ours
+
+
+@pytest.mark.parametrize("q_lora_rank,rope,bias", [(0, 4, False), (12, 4, False), (0, 0, False), (12, 0, False),
+                                                   (12, 4, True), (0, 4, True)])
+def test_layer_and_gradients_equal_transformers_kimi_attention(q_lora_rank, rope, bias):
+    kimi, ours = _kimi_pair(q_lora_rank, rope, bias)
+    assert (ours.o_proj.bias is not None) == bias
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(3))
+    mask = torch.full((9, 9), torch.finfo(torch.float32).min).triu(1)[None, None]
+    outputs, gradients = [], []
+    for layer, call in ((kimi, lambda h: kimi(h, mask)[0]), (ours, lambda h: ours(h, None, mask)[0])):
+        h = x.clone().requires_grad_()
+        out = call(h)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        gradients.append({"input": h.grad, **{n: p.grad for n, p in layer.named_parameters() if p is not None}})
+    # The same float32 operations in the same order except the RMSNorm kernel and the key assembly (cat vs copy):
+    # differences are a few float32 roundings (~1e-7 relative), far inside 1e-5.
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    for name, expected in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _reference_deepseek(layer: HybridLinearMultiHeadLatentAttention, x: torch.Tensor, theta: float) -> torch.Tensor:
+    """The rotary MLA of one sequence x [T, hidden] from the formulas (module docstring), token by token and head by
+    head: plain RMSNorms, pairs (j, j + p/2) rotated by angle position * theta^(-2j/p), causal softmax."""
+    nope, rope, v_dim, r = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim, layer.kv_lora_rank
+    x = x.double()
+    weight = {n: p.detach().double() for n, p in layer.named_parameters()}
+
+    def rms(values, w):
+        return values / torch.sqrt(values.square().mean(-1, keepdim=True) + layer.kv_a_layernorm.eps) * w
+
+    def rotate(values, position):
+        half = rope // 2
+        angles = position * theta ** (-torch.arange(half, dtype=torch.float64) * 2 / rope)
+        a, b = values[:half], values[half:]
+        return torch.cat([a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin()])
+
+    q_latent = rms(x @ weight["q_a_proj.weight"].T, weight["q_a_layernorm.weight"])
+    q = (q_latent @ weight["q_b_proj.weight"].T).view(len(x), layer.num_heads, nope + rope)
+    compressed = x @ weight["kv_a_proj_with_mqa.weight"].T
+    latent = rms(compressed[:, :r], weight["kv_a_layernorm.weight"])
+    kv = (latent @ weight["kv_b_proj.weight"].T).view(len(x), layer.num_heads, nope + v_dim)
+    outputs = torch.zeros(len(x), layer.num_heads, v_dim, dtype=torch.float64)
+    for t in range(len(x)):
+        for i in range(layer.num_heads):
+            query = torch.cat([q[t, i, :nope], rotate(q[t, i, nope:], t)])
+            scores = torch.stack([query @ torch.cat([kv[j, i, :nope], rotate(compressed[j, r:], j)])
+                                  for j in range(t + 1)]) / math.sqrt(nope + rope)
+            outputs[t, i] = scores.softmax(0) @ kv[: t + 1, i, nope:]
+    return outputs.reshape(len(x), -1) @ weight["o_proj.weight"].T
+
+
+def test_rotary_form_equals_a_reference_from_the_math():
+    model = mla_model(["mla_attention"], zero_centered_norms=False,
+                      per_layer_config={0: {"mla_use_nope": False, "q_lora_rank": 12}})
+    layer = model.model.layers[0].self_attn
+    captured = {}
+    layer.register_forward_hook(lambda module, args, output: captured.update(x=args[0], y=output[0]))
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4)))
+    expected = _reference_deepseek(layer, captured["x"][0], model.config.rope_parameters["rope_theta"])
+    # float32 against a float64 loop: rounding of float32 projections and softmax, ~1e-6 relative
+    torch.testing.assert_close(captured["y"][0].double(), expected, rtol=1e-5, atol=1e-5)
+    # and the rotation matters: the same weights without it give other outputs
+    model.model.layers[0].self_attn.rotary = False
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(4)))
+    assert (captured["y"][0].double() - expected).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------- cache and decoding
+
+# Cached steps see the same keys as the uncached forward; only the summation order differs (one-token steps attend
+# in the latent space: kv_b_proj folded into the query and output, module docstring), float32: ~1e-6.
+TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_cached_generation_equals_uncached(cache):
+    model = mla_model()
+    input_ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    assert_cached_generation_equals_uncached(model, input_ids, cache, TOLERANCE)
+
+
+def test_cuda_graph_path_replayed_eagerly_equals_eager_decoding(monkeypatch):
+    captured = replay_graphs_eagerly(monkeypatch)
+    model = mla_model()
+    input_ids = torch.randint(1, 128, (3, 8), generator=torch.Generator().manual_seed(6))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # left padding
+    attention_mask[2, :1] = 0
+    graphed = greedy(model, input_ids, cache_implementation="static", attention_mask=attention_mask)
+    assert len(captured) == 1 and captured[0].replays == 7  # the 7 steps after the prefill ran the captured step
+    model.set_cuda_graph_decoding(False)
+    eager = greedy(model, input_ids, cache_implementation="static", attention_mask=attention_mask)
+    assert_same_generation(graphed, eager, TOLERANCE)
+    # and each left-padded row decodes as it does alone, without a cache
+    for row in range(3):
+        alone = greedy(model, input_ids[row : row + 1, (attention_mask[row] == 0).sum():], use_cache=False)
+        assert torch.equal(graphed.sequences[row, 8:], alone.sequences[0, -8:])
+
+
+def test_absorbed_decoding_step_equals_the_expanded_one():
+    model = mla_model()
+    input_ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        for implementation in ("eager", "sdpa"):
+            model.config._attn_implementation = implementation
+            cache = DynamicCache(config=model.config)
+            model(input_ids[:, :5], cache=cache, use_cache=True)
+            step = model(input_ids[:, 5:], cache=cache, use_cache=True).logits
+            full = model(input_ids).logits[:, 5:]
+            torch.testing.assert_close(step, full, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_packed_and_left_padded_rows_equal_rows_run_alone():
+    # attention masks keep documents and pads apart: only the summation order may differ (float32)
+    assert_padded_and_packed_rows_run_alone(mla_model(), seed=8, tolerance=1e-5)
+
+
+def test_cache_holds_only_the_latent_and_the_shared_key_per_layer():
+    model = mla_model(per_layer_config={1: {"kv_lora_rank": 8}, 3: {"kv_lora_rank": 24, "mla_use_nope": False}})
+    assert model.model.layers[1].self_attn.kv_b_proj.in_features == 8
+    assert model.model.layers[3].self_attn.kv_b_proj.in_features == 24
+    cache = DynamicCache(config=model.config)
+    assert isinstance(cache.layers[1], LatentKVLayer) and isinstance(cache.layers[3], LatentKVLayer)
+    with torch.no_grad():
+        model(torch.randint(1, 128, (2, 5)), cache=cache, use_cache=True)
+    for index, rank in ((1, 8), (3, 24)):
+        settings = model.config.per_layer_config[index]
+        assert cache.layers[index].keys.shape == (2, 1, 5, rank + 4) and cache.layers[index].values.numel() == 0
+        assert cache.layers[index].bytes_per_token() == cache_bytes_per_token(settings, torch.float32) == (rank + 4) * 4
+        assert full_kv_bytes_per_token(settings, torch.float32) == 4 * (8 + 4 + 6) * 4
+    assert_cached_generation_equals_uncached(model, torch.randint(1, 128, (1, 6)), "static", TOLERANCE)
+
+
+def test_static_cache_uses_the_static_latent_layer():
+    from transformers import StaticCache
+
+    cache = StaticCache(config=mla_config(), max_cache_len=12)
+    assert [type(layer) is StaticLatentKVLayer for layer in cache.layers] == [False, True, False, True]
+
+
+# ------------------------------------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(kv_lora_rank=0), "kv_lora_rank"),
+    (dict(v_head_dim=None), "v_head_dim"),
+    (dict(q_lora_rank=-1), "q_lora_rank"),
+    (dict(mla_norm_eps=0.0), "mla_norm_eps"),
+    (dict(per_layer_config={1: {"mla_use_nope": False, "qk_rope_head_dim": 3}}),
+     "per_layer_config[1].qk_rope_head_dim"),
+    (dict(per_layer_config={2: {"kv_lora_rank": 8}}), "per_layer_config[2].kv_lora_rank"),
+])
+def test_bad_settings_give_one_error_naming_the_field(overrides, field):
+    with pytest.raises(ValueError) as error:
+        mla_config(**overrides)
+    message = str(error.value)  # one line, its one problem naming the field first
+    assert message.startswith(f"Invalid HybridLinearConfig: {field}") and "\n" not in message, message
+    assert message.count(field.rsplit(".", 1)[-1]) <= 2, message  # named, perhaps again in the fix; nothing else
+
+
+def test_model_card_and_docs_describe_the_layer():
+    from hybrid_linear_models.conversion.model_card import render_model_card
+
+    config = mla_config(per_layer_config={3: {"mla_use_nope": False, "q_lora_rank": 12}})
+    card = render_model_card(config, name="toy", parameter_count=1, dtype="float32", source_format="hf",
+                             source_format_description="d", source_path="p")
+    assert ("1 multi-head latent attention (4 heads (q/k 8 + 4, v 6), KV latent rank 16, full-rank q, no rotary "
+            "(NoPE)), 1 Gated DeltaNet") in card
+    assert "KV latent rank 16, q LoRA rank 12, rotary on the shared slice) |" in card
+    assert "| 3 | multi-head latent attention (`mla_attention`), mla_use_nope=False, q_lora_rank=12 |" in card
+    assert "        kv_lora_rank (`int`, defaults to 512; mla_attention): MLA: rank" in HybridLinearConfig.__doc__
+
+
+# --------------------------------------------------------------------------------------------- saving, remote code
+
+_REMOTE_LOAD = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder, reference = sys.argv[1], load_file(sys.argv[2])
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(reference["input_ids"]).logits
+        generated = model.generate(reference["input_ids"], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    print(json.dumps({"module": type(model.model.layers[1].self_attn).__module__,
+                      "package_imported": any(m.split(".")[0] == "hybrid_linear_models" for m in sys.modules),
+                      "max_diff": (logits - reference["logits"]).abs().max().item(),
+                      "generated": generated.tolist()}))
+""")
+
+
+def test_save_and_load_round_trip_with_and_without_the_package(tmp_path):
+    from safetensors.torch import save_file
+
+    model = mla_model()
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    assert (folder / "mixer_mla.py").is_file()
+    loaded = HybridLinearForCausalLM.from_pretrained(folder).eval()
+    assert loaded.config.per_layer_config[3].q_lora_rank == 12 and loaded.config.per_layer_config[1].q_lora_rank == 0
+    input_ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        assert torch.equal(loaded(input_ids).logits, logits)  # the same weights, code and inputs
+        generated = model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    save_file({"input_ids": input_ids, "logits": logits}, tmp_path / "reference.safetensors")
+    script = tmp_path / "load.py"
+    script.write_text(_REMOTE_LOAD)
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "reference.safetensors")],
+                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["module"].startswith("transformers_modules") and report["module"].endswith("mixer_mla")
+    assert not report["package_imported"]
+    assert report["max_diff"] <= 1e-5  # the same code on the same CPU in float32: equal up to summation order
+    assert report["generated"] == generated.tolist()
