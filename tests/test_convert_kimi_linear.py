@@ -29,8 +29,6 @@ from hybrid_linear_models.conversion.formats import FORMATS
 from hybrid_linear_models.conversion.kimi_linear.checkpoint import kimi_linear_rows
 from hybrid_linear_models.conversion.kimi_linear.config import IRRELEVANT, KIMI_DEFAULTS, kimi_to_hybrid_config
 from hybrid_linear_models.conversion.kimi_linear.parameters import HeadsInDim2
-from hybrid_linear_models.mixer_registry import MIXERS
-from hybrid_linear_models.mlp_registry import MLPS
 
 LOGITS_TOLERANCE = 1e-4  # see the module docstring
 VOCAB = 64
@@ -257,18 +255,17 @@ def test_catalogue_entry():
 
 # --------------------------------------------------------------------------------------------- MLA layers
 
-needs_mla = pytest.mark.skipif("mla_attention" not in MIXERS, reason="no MLA mixer ('mla_attention') registered")
-needs_kimi_moe = pytest.mark.skipif("kimi_moe" not in MLPS, reason="no Kimi MoE MLP ('kimi_moe') registered")
 
 MLA = dict(num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8,
            qk_rope_head_dim=4, v_head_dim=8)
 MLA_CASES = {
     # KDA, MLA, KDA, MLA: 2 heads, a plain q_proj
     "q_proj_2_heads": dict(layers=4, full_attn_layers=(2, 4), **MLA),
-    # q LoRA (q_a_proj / q_a_layernorm / q_b_proj), 4 heads, v_head_dim unlike qk_nope_head_dim, MLA first
-    "q_lora_4_heads": dict(layers=3, full_attn_layers=(1,), **{**MLA, "num_attention_heads": 4,
-                                                               "num_key_value_heads": 4, "q_lora_rank": 12,
-                                                               "v_head_dim": 4}),
+    # q LoRA (q_a_proj / q_a_layernorm / q_b_proj), 4 heads, v_head_dim unlike qk_nope_head_dim, MLA first,
+    # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (attention_bias)
+    "q_lora_4_heads": dict(layers=3, full_attn_layers=(1,), attention_bias=True,
+                           **{**MLA, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 12,
+                              "v_head_dim": 4}),
     # 1 head, no rope part (qk_rope_head_dim 0), 3 KDA heads
     "1_head_no_rope": dict(layers=3, full_attn_layers=(3,), kda_heads=3,
                            **{**MLA, "num_attention_heads": 1, "num_key_value_heads": 1, "qk_rope_head_dim": 0}),
@@ -286,7 +283,6 @@ def assert_same_generation(theirs: torch.nn.Module, ours: torch.nn.Module, new_t
     assert torch.equal(expected, got), (expected, got)
 
 
-@needs_mla
 @pytest.mark.parametrize("case", sorted(MLA_CASES))
 def test_mla_kimi_linear_converts_with_transformers_logits_and_generation(tmp_path, case):
     theirs = save_kimi(tmp_path / "kimi", **MLA_CASES[case])
@@ -298,7 +294,6 @@ def test_mla_kimi_linear_converts_with_transformers_logits_and_generation(tmp_pa
     assert_same_generation(theirs, ours)
 
 
-@needs_mla
 def test_mla_round_trips_are_bit_identical(tmp_path):
     """kimi_linear (hub layout) -> hf -> kimi_linear and hf -> kimi_linear -> hf, byte for byte; transformers loads
     the written folder with the source's logits and generation."""
@@ -342,8 +337,6 @@ def save_kimi_moe(folder: Path, **overrides) -> KimiLinearForCausalLM:
     return theirs
 
 
-@needs_mla
-@needs_kimi_moe
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
 def test_moe_kimi_linear_converts_with_transformers_logits_and_generation(tmp_path, case):
     theirs = save_kimi_moe(tmp_path / "kimi", **MOE_CASES[case])
@@ -362,7 +355,6 @@ def test_moe_kimi_linear_converts_with_transformers_logits_and_generation(tmp_pa
     assert tensors_of(tmp_path / "hf2") == tensors_of(tmp_path / "hf")
 
 
-@needs_kimi_moe
 def test_moe_with_kda_layers_only_converts_and_round_trips(tmp_path):
     """Kimi's MoE without MLA layers (logits only: transformers cannot cache a model without attention layers)."""
     theirs = save_kimi_moe(tmp_path / "kimi", layers=3, **MOE, n_group=2, topk_group=1, routed_scaling_factor=2.5)
@@ -378,8 +370,6 @@ def test_moe_with_kda_layers_only_converts_and_round_trips(tmp_path):
     assert (config["first_k_dense_replace"], config["num_expert_group"], config["num_experts_per_token"]) == (1, 2, 2)
 
 
-@needs_mla
-@needs_kimi_moe
 def test_moe_fused_layout_reads_the_same(tmp_path):
     theirs = save_kimi_moe(tmp_path / "saved", **MOE_CASES["grouped"])
     theirs.save_pretrained(tmp_path / "fused", save_original_format=False)
@@ -389,7 +379,6 @@ def test_moe_fused_layout_reads_the_same(tmp_path):
     assert tensors_of(tmp_path / "saved-hf") == tensors_of(tmp_path / "fused-hf")
 
 
-@needs_kimi_moe
 def test_dense_layer_after_moe_does_not_fit():
     config = tiny_config(KDA_ONLY + ["kimi_delta_attention"], zero_centered_norms=False,
                          mlp_types=["kimi_moe", "dense", "kimi_moe"], num_experts=4, num_experts_per_tok=2,
@@ -398,7 +387,6 @@ def test_dense_layer_after_moe_does_not_fit():
         kimi_linear_rows(config)
 
 
-@needs_mla
 @pytest.mark.parametrize("overrides, fragments", [
     ({"mla_use_nope": False}, ("mla_use_nope is False",)),
     ({"mla_norm_eps": 1e-5}, ("mla_norm_eps is 1e-05", "1e-06")),
@@ -413,7 +401,6 @@ def test_mla_models_that_do_not_fit_are_refused_by_name(overrides, fragments):
     assert "\n" not in message and all(fragment in message for fragment in fragments), message
 
 
-@needs_kimi_moe
 def test_moe_without_shared_experts_does_not_fit():
     config = tiny_config(KDA_ONLY, zero_centered_norms=False, mlp_types=["dense", "kimi_moe"], num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=0)

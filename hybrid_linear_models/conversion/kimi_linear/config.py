@@ -21,8 +21,9 @@ What Kimi-Linear's modules compute, and what it becomes here:
 - every other RMSNorm is plain x_hat * w (`zero_centered_norms` false); no MLP biases.
 - MLA: `num_attention_heads`, `kv_lora_rank`, `q_lora_rank` (null: a plain q_proj), `qk_nope_head_dim`,
   `qk_rope_head_dim`, `v_head_dim`, `mla_use_nope`; its q_a_layernorm / kv_a_layernorm at epsilon 1e-6 (their
-  classes' default in both codes; `mla_norm_eps`), no biases. transformers' KimiLinear never applies RoPE in MLA (what
-  `mla_use_nope: true` means in the original code, and what the released checkpoints use), so an absent
+  classes' default in both codes; `mla_norm_eps`), `attention_bias` on q_a_proj, kv_a_proj_with_mqa and o_proj
+  (transformers' KimiLinearAttention; ours puts them there too). transformers' KimiLinear never applies RoPE in
+  MLA (what `mla_use_nope: true` means in the original code, and what the released checkpoints use), so an absent
   `mla_use_nope` is taken as true and false is refused; `num_key_value_heads` must equal `num_attention_heads`
   (MLA has one latent KV shared by all heads; transformers repeats its keys by their ratio).
 - MoE (Kimi's / DeepSeek-V3's router): `num_experts`, `num_experts_per_token`, `moe_intermediate_size`,
@@ -41,8 +42,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ...configuration_hybrid_linear import HybridLinearConfig
-from ...mixer_registry import MIXERS
-from ...mlp_registry import MLPS
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
@@ -97,7 +96,7 @@ FIXED = {"zero_centered_norms": False, "kda_gate_activation": "sigmoid", "kda_ga
 # MLA's q_a_layernorm / kv_a_layernorm: KimiLinearRMSNorm(dim) in transformers, KimiRMSNorm(dim) in the original
 # code, both at their default epsilon, not rms_norm_eps
 MLA_NORM_EPS = 1e-6
-FIXED_MLA = {"mla_use_nope": True, "mla_norm_eps": MLA_NORM_EPS, "attention_bias": False}
+FIXED_MLA = {"mla_use_nope": True, "mla_norm_eps": MLA_NORM_EPS}
 
 
 def _aliased(fields: Fields, name: str, read: Callable[[str, Any], Any], default: Any) -> Any:
@@ -217,9 +216,6 @@ def _mla_settings(fields: Fields, census: TensorCensus | None, present: bool) ->
         for name in names:
             fields.get(name)
         return {}
-    if MLA not in MIXERS:
-        raise ConversionError(f"{fields.file}: the model has MLA (full_attention) layers, and this version of "
-                              "hybrid_linear_models has no MLA mixer ('mla_attention'); upgrade it.")
     read = _size(fields, census)
     out = {ours: read(theirs, KIMI_DEFAULTS[theirs]) for theirs, ours in _MLA_SIZES.items()}
     out["qk_rope_head_dim"] = _size(fields, census, minimum=0)("qk_rope_head_dim", KIMI_DEFAULTS["qk_rope_head_dim"])
@@ -235,9 +231,7 @@ def _mla_settings(fields: Fields, census: TensorCensus | None, present: bool) ->
         raise ConversionError(f"{fields.file}: num_key_value_heads ({kv_heads}) differs from num_attention_heads "
                               f"({out['num_attention_heads']}); MLA shares one latent KV among all heads and "
                               "transformers' KimiLinear repeats its keys by their ratio, so they must be equal.")
-    if fields.boolean("attention_bias", False):
-        raise ConversionError(f"{fields.file}: attention_bias is true; this converter's MLA has no projection biases, "
-                              "so only false converts.")
+    out["attention_bias"] = fields.boolean("attention_bias", KIMI_DEFAULTS["attention_bias"])  # q_a, kv_a, o_proj
     out["attention_dropout"] = fields.number("attention_dropout", 0.0)
     out["num_key_value_heads"] = out["num_attention_heads"]  # read by no MLA layer; the config checks the ratio
     return out
@@ -252,9 +246,6 @@ def _moe_settings(fields: Fields, census: TensorCensus | None, present: bool) ->
             if name is not None:
                 fields.get(name)
         return {}
-    if KIMI_MOE not in MLPS:
-        raise ConversionError(f"{fields.file}: the model has MoE (sparse) layers, and this version of "
-                              "hybrid_linear_models has no Kimi MoE MLP ('kimi_moe'); upgrade it.")
     read = _size(fields, census)
     out = {ours: _aliased(fields, theirs, read, KIMI_DEFAULTS[theirs]) for theirs, ours in _MOE_SIZES.items()}
     out["norm_topk_prob"] = _aliased(fields, "moe_renormalize", fields.boolean, KIMI_DEFAULTS["moe_renormalize"])
@@ -409,7 +400,7 @@ def hybrid_config_to_kimi(config: HybridLinearConfig) -> dict[str, Any]:
     if MLA in config.layer_types:
         out.update({theirs: getattr(config, ours) for theirs, ours in _MLA_SIZES.items()})
         out.update(qk_rope_head_dim=config.qk_rope_head_dim, q_lora_rank=config.q_lora_rank or None, mla_use_nope=True,
-                   attention_bias=False, num_key_value_heads=config.num_attention_heads,
+                   attention_bias=config.attention_bias, num_key_value_heads=config.num_attention_heads,
                    attention_dropout=config.attention_dropout)
     if KIMI_MOE in config.mlp_types:
         if config.n_shared_experts == 0:
