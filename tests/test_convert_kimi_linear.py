@@ -97,6 +97,7 @@ def test_kda_kimi_linear_converts_with_transformers_logits(tmp_path, case):
     ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
     assert ours.config.kda_gate_activation == "sigmoid" and not ours.config.zero_centered_norms
+    assert_same_norm_epsilons(theirs, ours)
     assert_same_logits(theirs, ours.eval())
 
 
@@ -283,6 +284,24 @@ def assert_same_generation(theirs: torch.nn.Module, ours: torch.nn.Module, new_t
     assert torch.equal(expected, got), (expected, got)
 
 
+def assert_same_norm_epsilons(theirs: torch.nn.Module, ours: torch.nn.Module) -> None:
+    """Every RMSNorm's epsilon is transformers' (the block norms, KDA's gated norm, MLA's latent norms): an epsilon
+    moves tiny models' logits by ~1e-6 only, below the logits tolerance, so it is compared directly."""
+    compared = 0
+    for index, (their_layer, our_layer) in enumerate(zip(theirs.model.layers, ours.model.layers)):
+        mixer = our_layer.self_attn if hasattr(our_layer, "self_attn") else our_layer.linear_attn
+        pairs = [(their_layer.input_layernorm, our_layer.input_layernorm),
+                 (their_layer.post_attention_layernorm, our_layer.post_attention_layernorm)]
+        pairs += [(getattr(their_layer.self_attn, name), getattr(mixer, name))
+                  for name in ("o_norm", "q_a_layernorm", "kv_a_layernorm")
+                  if getattr(their_layer.self_attn, name, None) is not None]
+        for their_norm, our_norm in pairs:
+            assert their_norm.variance_epsilon == our_norm.eps, (index, their_norm, our_norm.eps)
+            compared += 1
+    assert theirs.model.norm.variance_epsilon == ours.model.norm.eps
+    assert compared >= 3 * len(ours.model.layers)
+
+
 @pytest.mark.parametrize("case", sorted(MLA_CASES))
 def test_mla_kimi_linear_converts_with_transformers_logits_and_generation(tmp_path, case):
     theirs = save_kimi(tmp_path / "kimi", **MLA_CASES[case])
@@ -290,6 +309,7 @@ def test_mla_kimi_linear_converts_with_transformers_logits_and_generation(tmp_pa
     ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info
     assert "mla_attention" in ours.config.layer_types
+    assert_same_norm_epsilons(theirs, ours)
     assert_same_logits(theirs, ours.eval())
     assert_same_generation(theirs, ours)
 
@@ -346,6 +366,7 @@ def test_moe_kimi_linear_converts_with_transformers_logits_and_generation(tmp_pa
     ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info
     assert ours.config.mlp_types == ["dense", "kimi_moe", "kimi_moe"]
+    assert_same_norm_epsilons(theirs, ours)
     assert_same_logits(theirs, ours.eval())
     assert_same_generation(theirs, ours)
     as_hub_layout(tmp_path / "kimi")
