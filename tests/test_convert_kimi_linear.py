@@ -376,6 +376,58 @@ def test_moe_kimi_linear_converts_with_transformers_logits_and_generation(tmp_pa
     assert tensors_of(tmp_path / "hf2") == tensors_of(tmp_path / "hf")
 
 
+def released_config(theirs: KimiLinearConfig) -> dict:
+    """config.json with exactly the fields of the released Kimi-Linear-48B-A3B-Instruct's (their hub names, the
+    original remote code's auto_map, its vestigial head_dim and rope fields), sized as `theirs`."""
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "dtype": "float32",
+        "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig",
+                     "AutoModel": "modeling_kimi.KimiLinearModel",
+                     "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"},
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "first_k_dense_replace": 1, "head_dim": 72,
+        "hidden_act": "silu", "hidden_size": theirs.hidden_size, "initializer_range": 0.02,
+        "intermediate_size": theirs.intermediate_size, "kv_lora_rank": theirs.kv_lora_rank,
+        "linear_attn_config": {"full_attn_layers": [i + 1 for i, t in enumerate(theirs.layer_types)
+                                                    if t == "full_attention"],
+                               "kda_layers": [i + 1 for i, t in enumerate(theirs.layer_types)
+                                              if t == "linear_attention"],
+                               "head_dim": theirs.linear_head_dim, "num_heads": theirs.linear_num_heads,
+                               "short_conv_kernel_size": theirs.linear_conv_kernel_dim},
+        "mla_use_nope": True, "model_max_length": 1048576, "moe_intermediate_size": theirs.moe_intermediate_size,
+        "moe_layer_freq": 1, "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+        "num_attention_heads": theirs.num_attention_heads, "num_expert_group": theirs.n_group,
+        "num_experts": theirs.num_local_experts, "num_experts_per_token": theirs.num_experts_per_tok,
+        "num_hidden_layers": theirs.num_hidden_layers, "num_key_value_heads": theirs.num_attention_heads,
+        "num_nextn_predict_layers": 0, "num_shared_experts": theirs.n_shared_experts, "q_lora_rank": None,
+        "qk_nope_head_dim": theirs.qk_nope_head_dim, "qk_rope_head_dim": theirs.qk_rope_head_dim,
+        "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+        "routed_scaling_factor": theirs.routed_scaling_factor, "tie_word_embeddings": False,
+        "topk_group": theirs.topk_group, "transformers_version": "4.57.1", "use_cache": True,
+        "use_grouped_topk": True, "v_head_dim": theirs.v_head_dim, "vocab_size": theirs.vocab_size,
+    }
+
+
+def test_released_checkpoint_layout_converts_with_transformers_logits(tmp_path):
+    """A folder laid out as the released checkpoints are (hub tensor names, the released config.json's field set)
+    converts with the logits and generation of transformers' model, and back to the same bytes."""
+    theirs = save_kimi_moe(tmp_path / "released", **MOE_CASES["grouped"])
+    as_hub_layout(tmp_path / "released")
+    (tmp_path / "released" / "config.json").write_text(json.dumps(released_config(theirs.config)))
+    convert_checkpoint(tmp_path / "released", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    ours = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert ours.config.layer_types == ["kimi_delta_attention", "mla_attention", "kimi_delta_attention"]
+    assert_same_logits(theirs, ours)
+    assert_same_generation(theirs, ours)
+    convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear")
+    assert tensors_of(tmp_path / "back") == tensors_of(tmp_path / "released")
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    released = released_config(theirs.config)
+    bookkeeping = {"auto_map", "head_dim", "rope_scaling", "rope_theta", "transformers_version"}
+    assert {k: v for k, v in written.items() if k not in bookkeeping} == {
+        k: v for k, v in released.items() if k not in bookkeeping | {"output_router_logits"}} | {
+        "output_router_logits": False, "attention_bias": False, "attention_dropout": 0.0}
+
+
 def test_moe_with_kda_layers_only_converts_and_round_trips(tmp_path):
     """Kimi's MoE without MLA layers (logits only: transformers cannot cache a model without attention layers)."""
     theirs = save_kimi_moe(tmp_path / "kimi", layers=3, **MOE, n_group=2, topk_group=1, routed_scaling_factor=2.5)
