@@ -10,7 +10,9 @@ p (qk_rope_head_dim), value width v (v_head_dim), for a token x:
 `mla_use_nope` True (Kimi-Linear, whose released config says so with p = 64): no rotary embedding at all, kp is just
 an unrotated shared key slice. False (DeepSeek): qp_i and kp are rotated by position (the model's rope_parameters;
 all p dims of the slice rotate, so partial_rotary_factor does not apply; pairs (j, j + p/2) as transformers' Llama
-rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job).
+rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job; the
+softmax scale is 1/sqrt(n + p) whatever the rope type: DeepSeek-V3's YaRN correction of it, mscale_all_dim, is not
+applied).
 Parameter names are Kimi-Linear's (q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
 kv_b_proj, o_proj), so checkpoints map one to one; `attention_bias` puts biases where transformers' KimiLinearAttention
 and DeepSeek-V3 put them, on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj, q_b_proj or kv_b_proj, so the
@@ -140,17 +142,18 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         return output[..., : self.v_head_dim], weights
 
     def _absorbed(self, attention: Callable, query: torch.Tensor, compressed: torch.Tensor, attention_mask,
-                  settings: dict) -> tuple[torch.Tensor, None]:
-        """One token per row: attention in the latent space (see the module docstring). Returns [B, 1, h, v]."""
+                  settings: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row: attention in the latent space (see the module docstring). Returns [B, 1, h, v] and
+        the attention weights [B, h, 1, keys] when the attention function gives them."""
         nope, r = self.qk_nope_head_dim, self.kv_lora_rank
         weight = self.kv_b_proj.weight.view(-1, nope + self.v_head_dim, r)  # [h, n + v, r]: [Uk_i | Uv_i] per head
         q_nope, q_rope = query[:, :, 0].split([nope, self.qk_rope_head_dim], dim=-1)  # [B, h, n], [B, h, p]
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, weight[:, :nope])
         rows = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [B, 1, h, r + p]: the heads as one head's rows
         settings = {**settings, "is_causal": False}  # the rows are heads, not positions: the mask alone applies
-        output, _ = attention(self, rows, compressed, compressed[..., :r], attention_mask, **settings)
+        output, weights = attention(self, rows, compressed, compressed[..., :r], attention_mask, **settings)
         output = torch.einsum("bhr,hvr->bhv", output[:, :, 0], weight[:, nope:])  # output [B, h, 1, r] -> [B, h, v]
-        return output[:, None], None
+        return output[:, None], None if weights is None else weights.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------- cache size
@@ -246,7 +249,11 @@ register(MixerSpec(
     module_class=HybridLinearMultiHeadLatentAttention, attribute="self_attn", state="kv",
     cache_layer=LatentKVLayer, static_cache_layer=StaticLatentKVLayer, rotary_settings=_rotary_settings,
     parameter_count=_parameter_count, relation_problems=_relation_problems,
-    tensor_parallel_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"},
+    # heads split as DeepSeek-V3's plan splits them; the shared key slice bypasses kv_b_proj, so its gradient is summed
+    # over the ranks by transformers' "mla_kv_a_proj" style (which reads the model's qk_rope_head_dim: one width for
+    # every MLA layer under tensor parallelism)
+    tensor_parallel_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj",
+                          "kv_b_proj": "colwise", "o_proj": "rowwise"},
     lora_targets=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
     describe=_describe,
 ))

@@ -30,7 +30,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
-from .mixer_attention import HybridLinearAttention, SlidingWindowMask
+from .mixer_attention import HybridLinearAttention, SlidingWindowMask  # noqa: F401  (kept importable here)
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
@@ -117,7 +117,10 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     _is_stateful = True
     # router_logits: each sparse MoE layer's router logits [tokens, experts] (output_router_logits)
-    _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer, "attentions": HybridLinearAttention,
+    # attentions: the weights of every softmax-attention mixer ("kv" registrations: attention, latent attention)
+    _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer,
+                           "attentions": list(dict.fromkeys(spec.module_class for spec in MIXERS.values()
+                                                            if spec.state == "kv")),
                            "router_logits": OutputRecorder(HybridLinearTopKRouter, index=0)}
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:

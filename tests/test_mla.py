@@ -23,6 +23,7 @@ from model_helpers import (
     randomize,
     replay_graphs_eagerly,
 )
+from numerics import max_rel_err
 from transformers import DynamicCache
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
@@ -160,6 +161,19 @@ def test_cached_generation_equals_uncached(cache):
     assert_cached_generation_equals_uncached(model, input_ids, cache, TOLERANCE)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_beside_full_and_sliding_attention_with_rotary_tables_of_their_own(cache):
+    """A rotary MLA layer (6 rotated dims) beside attention layers (16 * 0.25 = 4 rotated dims) and a NoPE one: two
+    rotary tables, one causal mask shared by full and latent attention, the sliding layer its own window."""
+    model = mla_model(["full_attention", "mla_attention", "sliding_attention", "mla_attention"], head_dim=16,
+                      num_key_value_heads=2, sliding_window=3, qk_rope_head_dim=6, mla_use_nope=False,
+                      per_layer_config={3: {"mla_use_nope": True, "q_lora_rank": 12}})
+    assert model.model.rotary_of_layer == [0, 1, 0, None]
+    assert [r.inv_freq.numel() for r in model.model.rotary_embs] == [2, 3]  # rotated pairs: 4 / 2 and 6 / 2
+    input_ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(13))
+    assert_cached_generation_equals_uncached(model, input_ids, cache, TOLERANCE)
+
+
 def test_cuda_graph_path_replayed_eagerly_equals_eager_decoding(monkeypatch):
     captured = replay_graphs_eagerly(monkeypatch)
     model = mla_model()
@@ -178,22 +192,80 @@ def test_cuda_graph_path_replayed_eagerly_equals_eager_decoding(monkeypatch):
         assert torch.equal(graphed.sequences[row, 8:], alone.sequences[0, -8:])
 
 
-def test_absorbed_decoding_step_equals_the_expanded_one():
+def test_absorbed_decoding_step_equals_the_expanded_one(monkeypatch):
     model = mla_model()
     input_ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    paths = []
+    for name in ("_absorbed", "_expanded"):
+        original = getattr(HybridLinearMultiHeadLatentAttention, name)
+        monkeypatch.setattr(HybridLinearMultiHeadLatentAttention, name,
+                            lambda self, *a, _original=original, _name=name, **k: paths.append(_name) or
+                            _original(self, *a, **k))
     with torch.no_grad():
         for implementation in ("eager", "sdpa"):
             model.config._attn_implementation = implementation
             cache = DynamicCache(config=model.config)
+            paths.clear()
             model(input_ids[:, :5], cache=cache, use_cache=True)
+            assert paths == ["_expanded", "_expanded"]  # the prompt: per-head keys and values (both MLA layers)
             step = model(input_ids[:, 5:], cache=cache, use_cache=True).logits
+            assert paths[2:] == ["_absorbed", "_absorbed"]  # the one-token step: in the latent space
             full = model(input_ids).logits[:, 5:]
             torch.testing.assert_close(step, full, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_a_lora_adapter_on_kv_b_proj_is_decoded_with_its_update():
+    """peft wraps kv_b_proj; the one-token steps then expand the latents through the wrapper (the absorbed form reads
+    the plain weight, which would leave the adapter out), so cached decoding still equals uncached decoding."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(mla_model(), LoraConfig(r=2, target_modules=["kv_b_proj"], init_lora_weights=False))
+    input_ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        adapted = model(input_ids).logits
+        with model.disable_adapter():
+            assert (model(input_ids).logits - adapted).abs().max() > 1e-3  # the adapter changes the outputs
+    assert_cached_generation_equals_uncached(model, input_ids, "dynamic", TOLERANCE)
+
+
+def test_attention_weights_are_recorded_for_mla_layers():
+    model = mla_model()
+    model.config._attn_implementation = "eager"
+    cache = DynamicCache(config=model.config)
+    input_ids = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        prompt = model(input_ids, output_attentions=True, cache=cache, use_cache=True).attentions
+        step = model(input_ids[:, :1], output_attentions=True, cache=cache, use_cache=True).attentions
+    assert [a.shape for a in prompt] == [(2, 4, 5, 5)] * 2 and [a.shape for a in step] == [(2, 4, 1, 6)] * 2
+    for weights in (*prompt, *step):  # each query's weights: a distribution over the keys it sees
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    assert torch.all(prompt[0].triu(1) == 0)  # causal
 
 
 def test_packed_and_left_padded_rows_equal_rows_run_alone():
     # attention masks keep documents and pads apart: only the summation order may differ (float32)
     assert_padded_and_packed_rows_run_alone(mla_model(), seed=8, tolerance=1e-5)
+
+
+def test_packed_gradients_equal_the_sum_of_separate_ones():
+    model = mla_model()
+    generator = torch.Generator().manual_seed(12)
+    a, b = torch.randint(2, 128, (1, 7), generator=generator), torch.randint(2, 128, (1, 4), generator=generator)
+    probe = torch.randn(1, 11, 128, generator=generator)  # a random linear function of the logits
+
+    def gradients(run):
+        model.zero_grad()
+        run().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if "self_attn" in n}
+
+    separate = gradients(lambda: (model(a).logits * probe[:, :7]).sum() + (model(b).logits * probe[:, 7:]).sum())
+    positions = torch.cat([torch.arange(7), torch.arange(4)]).unsqueeze(0)
+    packed = gradients(lambda: (model(torch.cat([a, b], 1), position_ids=positions).logits * probe).sum())
+    assert len(packed) == 5 + 7  # both MLA layers' parameters (layer 3 with q LoRA)
+    # float32, only the summation order differs (the GDN/KDA kernels chunk the packed row differently): measured
+    # ~2e-6 of each gradient's largest entry
+    errors = {name: max_rel_err(packed[name], expected) for name, expected in separate.items()}
+    assert max(errors.values()) <= 1e-5, errors
 
 
 def test_cache_holds_only_the_latent_and_the_shared_key_per_layer():
