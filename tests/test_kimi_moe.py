@@ -360,3 +360,51 @@ def test_tensor_parallel_plan_shards_the_experts(tmp_path):
     # float32; the experts' and MLPs' row-parallel sums are split over 2 ranks, as for the sparse MoE (measured there
     # 2.3e-5 / 5.2e-5); the routing is replicated, so no choice differs
     assert logits <= 1e-4 and gradients <= 1e-4
+
+
+# ------------------------------------------------------------------------------------ on a GPU (the lead runs these)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_DIMS = dict(gdn_value_head_dim=16, gdn_key_head_dim=16, kda_head_dim=16, head_dim=16)  # fla's smallest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gpu
+@needs_cuda
+def test_experts_implementations_agree_on_cuda(dtype):
+    model = kimi_moe_model(dtype=torch.float32, **GPU_DIMS).to("cuda", dtype)
+    block = model.model.layers[1].mlp
+    x = torch.randn(3, 50, model.config.hidden_size, device="cuda", dtype=dtype)
+    outputs = {}
+    for implementation in EXPERTS_IMPLEMENTATIONS:
+        model.set_experts_implementation(implementation)
+        with torch.no_grad():
+            outputs[implementation] = block(x).float()
+    # one router (the same routing), GEMMs summed in other orders: float32 ~1e-6 (TF32 off by default), bf16 a few
+    # ulps of 2^-8 on outputs rounded once per GEMM (as the sparse MoE's GPU test)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for implementation, out in outputs.items():
+        assert_close(out, outputs["eager"], tol, implementation)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm_gather", "grouped_mm"])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_decoding_matches_eager_decoding(implementation):
+    """Capture refuses any host synchronisation, so a captured step proves the kimi_moe routing has none (the eager
+    experts loop is swapped for grouped_mm_gather inside the step); the replays route each new token afresh."""
+    model = kimi_moe_model(dtype=torch.float32, **GPU_DIMS).cuda()
+    model.set_experts_implementation(implementation)
+    input_ids = torch.randint(1, 128, (3, 40), device="cuda")
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :7] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                  pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    graphed = model.generate(input_ids, **kwargs)
+    assert model._graph_decoder._graph is not None  # the graph path ran
+    assert model.config._experts_implementation == implementation  # restored after the capture
+    model.set_cuda_graph_decoding(False)
+    eager = model.generate(input_ids, **kwargs)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.scores, eager.scores):  # TF32 matmuls may differ between the two paths' shapes: 1e-3
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
