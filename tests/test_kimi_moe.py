@@ -311,6 +311,51 @@ def test_fresh_init_save_load_and_bfloat16_load(tmp_path):
         assert low(input_ids).logits.dtype == torch.bfloat16
 
 
+def test_lora_on_the_experts_and_shared_experts():
+    """peft's target_parameters wraps the experts' 3-D weights, target_modules the shared experts' projections (the
+    router `gate` is no target); the adapted model equals the merged one."""
+    from peft import LoraConfig, get_peft_model
+
+    from hybrid_linear_models.mlp_sparse_moe import LORA_TARGET_PARAMETERS
+
+    model = kimi_moe_model(dtype=torch.float32)
+    input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        base = model(input_ids).logits
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj", "up_proj", "down_proj"],
+                                               target_parameters=list(LORA_TARGET_PARAMETERS)))
+    trainable = [name for name, p in adapted.named_parameters() if p.requires_grad]
+    assert any("layers.1.mlp.experts" in name and "lora_A" in name for name in trainable)
+    assert any("layers.1.mlp.shared_experts.up_proj.lora_A" in name for name in trainable)
+    assert not any("mlp.gate.lora" in name or "mlp.gate.weight" in name for name in trainable)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        before = adapted(input_ids).logits
+        merged = adapted.merge_and_unload()(input_ids).logits
+    assert (before - base).abs().max() > 1e-3  # the adapters changed the output
+    # float32: the merged weight W + BA is rounded once, the adapter adds BA x separately; ~1e-6 relative
+    torch.testing.assert_close(before, merged, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_conversion_carries_the_correction_bias(tmp_path):
+    # our hf format's canonical names come from the model's state_dict (buffers included): a --from hf --to hf
+    # conversion keeps every tensor bit for bit, the float32 correction bias among them
+    from safetensors.torch import load_file
+
+    from hybrid_linear_models.conversion import convert_checkpoint
+
+    model = kimi_moe_model(dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ours")
+    convert_checkpoint(tmp_path / "ours", tmp_path / "out", from_format="hf", to_format="hf")
+    written = {name: tensor for file in (tmp_path / "out").glob("*.safetensors") for name, tensor in
+               load_file(file).items()}
+    bias = written["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().min() > 0
+    assert all(torch.equal(written[name], tensor) for name, tensor in model.state_dict().items())
+
+
 def test_qwen3_next_writer_refuses_kimi_moe_layers():
     from hybrid_linear_models.conversion import ConversionError
     from hybrid_linear_models.conversion.qwen3_next.checkpoint import qwen3_next_rows
