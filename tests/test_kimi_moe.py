@@ -387,6 +387,7 @@ def test_bad_config_names_the_field(fields, message):
     assert str(error.value) == f"Invalid HybridLinearConfig: {message}"
 
 
+@pytest.mark.slow  # two torchrun ranks importing torch and transformers: ~25 s of CPU, most of it start-up
 def test_tensor_parallel_plan_shards_the_experts(tmp_path):
     """2 ranks over gloo (as tests/test_sparse_moe_distributed.py): transformers' plan for the kimi_moe layers (experts
     split along their width, summed by "moe_tp_experts"; shared experts colwise / rowwise; router and its bias
