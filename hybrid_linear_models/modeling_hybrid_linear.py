@@ -483,9 +483,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast:
-        """output_router_logits (default config.output_router_logits): return each sparse MoE layer's router logits
-        and the load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask),
-        added to `loss` times config.router_aux_loss_coef when labels are given, as Qwen3-Next does."""
+        """output_router_logits (default config.output_router_logits): return each MoE layer's router logits and the
+        load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask) of the
+        softmax-routed ("sparse_moe") layers, added to `loss` times config.router_aux_loss_coef when labels are given,
+        as Qwen3-Next does ("kimi_moe" layers balance by their bias: recorded, not counted)."""
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)  # before any shape is read
         if labels is not None:
             expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])

@@ -311,6 +311,51 @@ def test_fresh_init_save_load_and_bfloat16_load(tmp_path):
         assert low(input_ids).logits.dtype == torch.bfloat16
 
 
+def test_lora_on_the_experts_and_shared_experts():
+    """peft's target_parameters wraps the experts' 3-D weights, target_modules the shared experts' projections (the
+    router `gate` is no target); the adapted model equals the merged one."""
+    from peft import LoraConfig, get_peft_model
+
+    from hybrid_linear_models.mlp_sparse_moe import LORA_TARGET_PARAMETERS
+
+    model = kimi_moe_model(dtype=torch.float32)
+    input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        base = model(input_ids).logits
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj", "up_proj", "down_proj"],
+                                               target_parameters=list(LORA_TARGET_PARAMETERS)))
+    trainable = [name for name, p in adapted.named_parameters() if p.requires_grad]
+    assert any("layers.1.mlp.experts" in name and "lora_A" in name for name in trainable)
+    assert any("layers.1.mlp.shared_experts.up_proj.lora_A" in name for name in trainable)
+    assert not any("mlp.gate.lora" in name or "mlp.gate.weight" in name for name in trainable)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+        before = adapted(input_ids).logits
+        merged = adapted.merge_and_unload()(input_ids).logits
+    assert (before - base).abs().max() > 1e-3  # the adapters changed the output
+    # float32: the merged weight W + BA is rounded once, the adapter adds BA x separately; ~1e-6 relative
+    torch.testing.assert_close(before, merged, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_conversion_carries_the_correction_bias(tmp_path):
+    # our hf format's canonical names come from the model's state_dict (buffers included): a --from hf --to hf
+    # conversion keeps every tensor bit for bit, the float32 correction bias among them
+    from safetensors.torch import load_file
+
+    from hybrid_linear_models.conversion import convert_checkpoint
+
+    model = kimi_moe_model(dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ours")
+    convert_checkpoint(tmp_path / "ours", tmp_path / "out", from_format="hf", to_format="hf")
+    written = {name: tensor for file in (tmp_path / "out").glob("*.safetensors") for name, tensor in
+               load_file(file).items()}
+    bias = written["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and bias.abs().min() > 0
+    assert all(torch.equal(written[name], tensor) for name, tensor in model.state_dict().items())
+
+
 def test_qwen3_next_writer_refuses_kimi_moe_layers():
     from hybrid_linear_models.conversion import ConversionError
     from hybrid_linear_models.conversion.qwen3_next.checkpoint import qwen3_next_rows
@@ -342,6 +387,7 @@ def test_bad_config_names_the_field(fields, message):
     assert str(error.value) == f"Invalid HybridLinearConfig: {message}"
 
 
+@pytest.mark.slow  # two torchrun ranks importing torch and transformers: ~25 s of CPU, most of it start-up
 def test_tensor_parallel_plan_shards_the_experts(tmp_path):
     """2 ranks over gloo (as tests/test_sparse_moe_distributed.py): transformers' plan for the kimi_moe layers (experts
     split along their width, summed by "moe_tp_experts"; shared experts colwise / rowwise; router and its bias
@@ -360,3 +406,51 @@ def test_tensor_parallel_plan_shards_the_experts(tmp_path):
     # float32; the experts' and MLPs' row-parallel sums are split over 2 ranks, as for the sparse MoE (measured there
     # 2.3e-5 / 5.2e-5); the routing is replicated, so no choice differs
     assert logits <= 1e-4 and gradients <= 1e-4
+
+
+# ------------------------------------------------------------------------------------ on a GPU (the lead runs these)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_DIMS = dict(gdn_value_head_dim=16, gdn_key_head_dim=16, kda_head_dim=16, head_dim=16)  # fla's smallest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.gpu
+@needs_cuda
+def test_experts_implementations_agree_on_cuda(dtype):
+    model = kimi_moe_model(dtype=torch.float32, **GPU_DIMS).to("cuda", dtype)
+    block = model.model.layers[1].mlp
+    x = torch.randn(3, 50, model.config.hidden_size, device="cuda", dtype=dtype)
+    outputs = {}
+    for implementation in EXPERTS_IMPLEMENTATIONS:
+        model.set_experts_implementation(implementation)
+        with torch.no_grad():
+            outputs[implementation] = block(x).float()
+    # one router (the same routing), GEMMs summed in other orders: float32 ~1e-6 (TF32 off by default), bf16 a few
+    # ulps of 2^-8 on outputs rounded once per GEMM (as the sparse MoE's GPU test)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for implementation, out in outputs.items():
+        assert_close(out, outputs["eager"], tol, implementation)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm_gather", "grouped_mm"])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_decoding_matches_eager_decoding(implementation):
+    """Capture refuses any host synchronisation, so a captured step proves the kimi_moe routing has none (the eager
+    experts loop is swapped for grouped_mm_gather inside the step); the replays route each new token afresh."""
+    model = kimi_moe_model(dtype=torch.float32, **GPU_DIMS).cuda()
+    model.set_experts_implementation(implementation)
+    input_ids = torch.randint(1, 128, (3, 40), device="cuda")
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :7] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                  pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    graphed = model.generate(input_ids, **kwargs)
+    assert model._graph_decoder._graph is not None  # the graph path ran
+    assert model.config._experts_implementation == implementation  # restored after the capture
+    model.set_cuda_graph_decoding(False)
+    eager = model.generate(input_ids, **kwargs)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.scores, eager.scores):  # TF32 matmuls may differ between the two paths' shapes: 1e-3
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()
