@@ -1,8 +1,9 @@
-"""Sparse MoE speed, ours vs transformers' Qwen3-Next with the same weights, side by side in one run.
+"""Sparse MoE speed, ours vs transformers' Qwen3-Next and Kimi-Linear with the same weights, side by side in one run.
 
 Two measurements, forward + backward (the training step), float32 on CPU, bfloat16 on CUDA:
 1. the MoE block alone (router + experts + shared expert) for every experts implementation, ours
-   (`HybridLinearSparseMoeBlock`) and transformers' `Qwen3NextSparseMoeBlock` with the same weights; the routing
+   (`HybridLinearSparseMoeBlock`) and transformers' `Qwen3NextSparseMoeBlock` with the same weights; ours
+   (`HybridLinearKimiMoeBlock`, "kimi_moe") and transformers' `KimiLinearMoE` likewise; the routing
    overhead (router + permutation + un-permutation, without the expert GEMMs) as a share of the step;
 2. the whole model: `HybridLinearForCausalLM` against `Qwen3NextForCausalLM` (GDN + gated attention, MoE MLPs) with
    the same weights copied by name, each with its default experts implementation and with transformers' eager.
@@ -10,7 +11,8 @@ Prints tokens/s, the ratios against transformers' eager experts, and peak memory
 
     python benchmarks/bench_moe.py                    # CPU, the small config (2 threads unless --threads)
     python benchmarks/bench_moe.py --size gpu         # CUDA: issue 15's ~1B-active model (16 layers, 64 experts top-8)
-    python benchmarks/bench_moe.py --skip-model       # the block only
+    python benchmarks/bench_moe.py --skip-model       # the blocks only
+    python benchmarks/bench_moe.py --blocks kimi_moe  # Kimi-Linear's block only (--n-group 4: grouped routing)
     python benchmarks/bench_moe.py --cpu-time         # CPU shared with other work: 1 thread, CPU time
     python benchmarks/bench_moe.py --decode 1 16      # and greedy decoding of the whole models, batch 1 and 16
 """
@@ -23,7 +25,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3NextConfig
+from transformers import KimiLinearConfig, Qwen3NextConfig
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -124,26 +127,68 @@ def shared_expert_step(block: HybridLinearSparseMoeBlock, x: torch.Tensor):
 
 
 def bench_block(size: dict, device: torch.device, dtype: torch.dtype, repeats: int) -> None:
-    tokens = size["batch"] * size["seq"]
     torch.manual_seed(0)
     reference = Qwen3NextSparseMoeBlock(moe_config(size, "eager")).to(device, dtype)
     for p in reference.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    title = (f"MoE block (Qwen3-Next's), fwd+bwd, {size['batch'] * size['seq']} tokens, {size['experts']} experts "
+             f"top-{size['top_k']}, hidden {size['hidden']}, expert width {size['expert_width']}, shared "
+             f"{size['shared_width']}, {dtype}, {device}")
+    compare_blocks(title, size, device, dtype, repeats, reference.state_dict(),
+                   ours=lambda implementation: HybridLinearSparseMoeBlock(moe_config(size, implementation)),
+                   theirs=lambda implementation: Qwen3NextSparseMoeBlock(moe_config(size, implementation)))
+
+
+def kimi_configs(size: dict, implementation: str, n_group: int):
+    """(ours, transformers' KimiLinearConfig) of a Kimi-Linear MoE block of `size`: sigmoid routing with the released
+    model's scaling factor, one shared expert as wide as an expert, `n_group` groups (top half kept)."""
+    from hybrid_linear_models import HybridLinearConfig
+
+    routing = dict(n_group=n_group, topk_group=max(1, n_group // 2), routed_scaling_factor=2.446, norm_topk_prob=True,
+                   num_experts_per_tok=size["top_k"], moe_intermediate_size=size["expert_width"], n_shared_experts=1)
+    theirs = KimiLinearConfig(hidden_size=size["hidden"], num_local_experts=size["experts"], **routing)
+    ours = HybridLinearConfig(hidden_size=size["hidden"], layer_types=["gated_deltanet"], mlp_types=["kimi_moe"],
+                              num_experts=size["experts"], **routing)
+    for config in (theirs, ours):
+        config._experts_implementation = implementation
+    return ours, theirs
+
+
+def bench_kimi_block(size: dict, device: torch.device, dtype: torch.dtype, repeats: int, n_group: int) -> None:
+    from hybrid_linear_models.mlp_kimi_moe import HybridLinearKimiMoeBlock
+
+    torch.manual_seed(0)
+    reference = KimiLinearMoE(kimi_configs(size, "eager", n_group)[1]).to(device, dtype)
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    reference.gate.e_score_correction_bias.normal_(0, 0.01)
+    title = (f"MoE block (Kimi-Linear's: sigmoid router, bias-corrected choice, {n_group} group(s)), fwd+bwd, "
+             f"{size['batch'] * size['seq']} tokens, {size['experts']} experts top-{size['top_k']}, hidden "
+             f"{size['hidden']}, expert width {size['expert_width']}, 1 shared expert, {dtype}, {device}")
+    compare_blocks(title, size, device, dtype, repeats, reference.state_dict(),
+                   ours=lambda implementation: HybridLinearKimiMoeBlock(kimi_configs(size, implementation, n_group)[0],
+                                                                        0),
+                   theirs=lambda implementation: KimiLinearMoE(kimi_configs(size, implementation, n_group)[1]))
+
+
+def compare_blocks(title: str, size: dict, device: torch.device, dtype: torch.dtype, repeats: int, state: dict,
+                   ours, theirs) -> None:
+    """Ours (`ours(implementation)`) and transformers' block (`theirs(implementation)`), `state` loaded into both,
+    for every experts implementation, in one timed round robin; a table of tokens/s and ratios against transformers'
+    eager experts and against transformers' same implementation, and the routing's share of our default's step."""
+    tokens = size["batch"] * size["seq"]
     x = torch.randn(size["batch"], size["seq"], size["hidden"], device=device, dtype=dtype, requires_grad=True)
-    print(f"\nMoE block, fwd+bwd, {tokens} tokens, {size['experts']} experts top-{size['top_k']}, hidden "
-          f"{size['hidden']}, expert width {size['expert_width']}, shared {size['shared_width']}, {dtype}, {device}")
+    print(f"\n{title}")
     steps, blocks = {}, {}
     for implementation in EXPERTS_IMPLEMENTATIONS:
         gathered_bytes = tokens * size["top_k"] * 3 * size["hidden"] * size["expert_width"] * x.element_size()
         if implementation == "batched_mm" and gathered_bytes > 2**28:
             continue  # it gathers one expert matrix per (token, expert) pair: GiBs, which would slow the next steps
-        ours = HybridLinearSparseMoeBlock(moe_config(size, implementation)).to(device, dtype)
-        ours.load_state_dict(reference.state_dict())
-        blocks["ours", implementation] = ours
+        blocks["ours", implementation] = ours(implementation).to(device, dtype)
         if implementation != "grouped_mm_gather":  # registered in transformers' table, theirs would run ours
-            theirs = Qwen3NextSparseMoeBlock(moe_config(size, implementation)).to(device, dtype)
-            theirs.load_state_dict(reference.state_dict())
-            blocks["theirs", implementation] = theirs
+            blocks["theirs", implementation] = theirs(implementation).to(device, dtype)
+    for block in blocks.values():
+        block.load_state_dict(state)  # (float32 router tensors are cast to the block's dtype, both sides alike)
     for key, block in blocks.items():
         def step(block=block):
             block(x).float().square().mean().backward()
@@ -273,6 +318,10 @@ def main() -> None:
                         help="also time greedy decoding of the whole models at these batch sizes (e.g. 1 16)")
     parser.add_argument("--prompt", type=int, default=512, help="decoding: prompt length")
     parser.add_argument("--new-tokens", type=int, default=64, help="decoding: new tokens")
+    parser.add_argument("--blocks", choices=("all", "qwen3_next", "kimi_moe"), default="all",
+                        help="which MoE blocks to compare: Qwen3-Next's sparse MoE, Kimi-Linear's, or both")
+    parser.add_argument("--n-group", type=int, default=1,
+                        help="kimi_moe: expert groups (Kimi-Linear's release: 1); the top half are kept per token")
     parser.add_argument("--cpu-time", action="store_true",
                         help="CPU: time by the process's CPU time on one thread (a machine shared with other work)")
     args = parser.parse_args()
@@ -283,8 +332,11 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    bench_block(size, device, dtype, args.repeats)
-    if not args.skip_model:
+    if args.blocks in ("all", "qwen3_next"):
+        bench_block(size, device, dtype, args.repeats)
+    if args.blocks in ("all", "kimi_moe"):
+        bench_kimi_block(size, device, dtype, args.repeats, args.n_group)
+    if not args.skip_model and args.blocks != "kimi_moe":
         ours, theirs = bench_model(size, device, dtype, args.repeats)
         if args.decode:
             bench_decode(ours, theirs, device, args.decode, args.prompt, args.new_tokens, max(1, args.repeats // 2))

@@ -132,6 +132,19 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         ),
         keeps_extra_tensors=True,
     ),
+    FormatEntry(
+        "kimi_linear",
+        "Kimi-Linear's folder (KimiLinearForCausalLM, hub layout), read as transformers runs it: MLA without RoPE, "
+        "absent config fields at KimiLinearConfig's defaults",
+        model_types=("kimi_linear",),
+        read="kimi_linear.checkpoint:read_kimi_linear", target_rows="kimi_linear.checkpoint:kimi_linear_rows",
+        write="kimi_linear.checkpoint:write_kimi_linear",
+        output=OutputLayout(
+            marker="config.json", marker_fields={"model_type": "kimi_linear"},
+            files=(r"config\.json", r"generation_config\.json", r"model\.safetensors",
+                   r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json", *_TOKENIZER_FILES),
+        ),
+    ),
 )
 
 

@@ -23,11 +23,13 @@ from typing import Any
 # integer (bounded), "size_or_zero" the same or 0 (the part it sizes left out), "epsilon" a finite number > 0, "bool"
 # True/False, "gate_activation" one of GATE_ACTIVATIONS, "activation" a name in transformers' ACT2FN, "window" None
 # or a positive integer (required on the layers whose component declares it), "rope" a rope_parameters dict the
-# rotary embedding runs.
-FIELD_KINDS = ("size", "size_or_zero", "epsilon", "bool", "gate_activation", "activation", "window", "rope")
+# rotary embedding runs, "positive_number" a finite number > 0 (a scale factor).
+FIELD_KINDS = ("size", "size_or_zero", "epsilon", "bool", "gate_activation", "activation", "window", "rope",
+               "positive_number")
 # The annotation of each kind's dataclass field (what `help(HybridLinearConfig)` and the signature show).
 _ANNOTATIONS = {"size": "int", "size_or_zero": "int", "epsilon": "float", "bool": "bool", "gate_activation": "str",
-                "activation": "str", "window": "int | None", "rope": "dict | None"}
+                "activation": "str", "window": "int | None", "rope": "dict | None",
+                "positive_number": "float"}
 _IMMUTABLE_DEFAULTS = (type(None), bool, int, float, str)  # a dataclass default is shared by every instance
 
 

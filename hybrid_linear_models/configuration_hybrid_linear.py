@@ -255,7 +255,7 @@ def _field_problems(s: _Settings, p: str, names: tuple[str, ...]) -> list[str]:
         value, kind = getattr(s, name), kinds[name]
         if kind == "size":
             problems += [problem] if (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)) else []
-        elif kind == "epsilon":
+        elif kind in ("epsilon", "positive_number"):
             problems += _number_problems(p + name, value, low=0.0, low_inclusive=False)
         elif kind in ("initializer_range", "coefficient"):
             problems += _number_problems(name, value, low=0.0)

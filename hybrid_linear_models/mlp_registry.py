@@ -69,6 +69,7 @@ def lora_targets() -> tuple[str, ...]:
 # follows when it copies a saved folder's remote code (see mixer_registry).
 from .mlp_dense import HybridLinearMLP  # noqa: E402,F401
 from .mlp_sparse_moe import HybridLinearSparseMoeBlock  # noqa: E402,F401
+from .mlp_kimi_moe import HybridLinearKimiMoeBlock  # noqa: E402,F401
 
 __all__ = ["MLPS", "MLP_ATTRIBUTE", "ConfigField", "MlpSpec", "expert_parallel_plan", "lora_targets", "mlp_types",
            "register", "tensor_parallel_plan", "unregister"]

@@ -105,7 +105,10 @@ def graph_capturable_expert_dispatch(config: Any) -> bool:
 
 
 class HybridLinearTopKRouter(nn.Module):
-    """Softmax over the experts in float32, then top-k; (logits, top-k weights, top-k experts)."""
+    """Softmax over the experts in float32, then top-k; (logits, top-k weights, top-k experts). The model records the
+    logits of every router of this class or a subclass (`output_router_logits`)."""
+
+    balanced_by_aux_loss = True  # its logits count in the load-balancing loss (moe_load_balancing.py)
 
     def __init__(self, settings: Any):
         super().__init__()
@@ -162,11 +165,13 @@ class HybridLinearExperts(nn.Module):
 
 
 class HybridLinearSharedExpert(nn.Module):
-    """The shared expert: a gated MLP every token goes through, down(act(gate(x)) * up(x))."""
+    """The shared expert: a gated MLP every token goes through, down(act(gate(x)) * up(x)), of width `width`
+    (default: shared_expert_intermediate_size)."""
 
-    def __init__(self, settings: Any):
+    def __init__(self, settings: Any, width: int | None = None):
         super().__init__()
-        hidden, width = settings.hidden_size, settings.shared_expert_intermediate_size
+        hidden = settings.hidden_size
+        width = settings.shared_expert_intermediate_size if width is None else width
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
@@ -257,7 +262,7 @@ register(MlpSpec(
     fields={
         "num_experts": ConfigField(kind="size", default=64, doc="routed experts of each sparse MoE layer."),
         "num_experts_per_tok": ConfigField(kind="size", default=8,
-                                           doc="experts each token is routed to (top-k of the router's softmax)."),
+                                           doc="experts each token is routed to (the top-k of its router's scores)."),
         "moe_intermediate_size": ConfigField(kind="size", default=512, doc="width of each routed expert's MLP."),
         "shared_expert_intermediate_size": ConfigField(
             kind="size_or_zero", default=512,

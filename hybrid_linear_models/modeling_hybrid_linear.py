@@ -38,7 +38,6 @@ from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs a
 from .mlp_registry import MLPS
 from .mlp_sparse_moe import (
     EXPERTS_IMPLEMENTATIONS,
-    HybridLinearSparseMoeBlock,
     HybridLinearTopKRouter,
     check_expert_parallel_size,
 )
@@ -56,7 +55,8 @@ class HybridLinearRotaryEmbedding(nn.Module):
         self.config = config
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters.get("rope_type", "default")
-        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        init_fn = (self.compute_default_rope_parameters if self.rope_type == "default"
+                   else ROPE_INIT_FUNCTIONS[self.rope_type])
         inv_freq, self.attention_scaling = init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
@@ -255,7 +255,8 @@ def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.
     """Positions restarting at 0 at every document start, so attention masks keep packed documents apart."""
     starts = cu_seqlens[:-1].long()
     lengths = cu_seqlens[1:].long() - starts
-    return torch.arange(seq_len, device=cu_seqlens.device) - torch.repeat_interleave(starts, lengths, output_size=seq_len)
+    return (torch.arange(seq_len, device=cu_seqlens.device)
+            - torch.repeat_interleave(starts, lengths, output_size=seq_len))
 
 
 class HybridLinearModel(HybridLinearPreTrainedModel):
@@ -496,9 +497,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast:
-        """output_router_logits (default config.output_router_logits): return each sparse MoE layer's router logits
-        and the load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask),
-        added to `loss` times config.router_aux_loss_coef when labels are given, as Qwen3-Next does."""
+        """output_router_logits (default config.output_router_logits): return each MoE layer's router logits and the
+        load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask) of the
+        softmax-routed ("sparse_moe") layers, added to `loss` times config.router_aux_loss_coef when labels are given,
+        as Qwen3-Next does ("kimi_moe" layers balance by their bias: recorded, not counted)."""
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)  # before any shape is read
         if labels is not None:
             expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
@@ -534,7 +536,11 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         if output_router_logits is None:
             output_router_logits = getattr(self.config, "output_router_logits", False)
         if output_router_logits:
-            aux_loss = load_balancing_loss(outputs.router_logits or (), self._moe_top_k(), attention_mask)
+            # the routers balanced by the loss (softmax top-k); Kimi's bias-balanced routers are recorded, not counted
+            balanced = [(logits, router.top_k) for logits, router in zip(outputs.router_logits or (), self._routers())
+                        if router.balanced_by_aux_loss]
+            aux_loss = load_balancing_loss(tuple(logits for logits, _ in balanced), [k for _, k in balanced],
+                                           attention_mask)
             if loss is not None and aux_loss is not None:
                 loss = loss + getattr(self.config, "router_aux_loss_coef", 0.001) * aux_loss.to(loss.device)
         return MoeCausalLMOutputWithPast(
@@ -547,10 +553,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             router_logits=outputs.router_logits,
         )
 
-    def _moe_top_k(self) -> list[int]:
-        """num_experts_per_tok of each sparse MoE layer, in layer order (the order the router logits are recorded)."""
-        return [layer.mlp.gate.top_k for layer in self.model.layers
-                if isinstance(layer.mlp, HybridLinearSparseMoeBlock)]
+    def _routers(self) -> list[HybridLinearTopKRouter]:
+        """The router of each MoE layer, in layer order (the order their logits are recorded)."""
+        return [layer.mlp.gate for layer in self.model.layers
+                if isinstance(getattr(layer.mlp, "gate", None), HybridLinearTopKRouter)]
 
 
 def _auto_map_entry(cls: type) -> str:

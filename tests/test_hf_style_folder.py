@@ -20,7 +20,8 @@ from hybrid_linear_models.conversion.pipeline import WriteOptions, plan_conversi
 FAST_LLM_FOLDER = FAST_LLM_FIXTURES / "hybrid_attn_gdn_kda" / "fast_llm"
 APRIEL2_FOLDER = FAST_LLM_FIXTURES / "hybrid_attn_gdn_kda" / "apriel2_text"
 HF_STYLE_FORMATS = [("hf", "a Hugging Face checkpoint"), ("apriel2", "an Apriel2 checkpoint"),
-                    ("fla", "an fla checkpoint"), ("qwen3_next", "a Qwen3-Next checkpoint")]
+                    ("fla", "an fla checkpoint"), ("qwen3_next", "a Qwen3-Next checkpoint"),
+                    ("kimi_linear", "a Kimi-Linear checkpoint")]
 
 
 def refusal(fmt: str, folder: Path) -> str:

@@ -129,7 +129,7 @@ def test_shared_settings_are_declared_once():
 
 def test_the_dense_mlp_is_a_registered_per_layer_choice():
     spec = MLPS["dense"]
-    assert tuple(MLPS) == ("dense", "sparse_moe") and spec.module_class is HybridLinearMLP  # + the MoE (issue 15)
+    assert tuple(MLPS) == ("dense", "sparse_moe", "kimi_moe") and spec.module_class is HybridLinearMLP  # + MoEs
     assert set(spec.fields) == {"intermediate_size", "hidden_act", "mlp_bias"}
     config = tiny_config(["gated_deltanet", "full_attention"], per_layer_config={1: {"intermediate_size": 32}})
     assert config.mlp_types == ["dense", "dense"]  # resolved explicitly, like layer_types

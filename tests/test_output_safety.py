@@ -177,14 +177,17 @@ def test_each_writers_output_matches_its_registration(tmp_path):
     """The files each writer creates (one file or shards) are the ones its registration declares: --force can
     replace every folder the converter writes. Each writer converts the first of these sources its format can
     express: the Fast-LLM fixture (GDN, KDA and attention), a Qwen3-Next-like model (our defaults: GDN and gated
-    attention, zero-centred norms), an fla-like one (GDN and plain attention, plain norms)."""
+    attention, zero-centred norms), an fla-like one (GDN and plain attention, plain norms), a Kimi-like one (KDA,
+    plain norms)."""
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, head_dim=8, num_attention_heads=4,
                  gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=8, gdn_value_head_dim=8)
     fla_like = dict(small, layer_types=["gated_deltanet", "full_attention"], zero_centered_norms=False,
                     attention_output_gate=False, attention_qk_norm=False,
                     rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
+    kimi_like = dict(small, layer_types=["kimi_delta_attention"] * 2, zero_centered_norms=False, kda_num_heads=2,
+                     kda_head_dim=8)
     sources = [SRC]
-    for index, settings in enumerate((small, fla_like)):
+    for index, settings in enumerate((small, fla_like, kimi_like)):
         sources.append(tmp_path / f"source-{index}")
         HybridLinearForCausalLM(HybridLinearConfig(**settings)).save_pretrained(sources[-1])
     source_format = {SRC: "fast_llm"}

@@ -213,6 +213,10 @@ def check_fits_qwen3_next(config: HybridLinearConfig) -> None:
         if layer_type not in TO_QWEN3_NEXT_LAYER_TYPES:
             raise _refuse(f"layer {index} is {layer_type!r}, and Qwen3-Next layers are Gated DeltaNet "
                           "('gated_deltanet') or gated full attention ('full_attention')")
+    for index, mlp_type in enumerate(config.mlp_types):
+        if mlp_type not in ("dense", "sparse_moe"):
+            raise _refuse(f"layer {index}'s MLP is {brief(mlp_type)} (mlp_types[{index}]), and Qwen3-Next's MLPs are "
+                          "the gated MLP ('dense') or its sparse MoE ('sparse_moe')")
     for index in range(len(config.layer_types)):
         overrides = layer_overrides(config, index)
         if overrides:

@@ -1,0 +1,203 @@
+"""Kimi-Linear's mixture-of-experts MLP (`mlp_types` entry "kimi_moe"): DeepSeek-V3 routing, as transformers'
+`KimiLinearMoE` / `KimiLinearTopkRouter`, with its module, parameter and buffer names so checkpoints map one to one.
+
+For a token x (a row of the pre-MLP normed hidden states, width H), with E experts in G = n_group groups of E / G,
+top-k routing, expert width I:
+
+    logits = W_r x                                  router `gate.weight` (E, H), in float32 (or the wider input dtype)
+    s      = sigmoid(logits)                        each expert's affinity, independent of the others (no softmax)
+    c      = s + b                                  b = `gate.e_score_correction_bias` (E,): steers the CHOICE only
+    group score_g = sum of the 2 largest c in group g           (transformers' and DeepSeek-V3's rule)
+    kept groups   = the topk_group best groups; c of the experts in the other groups set to -inf
+    e      = top-k of c                             the k chosen experts
+    w      = s[e]                                   their weights come from s, never from b
+    w      = w / (sum(w) + 1e-20)                   only when `norm_topk_prob`
+    w      = routed_scaling_factor * w
+    y      = sum_j w_j * down_e_j( act(gate_e_j x) * up_e_j x )
+           + down_s( act(gate_s x) * up_s x )       the shared experts: one ungated MLP of width I * n_shared_experts
+                                                     (0: none)
+
+Why the bias: Kimi-Linear / DeepSeek-V3 balance the experts' load without an auxiliary loss. Training adjusts b
+outside the optimizer (raising it for under-used experts, lowering it for over-used ones), so it changes which experts
+a token reaches but not how much each contributes. It is therefore a buffer here, as in transformers: saved and
+loaded with the checkpoint, created in float32, never returned by `parameters()` (an optimizer leaves it alone), and
+set to zeros by a fresh initialisation. The router weight is created in float32 as well (transformers keeps both in
+float32 when loading bf16/fp16 checkpoints, `_keep_in_fp32_modules_strict`); the routing math runs in float32 whatever
+the hidden dtype (float64 models route in float64), and the weights it returns stay in that dtype, as transformers'.
+
+Router logits and the auxiliary loss: with `output_router_logits`, the router's logits (pre-sigmoid, float32) are
+recorded like the sparse MoE's (the router is a `HybridLinearTopKRouter`), in layer order. The load-balancing
+auxiliary loss (`aux_loss`, moe_load_balancing.py, a softmax-router loss) does not count these layers: Kimi-Linear has
+no auxiliary loss (transformers' KimiLinearForCausalLM returns none), its balance comes from the bias. A model whose
+MoE layers are all "kimi_moe" returns `aux_loss` None and adds nothing to the loss.
+
+The routing is a fixed sequence of device ops (sigmoid, topk, scatter, masked_fill, gather) with shapes set by the
+token count: no host synchronisation, so a captured CUDA-graph decoding step routes every token afresh. The experts
+are the sparse MoE's (`HybridLinearExperts`: transformers' experts implementations grouped_mm / batched_mm / eager and
+this package's grouped_mm_gather, the default), the captured step running a graph-safe one.
+
+Kimi-Linear's first dense layers (`first_k_dense_replace`) are simply `mlp_types` entries: "dense" for the first k
+layers, "kimi_moe" after. Each field may vary per layer (per_layer_config): num_experts, num_experts_per_tok,
+moe_intermediate_size, norm_topk_prob, hidden_act (shared with "sparse_moe" / "dense"), and n_group, topk_group,
+routed_scaling_factor, n_shared_experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mlp_registry import MLPS, ConfigField, MlpSpec, register
+from .mlp_sparse_moe import HybridLinearExperts, HybridLinearSharedExpert, HybridLinearTopKRouter
+
+NORM_EPSILON = 1e-20  # added to the sum of the chosen weights before dividing (transformers' KimiLinearTopkRouter)
+GROUP_SCORE_EXPERTS = 2  # a group's score: the sum of its best 2 corrected scores (DeepSeek-V3, transformers)
+
+
+class HybridLinearKimiMoeRouter(HybridLinearTopKRouter):
+    """Sigmoid scores, bias-corrected grouped top-k choice; (logits, top-k weights, top-k experts). A top-k router
+    (recorded as the sparse MoE's is), its weights and choice as the module docstring gives them."""
+
+    balanced_by_aux_loss = False  # Kimi-Linear balances by e_score_correction_bias (module docstring)
+
+    def __init__(self, settings: Any):
+        super().__init__(settings)
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
+        self.num_group, self.topk_group = settings.n_group, settings.topk_group
+        self.routed_scaling_factor = settings.routed_scaling_factor
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim).to(dtype)
+        router_logits = F.linear(hidden_states, self.weight.to(dtype))  # (tokens, E)
+        scores = router_logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.to(dtype)
+        if self.topk_group < self.num_group:  # (all groups kept: no mask, the same choice)
+            grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)
+            group_scores = grouped.topk(GROUP_SCORE_EXPERTS, dim=-1).values.sum(-1)  # (tokens, G)
+            kept = group_scores.topk(self.topk_group, dim=-1).indices
+            kept_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~kept_mask[..., None], float("-inf")).view(-1, self.num_experts)
+        top_experts = choice.topk(self.top_k, dim=-1).indices  # (tokens, k)
+        top_weights = scores.gather(1, top_experts)
+        if self.norm_topk_prob:
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + NORM_EPSILON)
+        return router_logits, top_weights * self.routed_scaling_factor, top_experts
+
+
+class HybridLinearKimiMoeBlock(nn.Module):
+    """Router + routed experts + (optional) ungated shared experts; [..., H] -> [..., H]."""
+
+    def __init__(self, config: Any, layer_idx: int | None = None):
+        """config: the model's (its experts implementation); the layer reads its sizes from
+        config.per_layer_config[layer_idx] (from `config` itself when layer_idx is None: a standalone block)."""
+        super().__init__()
+        settings = config if layer_idx is None else config.per_layer_config[layer_idx]
+        self.initializer_range = getattr(settings, "initializer_range", 0.02)  # the router's and experts' init std
+        self.gate = HybridLinearKimiMoeRouter(settings)
+        self.experts = HybridLinearExperts(config, settings)
+        self.shared_experts = None
+        if settings.n_shared_experts > 0:
+            width = settings.moe_intermediate_size * settings.n_shared_experts
+            self.shared_experts = HybridLinearSharedExpert(settings, width)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        _, routing_weights, selected_experts = self.gate(x)
+        out = self.experts(x, selected_experts, routing_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)
+
+
+def kimi_moe_parameter_count(settings: Any) -> int:
+    """The weights of one layer's Kimi MoE MLP (the configuration's size bound): router and its bias, experts, shared
+    experts."""
+    hidden, experts, width = settings.hidden_size, settings.num_experts, settings.moe_intermediate_size
+    return experts * (hidden + 1) + 3 * experts * width * hidden + 3 * settings.n_shared_experts * width * hidden
+
+
+def init_kimi_moe_weights(block: HybridLinearKimiMoeBlock) -> None:
+    """transformers' KimiLinear initialisation of what the generic init does not reach: the router and the 3-D expert
+    weights from N(0, initializer_range), the correction bias zeros; the shared experts' Linear layers get the generic
+    init. (transformers' `init` functions skip tensors loaded from a checkpoint.)"""
+    from transformers import initialization as init
+
+    std = block.initializer_range
+    init.normal_(block.gate.weight, mean=0.0, std=std)
+    init.zeros_(block.gate.e_score_correction_bias)
+    init.normal_(block.experts.gate_up_proj, mean=0.0, std=std)
+    init.normal_(block.experts.down_proj, mean=0.0, std=std)
+
+
+def _relation_problems(s: Any, prefix: str) -> list[str]:
+    """The groups must split the experts evenly, keep at most all groups, score each by 2 experts when some are
+    dropped, and hold at least the top-k experts."""
+    experts, top_k, groups, kept = s.num_experts, s.num_experts_per_tok, s.n_group, s.topk_group
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (experts, top_k, groups, kept)):
+        return []  # (each field's own check names it)
+    if experts % groups:
+        return [f"{prefix}n_group={groups} does not divide num_experts={experts}; the experts form n_group equal "
+                "groups: choose an n_group that divides num_experts"]
+    if kept > groups:
+        return [f"{prefix}topk_group={kept} exceeds n_group={groups}; a token keeps at most every group: lower "
+                "topk_group"]
+    per_group = experts // groups
+    if kept < groups and per_group < GROUP_SCORE_EXPERTS:
+        return [f"{prefix}n_group={groups} leaves {per_group} expert per group, and a group's score is the sum of its "
+                f"best {GROUP_SCORE_EXPERTS}: use at most num_experts / 2 = {experts // 2} groups (or topk_group = "
+                "n_group)"]
+    if top_k > kept * per_group:
+        return [f"{prefix}num_experts_per_tok={top_k} exceeds the {kept * per_group} experts of the topk_group={kept} "
+                f"groups a token keeps ({per_group} per group); lower num_experts_per_tok or raise topk_group"]
+    return []
+
+
+def _describe(s: Any) -> str:
+    groups = f", top-{s.topk_group} of {s.n_group} groups" if s.topk_group < s.n_group else ""
+    shared = f", {s.n_shared_experts} shared expert(s)" if s.n_shared_experts else ""
+    return (f"{s.num_experts} experts of {s.moe_intermediate_size}, top-{s.num_experts_per_tok}{groups} (sigmoid, "
+            f"bias-corrected choice, scale {s.routed_scaling_factor}){shared}")
+
+
+# ---------------------------------------------------------------------------------------------------- registration
+
+_SPARSE = MLPS["sparse_moe"].fields  # the expert fields both MoE MLPs read, declared once
+
+register(MlpSpec(
+    mlp_type="kimi_moe", title="Kimi-Linear mixture of experts",
+    fields={
+        **{name: _SPARSE[name] for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                            "norm_topk_prob")},
+        "n_group": ConfigField(kind="size", default=1,
+                               doc="groups the kimi_moe experts are split into for grouped top-k routing."),
+        "topk_group": ConfigField(kind="size", default=1,
+                                  doc="groups a token's kimi_moe experts are chosen from (the best by top-2 score)."),
+        "routed_scaling_factor": ConfigField(kind="positive_number", default=1.0,
+                                             doc="factor on the kimi_moe routing weights (after renormalisation)."),
+        "n_shared_experts": ConfigField(
+            kind="size_or_zero", default=1,
+            doc="kimi_moe shared experts, one ungated MLP of n_shared_experts * moe_intermediate_size (0: none)."),
+        "hidden_act": MLPS["dense"].fields["hidden_act"],
+    },
+    module_class=HybridLinearKimiMoeBlock, parameter_count=kimi_moe_parameter_count,
+    relation_problems=_relation_problems, init_weights=init_kimi_moe_weights,
+    # transformers' KimiLinear plan (as the sparse MoE's): experts split along their width on every rank, partial
+    # outputs summed by "moe_tp_experts"; router and its bias replicated
+    tensor_parallel_plan={
+        "experts.gate_up_proj": "packed_colwise", "experts.down_proj": "rowwise", "experts": "moe_tp_experts",
+        "shared_experts.gate_proj": "colwise", "shared_experts.up_proj": "colwise",
+        "shared_experts.down_proj": "rowwise",
+    },
+    lora_targets=("gate_proj", "up_proj", "down_proj"),
+    describe=_describe,
+))
+
+
+__all__ = ["HybridLinearKimiMoeBlock", "HybridLinearKimiMoeRouter", "init_kimi_moe_weights",
+           "kimi_moe_parameter_count"]
