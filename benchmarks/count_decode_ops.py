@@ -134,8 +134,9 @@ def count_step(kda: bool = False, eager: bool = False, by_site: bool = False) ->
     counted: dict[str, KernelCounter] = {}
     previous = fla_backend.fla_for, CudaGraphDecoder.device_types, CudaGraphDecoder._record
 
-    def record(run, device):  # the capture: the step run once, counted
+    def record(run, device):  # the capture: a warm-up run (as on the GPU: kept tensors built), then one counted
         global COUNTER
+        run()
         COUNTER = counted["graph"] = KernelCounter(by_site)
         with COUNTER:
             out = run()
