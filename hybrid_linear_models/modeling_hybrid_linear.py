@@ -30,7 +30,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
-from .mixer_attention import HybridLinearAttention, SlidingWindowMask
+from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
@@ -275,7 +275,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
 
     def _position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list:
         """cos/sin of every distinct rotary embedding, for layer i at index rotary_of_layer[i]."""
-        return [rotary(hidden_states, position_ids) for rotary in self._rotary_embeddings()]
+        return [RotaryTables(rotary(hidden_states, position_ids)) for rotary in self._rotary_embeddings()]
 
     def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> list:
         """The attention mask of every layer (None for GDN/KDA layers): one per full attention, one per distinct
