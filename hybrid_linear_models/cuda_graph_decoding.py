@@ -98,16 +98,31 @@ class WindowSteps:
 
 
 class StepCache:
-    """The cache as a captured step sees it: GDN/KDA and full-attention layers as they are, the sliding-window
-    layers' `update` through `WindowSteps` (the attention mixer only calls `cache.update`)."""
+    """The cache as a captured step sees it: GDN/KDA layers as they are, the sliding-window layers' `update` through
+    `WindowSteps` (the attention mixer only calls `cache.update`), and the full-attention layers' update without
+    its per-layer index arithmetic: the token is written at the slot the layer's own counter holds (transformers'
+    StaticLayer.update: arange + counter, then the counter advanced, per layer), and `advance` moves every full
+    layer's counter on at the end of the step in one kernel."""
 
     def __init__(self, cache: StaticCache, windows: WindowSteps | None):
         self.cache, self.windows, self.layers = cache, windows, cache.layers
+        self._full = [layer for layer in cache.layers if _is_full(layer)]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.windows is not None and layer_idx in self.windows.layers:
             return self.windows.update(layer_idx, key, value)
-        return self.cache.update(key, value, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if not _is_full(layer) or key.shape[-2] != 1:
+            return self.cache.update(key, value, layer_idx, *args, **kwargs)
+        slot = layer.cumulative_length.view(1)  # this step's cache index (advanced after the step: `advance`)
+        layer.keys.index_copy_(2, slot, key)
+        layer.values.index_copy_(2, slot, value)
+        return layer.keys, layer.values
+
+    def advance(self) -> None:
+        """After every layer of the step (captured): each full layer's counter + 1, as its update would have done."""
+        if self._full:
+            torch._foreach_add_([layer.cumulative_length for layer in self._full], 1)
 
 
 def _cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
@@ -228,6 +243,7 @@ class CudaGraphDecoder:
             with graph_safe_experts(model.config):  # sparse MoE layers: an implementation without host syncs
                 hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
                                                 self._windows)
+            step_cache.advance()
             return model.lm_head(hidden)
 
         self._graph, self._logits = self._record(run, device)

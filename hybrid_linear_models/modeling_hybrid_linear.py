@@ -105,6 +105,24 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)  # fused add
         return residual + self.mlp(hidden_states)
 
+    def decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, position_embeddings,
+               attention_mask: torch.Tensor | None, sequence_info: SequenceInfo,
+               cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decoding step, its last residual add left to the next norm: takes the previous layer's
+        (MLP output, residual) (residual None for the first layer: hidden_states is the embedding) and returns its own,
+        whose sum is what `forward` returns. The input norm adds them in its kernel (one kernel less per layer)."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual=residual)
+        mixer = getattr(self, self.mixer_attribute)
+        if self.mixer_state == "kv":
+            hidden_states, _ = mixer(hidden_states, position_embeddings, attention_mask, cache=cache)
+        else:
+            hidden_states = mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
+        return self.mlp(hidden_states), residual
+
 
 class HybridLinearPreTrainedModel(PreTrainedModel):
     config: HybridLinearConfig
@@ -410,14 +428,18 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         full_mask = attention_mask_of(key_mask)
         window_masks = windows.masks(attention_mask_of) if windows is not None else {}
         info = SequenceInfo(input_ids.shape[0], 1)
+        residual = None  # each layer's last residual add is done by the next norm (HybridLinearDecoderLayer.decode)
         for layer in self.layers[: self.config.num_hidden_layers]:
             attention_mask = None
             if layer.mixer_state == "kv":
                 attention_mask = window_masks.get(layer.layer_idx, full_mask)
             rotary = self.rotary_of_layer[layer.layer_idx]
-            hidden_states = layer(hidden_states, attention_mask=attention_mask, sequence_info=info, cache=cache,
-                                  position_embeddings=position_embeddings[rotary] if rotary is not None else None)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer.decode(
+                hidden_states, residual, position_embeddings[rotary] if rotary is not None else None,
+                attention_mask, info, cache)
+        if residual is None:  # no layer
+            return self.norm(hidden_states)
+        return self.norm(hidden_states, residual=residual)[0]
 
 
 class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
