@@ -89,7 +89,9 @@ def _rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_
 
 def _rule(per_channel):
     def rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens=None,
-             use_gate_in_kernel=False, A_log=None, dt_bias=None, **_):
+             use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, **_):
+        if use_beta_sigmoid_in_kernel:
+            beta = beta.sigmoid()
         if use_gate_in_kernel:
             g = ops.gate_log_decay(g, A_log, dt_bias)
         return kernels_delta_rule.recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,

@@ -9,7 +9,8 @@ rank computes a block of key heads with their value heads (see `tensor_parallel_
 
 A decoding step (one token per row, no gradient) runs both projections as one GEMM (`fused_projections`) and one
 gather regroups its output into the flat [q | k | v | z | b | a] the convolution, the gated norm and the delta rule
-read as contiguous slices (the grouped split would need a copy for z and for a).
+read as contiguous slices (the grouped split would need a copy for z and for a); beta's sigmoid runs inside the
+recurrent kernel.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class HybridLinearGatedDeltaNet(nn.Module):
             return q.unflatten(-1, (nk, dk)), k.unflatten(-1, (nk, dk)), v.unflatten(-1, (nv, dv))
 
         gate = DecayGate(a, self.A_log, self.dt_bias)
-        out = convolve_and_recur(mixed, self.conv1d.weight, split, gate, b.sigmoid(), gated_delta_rule, info, cache)
+        out = convolve_and_recur(mixed, self.conv1d.weight, split, gate, b, gated_delta_rule, info, cache,
+                                 beta_logits=True)  # sigmoid(b) in the recurrent kernel
         out = self.norm(out, z.unflatten(-1, (nv, dv)))
         return self.out_proj(out.reshape(B, T, nv * dv))
 

@@ -8,7 +8,8 @@ act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`. fla's
 (`kda_gate_bias`): act(g_b(g_a(x)) + bias).
 
 A decoding step (one token per row, no gradient) runs the six projections of x (q, k, v, f_a, g_a, b) as one GEMM
-(`fused_projections`), whose first columns are the flat [q | k | v] the convolution reads (no concatenation).
+(`fused_projections`), whose first columns are the flat [q | k | v] the convolution reads (no concatenation), and
+beta's sigmoid runs inside the recurrent kernel.
 """
 
 from __future__ import annotations
@@ -80,12 +81,15 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         conv_weight = self._conv_weight.get(kernels, lambda: torch.cat([w[rows] for w in kernels]), tag=rows)
         forget = self.f_b_proj(forget_a).view(shape)
         gate = DecayGate(forget, self.A_log[heads.offset : heads.offset + heads.count], self.dt_bias[rows])
-        beta = beta.sigmoid()
+        decoding = T == 1  # beta's sigmoid then runs inside the recurrent kernel
+        if not decoding:
+            beta = beta.sigmoid()
 
         def split(x):  # x may be the packed [1, B * T, C]
             return tuple(part.unflatten(-1, (heads.count, self.head_dim)) for part in x.chunk(3, dim=-1))
 
-        out = convolve_and_recur(mixed, conv_weight, split, gate, beta, kimi_delta_rule, info, cache)
+        out = convolve_and_recur(mixed, conv_weight, split, gate, beta, kimi_delta_rule, info, cache,
+                                 beta_logits=decoding)
         out = self.o_norm(out, self.g_b_proj(gate_a).view(shape))
         sum_gradients_over_ranks(
             self, [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,

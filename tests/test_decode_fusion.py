@@ -162,3 +162,33 @@ def test_captured_step_follows_in_place_updates_of_stacked_weights(monkeypatch):
     assert not any(d.stale() for d in kept)
     model.double()  # new storage: the captured graph's tensors are stale, CudaGraphDecoder.step captures again
     assert any(isinstance(d, SharedRows) and d.stale() for d in kept)
+
+
+@pytest.mark.parametrize("layer_type", ["gated_deltanet", "kimi_delta_attention"])
+def test_decoding_hands_beta_logits_to_fla_recurrent_kernel(monkeypatch, layer_type):
+    """A decoding step gives fla's recurrent kernel beta's logits with use_beta_sigmoid_in_kernel (one sigmoid
+    kernel less): with fla's documented contract (sigmoid inside, then the rule) the step equals the torch path."""
+    from types import SimpleNamespace
+
+    from hybrid_linear_models import fla_backend, ops
+    from hybrid_linear_models.kernels_delta_rule import recurrent_delta_rule
+
+    seen = []
+
+    def contract(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 cu_seqlens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                 use_beta_sigmoid_in_kernel=False):
+        seen.append(use_beta_sigmoid_in_kernel)
+        beta = beta.sigmoid() if use_beta_sigmoid_in_kernel else beta
+        g = ops.gate_log_decay(g, A_log, dt_bias) if use_gate_in_kernel else g
+        return recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel)
+
+    model = tiny_model([layer_type, "full_attention"])
+    prompt, tokens = torch.randint(1, 100, (2, 5)), torch.randint(1, 100, (2, 2))
+    expected, _ = _decode(model, prompt, tokens)
+    fake = SimpleNamespace(fused_recurrent_gated_delta_rule=contract, fused_recurrent_kda=contract)
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: fake)
+    got, _ = _decode(model, prompt, tokens)
+    assert seen == [True, True]  # the two one-token steps (the prompt runs the chunked torch path)
+    torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
