@@ -511,9 +511,11 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                     f"labels must have the [batch, seq_len] shape of the inputs, {expected}, got {tuple(labels.shape)}."
                 )
         if (labels is None and self._graph_decoder is not None
-                and CudaGraphDecoder.applies(self, input_ids, inputs_embeds, cache, attention_mask, kwargs)):
-            logits = self._graph_decoder.step(self, input_ids, position_ids, attention_mask, cache)
-            return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
+                and CudaGraphDecoder.wanted(self, input_ids, inputs_embeds, cache)):
+            # (None: this step cannot be captured; the decoder said why, once, and the forward below runs)
+            logits = self._graph_decoder.try_step(self, input_ids, position_ids, attention_mask, cache, kwargs)
+            if logits is not None:
+                return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
