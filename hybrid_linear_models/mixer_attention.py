@@ -59,25 +59,41 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return rotate(q), rotate(k)
 
 
-class RotaryTables(tuple):
-    """(cos, sin) of one step's positions, [B, T, rotary dims], as `apply_rotary` takes them; `whole_head` extends
-    them over whole heads once per step (for every layer of that head width)."""
+class RotaryTables:
+    """The rotary tables of one forward, for the attention layers of one head width: iterates as (cos, sin)
+    [B, T, rotary dims], as `apply_rotary` takes them, computed on first use by `compute`; `whole_head` gives them
+    over whole heads for `rotate_together`, once per forward, from `direct` (straight from the positions, without
+    (cos, sin): a decoding step's few kernels) where given, else from (cos, sin)."""
+
+    def __init__(self, pair: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 compute: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 direct: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] | None = None):
+        self._pair, self._compute, self._direct = pair, compute, direct
+        self._whole_head: dict = {}
+
+    def __iter__(self):
+        if self._pair is None:
+            self._pair = self._compute()
+        return iter(self._pair)
 
     def whole_head(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cos', sin', swap) over [B, T, head_dim]: x * cos' + x[..., swap] * sin' equals `apply_rotary`'s
-        [x_rot * cos + rotate_half(x_rot) * sin | x_pass] element for element (cos' = [cos | 1], sin' = [-sin_1 |
-        sin_2 | 0] with sin = [sin_1 | sin_2]: rotate_half's negation moved onto sin, which is exact; swap exchanges
-        the rotated halves)."""
-        cached = vars(self).setdefault("_whole_head", {})
-        if head_dim not in cached:
-            cos, sin = self
-            rotary = cos.shape[-1]
-            half, rest = rotary // 2, head_dim - rotary
-            cos_full = torch.nn.functional.pad(cos, (0, rest), value=1.0)
-            sin_full = torch.cat([-sin[..., :half], torch.nn.functional.pad(sin[..., half:], (0, rest))], dim=-1)
-            swap = _swap_index(head_dim, rotary, cos.device)
-            cached[head_dim] = (cos_full.unsqueeze(2), sin_full.unsqueeze(2), swap)
-        return cached[head_dim]
+        """(cos', sin', swap), cos' and sin' [B, T, 1, head_dim]: x * cos' + x[..., swap] * sin' equals
+        `apply_rotary`'s [x_rot * cos + rotate_half(x_rot) * sin | x_pass] element for element (cos' = [cos | 1],
+        sin' = [-sin_1 | sin_2 | 0] with sin = [sin_1 | sin_2]: rotate_half's negation moved onto sin, which is
+        exact; swap exchanges the rotated halves)."""
+        if head_dim not in self._whole_head:
+            tables = self._direct(head_dim) if self._direct is not None else None
+            if tables is None:
+                cos, sin = self
+                rotary = cos.shape[-1]
+                half, rest = rotary // 2, head_dim - rotary
+                tables = (torch.nn.functional.pad(cos, (0, rest), value=1.0),
+                          torch.cat([-sin[..., :half], torch.nn.functional.pad(sin[..., half:], (0, rest))], dim=-1),
+                          rotary)
+            cos_full, sin_full, rotary = tables
+            swap = _swap_index(head_dim, rotary, cos_full.device)
+            self._whole_head[head_dim] = (cos_full.unsqueeze(2), sin_full.unsqueeze(2), swap)
+        return self._whole_head[head_dim]
 
 
 _SWAP_INDICES: dict = {}

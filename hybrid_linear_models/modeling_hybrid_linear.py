@@ -5,6 +5,7 @@ from their registrations (`mixer_registry`, `mlp_registry`)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -30,6 +31,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
+from .derived_weights import DerivedWeight
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
@@ -50,10 +52,12 @@ class HybridLinearRotaryEmbedding(nn.Module):
         self.config = config
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.rope_type = config.rope_parameters.get("rope_type", "default")
-        init_fn = self.compute_default_rope_parameters if self.rope_type == "default" else ROPE_INIT_FUNCTIONS[self.rope_type]
+        init_fn = (self.compute_default_rope_parameters if self.rope_type == "default"
+                   else ROPE_INIT_FUNCTIONS[self.rope_type])
         inv_freq, self.attention_scaling = init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+        self._signed_inv_freq = DerivedWeight()
 
     @staticmethod
     def compute_default_rope_parameters(config: HybridLinearConfig, device=None, **kwargs):
@@ -68,6 +72,28 @@ class HybridLinearRotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    @torch.no_grad()
+    def whole_head(self, x: torch.Tensor, position_ids: torch.Tensor,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """`RotaryTables.whole_head`'s (cos', sin') straight from the positions, and the rotated width: with the
+        frequencies f' = [-f | f | 0], cos(p f') = [cos | cos | 1] and sin(p f') = [-sin_1 | sin_2 | 0] (cos is even,
+        sin odd: the same values as `forward`'s, element for element), in a few kernels. None for rope types whose
+        frequencies follow the positions (dynamic, longrope): `forward` updates them; and for an attention scaling
+        (yarn) with unrotated dims, which must stay 1 and 0 (the caller builds the tables from (cos, sin))."""
+        inv_freq = self.inv_freq
+        rotary = 2 * inv_freq.shape[0]
+        if ("dynamic" in self.rope_type or self.rope_type == "longrope"
+                or (self.attention_scaling != 1.0 and rotary < head_dim)):
+            return None
+        signed = self._signed_inv_freq.get([inv_freq], lambda: torch.cat([
+            -inv_freq.float(), inv_freq.float(), inv_freq.new_zeros(head_dim - rotary, dtype=torch.float32)]),
+            tag=(head_dim, x.device))
+        freqs = position_ids[..., None].float() * signed.to(x.device)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:  # (x * 1.0 is x: skipped)
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype), rotary
 
 
 class HybridLinearDecoderLayer(GradientCheckpointingLayer):
@@ -257,7 +283,8 @@ def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.
     """Positions restarting at 0 at every document start, so attention masks keep packed documents apart."""
     starts = cu_seqlens[:-1].long()
     lengths = cu_seqlens[1:].long() - starts
-    return torch.arange(seq_len, device=cu_seqlens.device) - torch.repeat_interleave(starts, lengths, output_size=seq_len)
+    return (torch.arange(seq_len, device=cu_seqlens.device)
+            - torch.repeat_interleave(starts, lengths, output_size=seq_len))
 
 
 class HybridLinearModel(HybridLinearPreTrainedModel):
@@ -293,7 +320,15 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
 
     def _position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list:
         """cos/sin of every distinct rotary embedding, for layer i at index rotary_of_layer[i]."""
-        return [RotaryTables(rotary(hidden_states, position_ids)) for rotary in self._rotary_embeddings()]
+        return [RotaryTables(pair=rotary(hidden_states, position_ids)) for rotary in self._rotary_embeddings()]
+
+    def _step_rotary_tables(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list[RotaryTables]:
+        """A decoding step's `_position_embeddings`: computed when used, the whole-head tables straight from the
+        positions (`HybridLinearRotaryEmbedding.whole_head`)."""
+        return [RotaryTables(compute=lambda rotary=rotary: rotary(hidden_states, position_ids),
+                             direct=lambda head_dim, rotary=rotary: rotary.whole_head(hidden_states, position_ids,
+                                                                                     head_dim))
+                for rotary in self._rotary_embeddings()]
 
     def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> list:
         """The attention mask of every layer (None for GDN/KDA layers): one per full attention, one per distinct
@@ -416,14 +451,15 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         written. windows (cuda_graph_decoding.WindowSteps): the sliding layers' masks over their window slots, and
         (through `cache`, a StepCache) their branch-free updates."""
         hidden_states = self.embed_tokens(input_ids)
-        position_embeddings = self._position_embeddings(hidden_states, position_ids)
+        position_embeddings = self._step_rotary_tables(hidden_states, position_ids)
 
         def attention_mask_of(mask: torch.Tensor) -> torch.Tensor:
+            """The additive mask each attention layer of the step adds, built once per step: eager attention's (finfo
+            min where masked), or for sdpa the -inf/0 mask sdpa would otherwise build from a bool mask in every
+            layer (the same values: the same scores)."""
             mask = mask[:, None, None, :]
-            if self.config._attn_implementation == "eager":  # additive
-                return torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(
-                    ~mask, torch.finfo(hidden_states.dtype).min)
-            return mask
+            masked = torch.finfo(hidden_states.dtype).min if self.config._attn_implementation == "eager" else -math.inf
+            return torch.full_like(mask, masked, dtype=hidden_states.dtype).masked_fill_(mask, 0.0)
 
         full_mask = attention_mask_of(key_mask)
         window_masks = windows.masks(attention_mask_of) if windows is not None else {}

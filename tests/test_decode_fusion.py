@@ -128,7 +128,7 @@ def test_rotating_q_and_k_together_is_apply_rotary_exactly(dtype, rotary_fractio
     B, H, H_kv, hd = 2, 4, 2, 32
     rotary = int(hd * rotary_fraction)
     angles = torch.randn(B, 1, rotary // 2).repeat(1, 1, 2) * 5
-    tables = RotaryTables((angles.cos().to(dtype), angles.sin().to(dtype)))
+    tables = RotaryTables(pair=(angles.cos().to(dtype), angles.sin().to(dtype)))
     q, k = torch.randn(B, 1, H, hd, dtype=dtype), torch.randn(B, 1, H_kv, hd, dtype=dtype)
     expected = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *tables)
     got = rotate_together(q, k, tables)
@@ -192,3 +192,24 @@ def test_decoding_hands_beta_logits_to_fla_recurrent_kernel(monkeypatch, layer_t
     got, _ = _decode(model, prompt, tokens)
     assert seen == [True, True]  # the two one-token steps (the prompt runs the chunked torch path)
     torch.testing.assert_close(got, expected, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 1.0, "factor": 4.0,
+     "original_max_position_embeddings": 64},  # attention_scaling != 1
+    {"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
+     "original_max_position_embeddings": 64},  # and unrotated dims: built from (cos, sin)
+])
+def test_step_rotary_tables_straight_from_positions_are_the_tables_from_cos_and_sin(rope):
+    """A decoding step builds the whole-head tables from the positions with the signed frequencies (cos even, sin
+    odd): the same values, bit for bit, as padding and negating the rotary embedding's own (cos, sin)."""
+    model = tiny_model(["full_attention"], rope_parameters=rope, head_dim=32).to(torch.bfloat16)
+    rotary = model.model.rotary_emb
+    x = torch.zeros(3, 1, 8, dtype=torch.bfloat16)
+    positions = torch.tensor([[0], [17], [30000]])
+    from_pair = RotaryTables(pair=rotary(x, positions)).whole_head(32)
+    direct = model.model._step_rotary_tables(x, positions)[0].whole_head(32)
+    for a, b in zip(direct, from_pair):
+        assert torch.equal(a, b)
