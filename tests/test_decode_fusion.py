@@ -213,3 +213,41 @@ def test_step_rotary_tables_straight_from_positions_are_the_tables_from_cos_and_
     direct = model.model._step_rotary_tables(x, positions)[0].whole_head(32)
     for a, b in zip(direct, from_pair):
         assert torch.equal(a, b)
+
+
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@_GPU[0]
+@_GPU[1]
+def test_gpu_captured_fused_step_equals_the_uncaptured_unfused_one(monkeypatch):
+    """On CUDA (fla's kernels when installed): greedy decoding replayed from the captured, fused step gives the tokens
+    of uncaptured decoding with separate projections, and logits within bf16 rounding (fla's recurrent kernel takes
+    beta's logits and the fused norm adds the residual in float32: bf16 steps of 2^-8 relative on logits of order 1,
+    so 5e-2 absolute)."""
+    model = _model().to("cuda", torch.bfloat16)
+    prompt = torch.randint(1, 100, (2, 12), device="cuda")
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                    return_dict_in_generate=True)
+    with torch.no_grad():
+        graphed = model.generate(prompt, cache_implementation="static", **settings)
+        model.set_cuda_graph_decoding(False)
+        with monkeypatch.context() as patch:
+            _without_fusion(patch)
+            plain = model.generate(prompt, cache_implementation="static", **settings)
+    assert torch.equal(graphed.sequences, plain.sequences)
+    for a, b in zip(graphed.logits, plain.logits):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
+
+
+@_GPU[0]
+@_GPU[1]
+def test_gpu_step_rotary_tables_equal_the_tables_from_cos_and_sin():
+    """CUDA's cos and sin are even and odd too: the step's direct tables equal those built from (cos, sin)."""
+    model = tiny_model(["full_attention"], head_dim=32).to("cuda", torch.bfloat16)
+    x = torch.zeros(3, 1, 8, dtype=torch.bfloat16, device="cuda")
+    positions = torch.tensor([[0], [17], [30000]], device="cuda")
+    from_pair = RotaryTables(pair=model.model.rotary_emb(x, positions)).whole_head(32)
+    direct = model.model._step_rotary_tables(x, positions)[0].whole_head(32)
+    for a, b in zip(direct, from_pair):
+        assert torch.equal(a, b)
