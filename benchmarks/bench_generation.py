@@ -90,26 +90,34 @@ def bytes_per_step(model, batch: int, context: int) -> int:
 
 
 def kernels_per_step(model, input_ids, new_tokens: int) -> str:
-    """Device kernels (and copies) of one decoding step after the prompt, as `generate` runs it (on CUDA with a static
-    cache: a replay of the captured graph), counted by torch.profiler; 'n/a' where it cannot count them."""
+    """Device kernels (and copies) of one decoding step after the prompt, counted by torch.profiler: as `generate`
+    runs it on CUDA with a static cache (a replay of the captured graph), then the same step uncaptured (a check:
+    profilers that trace graph replays as one launch would show a tiny first figure); 'n/a' off CUDA."""
     if input_ids.device.type != "cuda":
         return "n/a"
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + 4)
-    token = input_ids[:, -1:]
-    with torch.no_grad():
-        model(input_ids=input_ids, cache=cache, use_cache=True)
-        model(input_ids=token, cache=cache, use_cache=True)  # captured here
-        torch.cuda.synchronize()
-        try:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model(input_ids=token, cache=cache, use_cache=True)
-                torch.cuda.synchronize()
-        except Exception as error:  # a profiler without CUPTI
-            return f"n/a ({type(error).__name__})"
-    return str(sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA))
+    def count(graphs: bool) -> str:
+        model.set_cuda_graph_decoding(graphs)
+        cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + 4)
+        token = input_ids[:, -1:]
+        with torch.no_grad():
+            model(input_ids=input_ids, cache=cache, use_cache=True)
+            model(input_ids=token, cache=cache, use_cache=True)  # captured here (graphs), warm-up (eager)
+            torch.cuda.synchronize()
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    model(input_ids=token, cache=cache, use_cache=True)
+                    torch.cuda.synchronize()
+            except Exception as error:  # a profiler without CUPTI
+                return f"n/a ({type(error).__name__})"
+        return str(sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA))
+
+    try:
+        return f"{count(True)} (eager {count(False)})"
+    finally:
+        model.set_cuda_graph_decoding(True)
 
 
 def prefill(models: dict, lengths, repeats: int, device) -> None:
@@ -148,7 +156,7 @@ def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, rep
     print(f"\n{name}: ours {count_parameters(ours) / 1e6:.1f}M params, transformers "
           f"{count_parameters(theirs) / 1e6:.1f}M params, {dtype}, prompt {prompt}, {new_tokens} new tokens")
     print(f"{'batch':>5} {'ours tok/s':>11} {'theirs tok/s':>13} {'ratio':>6} | {'ours prefill':>12} "
-          f"{'theirs prefill':>14} {'ratio':>6} | {'limit tok/s':>11} {'share':>6} {'kernels/step':>12}")
+          f"{'theirs prefill':>14} {'ratio':>6} | {'limit tok/s':>11} {'share':>6} {'kernels/step':>20}")
     rows = []
     for batch in batches:
         input_ids = torch.randint(1, ours.config.vocab_size, (batch, prompt),
@@ -165,7 +173,7 @@ def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, rep
         print(f"{batch:>5} {a['decode_tok_s']:>11.1f} {b['decode_tok_s']:>13.1f} "
               f"{a['decode_tok_s'] / b['decode_tok_s']:>6.2f} | {a['prefill_tok_s']:>12.0f} "
               f"{b['prefill_tok_s']:>14.0f} {a['prefill_tok_s'] / b['prefill_tok_s']:>6.2f} | {limit:>11.0f} "
-              f"{a['decode_tok_s'] / limit:>6.1%} {kernels:>12}", flush=True)
+              f"{a['decode_tok_s'] / limit:>6.1%} {kernels:>20}", flush=True)
     if prefill_lengths:
         prefill({"ours": ours, "transformers": theirs}, prefill_lengths, repeats, device)
     return rows
