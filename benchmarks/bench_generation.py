@@ -6,9 +6,13 @@ batch 1, prompt 256, 64 new tokens, against transformers' Qwen3NextForCausalLM w
 GPU (--device cuda): bfloat16, ~1.2B GDN model (hidden 2048, 12 GDN + 4 gated attention, vocab 32000) against
 Qwen3NextForCausalLM with the same weights, and a ~1B KDA model against KimiLinearForCausalLM; prompt 1024, 128 new
 tokens, batch 1 and 16; ours with a static cache (captured CUDA graph per step), transformers with its default cache.
-Prints tokens/s of the decoding phase, prefill tokens/s and the ratios.
+Prints tokens/s of the decoding phase, prefill tokens/s and the ratios; beside ours, the share of the weight-read
+limit (a step reads every weight once, and the caches: bytes per step / `--bandwidth-gbs`, 4800 GB/s for an H200,
+gives the fastest a batch can decode) and the kernels of one decoding step (on CUDA: counted by torch.profiler over
+one replayed step, graph replays included). Then prefill alone at batch 1 for each of `--prefill-lengths` (default
+1024 and 8192 on a GPU), ours against transformers, with each one's peak memory.
 
-    python benchmarks/bench_generation.py [--device cuda] [--tiny]
+    python benchmarks/bench_generation.py [--device cuda] [--tiny] [--bandwidth-gbs 4800] [--prefill-lengths 1024 8192]
 """
 
 from __future__ import annotations
@@ -59,13 +63,100 @@ def measure(model, input_ids, new_tokens, repeats, **kwargs) -> dict:
             "prefill_tok_s": input_ids.numel() / prefill, "total_s": total}
 
 
-def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, repeats, ours_kwargs):
+def bytes_per_step(model, batch: int, context: int) -> int:
+    """Bytes one decoding step must read: every weight once (the input embedding only by its rows, a tied LM head
+    once), each GDN/KDA layer's recurrent and conv states, each attention layer's keys and values over `context`
+    tokens (a sliding layer: over its window), for `batch` rows."""
+    embedding = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight is embedding
+    total = sum(p.numel() * p.element_size() for p in model.parameters()  # (each tied parameter once)
+                if p is not embedding or tied)
+    config, element = model.config, next(model.parameters()).element_size()
+    for i, layer_type in enumerate(config.layer_types):
+        s = config.per_layer_config[i]
+        if layer_type == "gated_deltanet":
+            state = s.gdn_num_value_heads * s.gdn_key_head_dim * s.gdn_value_head_dim
+            conv = (2 * s.gdn_num_key_heads * s.gdn_key_head_dim + s.gdn_num_value_heads * s.gdn_value_head_dim
+                    ) * s.gdn_conv_kernel_size
+            total += batch * (4 * state + element * conv)  # float32 state
+        elif layer_type == "kimi_delta_attention":
+            state = s.kda_num_heads * s.kda_head_dim ** 2
+            conv = 3 * s.kda_num_heads * s.kda_head_dim * s.kda_conv_kernel_size
+            total += batch * (4 * state + element * conv)
+        else:
+            seen_tokens = min(context, s.sliding_window) if layer_type == "sliding_attention" else context
+            total += batch * 2 * s.num_key_value_heads * s.head_dim * seen_tokens * element
+    return total
+
+
+def kernels_per_step(model, input_ids, new_tokens: int) -> str:
+    """Device kernels (and copies) of one decoding step after the prompt, counted by torch.profiler: as `generate`
+    runs it on CUDA with a static cache (a replay of the captured graph), then the same step uncaptured (a check:
+    profilers that trace graph replays as one launch would show a tiny first figure); 'n/a' off CUDA."""
+    if input_ids.device.type != "cuda":
+        return "n/a"
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def count(graphs: bool) -> str:
+        model.set_cuda_graph_decoding(graphs)
+        cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + 4)
+        token = input_ids[:, -1:]
+        with torch.no_grad():
+            model(input_ids=input_ids, cache=cache, use_cache=True)
+            model(input_ids=token, cache=cache, use_cache=True)  # captured here (graphs), warm-up (eager)
+            torch.cuda.synchronize()
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    model(input_ids=token, cache=cache, use_cache=True)
+                    torch.cuda.synchronize()
+            except Exception as error:  # a profiler without CUPTI
+                return f"n/a ({type(error).__name__})"
+        return str(sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA))
+
+    try:
+        return f"{count(True)} (eager {count(False)})"
+    finally:
+        model.set_cuda_graph_decoding(True)
+
+
+def prefill(models: dict, lengths, repeats: int, device) -> None:
+    """Batch-1 prefill (the prompt's forward with a cache, only the last token's logits, as `generate` runs it):
+    tokens/s of each model and their ratio, with each one's peak memory on CUDA."""
+    names = list(models)
+    print(f"\nprefill, batch 1: {' | '.join(f'{n} tok/s, peak GiB' for n in names)} | ratio")
+    vocab = models[names[0]].config.vocab_size
+    for length in lengths:
+        input_ids = torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
+        results = []
+        for name in names:
+            model = models[name]
+            with torch.no_grad():
+                model(input_ids=input_ids, use_cache=True, logits_to_keep=1)  # warm-up
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                best = float("inf")
+                for _ in range(repeats):
+                    _sync(device)
+                    start = time.perf_counter()
+                    model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+                    _sync(device)
+                    best = min(best, time.perf_counter() - start)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            results.append((length / best, peak))
+        cells = " | ".join(f"{rate:>10.0f}, {peak:6.2f}" for rate, peak in results)
+        print(f"  {length:>6} tokens: {cells} | {results[0][0] / results[1][0]:.2f}x", flush=True)
+
+
+def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, repeats, ours_kwargs, bandwidth_gbs=4800.0,
+             prefill_lengths=()):
     ours = ours.to(device=device, dtype=dtype).eval()
     theirs = theirs.to(device=device, dtype=dtype).eval()
     print(f"\n{name}: ours {count_parameters(ours) / 1e6:.1f}M params, transformers "
           f"{count_parameters(theirs) / 1e6:.1f}M params, {dtype}, prompt {prompt}, {new_tokens} new tokens")
     print(f"{'batch':>5} {'ours tok/s':>11} {'theirs tok/s':>13} {'ratio':>6} | {'ours prefill':>12} "
-          f"{'theirs prefill':>14} {'ratio':>6}")
+          f"{'theirs prefill':>14} {'ratio':>6} | {'limit tok/s':>11} {'share':>6} {'kernels/step':>20}")
     rows = []
     for batch in batches:
         input_ids = torch.randint(1, ours.config.vocab_size, (batch, prompt),
@@ -76,9 +167,15 @@ def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, rep
         a = measure(ours, input_ids, new_tokens, repeats, **kwargs)
         b = measure(theirs, input_ids, new_tokens, repeats)
         rows.append((batch, a, b))
+        # the limit at the mean context of the decoding phase (bytes per step over the bandwidth, times the batch)
+        limit = batch * bandwidth_gbs * 1e9 / bytes_per_step(ours, batch, prompt + new_tokens // 2)
+        kernels = kernels_per_step(ours, input_ids, new_tokens) if ours_kwargs.get("static") else "n/a"
         print(f"{batch:>5} {a['decode_tok_s']:>11.1f} {b['decode_tok_s']:>13.1f} "
               f"{a['decode_tok_s'] / b['decode_tok_s']:>6.2f} | {a['prefill_tok_s']:>12.0f} "
-              f"{b['prefill_tok_s']:>14.0f} {a['prefill_tok_s'] / b['prefill_tok_s']:>6.2f}", flush=True)
+              f"{b['prefill_tok_s']:>14.0f} {a['prefill_tok_s'] / b['prefill_tok_s']:>6.2f} | {limit:>11.0f} "
+              f"{a['decode_tok_s'] / limit:>6.1%} {kernels:>20}", flush=True)
+    if prefill_lengths:
+        prefill({"ours": ours, "transformers": theirs}, prefill_lengths, repeats, device)
     return rows
 
 
@@ -90,7 +187,15 @@ def main() -> None:
     parser.add_argument("--skip-gdn", action="store_true")
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
+                        help="the GPU's memory bandwidth in GB/s for the weight-read limit (default: H200's 4800)")
+    parser.add_argument("--prefill-lengths", type=int, nargs="*",
+                        help="batch-1 prefill lengths (default 1024 8192 on a GPU, 256 on the CPU, 64 with --tiny)")
     args = parser.parse_args()
+    lengths = args.prefill_lengths
+    if lengths is None:
+        lengths = [64] if args.tiny else [1024, 8192] if args.device.startswith("cuda") else [256]
+    extra = dict(bandwidth_gbs=args.bandwidth_gbs, prefill_lengths=lengths)
     print("command: python " + " ".join(sys.argv))
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -101,7 +206,7 @@ def main() -> None:
         theirs = Qwen3NextForCausalLM(theirs_cfg)
         theirs.load_state_dict(ours.state_dict())
         run_pair("GDN (CPU)", ours, theirs, device, torch.float32, 32 if args.tiny else 256, 8 if args.tiny else 64,
-                 args.batches or [1], args.repeats, {})
+                 args.batches or [1], args.repeats, {}, **extra)
         return
     dtype = torch.bfloat16
     prompt, new_tokens = (64, 16) if args.tiny else (1024, 128)
@@ -112,14 +217,16 @@ def main() -> None:
         with torch.device(device):
             ours, theirs = HybridLinearForCausalLM(ours_cfg), Qwen3NextForCausalLM(theirs_cfg)
         theirs.load_state_dict(ours.state_dict())
-        run_pair("GDN vs Qwen3-Next", ours, theirs, device, dtype, prompt, new_tokens, batches, args.repeats, static)
+        run_pair("GDN vs Qwen3-Next", ours, theirs, device, dtype, prompt, new_tokens, batches, args.repeats, static,
+                 **extra)
         del ours, theirs
         torch.cuda.empty_cache()
     if not args.skip_kda:
         ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
         with torch.device(device):
             ours, theirs = HybridLinearForCausalLM(ours_cfg), KimiLinearForCausalLM(theirs_cfg)
-        run_pair("KDA vs Kimi-Linear", ours, theirs, device, dtype, prompt, new_tokens, batches, args.repeats, static)
+        run_pair("KDA vs Kimi-Linear", ours, theirs, device, dtype, prompt, new_tokens, batches, args.repeats, static,
+                 **extra)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
-"""Counts the device kernels of one eager batch-1 decoding step on the CPU, as the CUDA path would launch them: fla's
-ops are stood in by this package's torch kernels and counted as one launch each, every other non-view aten op as one.
-A quick, GPU-free check of the per-token kernel count that sets CUDA-graph decoding speed (see profile_gpu.py).
+"""Counts the device kernels of one batch-1 decoding step on the CPU, as the CUDA path would launch them: fla's ops
+are stood in by this package's torch kernels and counted as one launch each (plus one copy per non-contiguous tensor
+fla's `input_guard` would make contiguous first), every other non-view aten op as one. A quick, GPU-free check of the
+per-token kernel count that sets CUDA-graph decoding speed (see profile_gpu.py; on a GPU, bench_generation.py counts
+the kernels of a replayed step with torch.profiler).
 
-    python benchmarks/count_decode_ops.py [--kda]
+By default it counts what `generate(..., cache_implementation="static")` runs per token on a GPU: the step captured in
+the CUDA graph (`HybridLinearModel.decode_step` and the LM head, through `CudaGraphDecoder`), and, separately, the
+few kernels `CudaGraphDecoder.step` launches around each replay (inputs copied into the graph's buffers, the logits
+copied out). `--eager` counts the uncaptured one-token forward instead (a dynamic cache, or the graph turned off).
+
+    python benchmarks/count_decode_ops.py [--kda] [--eager] [--by-site]
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,30 +30,51 @@ from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM, fla_backend  # noqa: E402
 from hybrid_linear_models import block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
+from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
              "_local_scalar_dense", "set_", "resize_", "_unsafe_view", "promote_types", "scalar_tensor"}
 
 
 class KernelCounter(TorchDispatchMode):
-    def __init__(self):
+    """Counts kernels by aten op (and, with `by_site`, by the line of this package or transformers that ran it)."""
+
+    def __init__(self, by_site: bool = False):
         super().__init__()
         self.counts = collections.Counter()
+        self.sites = collections.Counter()
+        self.by_site = by_site
         self.paused = 0
+
+    def count(self, name: str) -> None:
+        self.counts[name] += 1
+        if self.by_site:
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "hybrid_linear_models" in f.filename or "/transformers/" in f.filename]
+            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+            self.sites[(name, where)] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.paused and not func.is_view and name not in NO_KERNEL:
-            self.counts[name] += 1
+            self.count(name)
         return func(*args, **(kwargs or {}))
 
 
 COUNTER: KernelCounter | None = None
 
 
+# fla's ops that take strided rows as they are (no input_guard copy): swiglu, and the conv update's x
+STRIDED_OK = {"swiglu": None, "causal_conv1d_update": 0}
+
+
 def _fused(name, fn):
     def run(*args, **kwargs):
-        COUNTER.counts[f"fla.{name}"] += 1
+        COUNTER.count(f"fla.{name}")
+        ok = STRIDED_OK.get(name, -1)
+        for i, arg in enumerate([*args, *kwargs.values()]):
+            if isinstance(arg, torch.Tensor) and not arg.is_contiguous() and ok is not None and i != ok:
+                COUNTER.count("fla.input_guard_copy")  # fla's input_guard: .contiguous() before the kernel
         COUNTER.paused += 1
         try:
             return fn(*args, **kwargs)
@@ -60,7 +89,9 @@ def _rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_
 
 def _rule(per_channel):
     def rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens=None,
-             use_gate_in_kernel=False, A_log=None, dt_bias=None, **_):
+             use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, **_):
+        if use_beta_sigmoid_in_kernel:
+            beta = beta.sigmoid()
         if use_gate_in_kernel:
             g = ops.gate_log_decay(g, A_log, dt_bias)
         return kernels_delta_rule.recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -87,29 +118,83 @@ STAND_INS = SimpleNamespace(
 )
 
 
-def main() -> None:
+def _model(kda: bool):
+    torch.manual_seed(0)
+    dims = dict(GPU_KDA if kda else GPU_GDN, hidden=256, intermediate=512, vocab=1000)
+    config = (kda_pair if kda else gdn_pair)(**dims)[0]
+    return HybridLinearForCausalLM(config).to(torch.bfloat16).eval()  # the GPU benchmarks' dtype
+
+
+def count_step(kda: bool = False, eager: bool = False, by_site: bool = False) -> dict[str, KernelCounter]:
+    """The kernels of one batch-1 decoding step after an 8-token prompt: {"step": ...} eagerly, or {"graph": the
+    captured step, "around": around each replay} (see the module docstring)."""
     global COUNTER
+    model = _model(kda)
+    config = model.config
+    ids = torch.randint(1, 1000, (1, 9))
+    cache = StaticCache(config=config, max_cache_len=16)
+    counted: dict[str, KernelCounter] = {}
+    previous = fla_backend.fla_for, CudaGraphDecoder.device_types, CudaGraphDecoder._record
+
+    def record(run, device):  # the capture: a warm-up run (as on the GPU: kept tensors built), then one counted
+        global COUNTER
+        run()
+        COUNTER = counted["graph"] = KernelCounter(by_site)
+        with COUNTER:
+            out = run()
+        COUNTER = KernelCounter(by_site)  # the capture's own restoring copies are not per-token work
+        return SimpleNamespace(replay=lambda: None), out
+
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[:, :8], cache=cache, use_cache=True)
+            # every op now takes the fla path; inside a stand-in, the torch path
+            fla_backend.fla_for = lambda tensor: None if COUNTER.paused else STAND_INS
+            COUNTER = KernelCounter(by_site)
+            if eager:
+                model.set_cuda_graph_decoding(False)
+                model(input_ids=ids[:, 8:], cache=cache, use_cache=True)  # a warm-up step: kept tensors built
+                COUNTER = counted["step"] = KernelCounter(by_site)
+                with COUNTER:
+                    model(input_ids=ids[:, 8:], cache=cache, use_cache=True)
+            else:
+                CudaGraphDecoder.device_types = ("cuda", "cpu")
+                CudaGraphDecoder._record = staticmethod(record)
+                model(input_ids=ids[:, 8:], cache=cache, use_cache=True)  # captured (counted), not replayed
+                COUNTER = counted["around"] = KernelCounter(by_site)
+                with COUNTER:
+                    model(input_ids=ids[:, 8:], cache=cache, use_cache=True)
+    finally:
+        fla_backend.fla_for, CudaGraphDecoder.device_types = previous[:2]
+        CudaGraphDecoder._record = staticmethod(previous[2])
+    return counted
+
+
+def _show(label: str, counter: KernelCounter) -> None:
+    print(f"  {label}: {sum(counter.counts.values())}")
+    for name, n in counter.counts.most_common():
+        print(f"    {n:5d} {name}")
+    for (name, where), n in sorted(counter.sites.items(), key=lambda item: -item[1]):
+        print(f"    {n:5d} {name:32s} {where}")
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kda", action="store_true")
+    parser.add_argument("--eager", action="store_true", help="the uncaptured one-token forward")
+    parser.add_argument("--by-site", action="store_true", help="also list kernels by source line")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    dims = dict(GPU_KDA if args.kda else GPU_GDN, hidden=256, intermediate=512, vocab=1000)
-    config = (kda_pair if args.kda else gdn_pair)(**dims)[0]
-    model = HybridLinearForCausalLM(config).to(torch.bfloat16).eval()  # the GPU benchmarks' dtype
-    ids = torch.randint(1, 1000, (1, 8))
-    cache = StaticCache(config=config, max_cache_len=16)
-    with torch.no_grad():
-        model(input_ids=ids, cache=cache, use_cache=True)
-        # every op now takes the fla path; inside a stand-in, the torch path
-        fla_backend.fla_for = lambda tensor: None if COUNTER.paused else STAND_INS
-        COUNTER = KernelCounter()
-        with COUNTER:
-            model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
-    counts = COUNTER.counts
-    print(f"{'kda' if args.kda else 'gdn'}: {sum(counts.values())} kernels per decoding step "
-          f"({config.num_hidden_layers} layers)")
-    for name, n in counts.most_common():
-        print(f"  {n:5d} {name}")
+    counted = count_step(args.kda, args.eager, args.by_site)
+    layers = (GPU_KDA if args.kda else GPU_GDN)["layers"]
+    kind = "kda" if args.kda else "gdn"
+    if args.eager:
+        print(f"{kind}: {sum(counted['step'].counts.values())} kernels per eager decoding step ({layers} layers)")
+        _show("eager step", counted["step"])
+    else:
+        graph, around = (sum(counted[k].counts.values()) for k in ("graph", "around"))
+        print(f"{kind}: {graph} kernels in the captured decoding step + {around} around each replay ({layers} layers)")
+        _show("captured step", counted["graph"])
+        _show("around the replay", counted["around"])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ captured once per cache and batch size, then replayed: one launch per token.
 
 Used automatically by `HybridLinearForCausalLM.forward` for one-token steps on CUDA without gradients against a
 `StaticCache` (`generate(..., cache_implementation="static")`), unless disabled with
-`model.set_cuda_graph_decoding(False)`.
+`model.set_cuda_graph_decoding(False)`. A step that asks for graph decoding (one token, CUDA, a static cache, no
+gradient) but cannot have it (an attention implementation other than eager/sdpa, attention weights or hidden states
+requested, a 4-D mask, a cache whose prefill has not run, or a capture that fails) runs the uncaptured forward, and
+a one-line warning says why, once per model and reason.
 
 Sliding-window layers are captured too (`WindowSteps`). transformers' `StaticSlidingWindowLayer.update` branches on a
 Python counter (fill the buffer, or roll it once full), which a captured graph would freeze at its capture-time value.
@@ -20,6 +23,7 @@ update leaves them (keys in order, the newest last once full), so eager steps, p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -28,6 +32,8 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import derived_weights
 from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
+
+logger = logging.getLogger(__name__)
 
 
 class WindowSteps:
@@ -98,16 +104,31 @@ class WindowSteps:
 
 
 class StepCache:
-    """The cache as a captured step sees it: GDN/KDA and full-attention layers as they are, the sliding-window
-    layers' `update` through `WindowSteps` (the attention mixer only calls `cache.update`)."""
+    """The cache as a captured step sees it: GDN/KDA layers as they are, the sliding-window layers' `update` through
+    `WindowSteps` (the attention mixer only calls `cache.update`), and the full-attention layers' update without
+    its per-layer index arithmetic: the token is written at the slot the layer's own counter holds (transformers'
+    StaticLayer.update: arange + counter, then the counter advanced, per layer), and `advance` moves every full
+    layer's counter on at the end of the step in one kernel."""
 
     def __init__(self, cache: StaticCache, windows: WindowSteps | None):
         self.cache, self.windows, self.layers = cache, windows, cache.layers
+        self._full = [layer for layer in cache.layers if _is_full(layer)]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self.windows is not None and layer_idx in self.windows.layers:
             return self.windows.update(layer_idx, key, value)
-        return self.cache.update(key, value, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if not _is_full(layer) or key.shape[-2] != 1:
+            return self.cache.update(key, value, layer_idx, *args, **kwargs)
+        slot = layer.cumulative_length.view(1)  # this step's cache index (advanced after the step: `advance`)
+        layer.keys.index_copy_(2, slot, key)
+        layer.values.index_copy_(2, slot, value)
+        return layer.keys, layer.values
+
+    def advance(self) -> None:
+        """After every layer of the step (captured): each full layer's counter + 1, as its update would have done."""
+        if self._full:
+            torch._foreach_add_([layer.cumulative_length for layer in self._full], 1)
 
 
 def _cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
@@ -140,36 +161,86 @@ class CudaGraphDecoder:
         self._graph = None
         self._derived = []
         self._windows: WindowSteps | None = None
+        self._failed: dict = {}  # capture keys whose capture failed -> the error (not tried again)
+        self._warned: set[str] = set()
 
     @staticmethod
-    def applies(model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:
-        if (input_ids is None or inputs_embeds is not None or input_ids.shape[1] != 1
-                or input_ids.device.type not in CudaGraphDecoder.device_types):
-            return False
-        if torch.is_grad_enabled() or model.training or not isinstance(cache, StaticCache):
-            return False
+    def wanted(model, input_ids, inputs_embeds, cache) -> bool:
+        """Whether this forward is a step graph decoding serves: one token per row on a graph device, no gradient,
+        against a static cache (`generate(..., cache_implementation="static")`)."""
+        return (input_ids is not None and inputs_embeds is None and input_ids.dim() == 2 and input_ids.shape[1] == 1
+                and input_ids.device.type in CudaGraphDecoder.device_types and not torch.is_grad_enabled()
+                and not model.training and isinstance(cache, StaticCache))
+
+    @staticmethod
+    def obstacle(model, cache, attention_mask, kwargs) -> str | None:
+        """Why a wanted step cannot be captured (None when it can): one line, with the fix."""
         if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
-            return False
+            return "attention weights or hidden states were requested (the captured step returns logits only)"
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
-            return False
+            return "the attention mask is not a 2-D [batch, length] tensor (pass the 2-D padding mask)"
         if model.config._attn_implementation not in ("sdpa", "eager"):
-            return False
-        if not graph_capturable_expert_dispatch(model.config):  # expert parallelism's all-to-all: host-read sizes
-            return False
-        layers = cache.layers
+            return (f"attn_implementation {model.config._attn_implementation!r} is not captured (use 'sdpa' or "
+                    "'eager')")
+        if not graph_capturable_expert_dispatch(model.config):
+            return ("expert parallelism's all-to-all dispatch reads its split sizes on the host (use the all-reduce "
+                    "dispatch to capture)")
         ready = [
             layer.has_previous_state[0] if isinstance(layer, LinearStateLayer)
             else isinstance(layer, StaticLayer) and layer.is_initialized
-            for layer in layers
+            for layer in cache.layers
         ]
-        return all(ready)  # the prefill has run (eagerly) and sized every buffer
+        if not all(ready):  # the prefill has run (eagerly) and sized every buffer
+            return "the static cache has not been filled by a prefill of this model (run the prompt first)"
+        return None
 
-    def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache) -> torch.Tensor:
+    @staticmethod
+    def applies(model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:
+        return (CudaGraphDecoder.wanted(model, input_ids, inputs_embeds, cache)
+                and CudaGraphDecoder.obstacle(model, cache, attention_mask, kwargs) is None)
+
+    def warn_once(self, reason: str) -> None:
+        """The one-line warning that a step runs uncaptured, once per model (this decoder) and reason."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(f"CUDA-graph decoding: this step runs uncaptured (slower): {reason}.")
+
+    def try_step(self, model, input_ids, position_ids, attention_mask, cache, kwargs) -> torch.Tensor | None:
+        """The logits of a captured step, or None (after a once-per-reason warning) when the uncaptured forward must
+        run: the step cannot be captured, or its capture failed."""
+        reason = self.obstacle(model, cache, attention_mask, kwargs)
+        if reason is None:
+            batch = input_ids.shape[0]
+            failed = self._failed.get((id(cache), batch, _full_length(cache), input_ids.device))
+            if failed is not None:
+                reason = failed
+            else:
+                logits = self.step(model, input_ids, position_ids, attention_mask, cache)
+                if logits is not None:
+                    return logits
+                reason = self._failed[self._key_of(cache, batch, input_ids.device)]
+        self.warn_once(reason)
+        return None
+
+    @staticmethod
+    def _key_of(cache, batch, device):
+        return id(cache), batch, _full_length(cache), device
+
+    def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache) -> torch.Tensor | None:
+        """The logits of the step replayed from the graph (captured first if needed); None if the capture failed
+        (the error is kept in `_failed` under this cache's key, and the cache is left as it was)."""
         batch = input_ids.shape[0]
         max_len = _full_length(cache)
-        key = (id(cache), batch, max_len, input_ids.device)
+        key = self._key_of(cache, batch, input_ids.device)
         if key != self._key or any(d.value is not kept or d.stale() for d, kept in self._derived):
-            self._capture(model, cache, batch, max_len, input_ids.device, key)
+            try:
+                self._capture(model, cache, batch, max_len, input_ids.device, key)
+            except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
+                self._graph, self._key = None, None
+                first_line = (str(error).strip().splitlines() or [""])[0][:200]
+                self._failed[key] = (f"capturing the step failed ({type(error).__name__}: {first_line}); "
+                                     "model.set_cuda_graph_decoding(False) skips the attempt")
+                return None
         self._ids.copy_(input_ids)
         past = cache.get_seq_length() if self._has_attention else None  # a device tensor: no synchronisation
         if position_ids is not None:
@@ -231,12 +302,15 @@ class CudaGraphDecoder:
             with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
                 hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
                                                 self._windows)
+            step_cache.advance()
             return model.lm_head(hidden)
 
-        self._graph, self._logits = self._record(run, device)
-        for tensor, value in zip(_cache_tensors(cache), saved):  # the warm-up steps advanced the cache: undo them
-            tensor.copy_(value)
-        for layer, count in zip(linear_layers, seen):
-            layer.seen_tokens = count
+        try:
+            self._graph, self._logits = self._record(run, device)
+        finally:  # the warm-up steps advanced the cache (also when the capture failed): undo them
+            for tensor, value in zip(_cache_tensors(cache), saved):
+                tensor.copy_(value)
+            for layer, count in zip(linear_layers, seen):
+                layer.seen_tokens = count
         self._key = key
         self._derived = [(d, d.value) for d in derived_weights(model)]  # kept tensors the graph reads (norms' 1 + w)

@@ -1,5 +1,6 @@
 """Tensors computed from parameters (a zero-centred norm's 1 + w, KDA's concatenated conv kernels), kept between
-forward passes that need no gradient, so decoding steps do not rebuild them: one kernel less per use and step.
+forward passes that need no gradient, so decoding steps do not rebuild them: one kernel less per use and step; and
+parameters stacked into one tensor that they share (`SharedRows`: the weights of projections that one GEMM runs).
 
 A kept value is rebuilt as soon as a source changes: another tensor in its place, new data (`.data = ...`, as
 `module.to` does: a new address) or an in-place update (its version counter: optimiser steps, `load_state_dict`),
@@ -59,6 +60,64 @@ class DerivedWeight:
             _fingerprint(s) != fp for s, fp in zip(self._sources, self._fingerprints))
 
 
-def derived_weights(model: torch.nn.Module) -> list[DerivedWeight]:
-    """Every DerivedWeight held by the model's modules."""
-    return [value for module in model.modules() for value in vars(module).values() if isinstance(value, DerivedWeight)]
+
+
+class SharedRows:
+    """One tensor whose row blocks are the data of several parameters (the weights, or the biases, of Linear layers
+    that read one input), so that they run as one GEMM. The parameters are not copied: after `get` each one's data
+    is a view of its block (no memory spent, and any in-place update, an optimiser step or `load_state_dict`, is in
+    the shared tensor by construction). A parameter given new data (`module.to`, `.data = ...`, or another Parameter
+    in its place) leaves the sharing: the next `get` joins them again, into a new tensor, and `stale()` tells a
+    captured graph (which reads the old one) to capture again. Views of one storage save as separate tensors
+    (transformers' save_pretrained clones disjoint shared tensors)."""
+
+    def __init__(self):
+        self._value: torch.Tensor | None = None
+        self._sources: list[torch.Tensor] = []
+
+    def get(self, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The tensor of the `sources` (each [rows_i, ...], same trailing shape, dtype and device) stacked by rows."""
+        if not self._shared(sources):
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors, usable later under autograd
+                value = torch.cat([s.detach() for s in sources])
+                start = 0
+                for source in sources:
+                    source.data = value[start : start + source.shape[0]]
+                    start += source.shape[0]
+            self._value, self._sources = value, list(sources)
+        return self._value
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return self._value
+
+    def _shared(self, sources: Sequence[torch.Tensor]) -> bool:
+        return (len(sources) == len(self._sources) and all(s is kept for s, kept in zip(sources, self._sources))
+                and not self.stale())
+
+    def stale(self) -> bool:
+        """Whether a parameter's data is no longer its block of the shared tensor."""
+        value = self._value
+        if value is None:
+            return False
+        start = 0
+        for source in self._sources:
+            if (source.device != value.device or source.dtype != value.dtype or source.stride() != value.stride()
+                    or source.shape[1:] != value.shape[1:]
+                    or source.data_ptr() != value.data_ptr() + start * value.stride(0) * value.element_size()):
+                return True
+            start += source.shape[0]
+        return start != value.shape[0]
+
+
+def derived_weights(model: torch.nn.Module) -> list[DerivedWeight | SharedRows]:
+    """Every DerivedWeight and SharedRows held by the model's modules (directly, or through a holder listing them in
+    its `kept_tensors()`)."""
+    found = []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, (DerivedWeight, SharedRows)):
+                found.append(value)
+            elif hasattr(value, "kept_tensors"):
+                found.extend(value.kept_tensors())
+    return found

@@ -13,6 +13,11 @@ at most `window` keys. The model hands such layers a `SlidingWindowMask` instead
 and `sliding_window_attention` runs the same attention function over blocks of queries, each against only the keys
 its window can reach, with that block's slice of the mask: O(T * window) memory. The keys it skips are exactly those
 the full mask hides, so the result is the same up to floating-point summation order.
+
+A decoding step (one token per row, no gradient) runs q_proj, k_proj and v_proj as one GEMM (`fused_projections`),
+rotates q and k together (one concatenation, then x * cos + swap(x) * sin over whole heads with the step's tables,
+`RotaryTables.whole_head`, built once per step: the same products and sums, element for element, as
+`apply_rotary`) and gates the output without copying the gate out of the projection.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .fused_projections import FusedProjections
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
 from .shown_values import brief
@@ -51,6 +57,65 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
     return rotate(q), rotate(k)
+
+
+class RotaryTables:
+    """The rotary tables of one forward, for the attention layers of one head width: iterates as (cos, sin)
+    [B, T, rotary dims], as `apply_rotary` takes them, computed on first use by `compute`; `whole_head` gives them
+    over whole heads for `rotate_together`, once per forward, from `direct` (straight from the positions, without
+    (cos, sin): a decoding step's few kernels) where given, else from (cos, sin)."""
+
+    def __init__(self, pair: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 compute: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 direct: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] | None = None):
+        self._pair, self._compute, self._direct = pair, compute, direct
+        self._whole_head: dict = {}
+
+    def __iter__(self):
+        if self._pair is None:
+            self._pair = self._compute()
+        return iter(self._pair)
+
+    def whole_head(self, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos', sin', swap), cos' and sin' [B, T, 1, head_dim]: x * cos' + x[..., swap] * sin' equals
+        `apply_rotary`'s [x_rot * cos + rotate_half(x_rot) * sin | x_pass] element for element (cos' = [cos | 1],
+        sin' = [-sin_1 | sin_2 | 0] with sin = [sin_1 | sin_2]: rotate_half's negation moved onto sin, which is
+        exact; swap exchanges the rotated halves)."""
+        if head_dim not in self._whole_head:
+            tables = self._direct(head_dim) if self._direct is not None else None
+            if tables is None:
+                cos, sin = self
+                rotary = cos.shape[-1]
+                half, rest = rotary // 2, head_dim - rotary
+                tables = (torch.nn.functional.pad(cos, (0, rest), value=1.0),
+                          torch.cat([-sin[..., :half], torch.nn.functional.pad(sin[..., half:], (0, rest))], dim=-1),
+                          rotary)
+            cos_full, sin_full, rotary = tables
+            swap = _swap_index(head_dim, rotary, cos_full.device)
+            self._whole_head[head_dim] = (cos_full.unsqueeze(2), sin_full.unsqueeze(2), swap)
+        return self._whole_head[head_dim]
+
+
+_SWAP_INDICES: dict = {}
+
+
+def _swap_index(head_dim: int, rotary: int, device: torch.device) -> torch.Tensor:
+    """[rotary/2 .. rotary) + [0 .. rotary/2) + [rotary .. head_dim): the rotated halves exchanged (kept per device)."""
+    key = (head_dim, rotary, device)
+    if key not in _SWAP_INDICES:
+        half = rotary // 2
+        _SWAP_INDICES[key] = torch.cat([torch.arange(half, rotary), torch.arange(half), torch.arange(rotary, head_dim)]
+                                       ).to(device)
+    return _SWAP_INDICES[key]
+
+
+def rotate_together(query: torch.Tensor, key: torch.Tensor, tables: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` of query [B, T, H, hd] and key [B, T, H_kv, hd] in one pass; returned as [B, heads, T, hd]."""
+    both = torch.cat([query, key], dim=2)
+    cos, sin, swap = tables.whole_head(both.shape[-1])
+    both = both * cos + both.index_select(-1, swap) * sin
+    heads = query.shape[2]
+    return both[:, :, :heads].transpose(1, 2), both[:, :, heads:].transpose(1, 2)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -165,6 +230,34 @@ class HybridLinearAttention(nn.Module):
             self.k_norm = HybridLinearRMSNorm(self.head_dim, settings.rms_norm_eps, settings.zero_centered_norms)
         else:
             self.q_norm = self.k_norm = None
+        self._qkv = FusedProjections()  # q_proj, k_proj and v_proj, at decoding time
+
+    def _project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
+        """query [B, heads, T, hd], key and value [B, kv_heads, T, hd] (normed and rotated), gate [B, T, heads, hd]
+        or None."""
+        B, T = hidden_states.shape[:2]
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        decoding = T == 1 and isinstance(position_embeddings, RotaryTables)
+        if decoding and self._qkv.applies(hidden_states, projections):
+            widths = [m.out_features for m in projections]
+            query, key, value = self._qkv(hidden_states, projections).split(widths, dim=-1)
+            query = query.view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
+        else:
+            decoding = False
+            query = self.q_proj(hidden_states).view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
+            key, value = self.k_proj(hidden_states), self.v_proj(hidden_states)
+        gate = None
+        if self.output_gate:  # per head [query | gate]
+            query, gate = query.chunk(2, dim=-1)
+        key = key.view(B, T, -1, self.head_dim)
+        value = value.view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        if decoding:
+            query, key = rotate_together(query, key, position_embeddings)
+        else:
+            query, key = apply_rotary(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
+        return query, key, value, gate
 
     def forward(
         self,
@@ -177,16 +270,7 @@ class HybridLinearAttention(nn.Module):
         B, T = hidden_states.shape[:2]
         local_heads(self.k_proj, self.num_key_value_heads, self.layer_idx, "num_key_value_heads")  # TP: divisible
         # head counts follow from the projections' sizes, so a tensor-parallel shard runs its local heads
-        query = self.q_proj(hidden_states).view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
-        gate = None
-        if self.output_gate:  # per head [query | gate]
-            query, gate = query.chunk(2, dim=-1)
-            gate = gate.reshape(B, T, -1)
-        key = self.k_proj(hidden_states).view(B, T, -1, self.head_dim)
-        value = self.v_proj(hidden_states).view(B, T, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = apply_rotary(query.transpose(1, 2), key.transpose(1, 2), *position_embeddings)
+        query, key, value, gate = self._project(hidden_states, position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
@@ -202,8 +286,8 @@ class HybridLinearAttention(nn.Module):
         else:
             output, weights = attention(self, query, key, value, attention_mask, **settings)
         output = output.reshape(B, T, -1)
-        if gate is not None:
-            output = output * torch.sigmoid(gate)
+        if gate is not None:  # (the gate is a strided view of the projection: sigmoid makes it contiguous)
+            output = output * torch.sigmoid(gate).reshape(B, T, -1)
         return self.o_proj(output), weights
 
 

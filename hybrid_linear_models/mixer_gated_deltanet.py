@@ -6,6 +6,11 @@
 `in_proj_qkvz` and `in_proj_ba` are grouped by key head (rows [q_h | k_h | v_h | z_h] and [b_h | a_h] for each key
 head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads: under tensor parallelism a
 rank computes a block of key heads with their value heads (see `tensor_parallel_heads`).
+
+A decoding step (one token per row, no gradient) runs both projections as one GEMM (`fused_projections`) and one
+gather regroups its output into the flat [q | k | v | z | b | a] the convolution, the gated norm and the delta rule
+read as contiguous slices (the grouped split would need a copy for z and for a); beta's sigmoid runs inside the
+recurrent kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 from typing import TYPE_CHECKING, Any
 
 from .cache_hybrid_linear import LinearStateLayer
+from .fused_projections import FusedProjections
 from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
 from .norms import GatedRMSNorm
 from .ops import gated_delta_rule
@@ -47,6 +53,7 @@ class HybridLinearGatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.gdn_norm_eps, config.gdn_gate_activation)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
         self._channel_index: dict = {}
+        self._in_proj = FusedProjections()  # in_proj_qkvz and in_proj_ba, at decoding time
 
     def _conv_weight(self, heads: LocalHeads) -> torch.Tensor:
         """Kernels of this rank's channels of the flat [Q | K | V] convolution."""
@@ -68,12 +75,48 @@ class HybridLinearGatedDeltaNet(nn.Module):
             self._channel_index[key] = torch.cat([p.reshape(-1) for p in parts])
         return self._channel_index[key]
 
+    def _flat_decoding_channels(self, device: torch.device) -> torch.Tensor:
+        """Where [q | k | v | z | b | a] (each flat over its heads) sit in the output of the stacked
+        [in_proj_qkvz; in_proj_ba] (all heads: the stacked GEMM runs without tensor parallelism)."""
+        key = ("decoding", device)
+        if key not in self._channel_index:
+            nk, dk, r = self.num_k_heads, self.head_k_dim, self.values_per_key
+            rdv = r * self.head_v_dim
+            heads = torch.arange(nk, device=device)[:, None]
+            qkvz, ba = heads * (2 * dk + 2 * rdv), self.in_proj_qkvz.out_features + heads * 2 * r
+            parts = [base + torch.arange(start, start + width, device=device)
+                     for base, start, width in ((qkvz, 0, dk), (qkvz, dk, dk), (qkvz, 2 * dk, rdv),
+                                                (qkvz, 2 * dk + rdv, rdv), (ba, 0, r), (ba, r, r))]
+            self._channel_index[key] = torch.cat([p.reshape(-1) for p in parts])
+        return self._channel_index[key]
+
+    def _decoding_step(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None):
+        """One token per row, no gradient, all heads: the same math as `forward`, with one GEMM and one gather for
+        the input projections (see the module docstring)."""
+        B, T = hidden_states.shape[:2]
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        projected = self._in_proj(hidden_states, (self.in_proj_qkvz, self.in_proj_ba))
+        flat = projected.index_select(-1, self._flat_decoding_channels(projected.device))
+        mixed, z, b, a = flat.split([2 * self.key_dim + self.value_dim, self.value_dim, nv, nv], dim=-1)
+
+        def split(x):
+            q, k, v = x.split([nk * dk, nk * dk, nv * dv], dim=-1)
+            return q.unflatten(-1, (nk, dk)), k.unflatten(-1, (nk, dk)), v.unflatten(-1, (nv, dv))
+
+        gate = DecayGate(a, self.A_log, self.dt_bias)
+        out = convolve_and_recur(mixed, self.conv1d.weight, split, gate, b, gated_delta_rule, info, cache,
+                                 beta_logits=True)  # sigmoid(b) in the recurrent kernel
+        out = self.norm(out, z.unflatten(-1, (nv, dv)))
+        return self.out_proj(out.reshape(B, T, nv * dv))
+
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
         B, T = hidden_states.shape[:2]
         r, dk, dv = self.values_per_key, self.head_k_dim, self.head_v_dim
         # key heads (all of them unless tensor parallel)
         heads = local_heads(self.in_proj_qkvz, self.num_k_heads, self.layer_idx, "gdn_num_key_heads")
+        if T == 1 and not heads.sharded and self._in_proj.applies(hidden_states, (self.in_proj_qkvz, self.in_proj_ba)):
+            return self._decoding_step(hidden_states, info, cache)
         nk, nv = heads.count, heads.count * r
         projected = self.in_proj_qkvz(hidden_states)
         q, k, v, z = projected.view(B, T, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)

@@ -6,6 +6,10 @@
 
 act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`. fla's KDA gives g_b a bias
 (`kda_gate_bias`): act(g_b(g_a(x)) + bias).
+
+A decoding step (one token per row, no gradient) runs the six projections of x (q, k, v, f_a, g_a, b) as one GEMM
+(`fused_projections`), whose first columns are the flat [q | k | v] the convolution reads (no concatenation), and
+beta's sigmoid runs inside the recurrent kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import DerivedWeight
+from .fused_projections import FusedProjections
 from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
 from .norms import GatedRMSNorm
 from .ops import kimi_delta_rule
@@ -53,6 +58,16 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(d, config.kda_norm_eps, config.kda_gate_activation)
         self.o_proj = nn.Linear(P, H, bias=False)
         self._conv_weight = DerivedWeight()  # the three kernels side by side, as the flat [q | k | v] conv needs
+        self._in_proj = FusedProjections()  # the projections of x, at decoding time
+
+    def _input_projections(self, hidden_states: torch.Tensor):
+        """[q | k | v] (flat), f_a(x), g_a(x), b(x): one GEMM at decoding time, else one each."""
+        linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
+        if hidden_states.shape[1] == 1 and self._in_proj.applies(hidden_states, linears):
+            widths = [m.out_features for m in linears]
+            return self._in_proj(hidden_states, linears).split([sum(widths[:3]), *widths[3:]], dim=-1)
+        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        return mixed, self.f_a_proj(hidden_states), self.g_a_proj(hidden_states), self.b_proj(hidden_states)
 
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
@@ -61,18 +76,21 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         heads = local_heads(self.q_proj, self.num_heads, self.layer_idx, "kda_num_heads")
         rows = heads.rows(self.head_dim)
         shape = (B, T, heads.count, self.head_dim)
-        mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        mixed, forget_a, gate_a, beta = self._input_projections(hidden_states)
         kernels = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         conv_weight = self._conv_weight.get(kernels, lambda: torch.cat([w[rows] for w in kernels]), tag=rows)
-        forget = self.f_b_proj(self.f_a_proj(hidden_states)).view(shape)
+        forget = self.f_b_proj(forget_a).view(shape)
         gate = DecayGate(forget, self.A_log[heads.offset : heads.offset + heads.count], self.dt_bias[rows])
-        beta = self.b_proj(hidden_states).sigmoid()
+        decoding = T == 1  # beta's sigmoid then runs inside the recurrent kernel
+        if not decoding:
+            beta = beta.sigmoid()
 
         def split(x):  # x may be the packed [1, B * T, C]
             return tuple(part.unflatten(-1, (heads.count, self.head_dim)) for part in x.chunk(3, dim=-1))
 
-        out = convolve_and_recur(mixed, conv_weight, split, gate, beta, kimi_delta_rule, info, cache)
-        out = self.o_norm(out, self.g_b_proj(self.g_a_proj(hidden_states)).view(shape))
+        out = convolve_and_recur(mixed, conv_weight, split, gate, beta, kimi_delta_rule, info, cache,
+                                 beta_logits=decoding)
+        out = self.o_norm(out, self.g_b_proj(gate_a).view(shape))
         sum_gradients_over_ranks(
             self, [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,
                    self.o_norm.weight], self.q_proj)

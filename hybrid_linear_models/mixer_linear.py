@@ -40,15 +40,19 @@ def convolve_and_recur(
     rule: Callable,
     info: SequenceInfo,
     cache: LinearStateLayer | None,
+    beta_logits: bool = False,
 ) -> torch.Tensor:
     """silu(causal_conv1d(mixed)) split into q, k, v, then the delta `rule` with the decay of `gate` and beta.
 
-    mixed [B, T, C]; beta [B, T, H]. Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
+    mixed [B, T, C]; beta [B, T, H] (its logits with `beta_logits`: the sigmoid then runs in the rule's kernel
+    where it can). Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
     start from zero; a cache provides the initial conv/recurrent states and keeps the final ones. Returns the
     delta-rule output [B, T, H, dv].
     """
     if info.padding_mask is not None:  # the decay is evaluated here, so pads can be given none
         pad = ~info.padding_mask.unsqueeze(-1)  # [B, T, 1]
+        if beta_logits:
+            beta, beta_logits = beta.sigmoid(), False
         beta = beta.masked_fill(pad, 0.0)
         g = gate_log_decay(gate.raw, gate.A_log, gate.dt_bias)
         g, gate_args = g.masked_fill(pad if g.dim() == 3 else pad.unsqueeze(-1), 0.0), {}
@@ -66,7 +70,7 @@ def convolve_and_recur(
     q, k, v = split(mixed)
     out, recurrent_state = rule(
         q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
-        cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **gate_args,
+        cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **gate_args, **({"beta_logits": True} if beta_logits else {}),
     )
     if cache is not None:  # (a decoding step updated the conv window in place: conv_state None)
         cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])

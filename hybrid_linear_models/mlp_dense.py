@@ -2,7 +2,8 @@
 
     y = down_proj(act(gate_proj(x)) * up_proj(x))
 
-act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). Tensor names `mlp.gate_proj`, `mlp.up_proj`,
+act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient)
+runs gate_proj and up_proj as one GEMM (`fused_projections`). Tensor names `mlp.gate_proj`, `mlp.up_proj`,
 `mlp.down_proj` (each Linear stores (out_features, in_features)), as every checkpoint of this family has them.
 """
 
@@ -15,6 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .block_ops import silu_and_mul
+from .fused_projections import FusedProjections
 from .mlp_registry import ConfigField, MlpSpec, register
 
 if TYPE_CHECKING:
@@ -33,9 +35,14 @@ class HybridLinearMLP(nn.Module):
         self.down_proj = nn.Linear(width, hidden, bias=bias)
         self.act_fn = ACT2FN[settings.hidden_act]
         self.swiglu = settings.hidden_act == "silu"  # fused by fla on CUDA
+        self._gate_up = FusedProjections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        projections = (self.gate_proj, self.up_proj)
+        if x.dim() == 3 and x.shape[1] == 1 and self._gate_up.applies(x, projections):  # a decoding step
+            gate, up = self._gate_up(x, projections).split([self.gate_proj.out_features, self.up_proj.out_features], -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
 
 

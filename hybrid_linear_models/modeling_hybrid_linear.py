@@ -5,6 +5,7 @@ from their registrations (`mixer_registry`, `mlp_registry`)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -31,7 +32,8 @@ from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
-from .mixer_attention import HybridLinearAttention, SlidingWindowMask  # noqa: F401  (kept importable here)
+from .derived_weights import DerivedWeight
+from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
@@ -60,6 +62,7 @@ class HybridLinearRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = init_fn(config)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
         self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+        self._signed_inv_freq = DerivedWeight()
 
     @staticmethod
     def compute_default_rope_parameters(config: HybridLinearConfig, device=None, **kwargs):
@@ -74,6 +77,28 @@ class HybridLinearRotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+    @torch.no_grad()
+    def whole_head(self, x: torch.Tensor, position_ids: torch.Tensor,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """`RotaryTables.whole_head`'s (cos', sin') straight from the positions, and the rotated width: with the
+        frequencies f' = [-f | f | 0], cos(p f') = [cos | cos | 1] and sin(p f') = [-sin_1 | sin_2 | 0] (cos is even,
+        sin odd: the same values as `forward`'s, element for element), in a few kernels. None for rope types whose
+        frequencies follow the positions (dynamic, longrope): `forward` updates them; and for an attention scaling
+        (yarn) with unrotated dims, which must stay 1 and 0 (the caller builds the tables from (cos, sin))."""
+        inv_freq = self.inv_freq
+        rotary = 2 * inv_freq.shape[0]
+        if ("dynamic" in self.rope_type or self.rope_type == "longrope"
+                or (self.attention_scaling != 1.0 and rotary < head_dim)):
+            return None
+        signed = self._signed_inv_freq.get([inv_freq], lambda: torch.cat([
+            -inv_freq.float(), inv_freq.float(), inv_freq.new_zeros(head_dim - rotary, dtype=torch.float32)]),
+            tag=(head_dim, x.device))
+        freqs = position_ids[..., None].float() * signed.to(x.device)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:  # (x * 1.0 is x: skipped)
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype), rotary
 
 
 class HybridLinearDecoderLayer(GradientCheckpointingLayer):
@@ -110,6 +135,24 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
             hidden_states = mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)  # fused add
         return residual + self.mlp(hidden_states)
+
+    def decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, position_embeddings,
+               attention_mask: torch.Tensor | None, sequence_info: SequenceInfo,
+               cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decoding step, its last residual add left to the next norm: takes the previous layer's
+        (MLP output, residual) (residual None for the first layer: hidden_states is the embedding) and returns its own,
+        whose sum is what `forward` returns. The input norm adds them in its kernel (one kernel less per layer)."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual=residual)
+        mixer = getattr(self, self.mixer_attribute)
+        if self.mixer_state == "kv":
+            hidden_states, _ = mixer(hidden_states, position_embeddings, attention_mask, cache=cache)
+        else:
+            hidden_states = mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
+        return self.mlp(hidden_states), residual
 
 
 class HybridLinearPreTrainedModel(PreTrainedModel):
@@ -294,7 +337,15 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
 
     def _position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list:
         """cos/sin of every distinct rotary embedding, for layer i at index rotary_of_layer[i]."""
-        return [rotary(hidden_states, position_ids) for rotary in self._rotary_embeddings()]
+        return [RotaryTables(pair=rotary(hidden_states, position_ids)) for rotary in self._rotary_embeddings()]
+
+    def _step_rotary_tables(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list[RotaryTables]:
+        """A decoding step's `_position_embeddings`: computed when used, the whole-head tables straight from the
+        positions (`HybridLinearRotaryEmbedding.whole_head`)."""
+        return [RotaryTables(compute=lambda rotary=rotary: rotary(hidden_states, position_ids),
+                             direct=lambda head_dim, rotary=rotary: rotary.whole_head(hidden_states, position_ids,
+                                                                                     head_dim))
+                for rotary in self._rotary_embeddings()]
 
     def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> list:
         """The attention mask of every layer (None for GDN/KDA layers): one for all full (and latent) attention,
@@ -417,26 +468,31 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         written. windows (cuda_graph_decoding.WindowSteps): the sliding layers' masks over their window slots, and
         (through `cache`, a StepCache) their branch-free updates."""
         hidden_states = self.embed_tokens(input_ids)
-        position_embeddings = self._position_embeddings(hidden_states, position_ids)
+        position_embeddings = self._step_rotary_tables(hidden_states, position_ids)
 
         def attention_mask_of(mask: torch.Tensor) -> torch.Tensor:
+            """The additive mask each attention layer of the step adds, built once per step: eager attention's (finfo
+            min where masked), or for sdpa the -inf/0 mask sdpa would otherwise build from a bool mask in every
+            layer (the same values: the same scores)."""
             mask = mask[:, None, None, :]
-            if self.config._attn_implementation == "eager":  # additive
-                return torch.zeros_like(mask, dtype=hidden_states.dtype).masked_fill(
-                    ~mask, torch.finfo(hidden_states.dtype).min)
-            return mask
+            masked = torch.finfo(hidden_states.dtype).min if self.config._attn_implementation == "eager" else -math.inf
+            return torch.full_like(mask, masked, dtype=hidden_states.dtype).masked_fill_(mask, 0.0)
 
         full_mask = attention_mask_of(key_mask)
         window_masks = windows.masks(attention_mask_of) if windows is not None else {}
         info = SequenceInfo(input_ids.shape[0], 1)
+        residual = None  # each layer's last residual add is done by the next norm (HybridLinearDecoderLayer.decode)
         for layer in self.layers[: self.config.num_hidden_layers]:
             attention_mask = None
             if layer.mixer_state == "kv":
                 attention_mask = window_masks.get(layer.layer_idx, full_mask)
             rotary = self.rotary_of_layer[layer.layer_idx]
-            hidden_states = layer(hidden_states, attention_mask=attention_mask, sequence_info=info, cache=cache,
-                                  position_embeddings=position_embeddings[rotary] if rotary is not None else None)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer.decode(
+                hidden_states, residual, position_embeddings[rotary] if rotary is not None else None,
+                attention_mask, info, cache)
+        if residual is None:  # no layer
+            return self.norm(hidden_states)
+        return self.norm(hidden_states, residual=residual)[0]
 
 
 class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
@@ -509,9 +565,11 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                     f"labels must have the [batch, seq_len] shape of the inputs, {expected}, got {tuple(labels.shape)}."
                 )
         if (labels is None and self._graph_decoder is not None
-                and CudaGraphDecoder.applies(self, input_ids, inputs_embeds, cache, attention_mask, kwargs)):
-            logits = self._graph_decoder.step(self, input_ids, position_ids, attention_mask, cache)
-            return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
+                and CudaGraphDecoder.wanted(self, input_ids, inputs_embeds, cache)):
+            # (None: this step cannot be captured; the decoder said why, once, and the forward below runs)
+            logits = self._graph_decoder.try_step(self, input_ids, position_ids, attention_mask, cache, kwargs)
+            if logits is not None:
+                return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

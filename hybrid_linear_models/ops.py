@@ -71,7 +71,8 @@ def _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_cha
         )
     g_shape = (B, T, Hv, dk) if per_channel else (B, T, Hv)
     if _shape(g) != g_shape:
-        what = "[B, T, Hv, dk] (one log-decay per key channel)" if per_channel else "[B, T, Hv] (one log-decay per head)"
+        what = ("[B, T, Hv, dk] (one log-decay per key channel)" if per_channel
+                else "[B, T, Hv] (one log-decay per head)")
         raise ValueError(f"{name}: g must be {what} = {g_shape}, got {_shape(g)}.")
     if _shape(beta) != (B, T, Hv):
         raise ValueError(f"{name}: beta must be [B, T, Hv] = {(B, T, Hv)}, got {_shape(beta)}.")
@@ -116,7 +117,7 @@ def _check_gate(name, A_log, dt_bias, g, per_channel) -> None:
 
 
 def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initial_state, output_final_state,
-                cu_seqlens, use_qk_l2norm, A_log, dt_bias):
+                cu_seqlens, use_qk_l2norm, A_log, dt_bias, beta_logits=False):
     _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_channel)
     _check_gate(name, A_log, dt_bias, g, per_channel)
     if scale is None:
@@ -125,8 +126,12 @@ def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initia
     kernel = fla_backend.fla_kernel(fla_names[1] if decoding else fla_names[0], q)
     if initial_state is not None:
         initial_state = initial_state.float() if kernel is not None else initial_state.to(compute_dtype(v))
+    if beta_logits and (kernel is None or not decoding):  # fla's recurrent kernels alone take logits
+        beta, beta_logits = beta.sigmoid(), False
     if kernel is not None:
         options = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
+        if beta_logits:
+            options["use_beta_sigmoid_in_kernel"] = True
         if per_channel and not decoding and torch.is_grad_enabled() and KDA_KEEP_INTERMEDIATES:
             options["disable_recompute"] = True
         return kernel(
@@ -167,6 +172,7 @@ def gated_delta_rule(
     use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    beta_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule (GDN): per token and value head, S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T;
     o = S^T q (q scaled by `scale`, default dk^-0.5, after the optional L2 norm of q and k).
@@ -176,12 +182,13 @@ def gated_delta_rule(
     Returns o like v and the final state [N, Hv, dk, dv] (float32) or None.
 
     With `A_log` ([Hv]) given, g holds the gate's raw input and the log decay is -exp(A_log) * softplus(g + dt_bias)
-    (`gate_log_decay`, dt_bias [Hv] optional), which fla computes inside its kernels.
+    (`gate_log_decay`, dt_bias [Hv] optional), which fla computes inside its kernels. With `beta_logits`, beta holds
+    logits and the rule uses sigmoid(beta) (inside fla's recurrent kernel when decoding: one kernel less a step).
     """
     return _delta_rule("gated_delta_rule", ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
                        q, k, v, g, beta, per_channel=False, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-                       A_log=A_log, dt_bias=dt_bias)
+                       A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits)
 
 
 def kimi_delta_rule(
@@ -198,13 +205,15 @@ def kimi_delta_rule(
     use_qk_l2norm: bool = True,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    beta_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi delta rule (KDA): `gated_delta_rule` with a per-channel decay, S <- diag(exp(g)) S, g: [B, T, Hv, dk].
-    With `A_log` ([Hv]) given, g is the gate's raw input as in `gated_delta_rule`, dt_bias then [Hv * dk]."""
+    With `A_log` ([Hv]) given, g is the gate's raw input as in `gated_delta_rule`, dt_bias then [Hv * dk];
+    `beta_logits` as there."""
     return _delta_rule("kimi_delta_rule", ("chunk_kda", "fused_recurrent_kda"),
                        q, k, v, g, beta, per_channel=True, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-                       A_log=A_log, dt_bias=dt_bias)
+                       A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits)
 
 
 # ------------------------------------------------------------------------------------------------- short convolution
@@ -308,7 +317,8 @@ def gated_rms_norm(
     activation: str = "silu",
 ) -> torch.Tensor:
     """RMSNorm over the last dim, times `weight`, times act(gate): x / sqrt(mean(x^2) + eps) * w * act(gate),
-    computed in float32 (float64 for float64 x) and returned in x's dtype. act is "silu" (Qwen3-Next, Fast-LLM) or "sigmoid" (Kimi)."""
+    computed in float32 (float64 for float64 x) and returned in x's dtype. act is "silu" (Qwen3-Next, Fast-LLM) or
+    "sigmoid" (Kimi)."""
     if activation not in _GATE_ACTIVATIONS:
         raise ValueError(f"gated_rms_norm: activation must be one of {sorted(_GATE_ACTIVATIONS)}, got {activation!r}.")
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:

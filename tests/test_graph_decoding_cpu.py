@@ -207,3 +207,54 @@ def test_sliding_layers_decode_through_the_captured_step_like_uncached(monkeypat
             torch.testing.assert_close(layer.keys, eager.keys, rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(layer.values, eager.values, rtol=1e-9, atol=1e-9)
             assert torch.equal(layer.cumulative_length, eager.cumulative_length)
+
+
+# ------------------------------------------------------------------------------- fallback to the uncaptured step
+
+
+def _greedy_static(model, input_ids, **kwargs):
+    return model.generate(input_ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+                          cache_implementation="static", output_logits=True, return_dict_in_generate=True, **kwargs)
+
+
+def test_a_failed_capture_falls_back_to_the_uncaptured_step_with_one_warning(monkeypatch, caplog):
+    """A capture that raises (an op a CUDA graph cannot hold) leaves the cache as it was, runs the uncaptured
+    forward, says why in one warning line (once), and is not tried again for that cache."""
+    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+    attempts = []
+
+    def failing_record(run, device):
+        attempts.append(1)
+        run()  # a warm-up step advanced the cache before the capture failed
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(failing_record))
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (2, 6))
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        fallen_back = _greedy_static(model, input_ids)
+        again = _greedy_static(model, input_ids)
+        model.set_cuda_graph_decoding(False)
+        eager = _greedy_static(model, input_ids)
+    warnings = [r.getMessage() for r in caplog.records if "CUDA-graph decoding" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "RuntimeError: operation not permitted when stream is capturing" in warnings[0]
+    assert len(attempts) == 2  # one per cache (each generate builds its own), not one per step
+    for got in (fallen_back, again):
+        assert torch.equal(got.sequences, eager.sequences)
+        for a, b in zip(got.logits, eager.logits):  # the same eager steps: the same floats
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_step_that_cannot_be_captured_says_why_once(monkeypatch, caplog):
+    """One-token steps on a static cache that ask for what a captured step cannot give (here attention weights) run
+    uncaptured, with one warning naming the reason for the model, however many steps."""
+    graphs = replay_graphs_eagerly(monkeypatch)
+    model = tiny_model(LAYERS).eval()
+    model.config._attn_implementation = "eager"
+    input_ids = torch.randint(1, 100, (1, 6))
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        got = _greedy_static(model, input_ids, output_attentions=True)
+    warnings = [r.getMessage() for r in caplog.records if "CUDA-graph decoding" in r.getMessage()]
+    assert graphs == [] and len(warnings) == 1 and "attention weights" in warnings[0]
+    assert len(got.attentions) == 5 and got.attentions[-1][0].shape[-2] == 1  # each eager step returned its row

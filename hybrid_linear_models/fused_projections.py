@@ -1,0 +1,62 @@
+"""Several projections of one input run as one GEMM at decoding time.
+
+A decoding step at batch 1 is a few hundred small kernels, and each linear layer is one of them: the attention's q, k
+and v projections, the MLP's gate and up projections, GDN's in_proj_qkvz and in_proj_ba, KDA's six input
+projections all read the same hidden state. Stacked by rows, their weights W = [W_1; ...; W_n] give
+x W^T = [x W_1^T | ... | x W_n^T] in one GEMM, every output element the same dot product as before (the order in
+which a BLAS sums it may differ with the matrix width: the same float result up to rounding).
+
+The stacked weight is not a copy: the parameters become views of its row blocks (`derived_weights.SharedRows`), so
+it costs no memory and in-place updates (optimiser steps, `load_state_dict`) are in it by construction; a parameter
+given new data (`module.to`) is stacked again on the next use.
+
+Only plain `nn.Linear` layers are stacked: a subclass (quantised layers), a wrapper (peft's LoRA layers replace
+the module), hooks, sharded (DTensor) weights or a compiler tracing the step keep the projections separate, as do
+steps that need gradients (training keeps the parameters' own storage untouched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .derived_weights import SharedRows
+from .tensor_parallel_heads import device_mesh
+
+
+def _plain(linear: nn.Module) -> bool:
+    return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
+            and "forward" not in vars(linear) and device_mesh(linear.weight) is None)
+
+
+class FusedProjections:
+    """The projections `linears` (plain nn.Linear layers of one input width, all with biases or none) of one input
+    as one GEMM (see the module docstring); held by the module that owns them."""
+
+    def __init__(self):
+        self._weight = SharedRows()
+        self._bias = SharedRows()
+
+    def kept_tensors(self) -> list[SharedRows]:
+        return [self._weight, self._bias]
+
+    def applies(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> bool:
+        """Whether `__call__` may stack these projections for input x: no gradient wanted, no compiler tracing, plain
+        layers on x's device and dtype, biases all or none."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(_plain(m) for m in linears):
+            return False
+        first = linears[0].weight
+        if any(m.weight.device != x.device or m.weight.dtype != first.dtype or m.in_features != linears[0].in_features
+               for m in linears):
+            return False
+        biases = [m.bias is not None for m in linears]
+        return all(biases) or not any(biases)
+
+    def __call__(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor:
+        """[... , sum of the layers' out_features]: x through every layer, side by side (check `applies` first)."""
+        weight = self._weight.get([m.weight for m in linears])
+        bias = self._bias.get([m.bias for m in linears]) if linears[0].bias is not None else None
+        return F.linear(x, weight, bias)
