@@ -183,6 +183,8 @@ class _RopeSlice:
         self.rope_parameters = {**settings.rope_parameters, "partial_rotary_factor": 1.0}
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_settings":  # copy/pickle probe a bare instance: no recursion
+            raise AttributeError(name)
         return getattr(self._settings, name)
 
 

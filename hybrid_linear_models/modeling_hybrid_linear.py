@@ -336,8 +336,13 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         return [self.rotary_emb] if self.rotary_emb is not None else list(self.rotary_embs or [])
 
     def _position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list:
-        """cos/sin of every distinct rotary embedding, for layer i at index rotary_of_layer[i]."""
-        return [RotaryTables(pair=rotary(hidden_states, position_ids)) for rotary in self._rotary_embeddings()]
+        """cos/sin of every distinct rotary embedding, for layer i at index rotary_of_layer[i]. Under torch.compile
+        (transformers compiles static-cache decoding on CUDA) plain (cos, sin) tuples: dynamo cannot unpack a
+        user-defined iterable such as RotaryTables, and the layers take tuples on their general path."""
+        pairs = [rotary(hidden_states, position_ids) for rotary in self._rotary_embeddings()]
+        if torch.compiler.is_compiling():
+            return pairs
+        return [RotaryTables(pair=pair) for pair in pairs]
 
     def _step_rotary_tables(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> list[RotaryTables]:
         """A decoding step's `_position_embeddings`: computed when used, the whole-head tables straight from the

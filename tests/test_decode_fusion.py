@@ -222,9 +222,12 @@ _GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reaso
 @_GPU[1]
 def test_gpu_captured_fused_step_equals_the_uncaptured_unfused_one(monkeypatch):
     """On CUDA (fla's kernels when installed): greedy decoding replayed from the captured, fused step gives the tokens
-    of uncaptured decoding with separate projections, and logits within bf16 rounding (fla's recurrent kernel takes
-    beta's logits and the fused norm adds the residual in float32: bf16 steps of 2^-8 relative on logits of order 1,
-    so 5e-2 absolute)."""
+    of uncaptured decoding with separate projections, and logits as close to the float32 model's as that unfused bf16
+    decoding's. The two bf16 paths round at different points (fla's recurrent kernel takes beta's logits, the fused
+    norm adds the residual in float32, transformers compiles the uncaptured static-cache step), so neither equals the
+    other to a fixed bf16 ulp count (0.12 apart on logits of order 1 on an H200); each is one bf16 rounding history
+    of the same math, hence the bound: the fused path's error against float32 at most twice the unfused path's."""
+    reference = _model().to("cuda")
     model = _model().to("cuda", torch.bfloat16)
     prompt = torch.randint(1, 100, (2, 12), device="cuda")
     settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
@@ -235,9 +238,11 @@ def test_gpu_captured_fused_step_equals_the_uncaptured_unfused_one(monkeypatch):
         with monkeypatch.context() as patch:
             _without_fusion(patch)
             plain = model.generate(prompt, cache_implementation="static", **settings)
+        exact = reference(graphed.sequences).logits[:, prompt.shape[1] - 1:-1].float()
     assert torch.equal(graphed.sequences, plain.sequences)
-    for a, b in zip(graphed.logits, plain.logits):
-        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=5e-2)
+    fused_error = max((a.float() - exact[:, i]).abs().max() for i, a in enumerate(graphed.logits))
+    unfused_error = max((b.float() - exact[:, i]).abs().max() for i, b in enumerate(plain.logits))
+    assert fused_error <= 2 * unfused_error, (fused_error, unfused_error)
 
 
 @_GPU[0]

@@ -371,3 +371,28 @@ def test_save_and_load_round_trip_with_and_without_the_package(tmp_path):
     assert not report["package_imported"]
     assert report["max_diff"] <= 1e-5  # the same code on the same CPU in float32: equal up to summation order
     assert report["generated"] == generated.tolist()
+
+
+def test_a_deep_copy_of_a_rotary_mla_model_gives_its_logits():
+    """copy.deepcopy (Trainer, peft, the GPU tests' TF32 copies) reconstructs the rotary settings view of a DeepSeek-
+    form layer from a bare instance; its attribute forwarding once recursed without end there (found on an H200)."""
+    import copy
+
+    model = mla_model()
+    input_ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(model)(input_ids).logits, model(input_ids).logits)
+
+
+def test_layers_take_plain_rotary_tuples_as_under_torch_compile(monkeypatch):
+    """transformers compiles static-cache decoding on CUDA; dynamo cannot unpack a RotaryTables, so under compilation
+    the model hands every layer (cos, sin) tuples, which give the same logits (found on an H200)."""
+    model = mla_model(["full_attention", "mla_attention", "gated_deltanet", "mla_attention"], head_dim=16,
+                      num_key_value_heads=2, qk_rope_head_dim=6, mla_use_nope=False)
+    input_ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        tables = model.model._position_embeddings(model.model.embed_tokens(input_ids), torch.arange(7)[None])
+        assert all(type(pair) is tuple for pair in tables)
+        assert torch.equal(model(input_ids).logits, expected)
