@@ -52,7 +52,8 @@ def test_cuda_graph_decoding_of_a_moe_model_matches_eager_decoding(dtype, implem
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :7] = 0
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                  pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+                  pad_token_id=0, cache_implementation="static", output_scores=True, output_logits=True,
+                  return_dict_in_generate=True)
     graphed = model.generate(input_ids, **kwargs)
     assert model._graph_decoder._graph is not None  # the graph path ran
     assert model.config._experts_implementation == implementation  # restored after the capture
@@ -61,9 +62,20 @@ def test_cuda_graph_decoding_of_a_moe_model_matches_eager_decoding(dtype, implem
         eager = model.generate(input_ids, **kwargs)
         assert_same_generation(graphed, eager, graphed.scores, eager.scores)
         return
-    # bf16: eager static decoding with the implementation the graph ran gives the same tokens; scores within a few
-    # bf16 roundings (2^-8 relative) of the largest, as the kernels are the same but the replay's buffers are others
-    eager = model.generate(input_ids, **kwargs)
-    assert torch.equal(graphed.sequences, eager.sequences)
-    for a, b in zip(graphed.scores, eager.scores):
-        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+    # bf16: transformers compiles the uncaptured static-cache step, so its roundings (and the near-tie tokens of
+    # this tiny random model) differ from the replay's; instead, on the graph's own tokens, the replayed logits are
+    # at most twice as far from the float32 model's as one uncached bf16 forward's: both are bf16 rounding
+    # histories of the same math
+    reference = tiny_model(LAYERS, **GPU_DIMS, **MOE).cuda()
+    new = slice(input_ids.shape[1] - 1, -1)
+    with torch.no_grad():
+        exact = reference(graphed.sequences, attention_mask=_extended(attention_mask, 20)).logits[:, new].float()
+        uncached = model(graphed.sequences, attention_mask=_extended(attention_mask, 20)).logits[:, new].float()
+    replayed = torch.stack([step.float() for step in graphed.logits], dim=1)  # raw logits (scores mask eos)
+    replay_error = (replayed - exact).abs().max()
+    assert replay_error <= 2 * (uncached - exact).abs().max(), replay_error
+
+
+def _extended(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The prompt's padding mask extended over `new_tokens` generated tokens."""
+    return torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], new_tokens)], dim=1)
