@@ -26,6 +26,7 @@ from .hf_style_folder import (
     INDEX_FILE,
     SINGLE_FILE,
     FolderContents,
+    layer_count,
     open_weights,
     read_config_json,
     read_hf_style_folder,
@@ -58,9 +59,7 @@ def _size_fields() -> tuple[str, ...]:
 def _check_before_building(fields: Fields, census: TensorCensus | None) -> None:
     """The fields HybridLinearConfig or transformers' PreTrainedConfig build from before validating (per-layer lists,
     mappings, the dtype): type-checked here, and the sizes bounded by the stored tensors."""
-    layers = fields.integer("num_hidden_layers", None, minimum=1)
-    if census is not None and layers is not None:
-        census.check_block_count(layers, f"{fields.file}: num_hidden_layers is {layers}")
+    layer_count(fields, None, census)
     for name in ("layer_types", "mlp_types"):  # the per-layer lists
         entries = fields.sequence(name, None, non_empty=True)
         if entries is None:

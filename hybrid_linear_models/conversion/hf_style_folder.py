@@ -40,6 +40,25 @@ _FAST_LLM_HINT = " It contains metadata.yaml: if it is a Fast-LLM checkpoint, us
 Parsed = TypeVar("Parsed")  # what a format's config reader returns: our config, or our config and more
 
 
+def check_model_type(fields: Fields, expected: str, flag: str) -> None:
+    """config.json's model_type must be `expected` (the format read by `--from flag`); a folder of ours is pointed
+    at `--from hf`."""
+    model_type = fields.get("model_type")
+    if model_type != expected:
+        hint = " (use --from hf)" if model_type == HybridLinearConfig.model_type else ""
+        raise ConversionError(f"{fields.file} has model_type {brief(model_type)}; --from {flag} reads "
+                              f"{expected!r} models{hint}.")
+
+
+def layer_count(fields: Fields, default: int | None, census: TensorCensus | None) -> int | None:
+    """config.json's num_hidden_layers (at least 1), checked against the stored layers before anything per layer is
+    built from it."""
+    layers = fields.integer("num_hidden_layers", default, minimum=1)
+    if census is not None and layers is not None:
+        census.check_block_count(layers, f"{fields.file}: num_hidden_layers is {layers}")
+    return layers
+
+
 def read_config_json(path: Path, checkpoint: str) -> tuple[Any, str]:
     """SRC's config.json, parsed, and its label for messages. `checkpoint` names the format in messages ("an fla
     checkpoint")."""

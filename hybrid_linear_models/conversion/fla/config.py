@@ -38,6 +38,7 @@ from typing import Any
 from ...configuration_hybrid_linear import MIXER_FIELDS, HybridLinearConfig
 from ..errors import ConversionError
 from ..hf_layout import layer_config
+from ..hf_style_folder import layer_count
 from ..pipeline import TensorCensus
 from ..untrusted import Fields, brief, clip
 
@@ -238,9 +239,7 @@ def fla_to_hybrid_config(data: Any, file: str, census: TensorCensus | None = Non
     per-layer table is built."""
     fields = FlaFields(data, "", file, census)
     model_type = model_type_of(fields)
-    num_layers = fields.integer("num_hidden_layers", _DEFAULTS[model_type]["num_hidden_layers"], minimum=1)
-    if census is not None:
-        census.check_block_count(num_layers, f"{file}: num_hidden_layers is {num_layers}")
+    num_layers = layer_count(fields, _DEFAULTS[model_type]["num_hidden_layers"], census)
     hidden_size = fields.size("hidden_size", _SHARED_DEFAULTS["hidden_size"])
     norm_eps = float(fields.number("norm_eps", _SHARED_DEFAULTS["norm_eps"], positive=True))
     hidden_act = fields.string("hidden_act", "swish")

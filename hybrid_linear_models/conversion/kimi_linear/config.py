@@ -45,6 +45,7 @@ from ...configuration_hybrid_linear import HybridLinearConfig
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
+from ..hf_style_folder import check_model_type, layer_count
 from ..pipeline import TensorCensus
 from ..untrusted import Fields
 
@@ -282,14 +283,8 @@ def _token_ids(fields: Fields) -> dict[str, Any]:
 def kimi_to_hybrid_config(data: Any, label: str, census: TensorCensus | None = None) -> HybridLinearConfig:
     """A Kimi-Linear config.json (parsed) -> our config."""
     fields = Fields(data, "", label, missing_is_empty=False)
-    model_type = fields.get("model_type")
-    if model_type != MODEL_TYPE:
-        hint = " (use --from hf)" if model_type == HybridLinearConfig.model_type else ""
-        raise ConversionError(f"{label} has model_type {brief(model_type)}; --from kimi_linear reads "
-                              f"{MODEL_TYPE!r} models{hint}.")
-    layers = fields.integer("num_hidden_layers", KIMI_DEFAULTS["num_hidden_layers"], minimum=1)
-    if census is not None:
-        census.check_block_count(layers, f"{label}: num_hidden_layers is {layers}")
+    check_model_type(fields, MODEL_TYPE, "kimi_linear")
+    layers = layer_count(fields, KIMI_DEFAULTS["num_hidden_layers"], census)
     linear = fields.mapping("linear_attn_config")
     kimi_types = _layer_types(fields, linear, layers)
     kimi_mlps = _mlp_types(fields, layers)

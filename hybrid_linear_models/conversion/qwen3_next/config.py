@@ -30,6 +30,7 @@ from ...configuration_hybrid_linear import HybridLinearConfig
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
+from ..hf_style_folder import check_model_type, layer_count
 from ..pipeline import TensorCensus
 from ..untrusted import Fields
 
@@ -148,14 +149,8 @@ def qwen3_next_to_hybrid_config(data: Any, label: str, census: TensorCensus | No
                                 ) -> tuple[HybridLinearConfig, dict[str, Any]]:
     """A Qwen3-Next config.json (parsed) -> our config, and the multi-token-prediction fields to carry."""
     fields = Fields(data, "", label, missing_is_empty=False)
-    model_type = fields.get("model_type")
-    if model_type != MODEL_TYPE:
-        hint = " (use --from hf)" if model_type == HybridLinearConfig.model_type else ""
-        raise ConversionError(f"{label} has model_type {brief(model_type)}; --from qwen3_next reads "
-                              f"{MODEL_TYPE!r} models{hint}.")
-    layers = fields.integer("num_hidden_layers", QWEN3_NEXT_DEFAULTS["num_hidden_layers"], minimum=1)
-    if census is not None:
-        census.check_block_count(layers, f"{label}: num_hidden_layers is {layers}")
+    check_model_type(fields, MODEL_TYPE, "qwen3_next")
+    layers = layer_count(fields, QWEN3_NEXT_DEFAULTS["num_hidden_layers"], census)
     layer_types = _layer_types(fields, layers)
     kwargs: dict[str, Any] = {"layer_types": layer_types}
     for theirs, ours in _SIZES.items():
