@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models.conversion import ConversionError
 from hybrid_linear_models.conversion.formats import get_format
@@ -90,3 +90,11 @@ class FuzzFolder:
                 (self.path / other).write_bytes(data)
         (self.path / name).write_bytes(content.encode() if isinstance(content, str) else content)
         return self.path
+
+
+def edit_tensors(folder: Path, edit: Callable[[dict], None], file: str = "model.safetensors") -> None:
+    """Rewrites the safetensors `file` of an HF-style folder after `edit(tensors)` (tensors by name, changed in
+    place): a missing, extra, reshaped or retyped tensor for the hardening tests."""
+    tensors = load_file(folder / file)
+    edit(tensors)
+    save_file(tensors, folder / file, metadata={"format": "pt"})

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conversion_helpers import FuzzFolder, Reading, edit_config
+from conversion_helpers import edit_tensors as shared_edit_tensors, FuzzFolder, Reading, edit_config
 from fuzz_strategies import FUZZ_SETTINGS, mutated, safetensors_file, split_safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from test_reader_hardening import configs
 
@@ -47,9 +47,8 @@ refused, outcome = READING.refused, READING.outcome
 
 
 def edit_tensors(folder: Path, edit: Callable[[dict], None]) -> None:
+    shared_edit_tensors(folder, edit, WEIGHTS)
     tensors = load_file(folder / WEIGHTS)
-    edit(tensors)
-    save_file(tensors, folder / WEIGHTS, metadata={"format": "pt"})
     (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(tensors, WEIGHTS)}))
 
 

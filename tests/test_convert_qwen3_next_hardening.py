@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conversion_helpers import FuzzFolder, Reading, edit_config
+from conversion_helpers import edit_tensors, FuzzFolder, Reading, edit_config
 from fuzz_strategies import FUZZ_SETTINGS, mutated, safetensors_file, split_safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from test_convert_qwen3_next import save_qwen3_next
 
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
@@ -35,12 +35,6 @@ def folder(tmp_path, original) -> Path:
 
 READING = Reading("qwen3_next")
 read_and_plan, refused, outcome = READING.read_and_plan, READING.refused, READING.outcome
-
-
-def edit_tensors(folder: Path, edit) -> None:
-    tensors = load_file(folder / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def test_the_unedited_folder_reads(folder):
