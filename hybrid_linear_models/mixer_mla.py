@@ -25,7 +25,8 @@ The cache (cache_hybrid_linear.LatentKVLayer / StaticLatentKVLayer) keeps per to
 Two ways to attend, the same math:
 - expanded (training, prefill, any multi-token step, flash attention): every key's kn_i and v_i are computed from
   its latent by kv_b_proj, then ordinary multi-head attention through transformers' attention interface (eager,
-  sdpa, flash: which pads v to the key width when they differ). Cost per step grows with T * r * h * (n + v).
+  sdpa, flash: which pads v to the key width when they differ). Cost per step grows with T * r * h * (n + v). Only
+  the keys the step can see are expanded: of a static cache's max_cache_len slots, the filled ones (`filled_slots`).
 - absorbed (one-token decoding steps against a cache, eager or sdpa): kv_b_proj is folded into the query and the
   output instead, so attention runs in the latent space, against the cache as it is: with Wkvb_i = [Uk_i | Uv_i],
       q_i . k_ij = (qn_i Uk_i^T) . c_j + qp_i . kp_j,    o_i = (sum_j a_ij c_j) Uv_i^T,
@@ -124,6 +125,8 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
                 and type(self.kv_b_proj) is nn.Linear):
             output, weights = self._absorbed(attention, query, compressed, attention_mask, settings)
         else:
+            if cache is not None:
+                compressed, attention_mask = filled_slots(cache, self.layer_idx, compressed, attention_mask)
             output, weights = self._expanded(attention, query, compressed, attention_mask, settings,
                                              pad_value="flash" in implementation)
         return self.o_proj(output.reshape(B, T, -1)), weights
@@ -154,6 +157,28 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         output, weights = attention(self, rows, compressed, compressed[..., :r], attention_mask, **settings)
         output = torch.einsum("bhr,hvr->bhv", output[:, :, 0], weight[:, nope:])  # output [B, h, 1, r] -> [B, h, v]
         return output[:, None], None if weights is None else weights.transpose(1, 2)
+
+
+def filled_slots(cache: Cache, layer_idx: int, compressed: torch.Tensor,
+                 attention_mask: Any) -> tuple[torch.Tensor, Any]:
+    """The cached latents [B, 1, keys, r + p] an expanded step attends to, and its mask cut to match.
+
+    A static cache returns its whole buffer (max_cache_len slots), of which only the first `cumulative_length` are
+    written (one count for the whole batch: left padding and packing are masked inside the filled slots): no query of
+    the step sees a later slot (the mask hides it), so expanding it through kv_b_proj would be wasted work and memory,
+    max_cache_len / filled times the step's own. The count is read on the host, so not while a CUDA graph is captured
+    or torch.compile traces (the buffer is kept whole there, as before); the captured one-token step is absorbed and
+    expands nothing. A dynamic cache holds only written tokens: unchanged."""
+    layer = cache.layers[layer_idx] if layer_idx < len(getattr(cache, "layers", ())) else None
+    if (not isinstance(layer, StaticLatentKVLayer) or torch.compiler.is_compiling()
+            or (compressed.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return compressed, attention_mask
+    filled = int(layer.cumulative_length)  # slots 0 .. filled - 1 hold tokens (after this step's update)
+    if filled >= compressed.shape[2]:
+        return compressed, attention_mask
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] > filled:  # 2-D [B, keys] or 4-D
+        attention_mask = attention_mask[..., :filled]
+    return compressed[:, :, :filled], attention_mask
 
 
 # ---------------------------------------------------------------------------------------------- cache size

@@ -284,6 +284,39 @@ def test_cache_holds_only_the_latent_and_the_shared_key_per_layer():
     assert_cached_generation_equals_uncached(model, torch.randint(1, 128, (1, 6)), "static", TOLERANCE)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_static_multi_token_steps_expand_only_the_filled_slots(implementation):
+    """A prefill (left-padded row included) then a chunked-prefill step of 3 tokens against a static cache of 64
+    slots: kv_b_proj sees only the filled slots (7, then 10 rows per batch row), and the logits are those of a tight
+    cache (10 slots) and of the uncached forward (the same keys, only the summation order differs in the uncached
+    one: float32 ~1e-6, TOLERANCE as above)."""
+    from transformers import StaticCache
+
+    model = mla_model()
+    model.config._attn_implementation = implementation
+    input_ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(14))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :2] = 0  # left padding in the second row
+    rows = []
+    hooks = [model.model.layers[i].self_attn.kv_b_proj.register_forward_hook(
+        lambda module, args, output: rows.append(args[0].shape[-2])) for i in (1, 3)]
+    logits = {}
+    with torch.no_grad():
+        for slots in (64, 10):
+            cache = StaticCache(config=model.config, max_cache_len=slots)
+            rows.clear()
+            prompt = model(input_ids[:, :7], attention_mask=attention_mask[:, :7], cache=cache, use_cache=True)
+            step = model(input_ids[:, 7:], attention_mask=attention_mask, cache=cache, use_cache=True)
+            assert rows == [7, 7, 10, 10], (slots, rows)  # per MLA layer: the filled slots, never max_cache_len
+            logits[slots] = torch.cat([prompt.logits, step.logits], dim=1)
+        for hook in hooks:
+            hook.remove()
+        uncached = model(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits[64], logits[10], rtol=0, atol=1e-6)  # the same slots, the same math
+    real = attention_mask.bool()  # the pads' own logits are not defined the same way by every path
+    torch.testing.assert_close(logits[64][real], uncached[real], rtol=TOLERANCE, atol=TOLERANCE)
+
+
 def test_static_cache_uses_the_static_latent_layer():
     from transformers import StaticCache
 
