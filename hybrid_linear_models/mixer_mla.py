@@ -52,11 +52,49 @@ from .mixer_attention import _FIELDS as ATTENTION_FIELDS
 from .mixer_attention import apply_rotary, eager_attention_forward
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
+from .tensor_parallel_heads import device_mesh
 
 if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
 
 _ABSORBING_IMPLEMENTATIONS = ("eager", "sdpa")  # take a value narrower than the key and a broadcast mask
+
+
+class LatentProjection(nn.Linear):
+    """kv_a_proj_with_mqa, x -> [c | kp]: a Linear that gives tensor parallelism its own layer's rope width.
+
+    Under tensor parallelism kv_b_proj is split by heads, and the gradient of c reaching it is summed over the ranks
+    by its column-wise style; kp bypasses kv_b_proj, so transformers' "mla_kv_a_proj" style sums the gradient of the
+    last `module.config.qk_rope_head_dim` outputs itself. It sets `module.config` to the model's config, whose
+    qk_rope_head_dim is one value (refused as ambiguous when layers differ); read here, `config` is that config with
+    this layer's width, so layers of different qk_rope_head_dim are each split at their own width."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rope_width: int):
+        super().__init__(in_features, out_features, bias=bias)
+        self.rope_width = rope_width
+
+    @property
+    def config(self) -> _LayerRopeWidth:
+        assigned = self.__dict__.get("_assigned_config")
+        if assigned is None:  # only transformers' tensor parallelism sets one
+            raise AttributeError("config")
+        return _LayerRopeWidth(assigned, self.rope_width)
+
+    @config.setter
+    def config(self, value: Any) -> None:
+        self.__dict__["_assigned_config"] = value
+
+
+class _LayerRopeWidth:
+    """A config read through, except for qk_rope_head_dim: the layer's own."""
+
+    def __init__(self, config: Any, qk_rope_head_dim: int):
+        self._config, self.qk_rope_head_dim = config, qk_rope_head_dim
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_config":
+            raise AttributeError(name)
+        return getattr(self._config, name)
 
 
 class HybridLinearMultiHeadLatentAttention(nn.Module):
@@ -86,7 +124,8 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
             self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(H, heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = LatentProjection(H, self.kv_lora_rank + self.qk_rope_head_dim, bias,
+                                                   self.qk_rope_head_dim)
         self.kv_a_layernorm = norm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=bias)
@@ -149,7 +188,10 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         """One token per row: attention in the latent space (see the module docstring). Returns [B, 1, h, v] and
         the attention weights [B, h, 1, keys] when the attention function gives them."""
         nope, r = self.qk_nope_head_dim, self.kv_lora_rank
-        weight = self.kv_b_proj.weight.view(-1, nope + self.v_head_dim, r)  # [h, n + v, r]: [Uk_i | Uv_i] per head
+        weight = self.kv_b_proj.weight
+        if device_mesh(weight) is not None:  # tensor parallel: this rank's heads' rows (the queries are its heads)
+            weight = weight.to_local()
+        weight = weight.view(-1, nope + self.v_head_dim, r)  # [h, n + v, r]: [Uk_i | Uv_i] per head
         q_nope, q_rope = query[:, :, 0].split([nope, self.qk_rope_head_dim], dim=-1)  # [B, h, n], [B, h, p]
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, weight[:, :nope])
         rows = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [B, 1, h, r + p]: the heads as one head's rows
@@ -277,8 +319,8 @@ register(MixerSpec(
     cache_layer=LatentKVLayer, static_cache_layer=StaticLatentKVLayer, rotary_settings=_rotary_settings,
     parameter_count=_parameter_count, relation_problems=_relation_problems,
     # heads split as DeepSeek-V3's plan splits them; the shared key slice bypasses kv_b_proj, so its gradient is summed
-    # over the ranks by transformers' "mla_kv_a_proj" style (which reads the model's qk_rope_head_dim: one width for
-    # every MLA layer under tensor parallelism)
+    # over the ranks by transformers' "mla_kv_a_proj" style (which reads each layer's own qk_rope_head_dim through
+    # LatentProjection.config: layers may differ)
     tensor_parallel_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj",
                           "kv_b_proj": "colwise", "o_proj": "rowwise"},
     lora_targets=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
