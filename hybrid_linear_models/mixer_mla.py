@@ -25,7 +25,8 @@ The cache (cache_hybrid_linear.LatentKVLayer / StaticLatentKVLayer) keeps per to
 Two ways to attend, the same math:
 - expanded (training, prefill, any multi-token step, flash attention): every key's kn_i and v_i are computed from
   its latent by kv_b_proj, then ordinary multi-head attention through transformers' attention interface (eager,
-  sdpa, flash: which pads v to the key width when they differ). Cost per step grows with T * r * h * (n + v).
+  sdpa, flash: which pads v to the key width when they differ). Cost per step grows with T * r * h * (n + v). Only
+  the keys the step can see are expanded: of a static cache's max_cache_len slots, the filled ones (`filled_slots`).
 - absorbed (one-token decoding steps against a cache, eager or sdpa): kv_b_proj is folded into the query and the
   output instead, so attention runs in the latent space, against the cache as it is: with Wkvb_i = [Uk_i | Uv_i],
       q_i . k_ij = (qn_i Uk_i^T) . c_j + qp_i . kp_j,    o_i = (sum_j a_ij c_j) Uv_i^T,
@@ -51,11 +52,49 @@ from .mixer_attention import _FIELDS as ATTENTION_FIELDS
 from .mixer_attention import apply_rotary, eager_attention_forward
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
+from .tensor_parallel_heads import device_mesh
 
 if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
 
 _ABSORBING_IMPLEMENTATIONS = ("eager", "sdpa")  # take a value narrower than the key and a broadcast mask
+
+
+class LatentProjection(nn.Linear):
+    """kv_a_proj_with_mqa, x -> [c | kp]: a Linear that gives tensor parallelism its own layer's rope width.
+
+    Under tensor parallelism kv_b_proj is split by heads, and the gradient of c reaching it is summed over the ranks
+    by its column-wise style; kp bypasses kv_b_proj, so transformers' "mla_kv_a_proj" style sums the gradient of the
+    last `module.config.qk_rope_head_dim` outputs itself. It sets `module.config` to the model's config, whose
+    qk_rope_head_dim is one value (refused as ambiguous when layers differ); read here, `config` is that config with
+    this layer's width, so layers of different qk_rope_head_dim are each split at their own width."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, rope_width: int):
+        super().__init__(in_features, out_features, bias=bias)
+        self.rope_width = rope_width
+
+    @property
+    def config(self) -> _LayerRopeWidth:
+        assigned = self.__dict__.get("_assigned_config")
+        if assigned is None:  # only transformers' tensor parallelism sets one
+            raise AttributeError("config")
+        return _LayerRopeWidth(assigned, self.rope_width)
+
+    @config.setter
+    def config(self, value: Any) -> None:
+        self.__dict__["_assigned_config"] = value
+
+
+class _LayerRopeWidth:
+    """A config read through, except for qk_rope_head_dim: the layer's own."""
+
+    def __init__(self, config: Any, qk_rope_head_dim: int):
+        self._config, self.qk_rope_head_dim = config, qk_rope_head_dim
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_config":
+            raise AttributeError(name)
+        return getattr(self._config, name)
 
 
 class HybridLinearMultiHeadLatentAttention(nn.Module):
@@ -85,7 +124,8 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
             self.q_b_proj = nn.Linear(self.q_lora_rank, heads * self.qk_head_dim, bias=False)
         else:
             self.q_proj = nn.Linear(H, heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_proj_with_mqa = LatentProjection(H, self.kv_lora_rank + self.qk_rope_head_dim, bias,
+                                                   self.qk_rope_head_dim)
         self.kv_a_layernorm = norm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=bias)
@@ -124,6 +164,8 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
                 and type(self.kv_b_proj) is nn.Linear):
             output, weights = self._absorbed(attention, query, compressed, attention_mask, settings)
         else:
+            if cache is not None:
+                compressed, attention_mask = filled_slots(cache, self.layer_idx, compressed, attention_mask)
             output, weights = self._expanded(attention, query, compressed, attention_mask, settings,
                                              pad_value="flash" in implementation)
         return self.o_proj(output.reshape(B, T, -1)), weights
@@ -146,7 +188,10 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         """One token per row: attention in the latent space (see the module docstring). Returns [B, 1, h, v] and
         the attention weights [B, h, 1, keys] when the attention function gives them."""
         nope, r = self.qk_nope_head_dim, self.kv_lora_rank
-        weight = self.kv_b_proj.weight.view(-1, nope + self.v_head_dim, r)  # [h, n + v, r]: [Uk_i | Uv_i] per head
+        weight = self.kv_b_proj.weight
+        if device_mesh(weight) is not None:  # tensor parallel: this rank's heads' rows (the queries are its heads)
+            weight = weight.to_local()
+        weight = weight.view(-1, nope + self.v_head_dim, r)  # [h, n + v, r]: [Uk_i | Uv_i] per head
         q_nope, q_rope = query[:, :, 0].split([nope, self.qk_rope_head_dim], dim=-1)  # [B, h, n], [B, h, p]
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, weight[:, :nope])
         rows = torch.cat([q_latent, q_rope], dim=-1)[:, None]  # [B, 1, h, r + p]: the heads as one head's rows
@@ -154,6 +199,28 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         output, weights = attention(self, rows, compressed, compressed[..., :r], attention_mask, **settings)
         output = torch.einsum("bhr,hvr->bhv", output[:, :, 0], weight[:, nope:])  # output [B, h, 1, r] -> [B, h, v]
         return output[:, None], None if weights is None else weights.transpose(1, 2)
+
+
+def filled_slots(cache: Cache, layer_idx: int, compressed: torch.Tensor,
+                 attention_mask: Any) -> tuple[torch.Tensor, Any]:
+    """The cached latents [B, 1, keys, r + p] an expanded step attends to, and its mask cut to match.
+
+    A static cache returns its whole buffer (max_cache_len slots), of which only the first `cumulative_length` are
+    written (one count for the whole batch: left padding and packing are masked inside the filled slots): no query of
+    the step sees a later slot (the mask hides it), so expanding it through kv_b_proj would be wasted work and memory,
+    max_cache_len / filled times the step's own. The count is read on the host, so not while a CUDA graph is captured
+    or torch.compile traces (the buffer is kept whole there, as before); the captured one-token step is absorbed and
+    expands nothing. A dynamic cache holds only written tokens: unchanged."""
+    layer = cache.layers[layer_idx] if layer_idx < len(getattr(cache, "layers", ())) else None
+    if (not isinstance(layer, StaticLatentKVLayer) or torch.compiler.is_compiling()
+            or (compressed.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return compressed, attention_mask
+    filled = int(layer.cumulative_length)  # slots 0 .. filled - 1 hold tokens (after this step's update)
+    if filled >= compressed.shape[2]:
+        return compressed, attention_mask
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] > filled:  # 2-D [B, keys] or 4-D
+        attention_mask = attention_mask[..., :filled]
+    return compressed[:, :, :filled], attention_mask
 
 
 # ---------------------------------------------------------------------------------------------- cache size
@@ -252,8 +319,8 @@ register(MixerSpec(
     cache_layer=LatentKVLayer, static_cache_layer=StaticLatentKVLayer, rotary_settings=_rotary_settings,
     parameter_count=_parameter_count, relation_problems=_relation_problems,
     # heads split as DeepSeek-V3's plan splits them; the shared key slice bypasses kv_b_proj, so its gradient is summed
-    # over the ranks by transformers' "mla_kv_a_proj" style (which reads the model's qk_rope_head_dim: one width for
-    # every MLA layer under tensor parallelism)
+    # over the ranks by transformers' "mla_kv_a_proj" style (which reads each layer's own qk_rope_head_dim through
+    # LatentProjection.config: layers may differ)
     tensor_parallel_plan={"q_proj": "colwise", "q_b_proj": "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj",
                           "kv_b_proj": "colwise", "o_proj": "rowwise"},
     lora_targets=("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),

@@ -20,13 +20,24 @@ from transformers import AutoModelForCausalLM, DistributedConfig
 import hybrid_linear_models  # noqa: F401
 from distributed_helpers import leave  # the script's folder is on sys.path
 
-# per layer type, the projections split by heads (colwise: each rank holds its heads' rows)
+# per layer type, the projections split by heads (colwise: each rank holds its heads' rows); "a|b": whichever the
+# layer has
 HEAD_SPLIT = {
     "full_attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "sliding_attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "gated_deltanet": ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"),
     "kimi_delta_attention": ("linear_attn.q_proj", "linear_attn.k_proj", "linear_attn.v_proj", "linear_attn.b_proj"),
+    # the query projection a layer has (full rank or the LoRA's second half), and the latent's expansion
+    "mla_attention": ("self_attn.q_proj|self_attn.q_b_proj", "self_attn.kv_b_proj"),
 }
+
+
+def _has(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,7 +49,8 @@ def compare(path: str, device: torch.device, size: int) -> tuple[float, float]:
     sharded = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
     assert sharded.device == device, (sharded.device, device)
     for index, layer in enumerate(sharded.model.layers):
-        for name in HEAD_SPLIT[layer.layer_type]:
+        for names in HEAD_SPLIT[layer.layer_type]:
+            name = next(name for name in names.split("|") if _has(layer, name))
             weight = layer.get_submodule(name).weight
             assert weight.to_local().shape[0] * size == full(weight).shape[0], (index, name, weight.to_local().shape)
         if hasattr(layer.mlp, "experts"):  # sparse MoE layers: every expert split along its width

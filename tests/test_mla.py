@@ -284,6 +284,39 @@ def test_cache_holds_only_the_latent_and_the_shared_key_per_layer():
     assert_cached_generation_equals_uncached(model, torch.randint(1, 128, (1, 6)), "static", TOLERANCE)
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_static_multi_token_steps_expand_only_the_filled_slots(implementation):
+    """A prefill (left-padded row included) then a chunked-prefill step of 3 tokens against a static cache of 64
+    slots: kv_b_proj sees only the filled slots (7, then 10 rows per batch row), and the logits are those of a tight
+    cache (10 slots) and of the uncached forward (the same keys, only the summation order differs in the uncached
+    one: float32 ~1e-6, TOLERANCE as above)."""
+    from transformers import StaticCache
+
+    model = mla_model()
+    model.config._attn_implementation = implementation
+    input_ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(14))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :2] = 0  # left padding in the second row
+    rows = []
+    hooks = [model.model.layers[i].self_attn.kv_b_proj.register_forward_hook(
+        lambda module, args, output: rows.append(args[0].shape[-2])) for i in (1, 3)]
+    logits = {}
+    with torch.no_grad():
+        for slots in (64, 10):
+            cache = StaticCache(config=model.config, max_cache_len=slots)
+            rows.clear()
+            prompt = model(input_ids[:, :7], attention_mask=attention_mask[:, :7], cache=cache, use_cache=True)
+            step = model(input_ids[:, 7:], attention_mask=attention_mask, cache=cache, use_cache=True)
+            assert rows == [7, 7, 10, 10], (slots, rows)  # per MLA layer: the filled slots, never max_cache_len
+            logits[slots] = torch.cat([prompt.logits, step.logits], dim=1)
+        for hook in hooks:
+            hook.remove()
+        uncached = model(input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(logits[64], logits[10], rtol=0, atol=1e-6)  # the same slots, the same math
+    real = attention_mask.bool()  # the pads' own logits are not defined the same way by every path
+    torch.testing.assert_close(logits[64][real], uncached[real], rtol=TOLERANCE, atol=TOLERANCE)
+
+
 def test_static_cache_uses_the_static_latent_layer():
     from transformers import StaticCache
 
@@ -396,3 +429,37 @@ def test_layers_take_plain_rotary_tuples_as_under_torch_compile(monkeypatch):
         tables = model.model._position_embeddings(model.model.embed_tokens(input_ids), torch.arange(7)[None])
         assert all(type(pair) is tuple for pair in tables)
         assert torch.equal(model(input_ids).logits, expected)
+
+
+# ------------------------------------------------------------------------------------------- tensor parallelism
+
+
+def _tensor_parallel_check(*directories, indivisible=None) -> list[str]:
+    """tests/tensor_parallel_check.py on 2 gloo ranks (as tests/test_training.py's TP tests): its output lines."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               "tensor_parallel_check.py", *map(str, directories)]
+    if indivisible is not None:
+        command += ["--indivisible", str(indivisible)]
+    environment = {**os.environ, "PYTHONPATH": os.getcwd()}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="tests", check=False,
+                            env=environment)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.splitlines()
+
+
+def test_tensor_parallel_plan_shards_mla_heads(tmp_path):
+    """tp_plan="auto" on 2 ranks: each MLA layer's query and kv_b_proj rows split by heads, o_proj by its columns,
+    the shared key slice's gradient summed over the ranks at the layer's own width; logits, greedy decoding (the
+    absorbed one-token steps on each rank's heads included) and every parameter's gradient are the unsharded model's,
+    for the test model and for one whose MLA layers differ in qk_rope_head_dim (4 and 6; transformers' style would
+    read one model-wide width: with 4 for both, layer 3's kv_a_proj_with_mqa gradient is 0.41 off)."""
+    mla_model().save_pretrained(tmp_path / "same")
+    mla_model(per_layer_config={3: {"mla_use_nope": False, "q_lora_rank": 12, "qk_rope_head_dim": 6}}).save_pretrained(
+        tmp_path / "rope_widths")
+    lines = _tensor_parallel_check(tmp_path / "same", tmp_path / "rope_widths")
+    differences = [[float(x) for x in line.split()[1:]] for line in lines if line.startswith("MAX_DIFFERENCE")]
+    assert len(differences) == 2
+    # float32: o_proj's row-parallel sum and the heads split over 2 ranks change only the summation order (measured
+    # 4.3e-5 / 6.1e-5 and 2.9e-5 / 3.8e-5: logits / gradients relative to their max), as in test_training's TP tests
+    for logits, gradients in differences:
+        assert logits <= 1e-4 and gradients <= 1e-4, differences

@@ -132,3 +132,28 @@ def test_flash_attention_prefill_equals_sdpa_in_bfloat16():
         model.set_attn_implementation("flash_attention_2")
         flash = model(input_ids).logits
     assert max_rel_err(flash, sdpa) <= 8 * BF16_ULP
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "flash_attention_2"])
+def test_static_cache_far_longer_than_the_prompt_expands_only_the_filled_slots(implementation):
+    """generate with a static cache of 1024 slots for a 20-token prompt: the prompt's kv_b_proj sees its 20 slots (not
+    1024), and the tokens and logits are those of a dynamic cache (the same keys, the same kernels: sdpa in float32,
+    bound 1e-4 of the largest logit as above; flash in bfloat16, 8 ulps as above). sdpa's one-token steps are absorbed
+    (and captured), flash's are expanded over the filled slots only."""
+    if implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("needs flash-attn")
+    model = mla_model(**{**GPU_MLA, "v_head_dim": 8}).cuda()
+    if implementation == "flash_attention_2":
+        model = model.to(torch.bfloat16)
+    model.set_attn_implementation(implementation)
+    input_ids, attention_mask = _left_padded(2, 20)
+    rows = []
+    hook = model.model.layers[1].self_attn.kv_b_proj.register_forward_hook(
+        lambda module, args, output: rows.append(args[0].shape[-2]))
+    static = _generate(model, input_ids, attention_mask, cache_implementation="static", max_cache_len=1024)
+    hook.remove()
+    assert rows[0] == 20 and max(rows) <= 20 + 12, rows  # never the 1024 slots
+    dynamic = _generate(model, input_ids, attention_mask, cache_implementation="dynamic")
+    assert torch.equal(static.sequences, dynamic.sequences)
+    bound = 8 * BF16_ULP if implementation == "flash_attention_2" else 1e-4
+    assert max_rel_err(torch.stack(static.logits, 1).float(), torch.stack(dynamic.logits, 1).float()) <= bound
