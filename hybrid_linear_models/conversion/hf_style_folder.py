@@ -50,6 +50,26 @@ def check_model_type(fields: Fields, expected: str, flag: str) -> None:
                               f"{expected!r} models{hint}.")
 
 
+TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def token_ids(fields: Fields) -> dict[str, Any]:
+    """config.json's special token ids, each None or an integer (eos_token_id also a non-empty list of them)."""
+    out = {}
+    for name in TOKEN_FIELDS:
+        value = fields.get(name)
+        if value is not None and not _is_int(value) and not (
+                name == "eos_token_id" and isinstance(value, list) and value and all(_is_int(v) for v in value)):
+            raise fields.wrong(name, "a token id (an integer)" + (" or a list of them" if name == "eos_token_id"
+                                                                   else ""), value)
+        out[name] = value
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def layer_count(fields: Fields, default: int | None, census: TensorCensus | None) -> int | None:
     """config.json's num_hidden_layers (at least 1), checked against the stored layers before anything per layer is
     built from it."""

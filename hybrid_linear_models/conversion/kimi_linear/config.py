@@ -45,7 +45,7 @@ from ...configuration_hybrid_linear import HybridLinearConfig
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
-from ..hf_style_folder import check_model_type, layer_count
+from ..hf_style_folder import TOKEN_FIELDS, check_model_type, layer_count, token_ids
 from ..pipeline import TensorCensus
 from ..untrusted import Fields
 
@@ -82,7 +82,6 @@ _MLA_SIZES = {"num_attention_heads": "num_attention_heads", "kv_lora_rank": "kv_
 _MOE_SIZES = {"num_experts": "num_experts", "num_experts_per_token": "num_experts_per_tok",
               "moe_intermediate_size": "moe_intermediate_size", "num_expert_group": "n_group",
               "topk_group": "topk_group", "num_shared_experts": "n_shared_experts"}
-_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 # Fields that do not change the math: bookkeeping of transformers and of the hub, and what transformers derives
 # (`qk_head_dim`, `head_dim`: the original config's head_dim, 72 in the released one, is read by nothing);
@@ -267,19 +266,6 @@ def _moe_settings(fields: Fields, census: TensorCensus | None, present: bool) ->
     return out
 
 
-def _token_ids(fields: Fields) -> dict[str, Any]:
-    out = {}
-    for name in _TOKEN_FIELDS:
-        value = fields.get(name)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool)) and not (
-                name == "eos_token_id" and isinstance(value, list) and value
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-            raise fields.wrong(name, "a token id (an integer)" + (" or a list of them" if name == "eos_token_id"
-                                                                   else ""), value)
-        out[name] = value
-    return out
-
-
 def kimi_to_hybrid_config(data: Any, label: str, census: TensorCensus | None = None) -> HybridLinearConfig:
     """A Kimi-Linear config.json (parsed) -> our config."""
     fields = Fields(data, "", label, missing_is_empty=False)
@@ -306,7 +292,7 @@ def kimi_to_hybrid_config(data: Any, label: str, census: TensorCensus | None = N
     kwargs["initializer_range"] = fields.number("initializer_range", KIMI_DEFAULTS["initializer_range"])
     for name in ("use_cache", "tie_word_embeddings"):
         kwargs[name] = fields.boolean(name, KIMI_DEFAULTS[name])
-    kwargs.update(_token_ids(fields))
+    kwargs.update(token_ids(fields))
     kwargs.update(_kda_settings(fields, linear, census))
     kwargs.update(_mla_settings(fields, census, MLA in kwargs["layer_types"]))
     kwargs.update(_moe_settings(fields, census, KIMI_MOE in kwargs["mlp_types"]))
@@ -384,7 +370,7 @@ def hybrid_config_to_kimi(config: HybridLinearConfig) -> dict[str, Any]:
         "num_hidden_layers": layers, "hidden_act": config.hidden_act, "rms_norm_eps": config.rms_norm_eps,
         "initializer_range": config.initializer_range, "use_cache": config.use_cache,
         "tie_word_embeddings": config.tie_word_embeddings, "model_max_length": config.max_position_embeddings,
-        **{name: getattr(config, name) for name in _TOKEN_FIELDS},
+        **{name: getattr(config, name) for name in TOKEN_FIELDS},
         "linear_attn_config": {
             "kda_layers": [i + 1 for i, t in enumerate(config.layer_types) if t == KDA],
             "full_attn_layers": [i + 1 for i, t in enumerate(config.layer_types) if t == MLA],

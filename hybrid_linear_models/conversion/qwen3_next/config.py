@@ -30,7 +30,7 @@ from ...configuration_hybrid_linear import HybridLinearConfig
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
-from ..hf_style_folder import check_model_type, layer_count
+from ..hf_style_folder import TOKEN_FIELDS, check_model_type, layer_count, token_ids
 from ..pipeline import TensorCensus
 from ..untrusted import Fields
 
@@ -67,7 +67,6 @@ _SIZES = {  # Qwen3-Next name -> ours
 _ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
 _MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts")
 _MOE_FLAGS = ("norm_topk_prob", "output_router_logits")
-_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 # Qwen3-Next's fixed settings, as our fields must be for `--to qwen3_next`.
 FIXED = {"attention_output_gate": True, "attention_qk_norm": True, "zero_centered_norms": True,
          "gdn_gate_activation": "silu", "mlp_bias": False}
@@ -168,14 +167,7 @@ def qwen3_next_to_hybrid_config(data: Any, label: str, census: TensorCensus | No
     for name in ("use_cache", "tie_word_embeddings", "attention_bias"):
         kwargs[name] = fields.boolean(name, QWEN3_NEXT_DEFAULTS[name])
     kwargs["attention_output_bias"] = kwargs["attention_bias"]  # Qwen3-Next's switches o_proj's bias too
-    for name in _TOKEN_FIELDS:
-        value = fields.get(name)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool)) and not (
-                name == "eos_token_id" and isinstance(value, list) and value
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-            raise fields.wrong(name, "a token id (an integer)" + (" or a list of them" if name == "eos_token_id"
-                                                                   else ""), value)
-        kwargs[name] = value
+    kwargs.update(token_ids(fields))
     if fields.get("use_sliding_window", False) is not False:
         raise ConversionError(f"{label}: use_sliding_window is {brief(fields.get('use_sliding_window'))}; Qwen3-Next "
                               "runs full attention (transformers ignores this flag), so only false converts.")
@@ -244,7 +236,7 @@ def hybrid_config_to_qwen3_next(config: HybridLinearConfig, carried: dict[str, A
         rms_norm_eps=config.rms_norm_eps, initializer_range=config.initializer_range,
         attention_dropout=config.attention_dropout, use_cache=config.use_cache,
         tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
-        rope_parameters=dict(config.rope_parameters), **{name: getattr(config, name) for name in _TOKEN_FIELDS},
+        rope_parameters=dict(config.rope_parameters), **{name: getattr(config, name) for name in TOKEN_FIELDS},
     )
     mlp_types = config.mlp_types
     if "sparse_moe" in mlp_types:
