@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import KimiLinearConfig, Qwen3NextConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
@@ -116,13 +117,17 @@ def expert_gemms_step(block: HybridLinearSparseMoeBlock, x: torch.Tensor):
     return step
 
 
-def shared_expert_step(block: HybridLinearSparseMoeBlock, x: torch.Tensor):
-    """The shared expert and its gate alone, fwd+bwd."""
+def shared_expert_step(block: nn.Module, x: torch.Tensor):
+    """The shared expert and its gate alone, fwd+bwd (Qwen3-Next's block); Kimi's block: its ungated shared
+    experts."""
     grad = torch.randn_like(x).reshape(-1, x.shape[-1])
 
     def step():
         flat_x = x.reshape(-1, x.shape[-1])
-        (torch.sigmoid(block.shared_expert_gate(flat_x)) * block.shared_expert(flat_x)).backward(grad)
+        if hasattr(block, "shared_experts"):
+            block.shared_experts(flat_x).backward(grad)
+        else:
+            (torch.sigmoid(block.shared_expert_gate(flat_x)) * block.shared_expert(flat_x)).backward(grad)
     return step
 
 
@@ -195,7 +200,8 @@ def compare_blocks(title: str, size: dict, device: torch.device, dtype: torch.dt
         steps[key] = step
     default = ("ours", EXPERTS_IMPLEMENTATIONS[0])
     steps["expert GEMMs"] = expert_gemms_step(blocks[default], x)
-    if blocks[default].shared_expert is not None:
+    if getattr(blocks[default], "shared_expert", None) is not None or getattr(
+            blocks[default], "shared_experts", None) is not None:
         steps["shared expert"] = shared_expert_step(blocks[default], x)
     seconds = timed(steps, device, repeats)
     print(f"{'implementation':<20} {'ours tok/s':>12} {'transformers tok/s':>19} {'ours / tf eager':>16} "
