@@ -14,7 +14,8 @@ whose backward is an accumulating index_put (a scatter, slow on CPU: a fifth of 
 permutation is a custom autograd function whose backward is the inverse gather (`index_select` by the inverse
 permutation, then a sum over the k copies of each token for x): no scatter, no atomics, deterministic. On the CPU the
 un-permutation and the sum over each token's k experts are one `index_add` (deterministic there; its backward is a
-gather), which saves the [S, H] un-permuted copy.
+gather), which saves the [S, H] un-permuted copy; for the same reason the gradient of x (the sum of its k gathered
+copies' gradients) is one `index_add` there too.
 benchmarks/bench_moe.py measures it against transformers' grouped_mm and eager in the same run (it is kept because it
 is faster there, CPU and CUDA); the numbers differ from theirs only by summation order inside the GEMMs.
 
@@ -56,13 +57,17 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, copies: int) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
+        ctx.save_for_backward(index, inverse)
         ctx.copies, ctx.rows = copies, x.shape[0]
         return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
+        index, inverse = ctx.saved_tensors
+        if ctx.copies > 1 and grad.device.type == "cpu":
+            # the sum over each row's copies as one index_add into [rows, ...] (deterministic on the CPU, as the
+            # forward's un-permutation): half the time of the gather, which writes a [S, ...] copy and reads it back
+            return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_add(0, index, grad), None, None, None
         grad = grad.index_select(0, inverse)
         if ctx.copies > 1:
             grad = grad.view(ctx.rows, ctx.copies, *grad.shape[1:]).sum(1)

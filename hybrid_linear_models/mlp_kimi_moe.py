@@ -57,6 +57,15 @@ NORM_EPSILON = 1e-20  # added to the sum of the chosen weights before dividing (
 GROUP_SCORE_EXPERTS = 2  # a group's score: the sum of its best 2 corrected scores (DeepSeek-V3, transformers)
 
 
+def _sum_of_two_largest(grouped: torch.Tensor) -> torch.Tensor:
+    """grouped [..., n] -> the sum of its 2 largest entries along the last dim, [...]: topk(2).values.sum(-1), the
+    same floats (the largest plus the largest of the rest, a tie counted twice as topk does), as a max, a one-element
+    mask and a second max: a third of topk's CPU time (one pass per max over a row of n, no partial sort)."""
+    first, where = grouped.max(dim=-1, keepdim=True)
+    second = grouped.scatter(-1, where, float("-inf")).amax(dim=-1, keepdim=True)
+    return (first + second).squeeze(-1)
+
+
 class HybridLinearKimiMoeRouter(HybridLinearTopKRouter):
     """Sigmoid scores, bias-corrected grouped top-k choice; (logits, top-k weights, top-k experts). A top-k router
     (recorded as the sparse MoE's is), its weights and choice as the module docstring gives them."""
@@ -75,10 +84,11 @@ class HybridLinearKimiMoeRouter(HybridLinearTopKRouter):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim).to(dtype)
         router_logits = F.linear(hidden_states, self.weight.to(dtype))  # (tokens, E)
         scores = router_logits.sigmoid()
-        choice = scores + self.e_score_correction_bias.to(dtype)
+        # only the choice's indices are used: computed outside autograd (no graph kept for it)
+        choice = scores.detach() + self.e_score_correction_bias.to(dtype)
         if self.topk_group < self.num_group:  # (all groups kept: no mask, the same choice)
             grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)
-            group_scores = grouped.topk(GROUP_SCORE_EXPERTS, dim=-1).values.sum(-1)  # (tokens, G)
+            group_scores = _sum_of_two_largest(grouped)  # (tokens, G)
             kept = group_scores.topk(self.topk_group, dim=-1).indices
             kept_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
             choice = grouped.masked_fill(~kept_mask[..., None], float("-inf")).view(-1, self.num_experts)
