@@ -454,3 +454,68 @@ def test_cuda_graph_decoding_matches_eager_decoding(implementation):
     assert torch.equal(graphed.sequences, eager.sequences)
     for a, b in zip(graphed.scores, eager.scores):  # TF32 matmuls may differ between the two paths' shapes: 1e-3
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
+
+
+# ------------------------------------------------------------------------------------- the CPU speed paths (issue 16)
+
+def test_group_score_by_two_maxes_equals_topk_two():
+    # the router's group score (a max, a one-element mask, a second max) against topk(2).values.sum: the same floats,
+    # ties included (small integers make repeated maxima and repeated runner-ups common), so torch.equal
+    from hybrid_linear_models.mlp_kimi_moe import _sum_of_two_largest
+
+    generator = torch.Generator().manual_seed(3)
+    grouped = torch.randint(0, 4, (64, 4, 6), generator=generator).float()
+    grouped[0, 0] = 2.0  # a group that is all one value
+    grouped = torch.cat([grouped, torch.randn(64, 4, 6, generator=generator)])
+    assert torch.equal(_sum_of_two_largest(grouped), grouped.topk(2, dim=-1).values.sum(-1))
+
+
+def _linear_calls(step) -> int:
+    with torch.profiler.profile() as profile:
+        step()
+    return sum(event.count for event in profile.key_averages() if event.key == "aten::linear")
+
+
+def test_shared_experts_gate_and_up_as_one_gemm_when_training():
+    # with gradients on, the shared experts run gate and up as one GEMM on their stacked weights (2 linear calls, not
+    # 3); output and every gradient against the formula with separate projections in float64 (the same dot products,
+    # summed in another order by the BLAS: ~1e-16 relative; 1e-12 catches any wrong row, half or gradient split)
+    ours, _ = _block_pair("eager", "grouped", dtype=torch.float64)
+    shared = ours.shared_experts
+    x = torch.randn(11, HIDDEN, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(11, HIDDEN, dtype=torch.float64)
+    assert _linear_calls(lambda: shared(x)) == 2
+    with torch.no_grad():
+        assert _linear_calls(lambda: shared(x)) == 3  # no gradient (decoding): the layers' own calls
+    shared(x).backward(grad)
+    got = [x.grad] + [p.grad for p in (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)]
+    weights = [p.detach().clone().requires_grad_() for p in (shared.gate_proj.weight, shared.up_proj.weight,
+                                                             shared.down_proj.weight)]
+    x_ref = x.detach().clone().requires_grad_()
+    gate, up, down = weights
+    expected = (torch.nn.functional.silu(x_ref @ gate.T) * (x_ref @ up.T)) @ down.T
+    expected.backward(grad)
+    assert_close(shared(x).detach(), expected.detach(), 1e-12, "shared experts' output")
+    for name, value, reference in zip(("x", "gate_proj", "up_proj", "down_proj"), got,
+                                      [x_ref.grad] + [w.grad for w in weights]):
+        assert_close(value, reference, 1e-12, f"gradient of {name}")
+
+
+def test_shared_experts_with_lora_keep_their_adapters_when_training():
+    # peft replaces the projections with LoRA wrappers: the stacked GEMM would skip the adapters, so it is not taken;
+    # the training forward equals the no-gradient one (float64, the same ops: 1e-12)
+    from peft import LoraConfig, get_peft_model
+
+    model = kimi_moe_model()
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj", "up_proj"]))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = adapted(input_ids).logits
+        with adapted.disable_adapter():
+            plain = adapted(input_ids).logits
+    assert (expected - plain).abs().max() > 1e-3  # the adapters matter
+    assert_close(adapted(input_ids).logits.detach(), expected, 1e-12, "logits with gradients on")

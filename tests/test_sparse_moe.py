@@ -140,3 +140,22 @@ def test_grouped_mm_gather_runs_float64():
                        (got[2]["experts.gate_up_proj"], ref[2]["experts.gate_up_proj"], "gate_up_proj gradient"),
                        (got[2]["gate.weight"], ref[2]["gate.weight"], "router gradient")):
         assert_close(a, b, 1e-12, what)
+
+
+def test_gather_rows_cpu_backward_sums_each_rows_copies():
+    # on the CPU the gradient of x through the expert gather (each token's k copies summed) is one index_add; against
+    # torch's own advanced-indexing backward (an accumulating index_put) in float64: the same k-term sums in another
+    # order, ~1e-16 relative; 1e-12 catches a lost or misplaced copy
+    from hybrid_linear_models.experts_grouped_gather import _GatherRows
+
+    generator = torch.Generator().manual_seed(2)
+    tokens, k = 13, 3
+    order = torch.randperm(tokens * k, generator=generator)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    x = torch.randn(tokens, 5, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(tokens * k, 5, dtype=torch.float64)
+    _GatherRows.apply(x, order // k, inverse, k).backward(grad)
+    reference = x.detach().clone().requires_grad_()
+    reference[order // k].backward(grad)
+    torch.testing.assert_close(x.grad, reference.grad, rtol=1e-12, atol=1e-12)
