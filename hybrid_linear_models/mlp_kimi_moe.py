@@ -31,10 +31,11 @@ auxiliary loss (`aux_loss`, moe_load_balancing.py, a softmax-router loss) does n
 no auxiliary loss (transformers' KimiLinearForCausalLM returns none), its balance comes from the bias. A model whose
 MoE layers are all "kimi_moe" returns `aux_loss` None and adds nothing to the loss.
 
-The routing is a fixed sequence of device ops (sigmoid, topk, scatter, masked_fill, gather) with shapes set by the
-token count: no host synchronisation, so a captured CUDA-graph decoding step routes every token afresh. The experts
-are the sparse MoE's (`HybridLinearExperts`: transformers' experts implementations grouped_mm / batched_mm / eager and
-this package's grouped_mm_gather, the default), the captured step running a graph-safe one.
+The routing is a fixed sequence of device ops (sigmoid, max, topk, scatter, masked_fill, gather) with shapes set by
+the token count: no host synchronisation, so a captured CUDA-graph decoding step routes every token afresh (a group's
+score is two maxes, not a topk: the same floats at a third of the CPU time). The experts are the sparse MoE's
+(`HybridLinearExperts`: transformers' experts implementations grouped_mm / batched_mm / eager and this package's
+grouped_mm_gather, the default), the captured step running a graph-safe one.
 
 Kimi-Linear's first dense layers (`first_k_dense_replace`) are simply `mlp_types` entries: "dense" for the first k
 layers, "kimi_moe" after. Each field may vary per layer (per_layer_config): num_experts, num_experts_per_tok,
