@@ -27,9 +27,7 @@ from .derived_weights import SharedRows
 from .tensor_parallel_heads import device_mesh
 
 
-def plain_linear(linear: nn.Module) -> bool:
-    """Whether `linear` is a plain nn.Linear whose weight may be used directly: no subclass, wrapper, hooks, patched
-    forward or sharded (DTensor) weight."""
+def _plain(linear: nn.Module) -> bool:
     return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
             and "forward" not in vars(linear) and device_mesh(linear.weight) is None)
 
@@ -48,7 +46,7 @@ class FusedProjections:
     def applies(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> bool:
         """Whether `__call__` may stack these projections for input x: no gradient wanted, no compiler tracing, plain
         layers on x's device and dtype, biases all or none."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(plain_linear(m) for m in linears):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(_plain(m) for m in linears):
             return False
         first = linears[0].weight
         if any(m.weight.device != x.device or m.weight.dtype != first.dtype or m.in_features != linears[0].in_features

@@ -54,7 +54,6 @@ from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
-from .fused_projections import plain_linear
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .shown_values import brief
 
@@ -179,21 +178,7 @@ class HybridLinearSharedExpert(nn.Module):
         self.act_fn = ACT2FN[settings.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and _stackable(self.gate_proj, self.up_proj):
-            # training: gate and up as one GEMM of x with their stacked weights (a copy of 2 * width * H values, small
-            # beside the GEMM's tokens * 2 * width * H work); autograd splits the stacked weight's gradient back
-            # into each parameter's exactly (cat's backward is slicing), and x's gradient is one GEMM too
-            gate, up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight])).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self.act_fn(gate) * up)
-
-
-def _stackable(gate: nn.Module, up: nn.Module) -> bool:
-    """Whether the shared expert may run gate and up as one GEMM: plain bias-free Linear layers (no peft wrapper,
-    hooks or sharded weights, `fused_projections.plain_linear`) of one dtype and device."""
-    return (plain_linear(gate) and plain_linear(up) and gate.bias is None and up.bias is None
-            and gate.weight.dtype == up.weight.dtype and gate.weight.device == up.weight.device)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class HybridLinearSparseMoeBlock(nn.Module):
