@@ -28,7 +28,7 @@ from .errors import ConversionError
 from .name_maps import MapRow
 from .pipeline import CarriedTensors, ConversionPlan, SourceCheckpoint, TensorCensus, WriteOptions, check_tensor_sizes
 from .safetensors_io import FilePlan, SafetensorsFile, SafetensorsTensors, plan_files, write_files
-from .untrusted import Fields, brief, clip, describe, parse_json, plain_file_name, read_text
+from .untrusted import REQUIRED, Fields, brief, clip, describe, parse_json, plain_file_name, read_text
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,6 +48,24 @@ def check_model_type(fields: Fields, expected: str, flag: str) -> None:
         hint = " (use --from hf)" if model_type == HybridLinearConfig.model_type else ""
         raise ConversionError(f"{fields.file} has model_type {brief(model_type)}; --from {flag} reads "
                               f"{expected!r} models{hint}.")
+
+
+def per_layer_names(fields: Fields, key: str, layers: int, allowed: Iterable[str], family: str,
+                    default: Any = REQUIRED) -> list[str] | None:
+    """config.json's `key`: one name per layer (`layers` of them), each one of `allowed` (the `family`'s names, for
+    the message); `default` as in `Fields.sequence` (None: an absent key gives None)."""
+    names = fields.sequence(key, default, item=str, non_empty=True)
+    if names is None:
+        return None
+    if len(names) != layers:
+        raise ConversionError(f"{fields.file}: {key} lists {len(names)} layers but num_hidden_layers is {layers}; "
+                              "fix one of them.")
+    allowed = tuple(allowed)
+    for index, name in enumerate(names):
+        if name not in allowed:
+            raise ConversionError(f"{fields.file}: {key}[{index}] is {brief(name)}; {family} are "
+                                  f"{' or '.join(map(repr, allowed))}.")
+    return list(names)
 
 
 TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")

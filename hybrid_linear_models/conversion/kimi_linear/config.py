@@ -45,7 +45,7 @@ from ...configuration_hybrid_linear import HybridLinearConfig
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
-from ..hf_style_folder import TOKEN_FIELDS, check_model_type, layer_count, token_ids
+from ..hf_style_folder import TOKEN_FIELDS, check_model_type, layer_count, per_layer_names, token_ids
 from ..pipeline import TensorCensus
 from ..untrusted import Fields
 
@@ -137,15 +137,8 @@ def _layer_lists(fields: Fields, linear: Fields, layers: int) -> list[str] | Non
 def _layer_types(fields: Fields, linear: Fields, layers: int) -> list[str]:
     """Each layer's Kimi type: `layer_types` (transformers) and the lists (hub) must agree where both are given."""
     listed = _layer_lists(fields, linear, layers)
-    given = fields.sequence("layer_types", None, item=str, non_empty=True)
+    given = per_layer_names(fields, "layer_types", layers, LAYER_TYPES, "Kimi-Linear layers", default=None)
     if given is not None:
-        if len(given) != layers:
-            raise ConversionError(f"{fields.file}: layer_types lists {len(given)} layers but num_hidden_layers is "
-                                  f"{layers}; fix one of them.")
-        for index, kind in enumerate(given):
-            if kind not in LAYER_TYPES:
-                raise ConversionError(f"{fields.file}: layer_types[{index}] is {brief(kind)}; Kimi-Linear layers are "
-                                      f"{' or '.join(map(repr, LAYER_TYPES))}.")
         if listed is not None and listed != given:
             index = next(i for i, (a, b) in enumerate(zip(listed, given)) if a != b)
             raise ConversionError(f"{fields.file}: layer_types[{index}] is {given[index]!r} but linear_attn_config "
@@ -166,16 +159,9 @@ def _mlp_types(fields: Fields, layers: int) -> list[str]:
     first = fields.integer("first_k_dense_replace", None, minimum=0)
     from_first = ["dense" if i < (FIRST_K_DENSE_DEFAULT if first is None else first) else "sparse"
                   for i in range(layers)]
-    given = fields.sequence("mlp_layer_types", None, item=str, non_empty=True)
+    given = per_layer_names(fields, "mlp_layer_types", layers, MLP_TYPES, "Kimi-Linear MLPs", default=None)
     if given is None:
         return from_first
-    if len(given) != layers:
-        raise ConversionError(f"{fields.file}: mlp_layer_types lists {len(given)} layers but num_hidden_layers is "
-                              f"{layers}; fix one of them.")
-    for index, kind in enumerate(given):
-        if kind not in MLP_TYPES:
-            raise ConversionError(f"{fields.file}: mlp_layer_types[{index}] is {brief(kind)}; Kimi-Linear MLPs are "
-                                  f"{' or '.join(map(repr, MLP_TYPES))}.")
     if first is not None and given != from_first:
         raise ConversionError(f"{fields.file}: mlp_layer_types ({brief(given)}) disagrees with first_k_dense_replace "
                               f"({first}); transformers reads the first, the original code the second: make them "

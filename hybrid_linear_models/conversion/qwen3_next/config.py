@@ -30,7 +30,7 @@ from ...configuration_hybrid_linear import HybridLinearConfig
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
-from ..hf_style_folder import TOKEN_FIELDS, check_model_type, layer_count, token_ids
+from ..hf_style_folder import TOKEN_FIELDS, check_model_type, layer_count, per_layer_names, token_ids
 from ..pipeline import TensorCensus
 from ..untrusted import Fields
 
@@ -83,14 +83,7 @@ def _layer_types(fields: Fields, layers: int) -> list[str]:
         return ["gated_deltanet" if (i + 1) % interval else "full_attention" for i in range(layers)]
     if fields.has("full_attention_interval"):
         fields.integer("full_attention_interval", minimum=1)  # superseded by layer_types, as in Qwen3NextConfig
-    types = fields.sequence("layer_types", item=str, non_empty=True)
-    if len(types) != layers:
-        raise ConversionError(f"{fields.file}: layer_types lists {len(types)} layers but num_hidden_layers is "
-                              f"{layers}; fix one of them.")
-    for index, layer_type in enumerate(types):
-        if layer_type not in LAYER_TYPES:
-            raise ConversionError(f"{fields.file}: layer_types[{index}] is {brief(layer_type)}; Qwen3-Next layers are "
-                                  f"{' or '.join(map(repr, LAYER_TYPES))}.")
+    types = per_layer_names(fields, "layer_types", layers, LAYER_TYPES, "Qwen3-Next layers")
     return [LAYER_TYPES[t] for t in types]
 
 
