@@ -52,7 +52,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
-from .mlp_sparse_moe import HybridLinearExperts, HybridLinearSharedExpert, HybridLinearTopKRouter
+from .mlp_sparse_moe import (
+    HybridLinearExperts,
+    HybridLinearSharedExpert,
+    HybridLinearTopKRouter,
+    init_sparse_moe_weights,
+)
 
 NORM_EPSILON = 1e-20  # added to the sum of the chosen weights before dividing (transformers' KimiLinearTopkRouter)
 GROUP_SCORE_EXPERTS = 2  # a group's score: the sum of its best 2 corrected scores (DeepSeek-V3, transformers)
@@ -139,11 +144,8 @@ def init_kimi_moe_weights(block: HybridLinearKimiMoeBlock) -> None:
     init. (transformers' `init` functions skip tensors loaded from a checkpoint.)"""
     from transformers import initialization as init
 
-    std = block.initializer_range
-    init.normal_(block.gate.weight, mean=0.0, std=std)
+    init_sparse_moe_weights(block)  # the router and experts as Qwen3-Next's
     init.zeros_(block.gate.e_score_correction_bias)
-    init.normal_(block.experts.gate_up_proj, mean=0.0, std=std)
-    init.normal_(block.experts.down_proj, mean=0.0, std=std)
 
 
 def _relation_problems(s: Any, prefix: str) -> list[str]:

@@ -209,11 +209,12 @@ class HybridLinearSparseMoeBlock(nn.Module):
 
 def check_expert_parallel_size(config: Any, ep_size: int) -> None:
     """Expert parallelism over `ep_size` ranks holds num_experts / ep_size whole experts per rank: a ValueError naming
-    the first sparse MoE layer whose num_experts it does not divide (checked before transformers shards anything)."""
+    the first MoE layer (any MLP type with a `num_experts` field: the plan's patterns match every `experts` module by
+    name) whose num_experts it does not divide (checked before transformers shards anything)."""
     if ep_size <= 1:
         return
     for index, mlp_type in enumerate(config.mlp_types):
-        if mlp_type != "sparse_moe":
+        if "num_experts" not in MLPS[mlp_type].fields:
             continue
         num_experts = config.per_layer_config[index].num_experts
         if num_experts % ep_size:

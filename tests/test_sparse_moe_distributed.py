@@ -146,6 +146,11 @@ def test_expert_parallel_size_must_divide_num_experts():
     message = str(error.value)
     assert "\n" not in message and "layer 1's num_experts" in message and "num_experts=6" in message, message
     assert "ep_size=4" in message and "per_layer_config[1].num_experts" in message, message
+    # the plan's patterns shard every `experts` module by name, Kimi's MoE layers' too: checked alike
+    kimi = tiny_config(["full_attention", "gated_deltanet"], mlp_types=["dense", "kimi_moe"], num_experts=6,
+                       num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="layer 1's num_experts"):
+        check_expert_parallel_size(kimi, 4)
 
 
 @pytest.mark.parametrize("sizes, dispatch, captured", [
