@@ -210,15 +210,12 @@ class CudaGraphDecoder:
         run: the step cannot be captured, or its capture failed."""
         reason = self.obstacle(model, cache, attention_mask, kwargs)
         if reason is None:
-            batch = input_ids.shape[0]
-            failed = self._failed.get((id(cache), batch, _full_length(cache), input_ids.device))
-            if failed is not None:
-                reason = failed
-            else:
+            key = self._key_of(cache, input_ids.shape[0], input_ids.device)
+            if key not in self._failed:
                 logits = self.step(model, input_ids, position_ids, attention_mask, cache)
                 if logits is not None:
                     return logits
-                reason = self._failed[self._key_of(cache, batch, input_ids.device)]
+            reason = self._failed[key]
         self.warn_once(reason)
         return None
 
