@@ -127,14 +127,19 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         **kwargs,
     ) -> torch.Tensor:
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        mixer = getattr(self, self.mixer_attribute)
-        if self.mixer_state == "kv":
-            hidden_states, _ = mixer(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-        else:
-            hidden_states = mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
+        hidden_states = self._mix(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                                  sequence_info, cache, **kwargs)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)  # fused add
         return residual + self.mlp(hidden_states)
+
+    def _mix(self, hidden_states: torch.Tensor, position_embeddings, attention_mask: torch.Tensor | None,
+             sequence_info: SequenceInfo, cache: Cache | None, **kwargs) -> torch.Tensor:
+        """The mixer on the normed hidden states: attention-like ("kv") mixers take the rotary tables, mask and
+        cache; recurrent ones the sequence layout and their cache layer."""
+        mixer = getattr(self, self.mixer_attribute)
+        if self.mixer_state == "kv":
+            return mixer(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)[0]
+        return mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
 
     def decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, position_embeddings,
                attention_mask: torch.Tensor | None, sequence_info: SequenceInfo,
@@ -146,11 +151,7 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual=residual)
-        mixer = getattr(self, self.mixer_attribute)
-        if self.mixer_state == "kv":
-            hidden_states, _ = mixer(hidden_states, position_embeddings, attention_mask, cache=cache)
-        else:
-            hidden_states = mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
+        hidden_states = self._mix(hidden_states, position_embeddings, attention_mask, sequence_info, cache)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
         return self.mlp(hidden_states), residual
 
