@@ -32,6 +32,8 @@ TUNING=benchmarks/tuning/fla-0.6.0_triton-3.7.1_h200.tgz
 [ -f .tuning/tuning.tgz ] && TUNING=.tuning/tuning.tgz
 if [ -f $TUNING ] && [ ! -d $TRITON_CACHE_DIR ]; then mkdir -p $TRITON_CACHE_DIR && tar xzf $TUNING -C $TRITON_CACHE_DIR; fi
 export PYTHONPATH=$SITE:$PWD
+WORKERS=""
+python3 -c "import xdist" 2>/dev/null && WORKERS="-n ${TEST_WORKERS:-8}"
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"
 # DEADLINE=seconds (counted from this script's start): every step's limit is cut so that all end by then,
 # leaving a later `save-tuning` time to run inside the call's own limit.
@@ -44,7 +46,10 @@ for spec in "$@"; do
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   case $step in
-    tests) cmd="python3 -m pytest -q -m gpu tests -p no:cacheprovider" ;;
+    # 8 workers (pytest-xdist, in the GPU image) compile fla's kernels side by side on the 16 cores; every failure
+    # is reported in full (-rfE), each result as it comes (-v: a run cut by its limit still says what passed), and
+    # the slowest tests are listed, so a fresh machine's run shows where its time goes.
+    tests) cmd="python3 -m pytest -v -m gpu tests -p no:cacheprovider -rfE --tb=short --durations=25 $WORKERS" ;;
     dispatch) cmd="python3 benchmarks/bench_delta_rule.py --gpu" ;;
     training) cmd="python3 benchmarks/bench_training.py --skip-kda --variants ours-logits-loss" ;;
     training-kda) cmd="python3 benchmarks/bench_training.py --skip-gdn --variants ours-logits-loss" ;;

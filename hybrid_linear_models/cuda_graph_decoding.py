@@ -164,6 +164,11 @@ class CudaGraphDecoder:
         self._failed: dict = {}  # capture keys whose capture failed -> the error (not tried again)
         self._warned: set[str] = set()
 
+    def __reduce__(self):
+        """Copies (copy.deepcopy of the model, pickling) start with nothing captured: a CUDA graph cannot be copied,
+        and it reads the original's weights and cache buffers, not the copy's."""
+        return CudaGraphDecoder, ()
+
     @staticmethod
     def wanted(model, input_ids, inputs_embeds, cache) -> bool:
         """Whether this forward is a step graph decoding serves: one token per row on a graph device, no gradient,

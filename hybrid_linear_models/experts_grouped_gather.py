@@ -29,7 +29,10 @@ exactly zero, and the all-reduce of the ranks' partial outputs sums each token's
 dispatch sends this rank only its own pairs, top-1 with local ids and unit weights: no sentinel.)
 
 No host synchronisation on CUDA (sort, histc, cumsum and gathers stay on the device, shapes depend on the token
-count only), so a CUDA graph can capture it, as transformers' grouped_mm.
+count only), so a CUDA graph can capture it, as transformers' grouped_mm, for bfloat16 weights: torch's CUDA grouped
+GEMM takes no other dtype under torch.compile, and transformers' fallback for the others reads the group offsets on
+the host. So under torch.compile (as `generate` compiles a static-cache step, with CUDA graphs, when this package's
+own graph decoding is off) experts of another dtype on CUDA run transformers' batched_mm, which has no host sync.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _grouped_mm
 
 NAME = "grouped_mm_gather"
+# the dtypes torch's CUDA grouped GEMM runs on the device alone, also under torch.compile; other dtypes go through a
+# fallback that reads the group offsets on the host (refused inside a CUDA graph)
+CUDA_GROUPED_MM_GRAPH_DTYPES = (torch.bfloat16,)
+HOST_SYNCED_DEVICE_TYPES = ("cuda",)  # the devices where that fallback syncs (tests add "cpu" to check the switch)
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch's grouped_mm kernels take
 
 
@@ -83,6 +90,9 @@ def _zero_rows(rows: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
 def grouped_mm_gather_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output [tokens, H] for hidden_states [tokens, H], top_k_index / top_k_weights [tokens, k]."""
+    if (torch.compiler.is_compiling() and hidden_states.device.type in HOST_SYNCED_DEVICE_TYPES
+            and self.gate_up_proj.dtype not in CUDA_GROUPED_MM_GRAPH_DTYPES):  # (module docstring, last paragraph)
+        return ALL_EXPERTS_FUNCTIONS["batched_mm"](self, hidden_states, top_k_index, top_k_weights)
     tokens, k = top_k_index.shape
     num_experts = self.num_experts  # this rank's experts under expert parallelism
     flat = top_k_index.reshape(-1)

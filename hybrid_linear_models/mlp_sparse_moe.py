@@ -53,6 +53,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 
+from .experts_grouped_gather import CUDA_GROUPED_MM_GRAPH_DTYPES
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .shown_values import brief
@@ -61,17 +62,15 @@ from .shown_values import brief
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager")
 # the implementations a captured CUDA graph can run (no host synchronisation)
 GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm")
-# torch's CUDA grouped GEMM runs on the device only for bfloat16; other dtypes go through a fallback that reads the
-# group offsets on the host (refused during capture), so their captured steps take batched_mm (one bmm per pair)
-_CUDA_GROUPED_MM_GRAPH_DTYPES = (torch.bfloat16,)
 
 
 def graph_safe_experts_implementation(requested: str | None, dtype: torch.dtype | None = None,
                                       device_type: str = "cpu") -> str:
     """The experts implementation a captured one-token step runs for a model configured with `requested`, whose
-    experts hold `dtype` on a `device_type` device."""
+    experts hold `dtype` on a `device_type` device (CUDA's grouped GEMM syncs with the host outside
+    CUDA_GROUPED_MM_GRAPH_DTYPES: batched_mm there, one bmm per pair)."""
     safe = requested if requested in GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS else GROUPED_MM_GATHER
-    if device_type == "cuda" and safe != "batched_mm" and dtype not in _CUDA_GROUPED_MM_GRAPH_DTYPES:
+    if device_type == "cuda" and safe != "batched_mm" and dtype not in CUDA_GROUPED_MM_GRAPH_DTYPES:
         return "batched_mm"
     return safe
 

@@ -258,3 +258,16 @@ def test_a_step_that_cannot_be_captured_says_why_once(monkeypatch, caplog):
     warnings = [r.getMessage() for r in caplog.records if "CUDA-graph decoding" in r.getMessage()]
     assert graphs == [] and len(warnings) == 1 and "attention weights" in warnings[0]
     assert len(got.attentions) == 5 and got.attentions[-1][0].shape[-2] == 1  # each eager step returned its row
+
+
+def test_a_copy_of_a_model_that_captured_a_step_starts_uncaptured_and_decodes_alike(eager_graphs):
+    """copy.deepcopy of a model after graph decoding (a CUDA graph cannot be copied, and it reads the original's
+    buffers): the copy holds no captured step, captures its own, and decodes the same tokens."""
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (2, 9))
+    graphed = _generate(model, input_ids, None)
+    assert model._graph_decoder._graph is not None
+    twin = copy.deepcopy(model)
+    assert twin._graph_decoder is not model._graph_decoder and twin._graph_decoder._graph is None
+    _assert_same(_generate(twin, input_ids, None), graphed)
+    assert len(eager_graphs) == 2 and twin._graph_decoder._graph is eager_graphs[1]

@@ -159,3 +159,29 @@ def test_gather_rows_cpu_backward_sums_each_rows_copies():
     reference = x.detach().clone().requires_grad_()
     reference[order // k].backward(grad)
     torch.testing.assert_close(x.grad, reference.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,switched", [(torch.float32, True), (torch.bfloat16, False)])
+def test_grouped_mm_gather_under_compile_avoids_the_host_synced_grouped_gemm(monkeypatch, dtype, switched):
+    """Under torch.compile (generate compiles static-cache steps with CUDA graphs) CUDA's grouped GEMM reads its offsets
+    on the host outside bfloat16 (an H200 run failed so): grouped_mm_gather runs transformers' batched_mm there, and
+    keeps its own grouped path for bfloat16. The CPU stands in for CUDA here (its devices patched into the switch)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from hybrid_linear_models import experts_grouped_gather
+
+    batched = ALL_EXPERTS_FUNCTIONS["batched_mm"]
+    calls = []
+    monkeypatch.setitem(type(ALL_EXPERTS_FUNCTIONS)._global_mapping, "batched_mm",
+                        lambda *args: calls.append(1) or batched(*args))
+    monkeypatch.setattr(experts_grouped_gather, "HOST_SYNCED_DEVICE_TYPES", ("cuda", "cpu"))
+    ours, reference = _pair("grouped_mm_gather", dtype=dtype)
+    x = torch.randn(2, 9, 32, dtype=dtype)
+    with torch.no_grad():
+        eager = ours(x)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        compiled = ours(x)
+    assert len(calls) == (1 if switched else 0)
+    # batched_mm against the grouped path: the same products summed in another order (float32 ~1e-7 relative); the
+    # bfloat16 path is the same code both times
+    assert_close(compiled, eager, 1e-5 if switched else 0.0, "output under compile")
