@@ -3,7 +3,8 @@
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
-#   two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests, save-tuning (or a command without spaces)
+#   profile-decode, kimi-linear, moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests,
+#   save-tuning (or a command without spaces)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 # Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
 #   CUDA_VISIBLE_DEVICES=0 SKIP_SETUP=1 bash benchmarks/gpu_suite.sh A B & CUDA_VISIBLE_DEVICES=1 SKIP_SETUP=1
@@ -59,6 +60,9 @@ for spec in "$@"; do
     two-gpu-checks) cmd="env CHECKS_ONLY=1 bash benchmarks/two_gpu_finetune.sh" ;;
     two-gpu-moe) cmd="bash benchmarks/two_gpu_moe_parallel.sh" ;;  # MoE tensor- and expert-parallel checks, NCCL
     profile) cmd="python3 benchmarks/profile_gpu.py" ;;
+    profile-decode) cmd="python3 benchmarks/profile_decode_step.py" ;;  # one replayed batch-1 step, kernel by kernel
+    kimi-linear) cmd="python3 benchmarks/bench_kimi_linear.py --repeats 2" ;;  # issue 16's training and decoding
+    moe-blocks) cmd="python3 benchmarks/bench_moe.py --size gpu --skip-model" ;;  # MoE block, routing share
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
     save-tuning) (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;
     graph-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -k cuda_graph -p no:cacheprovider" ;;
