@@ -3,6 +3,10 @@
     q, k, v = silu(conv([q | k | v]));  beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)  (float32)
     o = delta_rule(l2norm(q), l2norm(k), v, g, beta);  out = out_proj(RMSNorm(o) * w * act(z))
 
+A_log and dt_bias are float32 whatever the model's dtype (`from_pretrained(..., dtype=torch.bfloat16)` included), as the
+KDA mixer's (and transformers' Kimi-Linear's) are: they set the decay, which the recurrence compounds over every
+token, and a checkpoint that stores them in float32 keeps their values (a bf16 one loads exactly too).
+
 `in_proj_qkvz` and `in_proj_ba` are grouped by key head (rows [q_h | k_h | v_h | z_h] and [b_h | a_h] for each key
 head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads: under tensor parallelism a
 rank computes a block of key heads with their value heads (see `tensor_parallel_heads`).
@@ -48,7 +52,8 @@ class HybridLinearGatedDeltaNet(nn.Module):
         self.in_proj_qkvz = nn.Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(H, 2 * self.num_v_heads, bias=False)
         self.conv1d = ShortConvolution(2 * self.key_dim + self.value_dim, config.gdn_conv_kernel_size)
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        # the decay's parameters stay float32 in a bf16 model (module docstring)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32).uniform_(0.01, 16).log_())
         self.norm = GatedRMSNorm(self.head_v_dim, config.gdn_norm_eps, config.gdn_gate_activation)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)

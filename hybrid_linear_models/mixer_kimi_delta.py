@@ -4,6 +4,11 @@
     g = -exp(A_log[head]) * softplus(f_b(f_a(x)) + dt_bias)   (float32, one value per key channel)
     o = delta_rule(l2norm(q), l2norm(k), v, g, sigmoid(b_proj x));  out = o_proj(RMSNorm(o) * w * act(g_b(g_a(x))))
 
+A_log and dt_bias are float32 whatever the model's dtype (`from_pretrained(..., dtype=torch.bfloat16)` included), as
+transformers' Kimi-Linear keeps them (`_keep_in_fp32_modules_strict`) and the released checkpoints store them: they
+set the decay, which the recurrence compounds over every token, and rounding them to bf16 would lose their stored
+values.
+
 act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`. fla's KDA gives g_b a bias
 (`kda_gate_bias`): act(g_b(g_a(x)) + bias).
 
@@ -50,7 +55,8 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         self.v_conv1d = ShortConvolution(P, K)
         self.f_a_proj = nn.Linear(H, d, bias=False)
         self.f_b_proj = nn.Linear(d, P, bias=False)
-        self.dt_bias = nn.Parameter(torch.zeros(P))
+        # the decay's parameters stay float32 in a bf16 model (module docstring)
+        self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32).uniform_(1, 16).log_())
         self.b_proj = nn.Linear(H, self.num_heads, bias=False)
         self.g_a_proj = nn.Linear(H, d, bias=False)

@@ -479,3 +479,39 @@ def test_moe_without_shared_experts_does_not_fit():
                          num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=0)
     with pytest.raises(ConversionError, match=r"no shared experts \(n_shared_experts 0\)"):
         kimi_linear_rows(config)
+
+
+def _float32_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors (parameters, persistent buffers) a model holds in float32, by kind (the name's last part, 'gate.weight'
+    for a router's weight): each kind's values flattened and sorted, so layouts that shape or name them differently
+    compare."""
+    kinds: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.dtype == torch.float32:
+            parts = name.split(".")
+            kind = ".".join(parts[-2:]) if parts[-1] == "weight" else parts[-1]
+            kinds.setdefault(kind, []).append(tensor.flatten())
+    return {kind: torch.cat(values).sort().values for kind, values in kinds.items()}
+
+
+def test_bfloat16_loading_keeps_float32_what_transformers_keeps_float32(tmp_path):
+    """from_pretrained(dtype=torch.bfloat16) of a converted float32 Kimi-Linear checkpoint (KDA, MLA, MoE): ours holds in
+    float32 the tensors transformers' KimiLinearForCausalLM holds in float32 (its _keep_in_fp32_modules_strict: the
+    routers' weights and correction biases, dt_bias) and A_log, which transformers rounds to bf16 though the released
+    checkpoints store it in float32 (ours keeps what the file holds); each with the stored values bit for bit, all else
+    bf16. A dt_bias rounded to bf16 (as before) changes every token's decay: this fails on it."""
+    from safetensors.torch import load_file
+
+    save_kimi_moe(tmp_path / "kimi", **MOE_CASES["grouped"])
+    convert_checkpoint(tmp_path / "kimi", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
+    theirs = KimiLinearForCausalLM.from_pretrained(tmp_path / "kimi", dtype=torch.bfloat16)
+    ours = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    expected = _float32_values(theirs)
+    assert {"dt_bias", "gate.weight", "e_score_correction_bias"} <= set(expected) and "A_log" not in expected
+    stored = load_file(tmp_path / "kimi" / "model.safetensors")
+    expected["A_log"] = torch.cat([t.flatten() for n, t in stored.items() if n.endswith("A_log")]).sort().values
+    got = _float32_values(ours)
+    assert set(got) == set(expected)
+    for kind, values in expected.items():
+        assert torch.equal(got[kind], values), kind
+    assert {t.dtype for t in ours.state_dict().values()} == {torch.float32, torch.bfloat16}

@@ -353,3 +353,21 @@ def test_moe_without_shared_expert_does_not_fit(tmp_path):
                          shared_expert_intermediate_size=0)
     with pytest.raises(ConversionError, match="no shared expert"):
         qwen3_next_rows(config)
+
+
+def test_bfloat16_loading_keeps_the_stored_float32_decay_parameters(tmp_path):
+    """from_pretrained(dtype=torch.bfloat16) of a converted float32 Qwen3-Next checkpoint: the GDN layers' A_log and
+    dt_bias (they set the decay, which the recurrence compounds over every token) stay float32 with the stored values bit
+    for bit, as the KDA mixer's; every other tensor is bf16. (transformers' Qwen3NextForCausalLM rounds both to bf16.)"""
+    from safetensors.torch import load_file
+
+    save_qwen3_next(tmp_path / "qwen", **DENSE_CASES[sorted(DENSE_CASES)[0]])
+    convert_checkpoint(tmp_path / "qwen", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
+    ours = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    stored = load_file(tmp_path / "hf" / "model.safetensors")
+    decay = [name for name in stored if name.endswith(("A_log", "dt_bias"))]
+    assert len(decay) >= 2
+    held = ours.state_dict()
+    for name in decay:
+        assert held[name].dtype == torch.float32 and torch.equal(held[name], stored[name]), name
+    assert all(t.dtype == torch.bfloat16 for n, t in held.items() if n not in decay and "gate.weight" not in n)
