@@ -30,7 +30,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 from .cache_hybrid_linear import LinearStateLayer
-from .derived_weights import derived_weights
+from .derived_weights import ChangeWatch, derived_weights
 from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class CudaGraphDecoder:
     def __init__(self):
         self._key = None
         self._graph = None
-        self._derived = []
+        self._watch: ChangeWatch | None = None  # the kept tensors the graph reads (norms' 1 + w, stacked weights)
         self._windows: WindowSteps | None = None
         self._failed: dict = {}  # capture keys whose capture failed -> the error (not tried again)
         self._warned: set[str] = set()
@@ -234,7 +234,7 @@ class CudaGraphDecoder:
         batch = input_ids.shape[0]
         max_len = _full_length(cache)
         key = self._key_of(cache, batch, input_ids.device)
-        if key != self._key or any(d.value is not kept or d.stale() for d, kept in self._derived):
+        if key != self._key or self._watch.changed():
             try:
                 self._capture(model, cache, batch, max_len, input_ids.device, key)
             except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
@@ -315,4 +315,4 @@ class CudaGraphDecoder:
             for layer, count in zip(linear_layers, seen):
                 layer.seen_tokens = count
         self._key = key
-        self._derived = [(d, d.value) for d in derived_weights(model)]  # kept tensors the graph reads (norms' 1 + w)
+        self._watch = ChangeWatch(derived_weights(model))
