@@ -145,6 +145,22 @@ def _is_full(layer) -> bool:
     return isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer)
 
 
+def _check_room(cache: StaticCache) -> None:
+    """Refuses a step whose token has no slot left in a full-attention layer of the static cache: the captured write
+    would index past the buffer, which on a GPU is a device-side assertion that leaves the process's CUDA context
+    unusable. Read from the host-side token count of the GDN/KDA layers (no synchronisation); a cache without them or
+    without full-attention layers has nothing to check."""
+    written = next((layer.seen_tokens for layer in cache.layers if isinstance(layer, LinearStateLayer)), None)
+    if written is None or not any(_is_full(layer) for layer in cache.layers):
+        return
+    slots = _full_length(cache)
+    if written >= slots:
+        raise ValueError(f"the static cache holds {slots} tokens per row and all {written} slots are written: this "
+                         "decoding step's token has no slot. Create the StaticCache with a larger max_cache_len (at "
+                         "least the prompt length plus max_new_tokens), or let generate size it "
+                         "(cache_implementation=\"static\" without a cache of your own).")
+
+
 def _full_length(cache: StaticCache) -> int:
     """The key slots of the full-attention layers (1 without any: their key mask is then unused). Sliding layers'
     buffers are shorter, and masked from `WindowSteps.recent`."""
@@ -215,6 +231,7 @@ class CudaGraphDecoder:
         run: the step cannot be captured, or its capture failed."""
         reason = self.obstacle(model, cache, attention_mask, kwargs)
         if reason is None:
+            _check_room(cache)
             key = self._key_of(cache, input_ids.shape[0], input_ids.device)
             if key not in self._failed:
                 logits = self.step(model, input_ids, position_ids, attention_mask, cache)
@@ -261,10 +278,11 @@ class CudaGraphDecoder:
                 if length < self._mask_length:
                     self._key_mask[:, length : self._mask_length].zero_()
                 self._mask_length = length
+        linear = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
+        written = [layer.seen_tokens for layer in linear]
         self._graph.replay()
-        for layer in cache.layers:
-            if isinstance(layer, LinearStateLayer):
-                layer.seen_tokens += 1
+        for layer, count in zip(linear, written):  # set, not added to: a stand-in replay that runs the step's Python
+            layer.seen_tokens = count + 1          # (the CPU tests') counts it once as well
         if self._windows is not None:
             self._windows.advance()
         return self._logits.clone()

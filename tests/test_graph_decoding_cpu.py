@@ -271,3 +271,17 @@ def test_a_copy_of_a_model_that_captured_a_step_starts_uncaptured_and_decodes_al
     assert twin._graph_decoder is not model._graph_decoder and twin._graph_decoder._graph is None
     _assert_same(_generate(twin, input_ids, None), graphed)
     assert len(eager_graphs) == 2 and twin._graph_decoder._graph is eager_graphs[1]
+
+
+def test_a_step_past_the_end_of_the_static_cache_is_refused_by_name(eager_graphs):
+    """A static cache with no slot left for the step's token: refused with the sizes and the fix (on a GPU the
+    captured write past the buffer would be a device-side assertion that leaves the CUDA context unusable)."""
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (1, 6))
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    with torch.no_grad():
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+        for _ in range(2):  # slots 7 and 8
+            model(input_ids=input_ids[:, -1:], cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"holds 8 tokens per row and all 8 slots are written.*max_cache_len"):
+            model(input_ids=input_ids[:, -1:], cache=cache, use_cache=True)
