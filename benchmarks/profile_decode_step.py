@@ -83,7 +83,8 @@ def profile_model(name: str, prompt: int, steps: int, top: int) -> None:
     print(f"{'ms/step':>8} {'share':>6} {'n/step':>6}  kernel")
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
     for kernel, times in ranked[:top]:
-        print(f"{sum(times) / steps:>8.4f} {sum(times) / steps / total:>6.1%} {len(times) / steps:>6.1f}  {kernel[:110]}")
+        share = sum(times) / steps / total
+        print(f"{sum(times) / steps:>8.4f} {share:>6.1%} {len(times) / steps:>6.1f}  {kernel[:110]}")
     del model, cache
     torch.cuda.empty_cache()
 

@@ -145,15 +145,14 @@ def _is_full(layer) -> bool:
     return isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer)
 
 
-def _check_room(cache: StaticCache) -> None:
-    """Refuses a step whose token has no slot left in a full-attention layer of the static cache: the captured write
-    would index past the buffer, which on a GPU is a device-side assertion that leaves the process's CUDA context
-    unusable. Read from the host-side token count of the GDN/KDA layers (no synchronisation); a cache without them or
-    without full-attention layers has nothing to check."""
+def _check_room(cache: StaticCache, slots: int) -> None:
+    """Refuses a step whose token has no slot left in a full-attention layer of the static cache (`slots`: theirs,
+    `_full_length`): the captured write would index past the buffer, which on a GPU is a device-side assertion that
+    leaves the process's CUDA context unusable. Read from the host-side token count of the GDN/KDA layers (no
+    synchronisation); a cache without them or without full-attention layers has nothing to check."""
     written = next((layer.seen_tokens for layer in cache.layers if isinstance(layer, LinearStateLayer)), None)
     if written is None or not any(_is_full(layer) for layer in cache.layers):
         return
-    slots = _full_length(cache)
     if written >= slots:
         raise ValueError(f"the static cache holds {slots} tokens per row and all {written} slots are written: this "
                          "decoding step's token has no slot. Create the StaticCache with a larger max_cache_len (at "
@@ -231,10 +230,10 @@ class CudaGraphDecoder:
         run: the step cannot be captured, or its capture failed."""
         reason = self.obstacle(model, cache, attention_mask, kwargs)
         if reason is None:
-            _check_room(cache)
             key = self._key_of(cache, input_ids.shape[0], input_ids.device)
+            _check_room(cache, slots=key[2])
             if key not in self._failed:
-                logits = self.step(model, input_ids, position_ids, attention_mask, cache)
+                logits = self.step(model, input_ids, position_ids, attention_mask, cache, key)
                 if logits is not None:
                     return logits
             reason = self._failed[key]
@@ -245,12 +244,11 @@ class CudaGraphDecoder:
     def _key_of(cache, batch, device):
         return id(cache), batch, _full_length(cache), device
 
-    def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache) -> torch.Tensor | None:
+    def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache,
+             key: tuple) -> torch.Tensor | None:
         """The logits of the step replayed from the graph (captured first if needed); None if the capture failed
-        (the error is kept in `_failed` under this cache's key, and the cache is left as it was)."""
-        batch = input_ids.shape[0]
-        max_len = _full_length(cache)
-        key = self._key_of(cache, batch, input_ids.device)
+        (the error is kept in `_failed` under this cache's `key`, and the cache is left as it was)."""
+        batch, max_len = input_ids.shape[0], key[2]
         if key != self._key or self._watch.changed():
             try:
                 self._capture(model, cache, batch, max_len, input_ids.device, key)

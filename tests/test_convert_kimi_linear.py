@@ -482,9 +482,9 @@ def test_moe_without_shared_experts_does_not_fit():
 
 
 def _float32_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors (parameters, persistent buffers) a model holds in float32, by kind (the name's last part, 'gate.weight'
-    for a router's weight): each kind's values flattened and sorted, so layouts that shape or name them differently
-    compare."""
+    """The tensors (parameters, persistent buffers) a model holds in float32, by kind (the name's last part,
+    'gate.weight' for a router's weight): each kind's values flattened and sorted, so layouts that shape or name them
+    differently compare."""
     kinds: dict[str, list[torch.Tensor]] = {}
     for name, tensor in model.state_dict().items():
         if tensor.dtype == torch.float32:
@@ -495,8 +495,8 @@ def _float32_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_bfloat16_loading_keeps_float32_what_transformers_keeps_float32(tmp_path):
-    """from_pretrained(dtype=torch.bfloat16) of a converted float32 Kimi-Linear checkpoint (KDA, MLA, MoE): ours holds in
-    float32 the tensors transformers' KimiLinearForCausalLM holds in float32 (its _keep_in_fp32_modules_strict: the
+    """from_pretrained(dtype=torch.bfloat16) of a converted float32 Kimi-Linear checkpoint (KDA, MLA, MoE): ours holds
+    in float32 the tensors transformers' KimiLinearForCausalLM holds in float32 (its _keep_in_fp32_modules_strict: the
     routers' weights and correction biases, dt_bias) and A_log, which transformers rounds to bf16 though the released
     checkpoints store it in float32 (ours keeps what the file holds); each with the stored values bit for bit, all else
     bf16. A dt_bias rounded to bf16 (as before) changes every token's decay: this fails on it."""

@@ -357,8 +357,9 @@ def test_moe_without_shared_expert_does_not_fit(tmp_path):
 
 def test_bfloat16_loading_keeps_the_stored_float32_decay_parameters(tmp_path):
     """from_pretrained(dtype=torch.bfloat16) of a converted float32 Qwen3-Next checkpoint: the GDN layers' A_log and
-    dt_bias (they set the decay, which the recurrence compounds over every token) stay float32 with the stored values bit
-    for bit, as the KDA mixer's; every other tensor is bf16. (transformers' Qwen3NextForCausalLM rounds both to bf16.)"""
+    dt_bias (they set the decay, which the recurrence compounds over every token) stay float32 with the stored values
+    bit for bit, as the KDA mixer's; every other tensor is bf16. (transformers' Qwen3NextForCausalLM rounds both to
+    bf16.)"""
     from safetensors.torch import load_file
 
     save_qwen3_next(tmp_path / "qwen", **DENSE_CASES[sorted(DENSE_CASES)[0]])
