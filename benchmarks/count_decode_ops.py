@@ -9,7 +9,7 @@ the CUDA graph (`HybridLinearModel.decode_step` and the LM head, through `CudaGr
 few kernels `CudaGraphDecoder.step` launches around each replay (inputs copied into the graph's buffers, the logits
 copied out). `--eager` counts the uncaptured one-token forward instead (a dynamic cache, or the graph turned off).
 
-    python benchmarks/count_decode_ops.py [--kda] [--eager] [--by-site]
+    python benchmarks/count_decode_ops.py [--model gdn|kda|kimi] [--eager] [--by-site]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair  # noqa: E402
+from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM, fla_backend  # noqa: E402
 from hybrid_linear_models import block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
@@ -118,18 +118,24 @@ STAND_INS = SimpleNamespace(
 )
 
 
-def _model(kda: bool):
+MODELS = {  # the GPU benchmark models' layer structure at narrow widths (the kernel count does not depend on them)
+    "gdn": lambda: gdn_pair(**dict(GPU_GDN, hidden=256, intermediate=512, vocab=1000))[0],
+    "kda": lambda: kda_pair(**dict(GPU_KDA, hidden=256, intermediate=512, vocab=1000))[0],
+    "kimi": lambda: kimi_linear_config(hidden=256, vocab=1000, dense_width=512, expert_width=64, kda_dim=32, kda_heads=4,
+                                       mla_heads=4, kv_lora_rank=64, qk_nope=32, qk_rope=16, v_dim=32),
+}
+
+
+def _model(kind: str):
     torch.manual_seed(0)
-    dims = dict(GPU_KDA if kda else GPU_GDN, hidden=256, intermediate=512, vocab=1000)
-    config = (kda_pair if kda else gdn_pair)(**dims)[0]
-    return HybridLinearForCausalLM(config).to(torch.bfloat16).eval()  # the GPU benchmarks' dtype
+    return HybridLinearForCausalLM(MODELS[kind]()).to(torch.bfloat16).eval()  # the GPU benchmarks' dtype
 
 
-def count_step(kda: bool = False, eager: bool = False, by_site: bool = False) -> dict[str, KernelCounter]:
+def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) -> dict[str, KernelCounter]:
     """The kernels of one batch-1 decoding step after an 8-token prompt: {"step": ...} eagerly, or {"graph": the
     captured step, "around": around each replay} (see the module docstring)."""
     global COUNTER
-    model = _model(kda)
+    model = _model(kind)
     config = model.config
     ids = torch.randint(1, 1000, (1, 9))
     cache = StaticCache(config=config, max_cache_len=16)
@@ -180,13 +186,14 @@ def _show(label: str, counter: KernelCounter) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kda", action="store_true")
+    parser.add_argument("--model", choices=list(MODELS), default="gdn")
+    parser.add_argument("--kda", action="store_true", help="--model kda")
     parser.add_argument("--eager", action="store_true", help="the uncaptured one-token forward")
     parser.add_argument("--by-site", action="store_true", help="also list kernels by source line")
     args = parser.parse_args()
-    counted = count_step(args.kda, args.eager, args.by_site)
-    layers = (GPU_KDA if args.kda else GPU_GDN)["layers"]
-    kind = "kda" if args.kda else "gdn"
+    kind = "kda" if args.kda else args.model
+    counted = count_step(kind, args.eager, args.by_site)
+    layers = len(MODELS[kind]().layer_types)
     if args.eager:
         print(f"{kind}: {sum(counted['step'].counts.values())} kernels per eager decoding step ({layers} layers)")
         _show("eager step", counted["step"])

@@ -13,7 +13,6 @@ check alone, `ChangeWatch.changed()`, against asking every kept tensor (`stale()
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair
+from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config
 
 from hybrid_linear_models import HybridLinearForCausalLM
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
@@ -31,21 +30,11 @@ from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 NARROW = dict(hidden=128, intermediate=256, vocab=500, head_dim=16)
 
 
-def kimi_config():
-    from bench_kimi_linear import SIZES
-    from bench_kimi_linear import kimi_config as theirs
-
-    from hybrid_linear_models.conversion.kimi_linear.config import kimi_to_hybrid_config
-
-    size = dict(SIZES["gpu"], hidden=128, vocab=500, dense_width=256, expert_width=32, kda_dim=16, kda_heads=2,
-                mla_heads=2, kv_lora_rank=32, qk_nope=16, qk_rope=16, v_dim=16)
-    return kimi_to_hybrid_config(json.loads(theirs(size).to_json_string()), "the Kimi benchmark config, narrowed")
-
-
 CONFIGS = {
     "gdn": lambda: gdn_pair(**dict(GPU_GDN, **NARROW, gdn_dim=16))[0],
     "kda": lambda: kda_pair(**dict(GPU_KDA, **NARROW, kda_dim=16))[0],
-    "kimi": kimi_config,
+    "kimi": lambda: kimi_linear_config(hidden=128, vocab=500, dense_width=256, expert_width=32, kda_dim=16, kda_heads=2,
+                                       mla_heads=2, kv_lora_rank=32, qk_nope=16, qk_rope=16, v_dim=16),
 }
 
 

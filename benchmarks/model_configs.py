@@ -62,3 +62,16 @@ TINY_KDA = dict(hidden=64, layers=4, intermediate=96, vocab=256, heads=4, kv_hea
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def kimi_linear_config(**narrow) -> HybridLinearConfig:
+    """Ours for bench_kimi_linear.py's ~1B-active Kimi-Linear model (16 layers 3:1 KDA:MLA, 64 experts top-8), through
+    the kimi_linear converter's config mapping; `narrow` overrides its sizes (keys of bench_kimi_linear.SIZES)."""
+    import json
+
+    from bench_kimi_linear import SIZES, kimi_config
+
+    from hybrid_linear_models.conversion.kimi_linear.config import kimi_to_hybrid_config
+
+    size = dict(SIZES["gpu"], **narrow)
+    return kimi_to_hybrid_config(json.loads(kimi_config(size).to_json_string()), "the Kimi-Linear benchmark config")

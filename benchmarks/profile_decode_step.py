@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 from pathlib import Path
 
@@ -26,20 +25,12 @@ from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair  # noqa: E402
+from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 
 
-def kimi_config():
-    from bench_kimi_linear import SIZES, kimi_config as theirs_config
-
-    from hybrid_linear_models.conversion.kimi_linear.config import kimi_to_hybrid_config
-
-    return kimi_to_hybrid_config(json.loads(theirs_config(SIZES["gpu"]).to_json_string()), "the Kimi benchmark config")
-
-
-CONFIGS = {"gdn": lambda: gdn_pair(**GPU_GDN)[0], "kda": lambda: kda_pair(**GPU_KDA)[0], "kimi": kimi_config}
+CONFIGS = {"gdn": lambda: gdn_pair(**GPU_GDN)[0], "kda": lambda: kda_pair(**GPU_KDA)[0], "kimi": kimi_linear_config}
 
 
 def profile_model(name: str, prompt: int, steps: int, top: int) -> None:
