@@ -3,7 +3,8 @@
     y = down_proj(act(gate_proj(x)) * up_proj(x))
 
 act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient)
-runs gate_proj and up_proj as one GEMM (`fused_projections`). Tensor names `mlp.gate_proj`, `mlp.up_proj`,
+runs gate_proj and up_proj as one GEMM (`fused_projections`). The module (`GatedMLP`) is also the MoE blocks' shared
+experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same way. Tensor names `mlp.gate_proj`, `mlp.up_proj`,
 `mlp.down_proj` (each Linear stores (out_features, in_features)), as every checkpoint of this family has them.
 """
 
@@ -23,18 +24,17 @@ if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
 
 
-class HybridLinearMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) of width `width`: the dense MLP, and the MoE blocks' shared experts. A decoding step
+    (x of [batch, 1, hidden], no gradient) runs gate and up as one GEMM; silu runs as fla's fused SwiGLU on CUDA."""
 
-    def __init__(self, config: HybridLinearConfig, layer_idx: int):
+    def __init__(self, hidden: int, width: int, hidden_act: str, bias: bool):
         super().__init__()
-        settings = config.per_layer_config[layer_idx]  # this layer's settings
-        hidden, width, bias = settings.hidden_size, settings.intermediate_size, settings.mlp_bias
         self.gate_proj = nn.Linear(hidden, width, bias=bias)
         self.up_proj = nn.Linear(hidden, width, bias=bias)
         self.down_proj = nn.Linear(width, hidden, bias=bias)
-        self.act_fn = ACT2FN[settings.hidden_act]
-        self.swiglu = settings.hidden_act == "silu"  # fused by fla on CUDA
+        self.act_fn = ACT2FN[hidden_act]
+        self.swiglu = hidden_act == "silu"  # fused by fla on CUDA
         self._gate_up = FusedProjections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,14 @@ class HybridLinearMLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
+
+
+class HybridLinearMLP(GatedMLP):
+    """The dense layer's MLP: a GatedMLP of the layer's intermediate_size, hidden_act and mlp_bias."""
+
+    def __init__(self, config: HybridLinearConfig, layer_idx: int):
+        settings = config.per_layer_config[layer_idx]  # this layer's settings
+        super().__init__(settings.hidden_size, settings.intermediate_size, settings.hidden_act, settings.mlp_bias)
 
 
 # ---------------------------------------------------------------------------------------------------- registration

@@ -126,8 +126,8 @@ class HybridLinearKimiMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, routing_weights, selected_experts = self.gate(x)
         out = self.experts(x, selected_experts, routing_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if self.shared_experts is not None:  # (given [batch, seq, hidden]: a decoding step is seen as one)
+            out = out + self.shared_experts(hidden_states).reshape(x.shape)
         return out.reshape(shape)
 
 

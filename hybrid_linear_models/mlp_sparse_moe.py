@@ -55,6 +55,7 @@ from transformers.integrations.moe import use_experts_implementation
 
 from .experts_grouped_gather import CUDA_GROUPED_MM_GRAPH_DTYPES
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
+from .mlp_dense import GatedMLP
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .shown_values import brief
 
@@ -163,21 +164,13 @@ class HybridLinearExperts(nn.Module):
         return output
 
 
-class HybridLinearSharedExpert(nn.Module):
+class HybridLinearSharedExpert(GatedMLP):
     """The shared expert: a gated MLP every token goes through, down(act(gate(x)) * up(x)), of width `width`
-    (default: shared_expert_intermediate_size)."""
+    (default: shared_expert_intermediate_size); the dense MLP's module (one GEMM for gate and up in a decoding step)."""
 
     def __init__(self, settings: Any, width: int | None = None):
-        super().__init__()
-        hidden = settings.hidden_size
         width = settings.shared_expert_intermediate_size if width is None else width
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
-        self.act_fn = ACT2FN[settings.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(settings.hidden_size, width, settings.hidden_act, bias=False)
 
 
 class HybridLinearSparseMoeBlock(nn.Module):
@@ -201,8 +194,9 @@ class HybridLinearSparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, routing_weights, selected_experts = self.gate(x)
         out = self.experts(x, selected_experts, routing_weights)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.shared_expert is not None:  # (given [batch, seq, hidden]: a decoding step is seen as one)
+            shared = self.shared_expert(hidden_states).reshape(x.shape)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out.reshape(shape)
 
 

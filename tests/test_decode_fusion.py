@@ -256,3 +256,26 @@ def test_gpu_step_rotary_tables_equal_the_tables_from_cos_and_sin():
     direct = model.model._step_rotary_tables(x, positions)[0].whole_head(32)
     for a, b in zip(direct, from_pair):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mlp_type", ["sparse_moe", "kimi_moe"])
+def test_shared_experts_decode_with_gate_and_up_as_one_gemm(monkeypatch, mlp_type):
+    """The MoE blocks' shared experts are the dense MLP's module: in a decoding step their gate and up run as one
+    GEMM (stacked rows of one tensor), with the logits and caches of the separate projections (TOLERANCE above)."""
+    from test_kimi_moe import kimi_moe_model
+    from test_sparse_moe_model import moe_model
+
+    build = moe_model if mlp_type == "sparse_moe" else kimi_moe_model
+    model = build(mlp_types=["dense", mlp_type, mlp_type, mlp_type]).to(torch.float32)
+    prompt, tokens = torch.randint(1, 100, (2, 7)), torch.randint(1, 100, (2, 3))
+    fused, _ = _decode(model, prompt, tokens)
+    blocks = [layer.mlp for layer in model.model.layers[1:]]
+    shared_experts = [getattr(block, "shared_expert", None) or block.shared_experts for block in blocks]
+    for expert in shared_experts:
+        stacked = expert._gate_up.kept_tensors()[0].value
+        assert stacked is not None
+        assert expert.up_proj.weight.data_ptr() == stacked[expert.gate_proj.out_features:].data_ptr()
+    with monkeypatch.context() as patch:
+        _without_fusion(patch)
+        separate, _ = _decode(model, prompt, tokens)
+    torch.testing.assert_close(fused, separate, rtol=TOLERANCE, atol=TOLERANCE)
