@@ -259,9 +259,10 @@ def test_gpu_step_rotary_tables_equal_the_tables_from_cos_and_sin():
 
 
 @pytest.mark.parametrize("mlp_type", ["sparse_moe", "kimi_moe"])
-def test_shared_experts_decode_with_gate_and_up_as_one_gemm(monkeypatch, mlp_type):
+def test_shared_experts_decode_with_gate_and_up_as_one_gemm(monkeypatch, tmp_path, mlp_type):
     """The MoE blocks' shared experts are the dense MLP's module: in a decoding step their gate and up run as one
-    GEMM (stacked rows of one tensor), with the logits and caches of the separate projections (TOLERANCE above)."""
+    GEMM (stacked rows of one tensor), with the logits of the separate projections (TOLERANCE above); saved while
+    stacked, the model reloads every tensor bit for bit."""
     from test_kimi_moe import kimi_moe_model
     from test_sparse_moe_model import moe_model
 
@@ -275,6 +276,9 @@ def test_shared_experts_decode_with_gate_and_up_as_one_gemm(monkeypatch, mlp_typ
         stacked = expert._gate_up.kept_tensors()[0].value
         assert stacked is not None
         assert expert.up_proj.weight.data_ptr() == stacked[expert.gate_proj.out_features:].data_ptr()
+    model.save_pretrained(tmp_path)
+    saved, loaded = model.state_dict(), HybridLinearForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[name], loaded[name]) for name in saved)
     with monkeypatch.context() as patch:
         _without_fusion(patch)
         separate, _ = _decode(model, prompt, tokens)
