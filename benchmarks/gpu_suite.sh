@@ -4,7 +4,7 @@
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
 #   profile-decode, kimi-linear, moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests,
-#   save-tuning (or a command without spaces)
+#   save-tuning (or any command, quoted: its log is named after it)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 # Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
 #   CUDA_VISIBLE_DEVICES=0 SKIP_SETUP=1 bash benchmarks/gpu_suite.sh A B & CUDA_VISIBLE_DEVICES=1 SKIP_SETUP=1
@@ -71,6 +71,7 @@ for spec in "$@"; do
     *) cmd="$step" ;;
   esac
   echo "=== $step ($limit s): $cmd"
-  timeout "$limit" $cmd > "$OUT/$step.log" 2>&1; echo "exit $?" >> "$OUT/$step.log"
-  grep -vE "Loading weights|it/s\]|Warning|warn" "$OUT/$step.log" | tail -25
+  log="$OUT/$(printf %s "$step" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-60).log"  # a command as a step: a file name
+  timeout "$limit" $cmd > "$log" 2>&1; echo "exit $?" >> "$log"
+  grep -vE "Loading weights|it/s\]|Warning|warn" "$log" | tail -25
 done
