@@ -53,9 +53,9 @@ from torch import nn
 
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .mlp_sparse_moe import (
-    HybridLinearExperts,
     HybridLinearSharedExpert,
     HybridLinearTopKRouter,
+    RoutedMoeBlock,
     init_sparse_moe_weights,
 )
 
@@ -105,30 +105,19 @@ class HybridLinearKimiMoeRouter(HybridLinearTopKRouter):
         return router_logits, top_weights * self.routed_scaling_factor, top_experts
 
 
-class HybridLinearKimiMoeBlock(nn.Module):
-    """Router + routed experts + (optional) ungated shared experts; [..., H] -> [..., H]."""
+class HybridLinearKimiMoeBlock(RoutedMoeBlock):
+    """Kimi-Linear's: the sigmoid, bias-corrected grouped router, routed experts, optional ungated shared experts."""
 
-    def __init__(self, config: Any, layer_idx: int | None = None):
-        """config: the model's (its experts implementation); the layer reads its sizes from
-        config.per_layer_config[layer_idx] (from `config` itself when layer_idx is None: a standalone block)."""
-        super().__init__()
-        settings = config if layer_idx is None else config.per_layer_config[layer_idx]
-        self.initializer_range = getattr(settings, "initializer_range", 0.02)  # the router's and experts' init std
-        self.gate = HybridLinearKimiMoeRouter(settings)
-        self.experts = HybridLinearExperts(config, settings)
+    router_class = HybridLinearKimiMoeRouter
+
+    def build_shared(self, settings: Any) -> None:
         self.shared_experts = None
         if settings.n_shared_experts > 0:
             width = settings.moe_intermediate_size * settings.n_shared_experts
             self.shared_experts = HybridLinearSharedExpert(settings, width)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        _, routing_weights, selected_experts = self.gate(x)
-        out = self.experts(x, selected_experts, routing_weights)
-        if self.shared_experts is not None:  # (given [batch, seq, hidden]: a decoding step is seen as one)
-            out = out + self.shared_experts(hidden_states).reshape(x.shape)
-        return out.reshape(shape)
+    def shared_output(self, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return None if self.shared_experts is None else self.shared_experts(hidden_states).reshape(x.shape)
 
 
 def kimi_moe_parameter_count(settings: Any) -> int:

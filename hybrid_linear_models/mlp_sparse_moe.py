@@ -173,8 +173,12 @@ class HybridLinearSharedExpert(GatedMLP):
         super().__init__(settings.hidden_size, width, settings.hidden_act, bias=False)
 
 
-class HybridLinearSparseMoeBlock(nn.Module):
-    """Router + routed experts + (optional) sigmoid-gated shared expert; [..., H] -> [..., H]."""
+class RoutedMoeBlock(nn.Module):
+    """A router, the routed experts and an optional shared part, [..., H] -> [..., H]: what every MoE MLP type has in
+    common; each states its router (`router_class`), builds its shared part (`build_shared`) and says how that part
+    adds to the experts' output (`shared_output`)."""
+
+    router_class: type[nn.Module]
 
     def __init__(self, config: Any, layer_idx: int | None = None):
         """config: the model's (its experts implementation); the layer reads its sizes from
@@ -182,22 +186,42 @@ class HybridLinearSparseMoeBlock(nn.Module):
         super().__init__()
         settings = config if layer_idx is None else config.per_layer_config[layer_idx]
         self.initializer_range = getattr(settings, "initializer_range", 0.02)  # the router's and experts' init std
-        self.gate = HybridLinearTopKRouter(settings)
+        self.gate = self.router_class(settings)
         self.experts = HybridLinearExperts(config, settings)
-        self.shared_expert = self.shared_expert_gate = None
-        if settings.shared_expert_intermediate_size > 0:
-            self.shared_expert = HybridLinearSharedExpert(settings)
-            self.shared_expert_gate = nn.Linear(settings.hidden_size, 1, bias=False)
+        self.build_shared(settings)
+
+    def build_shared(self, settings: Any) -> None:
+        raise NotImplementedError
+
+    def shared_output(self, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The shared part's output [tokens, H] for x = hidden_states [..., H] as rows (None: none). It is given
+        hidden_states too, as the shared experts' gated MLP sees a decoding step in its [batch, 1, H] shape."""
+        raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, routing_weights, selected_experts = self.gate(x)
         out = self.experts(x, selected_experts, routing_weights)
-        if self.shared_expert is not None:  # (given [batch, seq, hidden]: a decoding step is seen as one)
-            shared = self.shared_expert(hidden_states).reshape(x.shape)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return out.reshape(shape)
+        shared = self.shared_output(x, hidden_states)
+        return (out if shared is None else out + shared).reshape(shape)
+
+
+class HybridLinearSparseMoeBlock(RoutedMoeBlock):
+    """Qwen3-Next's: softmax top-k router, routed experts, optional sigmoid-gated shared expert."""
+
+    router_class = HybridLinearTopKRouter
+
+    def build_shared(self, settings: Any) -> None:
+        self.shared_expert = self.shared_expert_gate = None
+        if settings.shared_expert_intermediate_size > 0:
+            self.shared_expert = HybridLinearSharedExpert(settings)
+            self.shared_expert_gate = nn.Linear(settings.hidden_size, 1, bias=False)
+
+    def shared_output(self, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(hidden_states).reshape(x.shape)
 
 
 def check_expert_parallel_size(config: Any, ep_size: int) -> None:
@@ -225,7 +249,7 @@ def sparse_moe_parameter_count(settings: Any) -> int:
     return experts * hidden + 3 * experts * width * hidden + (3 * shared * hidden + hidden if shared > 0 else 0)
 
 
-def init_sparse_moe_weights(block: HybridLinearSparseMoeBlock) -> None:
+def init_sparse_moe_weights(block: RoutedMoeBlock) -> None:
     """Qwen3-Next's initialisation of what the generic init does not reach: the router and the 3-D expert weights
     drawn from N(0, initializer_range); the shared expert's Linear layers get the generic init. (transformers'
     `init` functions skip tensors loaded from a checkpoint.)"""
@@ -290,5 +314,6 @@ register(MlpSpec(
 
 __all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
            "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
+           "RoutedMoeBlock",
            "check_expert_parallel_size", "graph_capturable_expert_dispatch", "graph_safe_experts",
            "graph_safe_experts_implementation", "init_sparse_moe_weights", "sparse_moe_parameter_count"]
