@@ -3,7 +3,7 @@
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
-#   profile-decode, kimi-linear, moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests,
+#   profile-decode, decode-gemv, kimi-linear, moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests,
 #   save-tuning (or any command, quoted: its log is named after it)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 # Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
@@ -40,7 +40,9 @@ python3 -c "import torch, triton, transformers, fla; print('torch', torch.__vers
 # leaving a later `save-tuning` time to run inside the call's own limit.
 START=$(date +%s)
 for spec in "$@"; do
-  step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=600
+  # STEP:SECONDS splits at the last colon, and only before digits (a quoted command may hold colons of its own)
+  step=$spec; limit=600
+  if [[ $spec =~ ^(.*):([0-9]+)$ ]]; then step=${BASH_REMATCH[1]}; limit=${BASH_REMATCH[2]}; fi
   if [ -n "${DEADLINE:-}" ]; then
     left=$(( DEADLINE - ($(date +%s) - START) ))
     [ "$left" -lt 15 ] && { echo "=== $step skipped: deadline"; continue; }
@@ -60,7 +62,8 @@ for spec in "$@"; do
     two-gpu-checks) cmd="env CHECKS_ONLY=1 bash benchmarks/two_gpu_finetune.sh" ;;
     two-gpu-moe) cmd="bash benchmarks/two_gpu_moe_parallel.sh" ;;  # MoE tensor- and expert-parallel checks, NCCL
     profile) cmd="python3 benchmarks/profile_gpu.py" ;;
-    profile-decode) cmd="python3 benchmarks/profile_decode_step.py" ;;  # one replayed batch-1 step, kernel by kernel
+    profile-decode) cmd="python3 benchmarks/profile_decode_step.py --trace $OUT --prefill 1024" ;;  # a replayed step, kernel by kernel
+    decode-gemv) cmd="python3 benchmarks/bench_decode_gemv.py" ;;  # cuBLAS's decoding GEMVs against the bandwidth
     kimi-linear) cmd="python3 benchmarks/bench_kimi_linear.py --repeats 2" ;;  # issue 16's training and decoding
     moe-blocks) cmd="python3 benchmarks/bench_moe.py --size gpu --skip-model" ;;  # MoE block, routing share
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;

@@ -8,9 +8,13 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 - wall ms per step (CUDA events around the replays) and the sum of kernel durations per step; their difference is
   the time the GPU idles between kernels (launch gaps: what fewer, fuller kernels win back);
 - kernels per step;
-- the `--top` kernels by device time per step, with their count per step and share of the kernel time.
+- the `--top` kernels by device time per step, with their count per step and share of the kernel time;
+- with `--trace DIR`, one replayed step's kernels in launch order with their durations (DIR/decode_<model>.txt);
+- with `--prefill N ...`, the same accounting for uncaptured batch-1 prefills of N tokens (wall against kernel time:
+  how much of a prefill is host launch overhead rather than GPU work).
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
+        [--trace DIR] [--prefill 1024 8192]
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +38,82 @@ from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 CONFIGS = {"gdn": lambda: gdn_pair(**GPU_GDN)[0], "kda": lambda: kda_pair(**GPU_KDA)[0], "kimi": kimi_linear_config}
 
 
-def profile_model(name: str, prompt: int, steps: int, top: int) -> None:
+def kernel_events(prof) -> list:
+    from torch.autograd import DeviceType
+
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+
+
+def print_ranked(kernels: list, repeats: int, top: int) -> float:
+    """The `top` kernels by device time per repeat; returns the kernel ms per repeat."""
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for event in kernels:
+        by_name[event.name].append(event.device_time_total / 1e3)  # microseconds -> ms
+    total = sum(sum(times) for times in by_name.values()) / repeats
+    print(f"{'ms/step':>8} {'share':>6} {'n/step':>6}  kernel")
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
+    for kernel, times in ranked[:top]:
+        share = sum(times) / repeats / total
+        print(f"{sum(times) / repeats:>8.4f} {share:>6.1%} {len(times) / repeats:>6.1f}  {kernel[:110]}")
+    return total
+
+
+def profile_prefill(model, name: str, length: int, top: int) -> None:
+    """Uncaptured batch-1 prefill of `length` tokens into a fresh static cache: wall against kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    input_ids = torch.randint(1, model.config.vocab_size, (1, length), device="cuda")
+
+    def prefill():
+        cache = StaticCache(config=model.config, max_cache_len=length + 1)
+        model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+
+    with torch.no_grad():
+        for _ in range(2):
+            prefill()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(3):
+            prefill()
+        end.record()
+        torch.cuda.synchronize()
+        wall_ms = start.elapsed_time(end) / 3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                prefill()
+            torch.cuda.synchronize()
+    kernels = kernel_events(prof)
+    print(f"\n{name} prefill {length} tokens, batch 1: wall {wall_ms:.2f} ms ({length / wall_ms * 1e3:.0f} tok/s), "
+          f"{len(kernels) / 3:.0f} kernels")
+    total = print_ranked(kernels, 3, top)
+    print(f"kernels {total:.2f} ms, idle {wall_ms - total:.2f} ms")
+    # where the host's time goes (a prefill whose GPU idles is bound by it): ops by their own CPU time
+    with torch.no_grad():
+        start = time.perf_counter()
+        cache = StaticCache(config=model.config, max_cache_len=length + 1)
+        made = time.perf_counter() - start
+        with profile(activities=[ProfilerActivity.CPU]) as host:
+            model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+    print(f"host: StaticCache made in {made * 1e3:.2f} ms; ops by own CPU time in one prefill:")
+    print(host.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70))
+    import cProfile
+    import pstats
+
+    python = cProfile.Profile()
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=length + 1)
+        python.enable()
+        model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        torch.cuda.synchronize()
+        python.disable()
+    print("host: Python functions by own time in one prefill (cProfile):")
+    pstats.Stats(python).sort_stats("tottime").print_stats(top)
+
+
+def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,
+                  prefills: tuple[int, ...] = ()) -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
@@ -55,28 +135,29 @@ def profile_model(name: str, prompt: int, steps: int, top: int) -> None:
         end.record()
         torch.cuda.synchronize()
         wall_ms = start.elapsed_time(end) / steps
-        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 model(input_ids=token, cache=cache, use_cache=True)
             torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    by_name: dict[str, list[float]] = collections.defaultdict(list)
-    for event in kernels:
-        by_name[event.name].append(event.device_time_total / 1e3)  # microseconds -> ms
-    total = sum(sum(times) for times in by_name.values()) / steps
+    kernels = kernel_events(prof)
+    total = sum(e.device_time_total for e in kernels) / 1e3 / steps
     params = sum(p.numel() for p in model.parameters())
     print(f"\n{name}: {params / 1e6:.0f}M params, prompt {prompt}, batch 1: wall {wall_ms:.3f} ms/step "
           f"({1e3 / wall_ms:.0f} tok/s), kernels {total:.3f} ms/step, idle between kernels {wall_ms - total:.3f} ms, "
           f"{len(kernels) / steps:.0f} kernels/step")
-    print(f"{'ms/step':>8} {'share':>6} {'n/step':>6}  kernel")
-    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
-    for kernel, times in ranked[:top]:
-        share = sum(times) / steps / total
-        print(f"{sum(times) / steps:>8.4f} {share:>6.1%} {len(times) / steps:>6.1f}  {kernel[:110]}")
-    del model, cache
+    print_ranked(kernels, steps, top)
+    if trace is not None:  # the last replayed step, kernel by kernel in launch order
+        per_step = len(kernels) // steps
+        trace.mkdir(parents=True, exist_ok=True)
+        with open(trace / f"decode_{name}.txt", "w") as file:
+            for event in kernels[-per_step:]:
+                file.write(f"{event.device_time_total:8.2f} us  {event.name[:160]}\n")
+    del cache
+    for length in prefills:
+        profile_prefill(model, name, length, top)
+    del model
     torch.cuda.empty_cache()
 
 
@@ -86,13 +167,15 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--trace", type=Path, default=None, help="folder for each model's kernels of one step")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[], help="also profile prefills of these lengths")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode_step.py profiles CUDA-graph decoding: it needs a CUDA GPU")
     for name in args.models:
         try:
-            profile_model(name, args.prompt, args.steps, args.top)
+            profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill))
         except Exception as error:  # one model's failure must not cost the others' figures in a GPU call
             print(f"\n{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             torch.cuda.empty_cache()

@@ -17,7 +17,8 @@ the full mask hides, so the result is the same up to floating-point summation or
 A decoding step (one token per row, no gradient) runs q_proj, k_proj and v_proj as one GEMM (`fused_projections`),
 rotates q and k together (one concatenation, then x * cos + swap(x) * sin over whole heads with the step's tables,
 `RotaryTables.whole_head`, built once per step: the same products and sums, element for element, as
-`apply_rotary`) and gates the output without copying the gate out of the projection.
+`apply_rotary`), attends by two GEMMs on a GPU under sdpa (`attention_one_query`: the fused SDPA kernels are slow for
+one query) and gates the output without copying the gate out of the projection.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .attention_one_query import one_query_applies, one_query_attention
 from .fused_projections import FusedProjections
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
@@ -274,9 +276,11 @@ class HybridLinearAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        implementation = self.config._attn_implementation
+        if T == 1 and not self.training and one_query_applies(query, attention_mask, implementation):
+            attention: Callable = one_query_attention  # a decoding step: two GEMMs (attention_one_query)
+        else:
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         settings = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
                         sliding_window=self.sliding_window, **kwargs)
         if isinstance(attention_mask, SlidingWindowMask):

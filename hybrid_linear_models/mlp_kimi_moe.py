@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .derived_weights import DerivedWeight
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .mlp_sparse_moe import (
     HybridLinearSharedExpert,
@@ -84,11 +85,19 @@ class HybridLinearKimiMoeRouter(HybridLinearTopKRouter):
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts, dtype=torch.float32))
         self.num_group, self.topk_group = settings.n_group, settings.topk_group
         self.routed_scaling_factor = settings.routed_scaling_factor
+        self._cast_weight = DerivedWeight()
+
+    def _float_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The router weight in `dtype` (float32 at least): kept between no-grad steps when it must be cast (a bf16
+        model's router), so a decoding step does not cast it again (one kernel per MoE layer and step)."""
+        if self.weight.dtype == dtype:
+            return self.weight
+        return self._cast_weight.get([self.weight], lambda: self.weight.to(dtype), tag=dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         hidden_states = hidden_states.reshape(-1, self.hidden_dim).to(dtype)
-        router_logits = F.linear(hidden_states, self.weight.to(dtype))  # (tokens, E)
+        router_logits = F.linear(hidden_states, self._float_weight(dtype))  # (tokens, E)
         scores = router_logits.sigmoid()
         # only the choice's indices are used: computed outside autograd (no graph kept for it)
         choice = scores.detach() + self.e_score_correction_bias.to(dtype)

@@ -155,6 +155,25 @@ def test_group_score_is_the_sum_of_each_groups_best_two():
     assert sorted(experts[0].tolist()) == [4, 5]
 
 
+def test_a_bf16_router_casts_its_weight_once_and_follows_updates():
+    """A bf16 model's router scores in float32 (as transformers' KimiLinear does): its float32 weight is kept between
+    no-grad steps (no cast per decoding step), equal to the cast, rebuilt after an in-place update, and under
+    autograd the cast is differentiable as before."""
+    ours, _ = _block_pair("eager", "one_group", dtype=torch.bfloat16)
+    x = torch.randn(3, HIDDEN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        first = ours.gate._float_weight(torch.float32)
+        assert first.dtype == torch.float32 and torch.equal(first, ours.gate.weight.float())
+        assert ours.gate._float_weight(torch.float32) is first  # kept
+        logits, _, _ = ours.gate(x)
+        torch.testing.assert_close(logits, x.float() @ ours.gate.weight.float().T, rtol=0, atol=0)
+        ours.gate.weight.mul_(2)
+        assert torch.equal(ours.gate._float_weight(torch.float32), ours.gate.weight.float())  # followed the update
+    logits, _, _ = ours.gate(x)
+    logits.sum().backward()
+    assert ours.gate.weight.grad is not None and ours.gate.weight.grad.dtype == torch.bfloat16
+
+
 # --------------------------------------------------------------------------------------------- in the whole model
 
 LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"]

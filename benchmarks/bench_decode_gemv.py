@@ -1,0 +1,85 @@
+"""The decoding step's matrix-vector products on a GPU: which way of asking cuBLAS reads the weights fastest.
+
+At batch 1 every linear layer of a decoding step is a GEMV whose time is its weight read, so its speed is bytes over
+time against the GPU's bandwidth. cuBLAS picks a kernel per problem layout: profile_decode_step.py showed the same
+product running at 3.3 TB/s for one width and 0.33 TB/s for another (Kimi-Linear's shared expert, 1024 x 2048, 12.7
+us). For each weight shape of the benchmark models this times, in one run, CUDA-graph replays of:
+- linear: F.linear(x, W)  (x [B, K] row-major: what nn.Linear does);
+- swapped: (W @ x^T)^T    (the transposed problem: cuBLAS sees B as the narrow side);
+and prints microseconds per product and the share of `--bandwidth-gbs` (bf16).
+
+    python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+# (out, in) of the benchmark models' decoding GEMMs: GDN 1.2B, KDA 1B, Kimi-Linear (bench_kimi_linear.py)
+SHAPES = {
+    "gdn in_proj (qkvz+ba)": (12352, 2048), "gdn out_proj": (2048, 4096), "mlp gate+up": (11264, 2048),
+    "mlp down": (2048, 5632), "attention qkv (gated)": (9216, 2048), "attention o_proj": (2048, 4096),
+    "kda in (q,k,v,f,b,g)": (8448, 2048), "kda o_proj": (2048, 2048), "shared expert gate+up": (1024, 2048),
+    "shared expert down": (2048, 512), "mla kv_a": (576, 2048), "mla q": (3072, 2048), "lm head": (32000, 2048),
+}
+FORMS = {
+    "linear": lambda x, w: F.linear(x, w),
+    "swapped": lambda x, w: (w @ x.T).T,
+}
+
+
+def time_replays(fn, repeats: int) -> float:
+    """Microseconds per call of fn, from a CUDA graph of `repeats` calls (no launch overhead in the figure)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 16])
+    parser.add_argument("--bandwidth-gbs", type=float, default=4800.0)
+    args = parser.parse_args()
+    print("command: python " + " ".join(sys.argv))
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode_gemv.py times cuBLAS on a CUDA GPU")
+    print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)
+          + "  faster / linear")
+    for name, (out, inp) in SHAPES.items():
+        # several weights in turn, 4x the L2 cache together, so each product reads its weight from memory
+        copies = max(1, int(4 * 50e6 // (out * inp * 2)) + 1)
+        weights = [torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        for batch in args.batches:
+            x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
+            figures = {}
+            for form, fn in FORMS.items():
+                calls = [lambda w=w, fn=fn: fn(x, w) for w in weights]
+                figures[form] = time_replays(lambda: [c() for c in calls], repeats=max(1, 200 // copies)) / copies
+            bytes_read = out * inp * 2
+            cells = " ".join(f"{us:>11.2f} {bytes_read / (us * 1e-6) / (args.bandwidth_gbs * 1e9):>6.1%}"
+                             for us in figures.values())
+            best = min(figures, key=figures.get)
+            print(f"{name:24s} {f'{out}x{inp}':>12s} {batch:>5d} {cells}  {best} "
+                  f"{figures['linear'] / figures[best]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""A decoding step's attention by two GEMMs (attention_one_query): against the softmax-attention math in float64, and
+inside models (GQA attention, MLA's absorbed step) whose cached decoding must equal the uncached forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid_linear_models import attention_one_query
+from hybrid_linear_models.attention_one_query import one_query_applies, one_query_attention
+from model_helpers import assert_cached_generation_equals_uncached, greedy, replay_graphs_eagerly, tiny_model
+
+
+def reference(query, key, value, mask, scaling):
+    """softmax(q k^T * scaling + mask) v per query head (head h reads KV head h // G), in float64: [B, T, H, dv]."""
+    q, k, v = query.double(), key.double(), value.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def inputs(batch, heads, kv_heads, queries, keys, dim, value_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, queries, dim, generator=g).to(dtype)
+    key = torch.randn(batch, kv_heads, keys, dim, generator=g).to(dtype)
+    value = torch.randn(batch, kv_heads, keys, value_dim, generator=g).to(dtype)
+    seen = torch.rand(batch, 1, 1, keys, generator=g) < 0.7
+    seen[..., -1] = True  # the step's own key: every row sees at least one key
+    return query, key, value, seen
+
+
+def additive(seen, dtype, masked):
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, masked)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("mask_kind", ["-inf", "finfo-min", "bool", "none"])
+def test_equals_the_attention_math_in_float32(heads, kv_heads, mask_kind):
+    query, key, value, seen = inputs(3, heads, kv_heads, 1, 37, 16, 12, torch.float32)
+    mask = {"-inf": additive(seen, torch.float32, float("-inf")),
+            "finfo-min": additive(seen, torch.float32, torch.finfo(torch.float32).min),
+            "bool": seen, "none": None}[mask_kind]
+    got, weights = one_query_attention(None, query, key, value, mask, scaling=0.25)
+    assert weights is None and got.shape == (3, 1, heads, 12)
+    expected = reference(query, key, value, seen if mask is not None else None, 0.25)
+    # float32 products and sums of 16 and 37 terms of unit-scale numbers: ~1e-6
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_heads_as_rows_of_one_latent_head_with_a_strided_value_view():
+    """MLA's absorbed step: 6 heads are the rows (queries) of one KV head, the value a view of the key's first
+    columns (the cache tensor read in place)."""
+    query, key, _, seen = inputs(2, 1, 1, 6, 29, 24, 24, torch.float32, seed=1)
+    value = key[..., :20]
+    mask = additive(seen, torch.float32, float("-inf"))
+    got, _ = one_query_attention(None, query, key, value, mask, scaling=0.2)
+    torch.testing.assert_close(got.double(), reference(query, key, value, seen, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_error_stays_at_the_rounding_of_its_probabilities_and_output():
+    """Scores and softmax run in float32; only the probabilities (as fused kernels do) and the output are rounded to
+    bf16 (relative 2^-9 each), so the error is at most about 2 * 2^-9 * max|v| (the probabilities sum to 1)."""
+    query, key, value, seen = inputs(2, 8, 2, 1, 300, 64, 64, torch.bfloat16, seed=2)
+    mask = additive(seen, torch.bfloat16, float("-inf"))
+    got, _ = one_query_attention(None, query, key, value, mask, scaling=64 ** -0.5)
+    expected = reference(query, key, value, seen, 64 ** -0.5)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - expected).abs().max() <= 2 * 2 ** -9 * value.double().abs().max()
+
+
+def test_applies_only_to_sdpa_on_the_listed_devices_with_one_mask_row(monkeypatch):
+    query = torch.zeros(1, 4, 1, 8)
+    one_row, two_rows = torch.zeros(1, 1, 1, 5), torch.zeros(1, 1, 2, 5)
+    assert not one_query_applies(query, one_row, "sdpa")  # CPU is not listed by default
+    monkeypatch.setattr(attention_one_query, "ONE_QUERY_DEVICES", ("cuda", "cpu"))
+    assert one_query_applies(query, one_row, "sdpa") and one_query_applies(query, None, "sdpa")
+    assert not one_query_applies(query, one_row, "eager")
+    assert not one_query_applies(query, two_rows, "sdpa")
+    assert not one_query_applies(query, object(), "sdpa")  # a described mask (sliding windows' blocks)
+
+
+# ------------------------------------------------------------------------------------------------ inside models
+
+LAYERS = ["full_attention", "gated_deltanet", "mla_attention", "sliding_attention"]
+# float32 decoding against the uncached forward: the same sums in another order (module docstrings): ~1e-6
+TOLERANCE = 1e-4
+
+
+@pytest.fixture
+def one_query_on_cpu(monkeypatch) -> list:
+    """The path taken on the CPU too; returns the (query heads, queries) of each call it served."""
+    monkeypatch.setattr(attention_one_query, "ONE_QUERY_DEVICES", ("cuda", "cpu"))
+    calls: list = []
+    original = one_query_attention
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(tuple(query.shape[1:3]))
+        return original(module, query, *args, **kwargs)
+
+    import hybrid_linear_models.mixer_attention as attention_module
+    import hybrid_linear_models.mixer_mla as mla_module
+    monkeypatch.setattr(attention_module, "one_query_attention", counted)
+    monkeypatch.setattr(mla_module, "one_query_attention", counted)
+    return calls
+
+
+def _model():
+    return tiny_model(LAYERS, num_key_value_heads=2, sliding_window=3, kv_lora_rank=16, qk_nope_head_dim=8,
+                      qk_rope_head_dim=4, v_head_dim=8).eval()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_cached_decoding_through_it_equals_the_uncached_forward(one_query_on_cpu, cache):
+    model = _model()
+    input_ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(3))
+    assert_cached_generation_equals_uncached(model, input_ids, cache, TOLERANCE)
+    heads = model.config.num_attention_heads
+    assert (heads, 1) in one_query_on_cpu and (1, heads) in one_query_on_cpu  # GQA steps and MLA's absorbed ones
+
+
+def test_captured_steps_of_left_padded_rows_attend_through_it_like_sdpa(one_query_on_cpu, monkeypatch):
+    model = _model()
+    input_ids = torch.randint(1, 100, (3, 8), generator=torch.Generator().manual_seed(4))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    attention_mask[2, :1] = 0
+    replay_graphs_eagerly(monkeypatch)
+    through_it = greedy(model, input_ids, cache_implementation="static", attention_mask=attention_mask)
+    served = len(one_query_on_cpu)
+    monkeypatch.setattr(attention_one_query, "ONE_QUERY_DEVICES", ())
+    sdpa = greedy(model, input_ids, cache_implementation="static", attention_mask=attention_mask)
+    assert served > 0 and len(one_query_on_cpu) == served  # the second run took sdpa throughout
+    assert torch.equal(through_it.sequences, sdpa.sequences)
+    for a, b in zip(through_it.logits, sdpa.logits):
+        torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_on_cuda_scores_accumulate_in_float32(dtype):
+    """On CUDA the half-precision scores come from one GEMM that returns float32 (bmm's out_dtype): the same bound
+    as on the CPU (2 * 2^-9 * max|v| for bf16, 2^-9 tighter for fp16's 2^-11 rounding); float32 within 1e-5 of
+    float64 (TF32 is off for matmuls by default)."""
+    query, key, value, seen = (t.cuda() for t in inputs(2, 16, 2, 1, 1152, 128, 128, dtype, seed=5))
+    mask = additive(seen, dtype, float("-inf"))
+    got, _ = one_query_attention(None, query, key, value, mask, scaling=128 ** -0.5)
+    expected = reference(query, key, value, seen, 128 ** -0.5)
+    bound = {torch.bfloat16: 2 * 2 ** -9, torch.float16: 2 * 2 ** -11, torch.float32: 1e-5}[dtype]
+    assert got.dtype == dtype
+    assert (got.double() - expected).abs().max() <= bound * value.double().abs().max()
