@@ -17,6 +17,8 @@ step, heads as rows of a single KV head (G = 1) under a mask with one query row:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Devices whose one-query steps take this path (tests add "cpu" to run it there: on CPUs SDPA's math path is as fast).
@@ -33,9 +35,20 @@ def one_query_applies(query: torch.Tensor, attention_mask, implementation: str) 
                                       and attention_mask.shape[-2] == 1)
 
 
+@functools.cache
+def _bmm_returns_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has bmm's `out_dtype` (torch >= 2.8, CUDA) for `dtype` inputs on `device` (asked once, by
+    the warm-up steps that precede a capture)."""
+    try:
+        one = torch.ones(1, 1, 1, device=device, dtype=dtype)
+        return torch.bmm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def _scores(rows: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
     """rows [N, R, d] times keys_t [N, d, L] in float32 (bf16/fp16 products accumulated and returned in float32)."""
-    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16):
+    if rows.dtype in (torch.bfloat16, torch.float16) and _bmm_returns_float32(rows.device, rows.dtype):
         return torch.bmm(rows, keys_t, out_dtype=torch.float32)
     if rows.dtype in (torch.float32, torch.float64):
         return torch.bmm(rows, keys_t)
