@@ -4,9 +4,11 @@ At batch 1 every linear layer of a decoding step is a GEMV whose time is its wei
 time against the GPU's bandwidth. cuBLAS picks a kernel per problem layout: profile_decode_step.py showed the same
 product running at 3.3 TB/s for one width and 0.33 TB/s for another (Kimi-Linear's shared expert, 1024 x 2048, 12.7
 us). For each weight shape of the benchmark models this times, in one run, CUDA-graph replays of:
-- linear: F.linear(x, W)  (x [B, K] row-major: what nn.Linear does);
-- swapped: (W @ x^T)^T    (the transposed problem: cuBLAS sees B as the narrow side);
-and prints microseconds per product and the share of `--bandwidth-gbs` (bf16).
+- linear: F.linear(x, W)  (cuBLAS, what nn.Linear does);
+- triton: this package's Triton GEMV (`kernels_gemv_triton`, what captured decoding steps run for weights of at most
+  `kernels_gemv.NARROW_OUTPUTS` rows), autotuned first;
+and prints microseconds per product, the share of `--bandwidth-gbs` (bf16) and which is faster. (Asking cuBLAS for
+the transposed product, (W @ x^T)^T, was measured too: the same kernels, the same times.)
 
     python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +29,7 @@ SHAPES = {
     "kda in (q,k,v,f,b,g)": (8448, 2048), "kda o_proj": (2048, 2048), "shared expert gate+up": (1024, 2048),
     "shared expert down": (2048, 512), "mla kv_a": (576, 2048), "mla q": (3072, 2048), "lm head": (32000, 2048),
 }
-FORMS = {
-    "linear": lambda x, w: F.linear(x, w),
-    "swapped": lambda x, w: (w @ x.T).T,
-}
+FORMS = {"linear": lambda x, w: F.linear(x, w)}
 
 
 def time_replays(fn, repeats: int) -> float:
@@ -61,6 +61,11 @@ def main() -> None:
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_gemv.py times cuBLAS on a CUDA GPU")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from hybrid_linear_models.kernels_gemv import triton_gemv_kernel
+
+    if triton_gemv_kernel() is not None:
+        FORMS["triton"] = lambda x, w: triton_gemv_kernel()(x, w, None)
     print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)
           + "  faster / linear")
     for name, (out, inp) in SHAPES.items():

@@ -11,7 +11,9 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 - the `--top` kernels by device time per step, with their count per step and share of the kernel time;
 - with `--trace DIR`, one replayed step's kernels in launch order with their durations (DIR/decode_<model>.txt);
 - with `--prefill N ...`, the same accounting for uncaptured batch-1 prefills of N tokens (wall against kernel time:
-  how much of a prefill is host launch overhead rather than GPU work).
+  how much of a prefill is host launch overhead rather than GPU work);
+- with `--gemv-ab`, instead, each model's replayed step captured with its narrow GEMVs on cuBLAS and on this
+  package's Triton GEMV in turn (kernels_gemv), wall ms per step of each, in one run.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
         [--trace DIR] [--prefill 1024 8192]
@@ -112,6 +114,49 @@ def profile_prefill(model, name: str, length: int, top: int) -> None:
     pstats.Stats(python).sort_stats("tottime").print_stats(top)
 
 
+def replayed_ms(model, cache, token, steps: int) -> float:
+    """Wall ms per replayed step (captured anew first: a fresh decoder)."""
+    model.set_cuda_graph_decoding(True)
+    with torch.no_grad():
+        for _ in range(3):  # capture, then warm
+            model(input_ids=token, cache=cache, use_cache=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(steps):
+            model(input_ids=token, cache=cache, use_cache=True)
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def compare_gemv(name: str, prompt: int, steps: int) -> None:
+    """The same model and cache, its step captured with the narrow GEMVs on cuBLAS and on the Triton kernel
+    (kernels_gemv), in turn (A B A B): wall ms per replayed step of each."""
+    from hybrid_linear_models import kernels_gemv
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
+    input_ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 4 * (3 + steps) + 1)
+    with torch.no_grad():
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+    narrow, times = kernels_gemv.NARROW_OUTPUTS, {"cuBLAS": [], "triton": []}
+    try:
+        for _ in range(2):
+            for kind, limit in (("cuBLAS", 0), ("triton", narrow)):
+                kernels_gemv.NARROW_OUTPUTS = limit
+                times[kind].append(replayed_ms(model, cache, input_ids[:, -1:], steps))
+    finally:
+        kernels_gemv.NARROW_OUTPUTS = narrow
+    best = {kind: min(values) for kind, values in times.items()}
+    print(f"\n{name}: replayed step, narrow GEMVs (<= {narrow} outputs) on cuBLAS {best['cuBLAS']:.3f} ms, on the "
+          f"Triton GEMV {best['triton']:.3f} ms: {best['cuBLAS'] / best['triton']:.3f}x (each the best of 2)")
+    del model, cache
+    torch.cuda.empty_cache()
+
+
 def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,
                   prefills: tuple[int, ...] = ()) -> None:
     torch.manual_seed(0)
@@ -169,12 +214,17 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--trace", type=Path, default=None, help="folder for each model's kernels of one step")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="also profile prefills of these lengths")
+    parser.add_argument("--gemv-ab", action="store_true",
+                        help="instead: each model's replayed step, narrow GEMVs on cuBLAS against the Triton GEMV")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode_step.py profiles CUDA-graph decoding: it needs a CUDA GPU")
     for name in args.models:
         try:
+            if args.gemv_ab:
+                compare_gemv(name, args.prompt, args.steps)
+                continue
             profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill))
         except Exception as error:  # one model's failure must not cost the others' figures in a GPU call
             print(f"\n{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)

@@ -31,6 +31,7 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import ChangeWatch, derived_weights
+from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
 
 logger = logging.getLogger(__name__)
@@ -316,12 +317,14 @@ class CudaGraphDecoder:
         saved = [t.clone() for t in _cache_tensors(cache)]
 
         def run():
-            # sparse MoE layers: an experts implementation without host syncs for this dtype and device
-            with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
-                hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
-                                                self._windows)
-            step_cache.advance()
-            return model.lm_head(hidden)
+            # sparse MoE layers: an experts implementation without host syncs for this dtype and device; narrow GEMVs
+            # (the LM head's too) through this package's Triton kernel (kernels_gemv)
+            with decode_gemv_mode(device):
+                with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
+                    hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
+                                                    self._windows)
+                step_cache.advance()
+                return model.lm_head(hidden)
 
         try:
             self._graph, self._logits = self._record(run, device)

@@ -1,0 +1,111 @@
+"""The Triton GEMV of captured decoding steps (kernels_gemv): which F.linear calls it takes, that a captured step
+routes its narrow linear layers to it, and its numbers against float64 (on a GPU; on a CPU through triton's
+interpreter when TRITON_INTERPRET=1 and triton are there: `TRITON_INTERPRET=1 pytest tests/test_gemv_decode.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid_linear_models import kernels_gemv
+from hybrid_linear_models.kernels_gemv import DecodeGemvMode, decode_linear, gemv_applies
+from model_helpers import greedy, replay_graphs_eagerly, tiny_model
+
+
+@pytest.fixture
+def stand_in(monkeypatch) -> list:
+    """The kernel stood in on the CPU by F.linear itself; returns the (rows, out, in) of each call it served."""
+    calls: list = []
+
+    def kernel(rows, weight, bias):
+        calls.append((rows.shape[0], *weight.shape))
+        return F.linear(rows, weight, bias)
+
+    monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
+    return calls
+
+
+def test_applies_to_narrow_half_precision_products_of_few_rows(stand_in):
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    x = torch.zeros(2, 1, 32, dtype=torch.bfloat16)
+    assert gemv_applies(x, w, None) and gemv_applies(x, w, torch.zeros(64, dtype=torch.bfloat16))
+    assert gemv_applies(x.half(), w.half(), None)
+    assert not gemv_applies(x.float(), w.float(), None)  # float32 keeps cuBLAS (and its exactness tests)
+    assert not gemv_applies(torch.zeros(17, 32, dtype=torch.bfloat16), w, None)  # more than 16 rows
+    assert not gemv_applies(x, torch.zeros(kernels_gemv.NARROW_OUTPUTS + 1, 32, dtype=torch.bfloat16), None)
+    assert not gemv_applies(x, torch.zeros(32, 64, dtype=torch.bfloat16).T, None)  # strided along K
+    assert not gemv_applies(x, w, torch.zeros(64))  # a float32 bias
+    grad_w = w.clone().requires_grad_()
+    assert not gemv_applies(x, grad_w, None)
+    with torch.no_grad():
+        assert gemv_applies(x, grad_w, None)
+
+
+def test_the_mode_routes_f_linear_and_nothing_else(stand_in):
+    x, w = torch.randn(3, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    with torch.no_grad(), DecodeGemvMode():
+        y = torch.nn.functional.linear(x, w)
+        z = x @ w.T  # a matmul is no linear layer
+    assert stand_in == [(3, 8, 16)] and torch.equal(y, z)
+    assert decode_linear(x.reshape(3, 1, 16), w).shape == (3, 1, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
+    """Every linear layer of the tiny model is narrow (<= NARROW_OUTPUTS outputs): in bf16 each of them, the LM head
+    included, runs through the kernel in the captured step (recorded once: the replays run no Python on a GPU), in
+    float32 none does; the tokens and logits are those of decoding without graphs (the stand-in is F.linear)."""
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "mla_attention"],
+                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8).to(dtype).eval()
+    input_ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(2))
+    captured = replay_graphs_eagerly(monkeypatch)
+    graphed = greedy(model, input_ids, cache_implementation="static")
+    assert len(captured) == 1
+    vocab, hidden = model.lm_head.weight.shape
+    if dtype == torch.float32:
+        assert stand_in == []
+    else:
+        assert (2, vocab, hidden) in stand_in  # the LM head of a batch of 2
+        assert (2, hidden, model.config.intermediate_size) in stand_in  # the MLPs' down_proj
+    model.set_cuda_graph_decoding(False)
+    eager = greedy(model, input_ids, cache_implementation="static")
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.logits, eager.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _runs_the_kernel() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _runs_the_kernel(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_against_float64(shape, dtype, bias):
+    """float32 accumulation of half-precision products, then one rounding to the output dtype: within the output's
+    rounding (bf16 2^-9, fp16 2^-11 relative) plus float32 summation error (K * 2^-24, at most 3.4e-4 here) of the
+    largest |output|."""
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter has no bfloat16 arithmetic")
+    from hybrid_linear_models.kernels_gemv_triton import triton_gemv
+
+    rows, out, inp = shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, inp, generator=g).to(device, dtype)
+    w = (torch.randn(out, inp, generator=g) / inp ** 0.5).to(device, dtype)
+    b = torch.randn(out, generator=g).to(device, dtype) if bias else None
+    got = triton_gemv(x, w, b)
+    expected = x.double() @ w.double().T + (b.double() if bias else 0)
+    rounding = {torch.bfloat16: 2 ** -9, torch.float16: 2 ** -11}[dtype] + inp * 2 ** -24
+    assert got.dtype == dtype and got.shape == (rows, out)
+    assert (got.double() - expected).abs().max() <= rounding * expected.abs().max()
