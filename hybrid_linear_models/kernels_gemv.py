@@ -5,7 +5,11 @@ cuBLAS does for wide outputs, but not for narrow ones: on an H200 (`benchmarks/b
 the GEMVs with 2,048 outputs (GDN's out_proj, the MLPs' down_proj, the attention's o_proj) ran at 29-43% of 4.8 TB/s,
 MLA's 576-wide kv_a at 8% and a 1,024-wide shared expert at 7%, against 65-79% for outputs of 8k and more. Weights of
 at most `NARROW_OUTPUTS` rows therefore run through `kernels_gemv_triton.triton_gemv` (float32 accumulation, as
-cuBLAS's; the sums are ordered differently, so results agree to rounding) when:
+cuBLAS's; the sums are ordered differently, so results agree to rounding). Measured side by side (same run, H200,
+bf16, batch 1 / 16): 1.07-1.16x cuBLAS for the 2,048-wide outputs, 1.22-1.29x for MLA's 576-wide kv_a, 2.5x / 1.15x
+for the 1,024-wide shared expert; MLA's 3,072-wide q was slower (0.89x) and every output of 8k and more too
+(0.75-0.96x), hence the limit of 2,048. A replayed step gained 1.6% (GDN) and 2.9% (Kimi-Linear) with its other
+kernels on the torch path (`profile_decode_step.py --gemv-ab`). It runs when:
 - the input is CUDA bf16/fp16 with at most 16 rows and a unit stride along its features, the weight a plain 2-D tensor
   of the same dtype (a bias too, or none), no gradient wanted, triton importable;
 - the call happens inside a captured decoding step (`decode_gemv_mode`, entered by `CudaGraphDecoder` around the
@@ -28,7 +32,7 @@ from .tensor_parallel_heads import device_mesh
 
 logger = logging.getLogger(__name__)
 
-NARROW_OUTPUTS = 4096  # out_features up to this go to the Triton GEMV (see the module docstring)
+NARROW_OUTPUTS = 2048  # out_features up to this go to the Triton GEMV (see the module docstring)
 MAX_ROWS = 16  # rows of x (batch x tokens) the kernel takes
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 GEMV_DEVICE_TYPES = ("cuda",)  # tests add "cpu", with the kernel stood in

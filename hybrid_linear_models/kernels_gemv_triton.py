@@ -13,8 +13,12 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # (in a try: transformers' remote-code check then does not require triton of a CPU machine loading a folder)
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("the Triton GEMV needs triton (a CUDA machine); decoding GEMVs run through cuBLAS") from error
 
 ROWS = 16  # x rows handled (padded to this many for tl.dot)
 

@@ -92,8 +92,9 @@ def _runs_the_kernel() -> bool:
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_against_float64(shape, dtype, bias):
     """float32 accumulation of half-precision products, then one rounding to the output dtype: within the output's
-    rounding (bf16 2^-9, fp16 2^-11 relative) plus float32 summation error (K * 2^-24, at most 3.4e-4 here) of the
-    largest |output|."""
+    rounding (unit roundoff: bf16 2^-8, its 8 significant bits; fp16 2^-11) plus float32 summation error (K * 2^-24,
+    at most 3.4e-4 here) of the largest |output|. (A first GPU run bounded bf16 by 2^-9, half its unit roundoff: its
+    bf16 cases failed and the fp16 ones passed; not re-run with the corrected bound.)"""
     if not torch.cuda.is_available() and dtype == torch.bfloat16:
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
@@ -106,6 +107,6 @@ def test_kernel_against_float64(shape, dtype, bias):
     b = torch.randn(out, generator=g).to(device, dtype) if bias else None
     got = triton_gemv(x, w, b)
     expected = x.double() @ w.double().T + (b.double() if bias else 0)
-    rounding = {torch.bfloat16: 2 ** -9, torch.float16: 2 ** -11}[dtype] + inp * 2 ** -24
+    rounding = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype] + inp * 2 ** -24
     assert got.dtype == dtype and got.shape == (rows, out)
     assert (got.double() - expected).abs().max() <= rounding * expected.abs().max()
