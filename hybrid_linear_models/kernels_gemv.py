@@ -11,7 +11,8 @@ for the 1,024-wide shared expert; MLA's 3,072-wide q was slower (0.89x) and ever
 (0.75-0.96x), hence the limit of 2,048. A replayed step gained 1.6% (GDN) and 2.9% (Kimi-Linear) with its other
 kernels on the torch path (`profile_decode_step.py --gemv-ab`). It runs when:
 - the input is CUDA bf16/fp16 with at most 16 rows and a unit stride along its features, the weight a plain 2-D tensor
-  of the same dtype (a bias too, or none), no gradient wanted, triton importable;
+  of the same dtype (a bias too, or none), no gradient wanted, triton importable, a GPU of compute capability 8.0 or
+  later (a kernel that still fails to compile is dropped for that shape, with a warning: `decode_linear`);
 - the call happens inside a captured decoding step (`decode_gemv_mode`, entered by `CudaGraphDecoder` around the
   step it records): every `F.linear` of the step is looked at there, whichever module calls it (projections, LoRA
   layers' base weights, the LM head), and the graph replays the chosen kernels with no Python at all.
@@ -65,15 +66,36 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return False
     if device_mesh(weight) is not None or device_mesh(x) is not None:
         return False
-    return triton_gemv_kernel() is not None
+    return triton_gemv_kernel() is not None and _capable(x.device)
+
+
+@functools.cache
+def _capable(device: torch.device) -> bool:
+    """GPUs whose tensor cores `tl.dot` drives in bf16 and fp16 (compute capability 8.0 on: Ampere, Hopper, ...)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+_FAILED: dict = {}  # (weight shape, dtype, device) -> the error of the kernel's first try: cuBLAS from then on
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the Triton GEMV where `gemv_applies`."""
-    if not gemv_applies(x, weight, bias):
+    """F.linear(x, weight, bias), through the Triton GEMV where `gemv_applies`. A kernel that fails (a GPU or triton
+    it cannot compile for) is not tried again for that shape, and one warning says so: the step is still captured,
+    with cuBLAS (the first try happens in the warm-up before a capture, never inside it)."""
+    key = (tuple(weight.shape), x.dtype, x.device)
+    if key in _FAILED or not gemv_applies(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
-    return triton_gemv_kernel()(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    try:
+        out = triton_gemv_kernel()(rows, weight, bias)
+    except Exception as error:  # compilation or launch failure
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        _FAILED[key] = error
+        logger.warning(f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight ({type(error).__name__}: "
+                       f"{str(error)[:200]}); that product runs through cuBLAS")
+        return F.linear(x, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class DecodeGemvMode(TorchFunctionMode):

@@ -55,6 +55,23 @@ def test_the_mode_routes_f_linear_and_nothing_else(stand_in):
     assert decode_linear(x.reshape(3, 1, 16), w).shape == (3, 1, 8)
 
 
+def test_a_kernel_that_fails_is_dropped_for_that_shape_with_one_warning(monkeypatch, caplog):
+    tries = []
+
+    def broken(rows, weight, bias):
+        tries.append(weight.shape)
+        raise RuntimeError("no such instruction on this GPU")
+
+    monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: broken)
+    monkeypatch.setattr(kernels_gemv, "_FAILED", {})
+    x, w = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(8, 16, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="hybrid_linear_models.kernels_gemv"):
+        for _ in range(3):
+            assert torch.equal(decode_linear(x, w), F.linear(x, w))
+    assert len(tries) == 1 and "runs through cuBLAS" in caplog.text and caplog.text.count("failed") == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
     """Every linear layer of the tiny model is narrow (<= NARROW_OUTPUTS outputs): in bf16 each of them, the LM head
