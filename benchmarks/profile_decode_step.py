@@ -114,13 +114,10 @@ def profile_prefill(model, name: str, length: int, top: int) -> None:
     pstats.Stats(python).sort_stats("tottime").print_stats(top)
 
 
-def replayed_ms(model, cache, token, steps: int) -> float:
-    """Wall ms per replayed step (captured anew first: a fresh decoder)."""
-    model.set_cuda_graph_decoding(True)
+def step_ms(model, cache, token, steps: int) -> float:
+    """Wall ms per decoding step over `steps` steps (CUDA events; the steps replay a graph captured earlier)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.no_grad():
-        for _ in range(3):  # capture, then warm
-            model(input_ids=token, cache=cache, use_cache=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
         for _ in range(steps):
@@ -128,6 +125,15 @@ def replayed_ms(model, cache, token, steps: int) -> float:
         end.record()
         torch.cuda.synchronize()
     return start.elapsed_time(end) / steps
+
+
+def replayed_ms(model, cache, token, steps: int) -> float:
+    """Wall ms per replayed step (captured anew first: a fresh decoder)."""
+    model.set_cuda_graph_decoding(True)
+    with torch.no_grad():
+        for _ in range(3):  # capture, then warm
+            model(input_ids=token, cache=cache, use_cache=True)
+    return step_ms(model, cache, token, steps)
 
 
 def compare_gemv(name: str, prompt: int, steps: int) -> None:
@@ -172,14 +178,7 @@ def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | No
         assert model._graph_decoder._graph is not None, "the step was not captured"
         for _ in range(3):
             model(input_ids=token, cache=cache, use_cache=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(steps):
-            model(input_ids=token, cache=cache, use_cache=True)
-        end.record()
-        torch.cuda.synchronize()
-        wall_ms = start.elapsed_time(end) / steps
+        wall_ms = step_ms(model, cache, token, steps)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
