@@ -385,8 +385,21 @@ def test_distributed_buffer_length_checked_before_the_stage_table(copy_of):
 def test_hf_sizes_checked_against_tensors(copy_of, field, value, fragments):
     folder = copy_of("hf")
     edit_json(folder / "config.json", lambda c: c.update({field: value, "num_key_value_heads": 1}))
-    with bounded(megabytes=256):  # the 1M-entry layer_types file itself is 17 MB of JSON
+    # the 1M-entry layer_types file itself is 17 MB of JSON, whose mere parse under tracemalloc takes 0.8 s on a CI
+    # core (0.13 s without): the refusal may cost two parses of it, and 1 s at least (the other cases' bound)
+    with bounded(seconds=max(1.0, 2 * _traced_parse_seconds(folder / "config.json")), megabytes=256):
         refused(folder, "hf", *fragments)
+
+
+def _traced_parse_seconds(path: Path) -> float:
+    """Seconds json.loads of `path` takes under tracemalloc on this machine (what `bounded` times with)."""
+    text = path.read_text()
+    tracemalloc.start()
+    started = time.perf_counter()
+    json.loads(text)
+    elapsed = time.perf_counter() - started
+    tracemalloc.stop()
+    return elapsed
 
 
 def write_raw_safetensors(path: Path, header_length: int, header: bytes, data: bytes = b"") -> None:
