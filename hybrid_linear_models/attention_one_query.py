@@ -28,11 +28,11 @@ ONE_QUERY_DEVICES = ("cuda",)
 def one_query_applies(query: torch.Tensor, attention_mask, implementation: str) -> bool:
     """Whether a step whose rows share their mask (the caller knows: see the module docstring) may attend by
     `one_query_attention`: sdpa chosen (eager keeps its own math and returns weights), a device that takes it, and a
-    mask that is a tensor with one query row, or none."""
+    mask that is a tensor with one query row and one head (broadcast over all), or none."""
     if implementation != "sdpa" or query.device.type not in ONE_QUERY_DEVICES:
         return False
     return attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4
-                                      and attention_mask.shape[-2] == 1)
+                                      and attention_mask.shape[1] == 1 and attention_mask.shape[-2] == 1)
 
 
 @functools.cache

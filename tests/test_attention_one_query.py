@@ -80,6 +80,7 @@ def test_applies_only_to_sdpa_on_the_listed_devices_with_one_mask_row(monkeypatc
     assert one_query_applies(query, one_row, "sdpa") and one_query_applies(query, None, "sdpa")
     assert not one_query_applies(query, one_row, "eager")
     assert not one_query_applies(query, two_rows, "sdpa")
+    assert not one_query_applies(query, torch.zeros(1, 4, 1, 5), "sdpa")  # a mask per head
     assert not one_query_applies(query, object(), "sdpa")  # a described mask (sliding windows' blocks)
 
 
