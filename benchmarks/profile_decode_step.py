@@ -73,14 +73,7 @@ def profile_prefill(model, name: str, length: int, top: int) -> None:
     with torch.no_grad():
         for _ in range(2):
             prefill()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(3):
-            prefill()
-        end.record()
-        torch.cuda.synchronize()
-        wall_ms = start.elapsed_time(end) / 3
+        wall_ms = timed_ms(prefill, 3)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 prefill()
@@ -114,17 +107,22 @@ def profile_prefill(model, name: str, length: int, top: int) -> None:
     pstats.Stats(python).sort_stats("tottime").print_stats(top)
 
 
-def step_ms(model, cache, token, steps: int) -> float:
-    """Wall ms per decoding step over `steps` steps (CUDA events; the steps replay a graph captured earlier)."""
+def timed_ms(run, repeats: int) -> float:
+    """Wall ms per call of run() over `repeats` calls, without gradients (CUDA events around them)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.no_grad():
         torch.cuda.synchronize()
         start.record()
-        for _ in range(steps):
-            model(input_ids=token, cache=cache, use_cache=True)
+        for _ in range(repeats):
+            run()
         end.record()
         torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    return start.elapsed_time(end) / repeats
+
+
+def step_ms(model, cache, token, steps: int) -> float:
+    """Wall ms per decoding step over `steps` steps (the steps replay a graph captured earlier)."""
+    return timed_ms(lambda: model(input_ids=token, cache=cache, use_cache=True), steps)
 
 
 def replayed_ms(model, cache, token, steps: int) -> float:

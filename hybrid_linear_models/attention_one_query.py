@@ -12,7 +12,8 @@ share a KV head are the rows of one matrix, so each KV head is read once, with n
 
 Every row of a KV head must see the same keys: one query position per row (T_q = 1, any G), or, for MLA's absorbed
 step, heads as rows of a single KV head (G = 1) under a mask with one query row: the caller knows which, and
-`one_query_applies` checks the rest. Takes transformers' attention-interface arguments and returns (output [B, T_q, H, dv], None).
+`one_query_applies` checks the rest. Takes transformers' attention-interface arguments and returns
+(output [B, T_q, H, dv], None).
 """
 
 from __future__ import annotations
