@@ -78,10 +78,12 @@ def _capable(device: torch.device) -> bool:
 _FAILED: dict = {}  # (weight shape, dtype, device) -> the error of the kernel's first try: cuBLAS from then on
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the Triton GEMV where `gemv_applies`. A kernel that fails (a GPU or triton
+def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(input, weight, bias), through the Triton GEMV where `gemv_applies`. A kernel that fails (a GPU or triton
     it cannot compile for) is not tried again for that shape, and one warning says so: the step is still captured,
-    with cuBLAS (the first try happens in the warm-up before a capture, never inside it)."""
+    with cuBLAS (the first try happens in the warm-up before a capture, never inside it). Arguments named as
+    F.linear's, so the mode passes a call's positional and keyword arguments through as they are."""
+    x = input
     key = (tuple(weight.shape), x.dtype, x.device)
     if key in _FAILED or not gemv_applies(x, weight, bias):
         return F.linear(x, weight, bias)
@@ -104,9 +106,7 @@ class DecodeGemvMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return decode_linear(x, weight, bias)
+            return decode_linear(*args, **kwargs)  # F.linear's own signature: (input, weight, bias=None)
         return func(*args, **kwargs)
 
 

@@ -51,7 +51,8 @@ def test_the_mode_routes_f_linear_and_nothing_else(stand_in):
     with torch.no_grad(), DecodeGemvMode():
         y = torch.nn.functional.linear(x, w)
         z = x @ w.T  # a matmul is no linear layer
-    assert stand_in == [(3, 8, 16)] and torch.equal(y, z)
+        by_name = torch.nn.functional.linear(input=x, weight=w, bias=None)
+    assert stand_in == [(3, 8, 16), (3, 8, 16)] and torch.equal(y, z) and torch.equal(by_name, z)
     assert decode_linear(x.reshape(3, 1, 16), w).shape == (3, 1, 8)
 
 
