@@ -5,10 +5,12 @@ time against the GPU's bandwidth. cuBLAS picks a kernel per problem layout: prof
 product running at 3.3 TB/s for one width and 0.33 TB/s for another (Kimi-Linear's shared expert, 1024 x 2048, 12.7
 us). For each weight shape of the benchmark models this times, in one run, CUDA-graph replays of:
 - linear: F.linear(x, W)  (cuBLAS, what nn.Linear does);
-- triton: this package's Triton GEMV (`kernels_gemv_triton`, what captured decoding steps run for weights of at most
-  `kernels_gemv.NARROW_OUTPUTS` rows), autotuned first;
-and prints microseconds per product, the share of `--bandwidth-gbs` (bf16) and which is faster. (Asking cuBLAS for
-the transposed product, (W @ x^T)^T, was measured too: the same kernels, the same times.)
+- triton: this package's Triton GEMV (`kernels_gemv_triton`: at batch 1 its one-row form, else its tl.dot form;
+  captured decoding steps run it within the widths of `kernels_gemv.WIDEST_OUTPUTS`), autotuned first;
+and prints microseconds per product, the share of `--bandwidth-gbs` (bf16) and which is faster. The "gathered" row is
+GDN's decoding input projection with its outputs regrouped (a permutation): F.linear then index_select against the
+kernel reading the weight rows in that order (`kernels_gemv.linear_rows`). (Asking cuBLAS for the transposed product,
+(W @ x^T)^T, was measured too: the same kernels, the same times.)
 
     python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800]
 """
@@ -28,8 +30,9 @@ SHAPES = {
     "mlp down": (2048, 5632), "attention qkv (gated)": (9216, 2048), "attention o_proj": (2048, 4096),
     "kda in (q,k,v,f,b,g)": (8448, 2048), "kda o_proj": (2048, 2048), "shared expert gate+up": (1024, 2048),
     "shared expert down": (2048, 512), "mla kv_a": (576, 2048), "mla q": (3072, 2048), "lm head": (32000, 2048),
+    "gdn in_proj, gathered": (12352, 2048),
 }
-FORMS = {"linear": lambda x, w: F.linear(x, w)}
+FORMS = {"linear": lambda x, w, rows: F.linear(x, w) if rows is None else F.linear(x, w).index_select(-1, rows)}
 
 
 def time_replays(fn, repeats: int) -> float:
@@ -53,6 +56,19 @@ def time_replays(fn, repeats: int) -> float:
     return start.elapsed_time(end) * 1e3 / repeats
 
 
+def tuned_config(batch: int) -> str:
+    """The configuration the Triton GEMV's autotuner chose last for this batch's form (BLOCK_N, BLOCK_K, warps,
+    stages), or '' without triton."""
+    try:
+        from hybrid_linear_models import kernels_gemv_triton as kernel
+    except ImportError:
+        return ""
+    config = getattr(kernel._tuned_one_row if batch == 1 else kernel._tuned_rows, "best_config", None)
+    if config is None:
+        return ""
+    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 16])
@@ -65,25 +81,26 @@ def main() -> None:
     from hybrid_linear_models.kernels_gemv import triton_gemv_kernel
 
     if triton_gemv_kernel() is not None:
-        FORMS["triton"] = lambda x, w: triton_gemv_kernel()(x, w, None)
+        FORMS["triton"] = lambda x, w, rows: triton_gemv_kernel()(x, w, None, rows)
     print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)
           + "  faster / linear")
     for name, (out, inp) in SHAPES.items():
         # several weights in turn, 4x the L2 cache together, so each product reads its weight from memory
         copies = max(1, int(4 * 50e6 // (out * inp * 2)) + 1)
         weights = [torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        rows = torch.randperm(out, device="cuda") if "gathered" in name else None
         for batch in args.batches:
             x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
             figures = {}
             for form, fn in FORMS.items():
-                calls = [lambda w=w, fn=fn: fn(x, w) for w in weights]
+                calls = [lambda w=w, fn=fn: fn(x, w, rows) for w in weights]
                 figures[form] = time_replays(lambda: [c() for c in calls], repeats=max(1, 200 // copies)) / copies
             bytes_read = out * inp * 2
             cells = " ".join(f"{us:>11.2f} {bytes_read / (us * 1e-6) / (args.bandwidth_gbs * 1e9):>6.1%}"
                              for us in figures.values())
             best = min(figures, key=figures.get)
             print(f"{name:24s} {f'{out}x{inp}':>12s} {batch:>5d} {cells}  {best} "
-                  f"{figures['linear'] / figures[best]:.2f}x")
+                  f"{figures['linear'] / figures[best]:.2f}x  {tuned_config(batch)}")
 
 
 if __name__ == "__main__":

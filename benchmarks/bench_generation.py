@@ -9,8 +9,10 @@ tokens, batch 1 and 16; ours with a static cache (captured CUDA graph per step),
 Prints tokens/s of the decoding phase, prefill tokens/s and the ratios; beside ours, the share of the weight-read
 limit (a step reads every weight once, and the caches: bytes per step / `--bandwidth-gbs`, 4800 GB/s for an H200,
 gives the fastest a batch can decode) and the kernels of one decoding step (on CUDA: counted by torch.profiler over
-one replayed step, graph replays included). Then prefill alone at batch 1 for each of `--prefill-lengths` (default
-1024 and 8192 on a GPU), ours against transformers, with each one's peak memory.
+one replayed step, graph replays included) and the tokens/s of the step alone (back-to-back replays, outside
+`generate`: what separates it from the decoding figure is host work in generate's loop). Then prefill alone at
+batch 1 for each of `--prefill-lengths` (default 1024 and 8192 on a GPU), ours against transformers, with each one's
+peak memory.
 
     python benchmarks/bench_generation.py [--device cuda] [--tiny] [--bandwidth-gbs 4800] [--prefill-lengths 1024 8192]
 """
@@ -120,6 +122,26 @@ def kernels_per_step(model, input_ids, new_tokens: int) -> str:
         model.set_cuda_graph_decoding(True)
 
 
+def step_alone_tok_s(model, input_ids, steps: int = 64) -> str:
+    """Tokens/s of the decoding step by itself on CUDA with a static cache (model calls back to back: replays of the
+    captured graph), without `generate`'s loop around it; 'n/a' off CUDA. Against the decoding figure: the rest of
+    generate's time per token is host work the GPU waits for (transformers' loop reads each step's tokens on the
+    host, so the host work between that read and the next replay is not overlapped)."""
+    if input_ids.device.type != "cuda":
+        return "n/a"
+    cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + steps + 2)
+    token = input_ids[:, -1:]
+    with torch.no_grad():
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+        model(input_ids=token, cache=cache, use_cache=True)  # captured here
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(input_ids=token, cache=cache, use_cache=True)
+        torch.cuda.synchronize()
+    return f"{input_ids.shape[0] * steps / (time.perf_counter() - start):.0f}"
+
+
 def prefill(models: dict, lengths, repeats: int, device) -> None:
     """Batch-1 prefill (the prompt's forward with a cache, only the last token's logits, as `generate` runs it):
     tokens/s of each model and their ratio, with each one's peak memory on CUDA."""
@@ -156,7 +178,8 @@ def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, rep
     print(f"\n{name}: ours {count_parameters(ours) / 1e6:.1f}M params, transformers "
           f"{count_parameters(theirs) / 1e6:.1f}M params, {dtype}, prompt {prompt}, {new_tokens} new tokens")
     print(f"{'batch':>5} {'ours tok/s':>11} {'theirs tok/s':>13} {'ratio':>6} | {'ours prefill':>12} "
-          f"{'theirs prefill':>14} {'ratio':>6} | {'limit tok/s':>11} {'share':>6} {'kernels/step':>20}")
+          f"{'theirs prefill':>14} {'ratio':>6} | {'limit tok/s':>11} {'share':>6} {'kernels/step':>20} "
+          f"{'step alone':>10}")
     rows = []
     for batch in batches:
         input_ids = torch.randint(1, ours.config.vocab_size, (batch, prompt),
@@ -169,11 +192,13 @@ def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, rep
         rows.append((batch, a, b))
         # the limit at the mean context of the decoding phase (bytes per step over the bandwidth, times the batch)
         limit = batch * bandwidth_gbs * 1e9 / bytes_per_step(ours, batch, prompt + new_tokens // 2)
-        kernels = kernels_per_step(ours, input_ids, new_tokens) if ours_kwargs.get("static") else "n/a"
+        static = ours_kwargs.get("static")
+        kernels = kernels_per_step(ours, input_ids, new_tokens) if static else "n/a"
+        alone = step_alone_tok_s(ours, input_ids) if static else "n/a"
         print(f"{batch:>5} {a['decode_tok_s']:>11.1f} {b['decode_tok_s']:>13.1f} "
               f"{a['decode_tok_s'] / b['decode_tok_s']:>6.2f} | {a['prefill_tok_s']:>12.0f} "
               f"{b['prefill_tok_s']:>14.0f} {a['prefill_tok_s'] / b['prefill_tok_s']:>6.2f} | {limit:>11.0f} "
-              f"{a['decode_tok_s'] / limit:>6.1%} {kernels:>20}", flush=True)
+              f"{a['decode_tok_s'] / limit:>6.1%} {kernels:>20} {alone:>10}", flush=True)
     if prefill_lengths:
         prefill({"ours": ours, "transformers": theirs}, prefill_lengths, repeats, device)
     return rows

@@ -135,8 +135,9 @@ def replayed_ms(model, cache, token, steps: int) -> float:
 
 
 def compare_gemv(name: str, prompt: int, steps: int) -> None:
-    """The same model and cache, its step captured with the narrow GEMVs on cuBLAS and on the Triton kernel
-    (kernels_gemv), in turn (A B A B): wall ms per replayed step of each."""
+    """The same model and cache, its step captured with its GEMVs on cuBLAS (and GDN's gather after its input
+    projection) and with the Triton kernel where kernels_gemv takes it, in turn (A B A B): wall ms per replayed step of
+    each."""
     from hybrid_linear_models import kernels_gemv
 
     torch.manual_seed(0)
@@ -146,17 +147,18 @@ def compare_gemv(name: str, prompt: int, steps: int) -> None:
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 * (3 + steps) + 1)
     with torch.no_grad():
         model(input_ids=input_ids, cache=cache, use_cache=True)
-    narrow, times = kernels_gemv.NARROW_OUTPUTS, {"cuBLAS": [], "triton": []}
+    devices, times = kernels_gemv.GEMV_DEVICE_TYPES, {"cuBLAS": [], "triton": []}
     try:
         for _ in range(2):
-            for kind, limit in (("cuBLAS", 0), ("triton", narrow)):
-                kernels_gemv.NARROW_OUTPUTS = limit
+            for kind, types in (("cuBLAS", ()), ("triton", devices)):
+                kernels_gemv.GEMV_DEVICE_TYPES = types
                 times[kind].append(replayed_ms(model, cache, input_ids[:, -1:], steps))
     finally:
-        kernels_gemv.NARROW_OUTPUTS = narrow
+        kernels_gemv.GEMV_DEVICE_TYPES = devices
     best = {kind: min(values) for kind, values in times.items()}
-    print(f"\n{name}: replayed step, narrow GEMVs (<= {narrow} outputs) on cuBLAS {best['cuBLAS']:.3f} ms, on the "
-          f"Triton GEMV {best['triton']:.3f} ms: {best['cuBLAS'] / best['triton']:.3f}x (each the best of 2)")
+    print(f"\n{name}: replayed step, GEMVs on cuBLAS {best['cuBLAS']:.3f} ms, on the Triton GEMV where it is taken "
+          f"(widths {kernels_gemv.WIDEST_OUTPUTS}) {best['triton']:.3f} ms: {best['cuBLAS'] / best['triton']:.3f}x "
+          "(each the best of 2)")
     del model, cache
     torch.cuda.empty_cache()
 

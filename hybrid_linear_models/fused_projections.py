@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .derived_weights import SharedRows
+from .kernels_gemv import linear_rows
 from .tensor_parallel_heads import device_mesh
 
 
@@ -55,8 +56,11 @@ class FusedProjections:
         biases = [m.bias is not None for m in linears]
         return all(biases) or not any(biases)
 
-    def __call__(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor:
-        """[... , sum of the layers' out_features]: x through every layer, side by side (check `applies` first)."""
+    def __call__(self, x: torch.Tensor, linears: Sequence[nn.Module], rows: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """[... , sum of the layers' out_features]: x through every layer, side by side (check `applies` first);
+        with `rows`, only those outputs, in that order (`kernels_gemv.linear_rows`: a captured decoding step reads
+        the stacked weight's rows in that order instead of gathering the outputs)."""
         weight = self._weight.get([m.weight for m in linears])
         bias = self._bias.get([m.bias for m in linears]) if linears[0].bias is not None else None
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if rows is None else linear_rows(x, weight, bias, rows)

@@ -1,15 +1,18 @@
-"""The linear layers of a captured decoding step: narrow bf16/fp16 GEMVs go to a Triton kernel of this package.
+"""The linear layers of a captured decoding step: bf16/fp16 GEMVs go to a Triton kernel of this package.
 
 At batch 1 to 16 a linear layer reads its weight once and does little else, so it should run at the memory bandwidth.
 cuBLAS does for wide outputs, but not for narrow ones: on an H200 (`benchmarks/bench_decode_gemv.py`, bf16, batch 1)
 the GEMVs with 2,048 outputs (GDN's out_proj, the MLPs' down_proj, the attention's o_proj) ran at 29-43% of 4.8 TB/s,
-MLA's 576-wide kv_a at 8% and a 1,024-wide shared expert at 7%, against 65-79% for outputs of 8k and more. Weights of
-at most `NARROW_OUTPUTS` rows therefore run through `kernels_gemv_triton.triton_gemv` (float32 accumulation, as
+MLA's 576-wide kv_a at 8% and a 1,024-wide shared expert at 7%, against 65-80% for outputs of 8k and more. The
+products within `WIDEST_OUTPUTS` therefore run through `kernels_gemv_triton.triton_gemv` (float32 accumulation, as
 cuBLAS's; the sums are ordered differently, so results agree to rounding). Measured side by side (same run, H200,
-bf16, batch 1 / 16): 1.07-1.16x cuBLAS for the 2,048-wide outputs, 1.22-1.29x for MLA's 576-wide kv_a, 2.5x / 1.15x
-for the 1,024-wide shared expert; MLA's 3,072-wide q was slower (0.89x) and every output of 8k and more too
-(0.75-0.96x), hence the limit of 2,048. A replayed step gained 1.6% (GDN) and 2.9% (Kimi-Linear) with its other
-kernels on the torch path (`profile_decode_step.py --gemv-ab`). It runs when:
+bf16): at batch 1 its one-row form beats cuBLAS on every shape of the benchmark models, 1.45-1.53x on the 2,048-wide
+outputs (out_proj 9.8 -> 6.4 us, 55% of the bandwidth; down 60%), 1.02-1.12x on the wide ones (in_proj, gate+up,
+q/k/v; the LM head 34.3 -> 31.3 us, 87%), 1.9x on MLA's kv_a, 3.8x on Kimi-Linear's shared expert; hence no width
+limit for one row. Its tl.dot form for 2 to 16 rows wins up to 2,048 outputs (1.1-1.16x) and loses beyond (0.8x on
+9,216), hence that limit. A replayed step (`profile_decode_step.py --gemv-ab`, the one-row form then limited to 2,048
+outputs): GDN 1.443 -> 1.236 ms (1.17x), KDA 1.264 -> 1.162 ms (1.09x); without the limit (`profile_decode_step.py`,
+another run) GDN 1.180 ms, KDA 1.108 ms. It runs when:
 - the input is CUDA bf16/fp16 with at most 16 rows and a unit stride along its features, the weight a plain 2-D tensor
   of the same dtype (a bias too, or none), no gradient wanted, triton importable, a GPU of compute capability 8.0 or
   later (a kernel that still fails to compile is dropped for that shape, with a warning: `decode_linear`);
@@ -17,6 +20,12 @@ kernels on the torch path (`profile_decode_step.py --gemv-ab`). It runs when:
   step it records): every `F.linear` of the step is looked at there, whichever module calls it (projections, LoRA
   layers' base weights, the LM head), and the graph replays the chosen kernels with no Python at all.
 Anything else keeps `F.linear`. The kernel is autotuned in the warm-up steps before the capture.
+
+`linear_rows(x, W, b, rows)` is F.linear followed by a gather of its outputs (GDN's decoding step regroups its fused
+input projection so): inside the mode one kernel reads the weight rows in the gathered order, and the gather, a kernel
+of its own otherwise, disappears (cuBLAS + gather 23.1 us, the kernel 14.1 us for GDN's 12,352 x 2,048). It takes part
+in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`), as torch's own functions do, so the mode
+sees it.
 """
 
 from __future__ import annotations
@@ -27,16 +36,19 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
 from .tensor_parallel_heads import device_mesh
 
 logger = logging.getLogger(__name__)
 
-NARROW_OUTPUTS = 2048  # out_features up to this go to the Triton GEMV (see the module docstring)
+# out_features (gathered outputs for `linear_rows`) up to which each form of the kernel is taken: "one_row" for x of
+# one row (batch-1 decoding), "rows" for 2 to MAX_ROWS rows; None: any width (see the module docstring)
+WIDEST_OUTPUTS: dict[str, int | None] = {"one_row": None, "rows": 2048}
 MAX_ROWS = 16  # rows of x (batch x tokens) the kernel takes
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 GEMV_DEVICE_TYPES = ("cuda",)  # tests add "cpu", with the kernel stood in
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @functools.cache
@@ -50,15 +62,28 @@ def triton_gemv_kernel():
     return triton_gemv
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether F.linear(x, weight, bias) may run as the Triton GEMV (the conditions of the module docstring)."""
+def _within_width(outputs: int, rows_of_x: int, gathered: bool) -> bool:
+    """A gather is always worth folding in (it is a kernel of its own otherwise); plain products only up to the
+    measured width of the form that serves them."""
+    widest = WIDEST_OUTPUTS["one_row" if rows_of_x == 1 else "rows"]
+    return gathered or widest is None or outputs <= widest
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 rows: torch.Tensor | None = None) -> bool:
+    """Whether F.linear(x, weight, bias)[..., rows] may run as the Triton GEMV (the conditions of the module
+    docstring)."""
     if x.device.type not in GEMV_DEVICE_TYPES or x.dtype not in GEMV_DTYPES or weight.dtype != x.dtype:
         return False
     if weight.dim() != 2 or weight.device != x.device or x.shape[-1] != weight.shape[1]:
         return False
-    if weight.shape[0] > NARROW_OUTPUTS:
+    rows_of_x = x.numel() // max(x.shape[-1], 1)
+    if rows_of_x > MAX_ROWS or x.stride(-1) != 1 or weight.stride(1) != 1:
         return False
-    if x.numel() // max(x.shape[-1], 1) > MAX_ROWS or x.stride(-1) != 1 or weight.stride(1) != 1:
+    if rows is not None and (rows.dtype not in INDEX_DTYPES or rows.dim() != 1 or rows.device != x.device
+                             or rows.stride(0) != 1):
+        return False
+    if not _within_width(weight.shape[0] if rows is None else rows.shape[0], rows_of_x, rows is not None):
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1):
         return False
@@ -75,38 +100,54 @@ def _capable(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-_FAILED: dict = {}  # (weight shape, dtype, device) -> the error of the kernel's first try: cuBLAS from then on
+_FAILED: dict = {}  # (weight shape, dtype, device, gathered) -> the first error: cuBLAS from then on
 
 
-def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(input, weight, bias), through the Triton GEMV where `gemv_applies`. A kernel that fails (a GPU or triton
-    it cannot compile for) is not tried again for that shape, and one warning says so: the step is still captured,
-    with cuBLAS (the first try happens in the warm-up before a capture, never inside it). Arguments named as
-    F.linear's, so the mode passes a call's positional and keyword arguments through as they are."""
+def _torch_linear_rows(x, weight, bias, rows):
+    out = F.linear(x, weight, bias)
+    return out if rows is None else out.index_select(-1, rows)
+
+
+def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(input, weight, bias) (its outputs `rows` when given), through the Triton GEMV where `gemv_applies`.
+    A kernel that fails (a GPU or triton it cannot compile for) is not tried again for that shape, and one warning
+    says so: the step is still captured, with cuBLAS (the first try happens in the warm-up before a capture, never
+    inside it). Arguments named as F.linear's, so the mode passes a call's positional and keyword arguments through
+    as they are."""
     x = input
-    key = (tuple(weight.shape), x.dtype, x.device)
-    if key in _FAILED or not gemv_applies(x, weight, bias):
-        return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
+    key = (tuple(weight.shape), x.dtype, x.device, rows is not None)
+    if key in _FAILED or not gemv_applies(x, weight, bias, rows):
+        return _torch_linear_rows(x, weight, bias, rows)
+    flat = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
     try:
-        out = triton_gemv_kernel()(rows, weight, bias)
+        out = triton_gemv_kernel()(flat, weight, bias, rows)
     except Exception as error:  # compilation or launch failure
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
         _FAILED[key] = error
         logger.warning(f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight ({type(error).__name__}: "
                        f"{str(error)[:200]}); that product runs through cuBLAS")
-        return F.linear(x, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+        return _torch_linear_rows(x, weight, bias, rows)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(input, weight, bias).index_select(-1, rows): the outputs `rows` (int32/int64, 1-D), in that order.
+    Inside `DecodeGemvMode` one GEMV kernel reads the weight rows in that order (see the module docstring)."""
+    if has_torch_function_variadic(input, weight, bias, rows):
+        return handle_torch_function(linear_rows, (input, weight, bias, rows), input, weight, bias=bias, rows=rows)
+    return _torch_linear_rows(input, weight, bias, rows)
 
 
 class DecodeGemvMode(TorchFunctionMode):
-    """Sends the F.linear calls made while it is active through `decode_linear`."""
+    """Sends the F.linear and `linear_rows` calls made while it is active through `decode_linear`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
-            return decode_linear(*args, **kwargs)  # F.linear's own signature: (input, weight, bias=None)
+        if func is F.linear or func is linear_rows:
+            return decode_linear(*args, **kwargs)  # F.linear's own signature: (input, weight, bias=None), + rows
         return func(*args, **kwargs)
 
 

@@ -1,11 +1,19 @@
-"""A Triton GEMV for decoding steps: y = x W^T (+ b) for x of at most 16 rows, bf16/fp16, float32 accumulation.
+"""A Triton GEMV for decoding steps: y = x W[rows]^T (+ b[rows]) for x of at most 16 rows, bf16/fp16, float32 sums.
 
 Imported only for CUDA tensors (`kernels_gemv`), since importing triton needs a GPU driver. Each program owns BLOCK_N
-output columns (weight rows) and streams their K inputs in BLOCK_K slices, software-pipelined by `num_stages`, with no
-split over K: the weight is read once, at full width per row, and no second kernel reduces or casts partial sums. The
-rows of x are padded to 16 (masked loads) so one `tl.dot` multiplies a slice on the tensor cores: the padding costs no
-memory traffic, and a GEMV is bound by the weight's read. Configurations are autotuned per (N, K) on first use (in the
-warm-up steps before a CUDA graph is captured, never inside the capture).
+output columns (weight rows, optionally picked through an index: a gather of the product's outputs costs nothing
+here, since the weight rows are read whole in any order) and streams their K inputs in BLOCK_K slices; the weight is
+read once and no second kernel reduces or casts partial sums. Two forms of one kernel:
+- one row of x (batch-1 decoding): elementwise products accumulated in a [BLOCK_N, BLOCK_K] float32 tile, summed
+  over K once at the end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight then spreads over
+  hundreds of programs, several per SM, whose loads together keep enough bytes in flight to approach the bandwidth
+  (a 16-row `tl.dot` tile left 128 programs for 132 SMs, one weight block each: 41-46% of it);
+- up to 16 rows: the rows padded to 16 (masked loads, no memory traffic) so one `tl.dot` per slice runs on the tensor
+  cores, software-pipelined by `num_stages`.
+Configurations are autotuned per (N, K) on first use (in the warm-up steps before a CUDA graph is captured, never
+inside the capture). On an H200 the one-row form settled on BLOCK_N = 2, BLOCK_K = 1,024, 4 warps for nearly every
+weight of the benchmark models (`benchmarks/bench_decode_gemv.py` prints the choice): 1,024 programs for a 2,048-wide
+weight, each streaming two rows.
 """
 
 from __future__ import annotations
@@ -20,10 +28,15 @@ try:  # (in a try: transformers' remote-code check then does not require triton 
 except ImportError as error:
     raise ImportError("the Triton GEMV needs triton (a CUDA machine); decoding GEMVs run through cuBLAS") from error
 
-ROWS = 16  # x rows handled (padded to this many for tl.dot)
+ROWS = 16  # x rows handled by the tl.dot form (padded to this many)
 
 # few configurations: each is compiled on first use, in the first capture's warm-up (about a second each)
-_CONFIGS = [
+_ONE_ROW_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in ((2, 1024, 4, 1), (2, 2048, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1), (4, 2048, 8, 1),
+                       (4, 512, 4, 3), (8, 512, 4, 1), (8, 256, 2, 1), (16, 256, 4, 1), (16, 512, 8, 1))
+]
+_ROWS_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in ((16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (16, 256, 8, 4), (32, 256, 4, 3),
                        (32, 128, 8, 4))
@@ -31,37 +44,63 @@ _CONFIGS = [
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = cols < N
+    if HAS_INDEX:  # output column j is weight row index[j]
+        w_rows = tl.load(index_ptr + cols, mask=in_range, other=0).to(tl.int64)
+    else:
+        w_rows = cols.to(tl.int64)
     rows = tl.arange(0, ROWS)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
-                    mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+    if ROWS == 1:
+        tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
+                        mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
+            tile += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(tile, axis=1)[None, :]
+    else:
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                        mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
+                        mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
+            acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + w_rows, mask=in_range, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+             mask=(rows[:, None] < M) & in_range[None, :])
 
 
-_tuned_kernel = triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_BIAS"])(_gemv_kernel)
+_KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX"]
+_tuned_one_row = triton.autotune(configs=_ONE_ROW_CONFIGS, key=_KEY)(_gemv_kernel)
+_tuned_rows = triton.autotune(configs=_ROWS_CONFIGS, key=_KEY)(_gemv_kernel)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one fixed configuration, no timing
 
 
-def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (M <= ROWS, unit stride along K), weight [N, K] (unit stride along K), bias [N] or None, one dtype:
-    [M, N] in x's dtype (see the module docstring)."""
+def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                rows: torch.Tensor | None = None, blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= ROWS, unit stride along K), weight [W, K] (unit stride along K), bias [W] or None, one dtype,
+    rows [N] (int32/int64 indices into W) or None for all W rows in order: [M, N] in x's dtype, column j the product
+    with weight row rows[j] (see the module docstring). `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of
+    the autotuned one (tests; BLOCK_N >= 16 for more than one row); triton's interpreter runs (16, 128) by default."""
     M, K = x.shape
-    N = weight.shape[0]
+    N = weight.shape[0] if rows is None else rows.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    args = (x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0))
-    if _INTERPRETED:
-        _gemv_kernel[(triton.cdiv(N, 16),)](*args, HAS_BIAS=bias is not None, ROWS=ROWS, BLOCK_N=16, BLOCK_K=128)
+    args = (x, weight, bias if bias is not None else weight, rows if rows is not None else weight, y, M, N, K,
+            x.stride(0), weight.stride(0), y.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, ROWS=1 if M == 1 else ROWS)
+    if blocks is None and _INTERPRETED:
+        blocks = (16, 128)
+    if blocks is not None:
+        _gemv_kernel[(triton.cdiv(N, blocks[0]),)](*args, **flags, BLOCK_N=blocks[0], BLOCK_K=blocks[1])
     else:
-        _tuned_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, ROWS=ROWS)
+        tuned = _tuned_one_row if M == 1 else _tuned_rows
+        tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
     return y

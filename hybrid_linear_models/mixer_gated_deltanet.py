@@ -11,10 +11,11 @@ token, and a checkpoint that stores them in float32 keeps their values (a bf16 o
 head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads: under tensor parallelism a
 rank computes a block of key heads with their value heads (see `tensor_parallel_heads`).
 
-A decoding step (one token per row, no gradient) runs both projections as one GEMM (`fused_projections`) and one
-gather regroups its output into the flat [q | k | v | z | b | a] the convolution, the gated norm and the delta rule
-read as contiguous slices (the grouped split would need a copy for z and for a); beta's sigmoid runs inside the
-recurrent kernel.
+A decoding step (one token per row, no gradient) runs both projections as one GEMM (`fused_projections`) whose
+outputs are taken in the flat order [q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as
+contiguous slices (the grouped split would need a copy for z and for a): a gather after the GEMM, or none in a
+captured step, whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`); beta's sigmoid
+runs inside the recurrent kernel.
 """
 
 from __future__ import annotations
@@ -96,12 +97,12 @@ class HybridLinearGatedDeltaNet(nn.Module):
         return self._channel_index[key]
 
     def _decoding_step(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None):
-        """One token per row, no gradient, all heads: the same math as `forward`, with one GEMM and one gather for
+        """One token per row, no gradient, all heads: the same math as `forward`, with one GEMM (and a gather) for
         the input projections (see the module docstring)."""
         B, T = hidden_states.shape[:2]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        projected = self._in_proj(hidden_states, (self.in_proj_qkvz, self.in_proj_ba))
-        flat = projected.index_select(-1, self._flat_decoding_channels(projected.device))
+        flat = self._in_proj(hidden_states, (self.in_proj_qkvz, self.in_proj_ba),
+                             rows=self._flat_decoding_channels(hidden_states.device))
         mixed, z, b, a = flat.split([2 * self.key_dim + self.value_dim, self.value_dim, nv, nv], dim=-1)
 
         def split(x):

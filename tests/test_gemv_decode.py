@@ -12,18 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_linear_models import kernels_gemv
-from hybrid_linear_models.kernels_gemv import DecodeGemvMode, decode_linear, gemv_applies
+from hybrid_linear_models.kernels_gemv import DecodeGemvMode, decode_linear, gemv_applies, linear_rows
 from model_helpers import greedy, replay_graphs_eagerly, tiny_model
 
 
 @pytest.fixture
 def stand_in(monkeypatch) -> list:
-    """The kernel stood in on the CPU by F.linear itself; returns the (rows, out, in) of each call it served."""
+    """The kernel stood in on the CPU by F.linear itself; returns the (rows of x, out, in) of each call it served,
+    with the gathered outputs' count appended for a call given `rows`."""
     calls: list = []
 
-    def kernel(rows, weight, bias):
-        calls.append((rows.shape[0], *weight.shape))
-        return F.linear(rows, weight, bias)
+    def kernel(x, weight, bias, rows=None):
+        calls.append((x.shape[0], *weight.shape) + (() if rows is None else (rows.shape[0],)))
+        out = F.linear(x, weight, bias)
+        return out if rows is None else out[:, rows]
 
     monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
@@ -37,7 +39,12 @@ def test_applies_to_narrow_half_precision_products_of_few_rows(stand_in):
     assert gemv_applies(x.half(), w.half(), None)
     assert not gemv_applies(x.float(), w.float(), None)  # float32 keeps cuBLAS (and its exactness tests)
     assert not gemv_applies(torch.zeros(17, 32, dtype=torch.bfloat16), w, None)  # more than 16 rows
-    assert not gemv_applies(x, torch.zeros(kernels_gemv.NARROW_OUTPUTS + 1, 32, dtype=torch.bfloat16), None)
+    wide = torch.zeros(kernels_gemv.WIDEST_OUTPUTS["rows"] + 1, 32, dtype=torch.bfloat16)
+    assert not gemv_applies(x, wide, None)  # wider than the limit of the form of two rows
+    assert gemv_applies(x[:1], wide, None) == (kernels_gemv.WIDEST_OUTPUTS["one_row"] is None)  # one row: any width
+    assert gemv_applies(x, wide, None, rows=torch.arange(4))  # a gather of outputs is always folded in
+    assert not gemv_applies(x, w, None, rows=torch.arange(4.0))  # a float index
+    assert not gemv_applies(x, w, None, rows=torch.arange(4).view(2, 2))
     assert not gemv_applies(x, torch.zeros(32, 64, dtype=torch.bfloat16).T, None)  # strided along K
     assert not gemv_applies(x, w, torch.zeros(64))  # a float32 bias
     grad_w = w.clone().requires_grad_()
@@ -59,7 +66,7 @@ def test_the_mode_routes_f_linear_and_nothing_else(stand_in):
 def test_a_kernel_that_fails_is_dropped_for_that_shape_with_one_warning(monkeypatch, caplog):
     tries = []
 
-    def broken(rows, weight, bias):
+    def broken(x, weight, bias, rows=None):
         tries.append(weight.shape)
         raise RuntimeError("no such instruction on this GPU")
 
@@ -73,11 +80,23 @@ def test_a_kernel_that_fails_is_dropped_for_that_shape_with_one_warning(monkeypa
     assert len(tries) == 1 and "runs through cuBLAS" in caplog.text and caplog.text.count("failed") == 1
 
 
+def test_linear_rows_is_the_linear_layer_then_a_gather_and_the_mode_folds_the_gather_in(stand_in):
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*shape, generator=g, dtype=torch.bfloat16) for shape in ((2, 1, 16), (10, 16), (10,)))
+    index = torch.tensor([7, 0, 0, 9, 3])  # any order, repeats allowed
+    expected = F.linear(x, w, b)[..., index]
+    assert torch.equal(linear_rows(x, w, b, index), expected) and stand_in == []  # no mode: F.linear, index_select
+    with torch.no_grad(), DecodeGemvMode():
+        folded = linear_rows(x, w, bias=b, rows=index)
+    assert stand_in == [(2, 10, 16, 5)] and torch.equal(folded, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
-    """Every linear layer of the tiny model is narrow (<= NARROW_OUTPUTS outputs): in bf16 each of them, the LM head
-    included, runs through the kernel in the captured step (recorded once: the replays run no Python on a GPU), in
-    float32 none does; the tokens and logits are those of decoding without graphs (the stand-in is F.linear)."""
+    """Every linear layer of the tiny model is narrow (within WIDEST_OUTPUTS): in bf16 each of them, the LM head
+    included, runs through the kernel in the captured step (recorded once: the replays run no Python on a GPU), GDN's
+    input projection with its outputs gathered in the kernel; in float32 none does; the tokens and logits are those of
+    decoding without graphs (the stand-in is F.linear)."""
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "mla_attention"],
                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8).to(dtype).eval()
     input_ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(2))
@@ -90,6 +109,9 @@ def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, 
     else:
         assert (2, vocab, hidden) in stand_in  # the LM head of a batch of 2
         assert (2, hidden, model.config.intermediate_size) in stand_in  # the MLPs' down_proj
+        gdn = model.model.layers[0].linear_attn
+        stacked = gdn.in_proj_qkvz.out_features + gdn.in_proj_ba.out_features
+        assert (2, stacked, hidden, stacked) in stand_in  # in_proj_qkvz and in_proj_ba, regrouped in the kernel
     model.set_cuda_graph_decoding(False)
     eager = greedy(model, input_ids, cache_implementation="static")
     assert torch.equal(graphed.sequences, eager.sequences)
@@ -105,14 +127,17 @@ def _runs_the_kernel() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _runs_the_kernel(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300)])
+@pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300), (2, 40, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_against_float64(shape, dtype, bias):
+@pytest.mark.parametrize("gathered", [False, True])
+def test_kernel_against_float64(shape, dtype, bias, gathered):
     """float32 accumulation of half-precision products, then one rounding to the output dtype: within the output's
     rounding (unit roundoff: bf16 2^-8, its 8 significant bits; fp16 2^-11) plus float32 summation error (K * 2^-24,
-    at most 3.4e-4 here) of the largest |output|. (A first GPU run bounded bf16 by 2^-9, half its unit roundoff: its
-    bf16 cases failed and the fp16 ones passed; not re-run with the corrected bound.)"""
+    at most 3.4e-4 here) of the largest |output|; both forms (one row of x: elementwise products; more: tl.dot), with
+    the outputs in order or gathered through an index (reversed, a row repeated, one left out), each in two block
+    configurations (fixed: autotuning every case would take minutes of a GPU run). (A first GPU run bounded bf16 by
+    2^-9, half its unit roundoff: its bf16 cases failed and the fp16 ones passed.)"""
     if not torch.cuda.is_available() and dtype == torch.bfloat16:
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
@@ -123,8 +148,12 @@ def test_kernel_against_float64(shape, dtype, bias):
     x = torch.randn(rows, inp, generator=g).to(device, dtype)
     w = (torch.randn(out, inp, generator=g) / inp ** 0.5).to(device, dtype)
     b = torch.randn(out, generator=g).to(device, dtype) if bias else None
-    got = triton_gemv(x, w, b)
+    index = torch.cat([torch.arange(out - 1, 0, -1), torch.tensor([5])]).to(device) if gathered else None
     expected = x.double() @ w.double().T + (b.double() if bias else 0)
+    if gathered:
+        expected = expected[:, index]
     rounding = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype] + inp * 2 ** -24
-    assert got.dtype == dtype and got.shape == (rows, out)
-    assert (got.double() - expected).abs().max() <= rounding * expected.abs().max()
+    for blocks in ((16, 128), (4, 512) if rows == 1 else (32, 256)):  # (BLOCK_N, BLOCK_K); tl.dot needs BLOCK_N >= 16
+        got = triton_gemv(x, w, b, index, blocks=blocks)
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert (got.double() - expected).abs().max() <= rounding * expected.abs().max(), blocks

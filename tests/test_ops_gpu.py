@@ -127,8 +127,14 @@ def test_decode_path_matches_torch(kind):
 @pytest.mark.parametrize("decoding", [False, True], ids=["chunk", "recurrent"])
 def test_fused_gate_matches_torch_path(kind, decoding):
     """g as the gate's raw input with A_log and dt_bias (fla computes -exp(A_log) * softplus(g + dt_bias) inside its
-    chunk and recurrent kernels) against the torch path given the log decay computed beforehand: outputs, final
-    states, and (chunked) the gradients of the raw gate, A_log and dt_bias."""
+    chunk and recurrent kernels) against the log decay computed beforehand by `ops.gate_log_decay`: outputs, final
+    states and the raw gate's gradient against the torch path; (chunked) the gradients of A_log and dt_bias against
+    fla's own kernels given that log decay, with autograd through `gate_log_decay`.
+
+    A_log's and dt_bias's gradients are sums over every token of dg_t * dg_t/dparam: against the torch path, dg's TF32
+    error (F32_TOL of its largest value, `test_fla_matches_torch_path`) does not hold relative to the largest sum
+    where the terms cancel (an H200 run: two GDN heads of d(A_log) 1-3% off, the others 1e-4). Against fla unfused,
+    both sides run the same chunk kernels on the same inputs, so what differs is the fusion of the gate."""
     kda = kind == "kda"
     Hk, Hv, d = (4, 4, 64) if kda else (4, 8, 64)
     B, T = (3, 1) if decoding else (2, 500)
@@ -139,23 +145,24 @@ def test_fused_gate_matches_torch_path(kind, decoding):
     dt_bias = torch.randn(Hv * d if kda else Hv, generator=gen, device="cuda") - 2
     fn = ops.kimi_delta_rule if kda else ops.gated_delta_rule
     others = [inputs[n] for n in ("q", "k", "v")]
-    runs = []
-    for fused in (True, False):
+    runs = {}
+    for path in ("fused", "fla", "torch"):
         leaves = [x.clone().requires_grad_(not decoding) for x in (raw, A_log, dt_bias)]
         with torch.set_grad_enabled(not decoding):
-            if fused:
+            if path == "fused":
                 o, S = fn(*others, leaves[0], inputs["beta"], initial_state=inputs["initial_state"],
                           output_final_state=True, A_log=leaves[1], dt_bias=leaves[2])
             else:
-                g = ops.gate_log_decay(*leaves)
-                o, S = torch_path(*others, g, inputs["beta"], initial_state=inputs["initial_state"],
-                                  output_final_state=True)
+                o, S = (fn if path == "fla" else torch_path)(
+                    *others, ops.gate_log_decay(*leaves), inputs["beta"], initial_state=inputs["initial_state"],
+                    output_final_state=True)
             if not decoding:
                 (o.sum() + S.sum()).backward()
-        runs.append((o.detach(), S.detach(), [x.grad for x in leaves]))
-    (o, S, grads), (o_ref, S_ref, grads_ref) = runs
+        runs[path] = (o.detach(), S.detach(), [x.grad for x in leaves])
+    (o, S, grads), (o_ref, S_ref, grads_ref) = runs["fused"], runs["torch"]
     assert_close(o, o_ref, F32_TOL, f"{kind} fused-gate output")
     assert_close(S, S_ref, F32_TOL, f"{kind} fused-gate final state")
     if not decoding:
-        for name, got, ref in zip(("raw gate", "A_log", "dt_bias"), grads, grads_ref):
-            assert_close(got, ref, F32_TOL, f"{kind} d({name})")
+        assert_close(grads[0], grads_ref[0], F32_TOL, f"{kind} d(raw gate)")
+        for name, got, ref in zip(("A_log", "dt_bias"), grads[1:], runs["fla"][2][1:]):
+            assert_close(got, ref, F32_TOL, f"{kind} d({name}) against fla given the log decay")
