@@ -9,7 +9,9 @@ us). For each weight shape of the benchmark models this times, in one run, CUDA-
   captured decoding steps run it within the widths of `kernels_gemv.WIDEST_OUTPUTS`), autotuned first;
 and prints microseconds per product, the share of `--bandwidth-gbs` (bf16) and which is faster. The "gathered" row is
 GDN's decoding input projection with its outputs regrouped (a permutation): F.linear then index_select against the
-kernel reading the weight rows in that order (`kernels_gemv.linear_rows`). (Asking cuBLAS for the transposed product,
+kernel reading the weight rows in that order (`kernels_gemv.linear_rows`); the "with SwiGLU" row is the MLP's down
+projection of silu(gate) * up: SwiGLU's kernel (fla's where installed) then F.linear, against the kernel computing the
+activation as it loads [gate | up] (`kernels_gemv.swiglu_linear`). (Asking cuBLAS for the transposed product,
 (W @ x^T)^T, was measured too: the same kernels, the same times.)
 
     python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800]
@@ -30,9 +32,21 @@ SHAPES = {
     "mlp down": (2048, 5632), "attention qkv (gated)": (9216, 2048), "attention o_proj": (2048, 4096),
     "kda in (q,k,v,f,b,g)": (8448, 2048), "kda o_proj": (2048, 2048), "shared expert gate+up": (1024, 2048),
     "shared expert down": (2048, 512), "mla kv_a": (576, 2048), "mla q": (3072, 2048), "lm head": (32000, 2048),
-    "gdn in_proj, gathered": (12352, 2048),
+    "gdn in_proj, gathered": (12352, 2048), "mlp down, with SwiGLU": (2048, 5632),
 }
-FORMS = {"linear": lambda x, w, rows: F.linear(x, w) if rows is None else F.linear(x, w).index_select(-1, rows)}
+
+
+def _linear(x, w, rows, gated):
+    """What a decoding step runs without the Triton GEMV (cuBLAS; the gather or SwiGLU a kernel of its own)."""
+    if gated:
+        from hybrid_linear_models.block_ops import silu_and_mul  # (sys.path set in main)
+
+        x = silu_and_mul(*x.chunk(2, dim=-1))
+    out = F.linear(x, w)
+    return out if rows is None else out.index_select(-1, rows)
+
+
+FORMS = {"linear": _linear}
 
 
 def time_replays(fn, repeats: int) -> float:
@@ -81,7 +95,7 @@ def main() -> None:
     from hybrid_linear_models.kernels_gemv import triton_gemv_kernel
 
     if triton_gemv_kernel() is not None:
-        FORMS["triton"] = lambda x, w, rows: triton_gemv_kernel()(x, w, None, rows)
+        FORMS["triton"] = lambda x, w, rows, gated: triton_gemv_kernel()(x, w, None, rows, gated=gated)
     print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)
           + "  faster / linear")
     for name, (out, inp) in SHAPES.items():
@@ -89,11 +103,12 @@ def main() -> None:
         copies = max(1, int(4 * 50e6 // (out * inp * 2)) + 1)
         weights = [torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         rows = torch.randperm(out, device="cuda") if "gathered" in name else None
+        gated = "SwiGLU" in name
         for batch in args.batches:
-            x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(batch, inp * (2 if gated else 1), device="cuda", dtype=torch.bfloat16)
             figures = {}
             for form, fn in FORMS.items():
-                calls = [lambda w=w, fn=fn: fn(x, w, rows) for w in weights]
+                calls = [lambda w=w, fn=fn: fn(x, w, rows, gated) for w in weights]
                 figures[form] = time_replays(lambda: [c() for c in calls], repeats=max(1, 200 // copies)) / copies
             bytes_read = out * inp * 2
             cells = " ".join(f"{us:>11.2f} {bytes_read / (us * 1e-6) / (args.bandwidth_gbs * 1e9):>6.1%}"

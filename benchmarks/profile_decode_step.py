@@ -13,10 +13,14 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 - with `--prefill N ...`, the same accounting for uncaptured batch-1 prefills of N tokens (wall against kernel time:
   how much of a prefill is host launch overhead rather than GPU work);
 - with `--gemv-ab`, instead, each model's replayed step captured with its narrow GEMVs on cuBLAS and on this
-  package's Triton GEMV in turn (kernels_gemv), wall ms per step of each, in one run.
+  package's Triton GEMV in turn (kernels_gemv), wall ms per step of each, in one run;
+- with `--generate N`, instead, batch-1 `generate(..., cache=<static cache>)` of N new tokens against the step alone:
+  ms per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel
+  time, its kernels (the graph's and those outside it), and the host time from the end of each synchronisation
+  (transformers' loop reads each step's tokens on the host) to the next graph launch, which the GPU waits for.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
-        [--trace DIR] [--prefill 1024 8192]
+        [--trace DIR] [--prefill 1024 8192] [--gemv-ab] [--generate 64]
 """
 
 from __future__ import annotations
@@ -163,6 +167,55 @@ def compare_gemv(name: str, prompt: int, steps: int) -> None:
     torch.cuda.empty_cache()
 
 
+def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
+    """Batch-1 generate with a static cache against its step alone (see the module docstring)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
+    input_ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+    cache = StaticCache(config=model.config, max_cache_len=prompt + max(tokens, steps + 8) + 1)
+
+    def run(new: int):
+        cache.reset()
+        model.generate(input_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, cache=cache)
+
+    with torch.no_grad():
+        run(4)  # captured here, then warm
+        first = min(timed_ms(lambda: run(1), 1) for _ in range(3))
+        whole = min(timed_ms(lambda: run(tokens), 1) for _ in range(3))
+        per_token = (whole - first) / (tokens - 1)
+        cache.reset()
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+        alone = step_ms(model, cache, input_ids[:, -1:], steps)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(tokens)
+            torch.cuda.synchronize()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    launches = [e for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name]
+    syncs = [e for e in events if e.device_type == DeviceType.CPU and "Synchronize" in e.name]
+    if len(launches) < 2:
+        print(f"\n{name}: generate ran {len(launches)} graph launches: not a captured decoding loop")
+        return
+    start, end = launches[0].time_range.start, launches[-1].time_range.start  # tokens 2 .. N-1: whole loop turns
+    turns = len(launches) - 1
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and start <= e.time_range.start < end]
+    gaps = []
+    for launch in launches[1:]:
+        before = [s.time_range.end for s in syncs if s.time_range.end <= launch.time_range.start]
+        if before:
+            gaps.append(launch.time_range.start - before[-1])
+    busy = sum(e.device_time_total for e in kernels) / 1e3 / turns
+    host = sum(gaps) / len(gaps) / 1e3 if gaps else float("nan")
+    print(f"\n{name}: generate, batch 1, prompt {prompt}, {tokens} new tokens: {per_token:.3f} ms per token "
+          f"({1e3 / per_token:.0f} tok/s) against the step alone {alone:.3f} ms ({1e3 / alone:.0f} tok/s); per token "
+          f"in generate's loop (profiled): GPU kernels {busy:.3f} ms, {len(kernels) / turns:.0f} kernels, host from "
+          f"a synchronisation's end to the next graph launch {host:.3f} ms ({len(syncs)} synchronisations for "
+          f"{len(launches)} launches)")
+
+
 def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,
                   prefills: tuple[int, ...] = ()) -> None:
     torch.manual_seed(0)
@@ -214,7 +267,9 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, default=None, help="folder for each model's kernels of one step")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="also profile prefills of these lengths")
     parser.add_argument("--gemv-ab", action="store_true",
-                        help="instead: each model's replayed step, narrow GEMVs on cuBLAS against the Triton GEMV")
+                        help="instead: each model's replayed step, GEMVs on cuBLAS against the Triton GEMV")
+    parser.add_argument("--generate", type=int, default=0, metavar="N",
+                        help="instead: generate N new tokens at batch 1 against the step alone, and where it waits")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
@@ -223,6 +278,10 @@ def main() -> None:
         try:
             if args.gemv_ab:
                 compare_gemv(name, args.prompt, args.steps)
+                continue
+            if args.generate:
+                profile_generate(name, args.prompt, args.generate, args.steps)
+                torch.cuda.empty_cache()
                 continue
             profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill))
         except Exception as error:  # one model's failure must not cost the others' figures in a GPU call

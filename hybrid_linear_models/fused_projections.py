@@ -28,7 +28,9 @@ from .kernels_gemv import linear_rows
 from .tensor_parallel_heads import device_mesh
 
 
-def _plain(linear: nn.Module) -> bool:
+def is_plain_linear(linear: nn.Module) -> bool:
+    """An nn.Linear itself (no subclass, wrapper, hooks, replaced forward or sharded weight): its output is
+    F.linear(x, weight, bias), so a fused kernel may compute it."""
     return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
             and "forward" not in vars(linear) and device_mesh(linear.weight) is None)
 
@@ -47,7 +49,7 @@ class FusedProjections:
     def applies(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> bool:
         """Whether `__call__` may stack these projections for input x: no gradient wanted, no compiler tracing, plain
         layers on x's device and dtype, biases all or none."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(_plain(m) for m in linears):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(is_plain_linear(m) for m in linears):
             return False
         first = linears[0].weight
         if any(m.weight.device != x.device or m.weight.dtype != first.dtype or m.in_features != linears[0].in_features

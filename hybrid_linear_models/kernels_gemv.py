@@ -25,7 +25,8 @@ Anything else keeps `F.linear`. The kernel is autotuned in the warm-up steps bef
 input projection so): inside the mode one kernel reads the weight rows in the gathered order, and the gather, a kernel
 of its own otherwise, disappears (cuBLAS + gather 23.1 us, the kernel 14.1 us for GDN's 12,352 x 2,048). It takes part
 in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`), as torch's own functions do, so the mode
-sees it.
+sees it. `swiglu_linear(gate_up, W, b)` likewise is the gated MLP's silu(gate) * up then its down projection: inside
+the mode the kernel computes the activation as it loads its input, and SwiGLU's own kernel (one per MLP) disappears.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
+from .block_ops import silu_and_mul
 from .tensor_parallel_heads import device_mesh
 
 logger = logging.getLogger(__name__)
@@ -70,12 +72,12 @@ def _within_width(outputs: int, rows_of_x: int, gathered: bool) -> bool:
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 rows: torch.Tensor | None = None) -> bool:
-    """Whether F.linear(x, weight, bias)[..., rows] may run as the Triton GEMV (the conditions of the module
-    docstring)."""
+                 rows: torch.Tensor | None = None, gated: bool = False) -> bool:
+    """Whether F.linear(x, weight, bias)[..., rows] (of silu(gate) * up for x = [gate | up] when `gated`) may run as
+    the Triton GEMV (the conditions of the module docstring)."""
     if x.device.type not in GEMV_DEVICE_TYPES or x.dtype not in GEMV_DTYPES or weight.dtype != x.dtype:
         return False
-    if weight.dim() != 2 or weight.device != x.device or x.shape[-1] != weight.shape[1]:
+    if weight.dim() != 2 or weight.device != x.device or x.shape[-1] != weight.shape[1] * (2 if gated else 1):
         return False
     rows_of_x = x.numel() // max(x.shape[-1], 1)
     if rows_of_x > MAX_ROWS or x.stride(-1) != 1 or weight.stride(1) != 1:
@@ -100,35 +102,37 @@ def _capable(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-_FAILED: dict = {}  # (weight shape, dtype, device, gathered) -> the first error: cuBLAS from then on
+_FAILED: dict = {}  # (weight shape, dtype, device, gathered, gated) -> the first error: cuBLAS from then on
 
 
-def _torch_linear_rows(x, weight, bias, rows):
+def _torch_linear_rows(x, weight, bias, rows, gated=False):
+    if gated:
+        x = silu_and_mul(*x.chunk(2, dim=-1))
     out = F.linear(x, weight, bias)
     return out if rows is None else out.index_select(-1, rows)
 
 
 def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(input, weight, bias) (its outputs `rows` when given), through the Triton GEMV where `gemv_applies`.
-    A kernel that fails (a GPU or triton it cannot compile for) is not tried again for that shape, and one warning
-    says so: the step is still captured, with cuBLAS (the first try happens in the warm-up before a capture, never
-    inside it). Arguments named as F.linear's, so the mode passes a call's positional and keyword arguments through
-    as they are."""
+                  rows: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """F.linear(input, weight, bias) (its outputs `rows` when given; of silu(gate) * up for input = [gate | up] when
+    `gated`), through the Triton GEMV where `gemv_applies`. A kernel that fails (a GPU or triton it cannot compile
+    for) is not tried again for that shape, and one warning says so: the step is still captured, with cuBLAS (the
+    first try happens in the warm-up before a capture, never inside it). Arguments named as F.linear's, so the mode
+    passes a call's positional and keyword arguments through as they are."""
     x = input
-    key = (tuple(weight.shape), x.dtype, x.device, rows is not None)
-    if key in _FAILED or not gemv_applies(x, weight, bias, rows):
-        return _torch_linear_rows(x, weight, bias, rows)
+    key = (tuple(weight.shape), x.dtype, x.device, rows is not None, gated)
+    if key in _FAILED or not gemv_applies(x, weight, bias, rows, gated):
+        return _torch_linear_rows(x, weight, bias, rows, gated)
     flat = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
     try:
-        out = triton_gemv_kernel()(flat, weight, bias, rows)
+        out = triton_gemv_kernel()(flat, weight, bias, rows, gated=gated)
     except Exception as error:  # compilation or launch failure
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
         _FAILED[key] = error
         logger.warning(f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight ({type(error).__name__}: "
                        f"{str(error)[:200]}); that product runs through cuBLAS")
-        return _torch_linear_rows(x, weight, bias, rows)
+        return _torch_linear_rows(x, weight, bias, rows, gated)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -141,13 +145,24 @@ def linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return _torch_linear_rows(input, weight, bias, rows)
 
 
+def swiglu_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight, bias) for input = [gate | up] along its last dim (the gated MLP's down
+    projection of its fused gate and up projections). Inside `DecodeGemvMode` the activation is computed by the GEMV
+    kernel as it loads its input (see the module docstring); elsewhere by `block_ops.silu_and_mul`."""
+    if has_torch_function_variadic(input, weight, bias):
+        return handle_torch_function(swiglu_linear, (input, weight, bias), input, weight, bias=bias)
+    return _torch_linear_rows(input, weight, bias, None, gated=True)
+
+
 class DecodeGemvMode(TorchFunctionMode):
-    """Sends the F.linear and `linear_rows` calls made while it is active through `decode_linear`."""
+    """Sends the F.linear, `linear_rows` and `swiglu_linear` calls made while it is active through `decode_linear`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear or func is linear_rows:
             return decode_linear(*args, **kwargs)  # F.linear's own signature: (input, weight, bias=None), + rows
+        if func is swiglu_linear:
+            return decode_linear(*args, **kwargs, gated=True)
         return func(*args, **kwargs)
 
 

@@ -1,5 +1,9 @@
 """A Triton GEMV for decoding steps: y = x W[rows]^T (+ b[rows]) for x of at most 16 rows, bf16/fp16, float32 sums.
 
+With GATED, x holds [gate | up] (twice the weight's width) and the product's input is SwiGLU's silu(gate) * up,
+computed as fla's SwiGLU kernel computes it (float32 gate * sigmoid(gate) * up, rounded once to x's dtype) while the
+slice is loaded: the gated MLP's down projection without a kernel of its own for the activation.
+
 Imported only for CUDA tensors (`kernels_gemv`), since importing triton needs a GPU driver. Each program owns BLOCK_N
 output columns (weight rows, optionally picked through an index: a gather of the product's outputs costs nothing
 here, since the weight rows are read whole in any order) and streams their K inputs in BLOCK_K slices; the weight is
@@ -44,9 +48,20 @@ _ROWS_CONFIGS = [
 
 
 @triton.jit
+def _load_input(x_ptr, offsets, mask, K, GATED: tl.constexpr):
+    """A slice of the product's input: x itself, or silu(gate) * up from x = [gate | up] (rounded as fla's SwiGLU
+    rounds its output)."""
+    if GATED:
+        gate = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + offsets, mask=mask, other=0.0).to(tl.float32)
+        return (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+    return tl.load(x_ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = cols < N
     if HAS_INDEX:  # output column j is weight row index[j]
@@ -58,7 +73,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
         tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+            x = _load_input(x_ptr, ks, ks < K, K, GATED)
             w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
                         mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
             tile += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -67,8 +82,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                        mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+            x = _load_input(x_ptr, rows[:, None] * stride_xm + ks[None, :], (rows[:, None] < M) & (ks[None, :] < K),
+                            K, GATED)
             w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
                         mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
             acc += tl.dot(x, tl.trans(w))
@@ -78,24 +93,26 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
              mask=(rows[:, None] < M) & in_range[None, :])
 
 
-_KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX"]
+_KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX", "GATED"]
 _tuned_one_row = triton.autotune(configs=_ONE_ROW_CONFIGS, key=_KEY)(_gemv_kernel)
 _tuned_rows = triton.autotune(configs=_ROWS_CONFIGS, key=_KEY)(_gemv_kernel)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one fixed configuration, no timing
 
 
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                rows: torch.Tensor | None = None, blocks: tuple[int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (M <= ROWS, unit stride along K), weight [W, K] (unit stride along K), bias [W] or None, one dtype,
-    rows [N] (int32/int64 indices into W) or None for all W rows in order: [M, N] in x's dtype, column j the product
-    with weight row rows[j] (see the module docstring). `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of
-    the autotuned one (tests; BLOCK_N >= 16 for more than one row); triton's interpreter runs (16, 128) by default."""
-    M, K = x.shape
+                rows: torch.Tensor | None = None, blocks: tuple[int, int] | None = None,
+                gated: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= ROWS, unit stride along K; [M, 2K] holding [gate | up] when `gated`), weight [W, K] (unit stride
+    along K), bias [W] or None, one dtype, rows [N] (int32/int64 indices into W) or None for all W rows in order:
+    [M, N] in x's dtype, column j the product with weight row rows[j] (see the module docstring). `blocks` (BLOCK_N,
+    BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for more than one row);
+    triton's interpreter runs (16, 128) by default."""
+    M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0] if rows is None else rows.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     args = (x, weight, bias if bias is not None else weight, rows if rows is not None else weight, y, M, N, K,
             x.stride(0), weight.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, ROWS=1 if M == 1 else ROWS)
+    flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, GATED=gated, ROWS=1 if M == 1 else ROWS)
     if blocks is None and _INTERPRETED:
         blocks = (16, 128)
     if blocks is not None:

@@ -12,19 +12,22 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_linear_models import kernels_gemv
-from hybrid_linear_models.kernels_gemv import DecodeGemvMode, decode_linear, gemv_applies, linear_rows
+from hybrid_linear_models.block_ops import silu_and_mul
+from hybrid_linear_models.kernels_gemv import DecodeGemvMode, decode_linear, gemv_applies, linear_rows, swiglu_linear
 from model_helpers import greedy, replay_graphs_eagerly, tiny_model
 
 
 @pytest.fixture
 def stand_in(monkeypatch) -> list:
-    """The kernel stood in on the CPU by F.linear itself; returns the (rows of x, out, in) of each call it served,
-    with the gathered outputs' count appended for a call given `rows`."""
+    """The kernel stood in on the CPU by F.linear itself (after silu_and_mul for a gated call); returns the (rows of x,
+    out, in) of each call it served, with the gathered outputs' count appended for a call given `rows` and "gated"
+    for a gated one."""
     calls: list = []
 
-    def kernel(x, weight, bias, rows=None):
-        calls.append((x.shape[0], *weight.shape) + (() if rows is None else (rows.shape[0],)))
-        out = F.linear(x, weight, bias)
+    def kernel(x, weight, bias, rows=None, gated=False):
+        calls.append((x.shape[0], *weight.shape) + (() if rows is None else (rows.shape[0],))
+                     + (("gated",) if gated else ()))
+        out = F.linear(silu_and_mul(*x.chunk(2, dim=-1)) if gated else x, weight, bias)
         return out if rows is None else out[:, rows]
 
     monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
@@ -66,7 +69,7 @@ def test_the_mode_routes_f_linear_and_nothing_else(stand_in):
 def test_a_kernel_that_fails_is_dropped_for_that_shape_with_one_warning(monkeypatch, caplog):
     tries = []
 
-    def broken(x, weight, bias, rows=None):
+    def broken(x, weight, bias, rows=None, gated=False):
         tries.append(weight.shape)
         raise RuntimeError("no such instruction on this GPU")
 
@@ -91,11 +94,24 @@ def test_linear_rows_is_the_linear_layer_then_a_gather_and_the_mode_folds_the_ga
     assert stand_in == [(2, 10, 16, 5)] and torch.equal(folded, expected)
 
 
+def test_swiglu_linear_is_the_gated_mlps_activation_then_its_down_projection(stand_in):
+    g = torch.Generator().manual_seed(4)
+    gate_up, w = torch.randn(2, 1, 32, generator=g, dtype=torch.bfloat16), torch.randn(8, 16, generator=g,
+                                                                                        dtype=torch.bfloat16)
+    expected = F.linear(silu_and_mul(gate_up[..., :16], gate_up[..., 16:]), w)
+    assert torch.equal(swiglu_linear(gate_up, w), expected) and stand_in == []  # no mode
+    with torch.no_grad(), DecodeGemvMode():
+        fused = swiglu_linear(gate_up, w)
+    assert stand_in == [(2, 8, 16, "gated")] and torch.equal(fused, expected)
+    assert gemv_applies(gate_up, w, None, gated=True) and not gemv_applies(gate_up[..., :24], w, None, gated=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
     """Every linear layer of the tiny model is narrow (within WIDEST_OUTPUTS): in bf16 each of them, the LM head
     included, runs through the kernel in the captured step (recorded once: the replays run no Python on a GPU), GDN's
-    input projection with its outputs gathered in the kernel; in float32 none does; the tokens and logits are those of
+    input projection with its outputs gathered in the kernel, the MLPs' down_proj with their SwiGLU; in float32 none
+    does; the tokens and logits are those of
     decoding without graphs (the stand-in is F.linear)."""
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "mla_attention"],
                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8).to(dtype).eval()
@@ -108,7 +124,7 @@ def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, 
         assert stand_in == []
     else:
         assert (2, vocab, hidden) in stand_in  # the LM head of a batch of 2
-        assert (2, hidden, model.config.intermediate_size) in stand_in  # the MLPs' down_proj
+        assert (2, hidden, model.config.intermediate_size, "gated") in stand_in  # the MLPs' SwiGLU and down_proj
         gdn = model.model.layers[0].linear_attn
         stacked = gdn.in_proj_qkvz.out_features + gdn.in_proj_ba.out_features
         assert (2, stacked, hidden, stacked) in stand_in  # in_proj_qkvz and in_proj_ba, regrouped in the kernel
@@ -130,14 +146,16 @@ def _runs_the_kernel() -> bool:
 @pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300), (2, 40, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("gathered", [False, True])
-def test_kernel_against_float64(shape, dtype, bias, gathered):
+@pytest.mark.parametrize("form", ["plain", "gathered", "gated"])
+def test_kernel_against_float64(shape, dtype, bias, form):
     """float32 accumulation of half-precision products, then one rounding to the output dtype: within the output's
-    rounding (unit roundoff: bf16 2^-8, its 8 significant bits; fp16 2^-11) plus float32 summation error (K * 2^-24,
+    rounding (unit roundoff u: bf16 2^-8, its 8 significant bits; fp16 2^-11) plus float32 summation error (K * 2^-24,
     at most 3.4e-4 here) of the largest |output|; both forms (one row of x: elementwise products; more: tl.dot), with
-    the outputs in order or gathered through an index (reversed, a row repeated, one left out), each in two block
-    configurations (fixed: autotuning every case would take minutes of a GPU run). (A first GPU run bounded bf16 by
-    2^-9, half its unit roundoff: its bf16 cases failed and the fp16 ones passed.)"""
+    the outputs in order, gathered through an index (reversed, a row repeated, one left out), or of SwiGLU's
+    silu(gate) * up (x = [gate | up]: that input is rounded to the dtype first, as fla's SwiGLU kernel rounds its
+    output, which adds u * sum_k |input_k w_nk| to the bound), each in two block configurations (fixed: autotuning
+    every case would take minutes of a GPU run). (A first GPU run bounded bf16 by 2^-9, half its unit roundoff: its
+    bf16 cases failed and the fp16 ones passed.)"""
     if not torch.cuda.is_available() and dtype == torch.bfloat16:
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
@@ -145,15 +163,22 @@ def test_kernel_against_float64(shape, dtype, bias, gathered):
     rows, out, inp = shape
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, inp, generator=g).to(device, dtype)
+    x = torch.randn(rows, inp * (2 if form == "gated" else 1), generator=g).to(device, dtype)
     w = (torch.randn(out, inp, generator=g) / inp ** 0.5).to(device, dtype)
     b = torch.randn(out, generator=g).to(device, dtype) if bias else None
-    index = torch.cat([torch.arange(out - 1, 0, -1), torch.tensor([5])]).to(device) if gathered else None
-    expected = x.double() @ w.double().T + (b.double() if bias else 0)
-    if gathered:
+    index = torch.cat([torch.arange(out - 1, 0, -1), torch.tensor([5])]).to(device) if form == "gathered" else None
+    product_input = x.double()
+    if form == "gated":
+        gate, up = product_input.chunk(2, dim=-1)
+        product_input = gate * torch.sigmoid(gate) * up
+    expected = product_input @ w.double().T + (b.double() if bias else 0)
+    if index is not None:
         expected = expected[:, index]
-    rounding = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype] + inp * 2 ** -24
+    unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    bound = (unit + inp * 2 ** -24) * expected.abs().max()
+    if form == "gated":
+        bound += (unit + inp * 2 ** -24) * (product_input.abs() @ w.double().abs().T).max()
     for blocks in ((16, 128), (4, 512) if rows == 1 else (32, 256)):  # (BLOCK_N, BLOCK_K); tl.dot needs BLOCK_N >= 16
-        got = triton_gemv(x, w, b, index, blocks=blocks)
+        got = triton_gemv(x, w, b, index, blocks=blocks, gated=form == "gated")
         assert got.dtype == dtype and got.shape == expected.shape
-        assert (got.double() - expected).abs().max() <= rounding * expected.abs().max(), blocks
+        assert (got.double() - expected).abs().max() <= bound, blocks
