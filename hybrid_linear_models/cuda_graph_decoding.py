@@ -24,6 +24,7 @@ update leaves them (keys in order, the newest last once full), so eager steps, p
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -45,11 +46,16 @@ class WindowSteps:
     (`prepare`), then read by the captured `mask` and `update`. width: the largest window buffer of the cache."""
 
     def __init__(self, cache: StaticCache, batch: int, device: torch.device):
-        self.layers = {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, StaticSlidingWindowLayer)}
+        self.bind(cache)
         self.width = max(layer.max_cache_len for layer in self.layers.values())
         self.index = torch.zeros((), dtype=torch.long, device=device)
         self.recent = torch.zeros(batch, self.width, dtype=torch.bool, device=device)
         self._offsets = torch.arange(self.width - 1, -1, -1, device=device)  # how far back each column of `recent` is
+
+    def bind(self, cache: StaticCache) -> None:
+        """The sliding-window layers of `cache`, whose host counters `advance` moves (a cache of the same layout as
+        the one captured: `CudaGraphDecoder._bind`)."""
+        self.layers = {i: layer for i, layer in enumerate(cache.layers) if isinstance(layer, StaticSlidingWindowLayer)}
 
     def prepare(self, past: int | torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Before a replay (host side): the step's cache index `past` and the row's real tokens. The mask of a
@@ -168,13 +174,24 @@ def _full_length(cache: StaticCache) -> int:
 
 
 class CudaGraphDecoder:
-    """Captures `model.model.decode_step` + the LM head for one cache and batch size, and replays it."""
+    """Captures `model.model.decode_step` + the LM head for one batch size and cache layout, and replays it.
+
+    The graph reads and writes the storage of the cache tensors it was captured with (`_buffers`). Before each replay
+    the cache of the step is bound to that storage (`_bind`): a cache whose tensors are not there (another cache of
+    the same layout, as `generate(..., cache_implementation="static")` makes one per call, or tensors that beam
+    search's `reorder_cache` replaced with reordered copies) has its values moved into it and its tensors pointed at
+    it, and tensors bound before that are still held elsewhere (an earlier cache, a user's reference) keep their
+    values in storage of their own. So no replay reads memory the cache has let go of, and a new cache costs a copy
+    of its values, not a capture."""
 
     device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
 
     def __init__(self):
         self._key = None
         self._graph = None
+        self._buffers: list[torch.Tensor] = []  # views of the cache storage the graph reads and writes
+        self._bound: list[weakref.ref] = []  # the cache tensors viewing that storage, as bound for the last step
+        self._step_cache: StepCache | None = None
         self._watch: ChangeWatch | None = None  # the kept tensors the graph reads (norms' 1 + w, stacked weights)
         self._windows: WindowSteps | None = None
         self._failed: dict = {}  # capture keys whose capture failed -> the error (not tried again)
@@ -232,7 +249,7 @@ class CudaGraphDecoder:
         reason = self.obstacle(model, cache, attention_mask, kwargs)
         if reason is None:
             key = self._key_of(cache, input_ids.shape[0], input_ids.device)
-            _check_room(cache, slots=key[2])
+            _check_room(cache, slots=key[1])
             if key not in self._failed:
                 logits = self.step(model, input_ids, position_ids, attention_mask, cache, key)
                 if logits is not None:
@@ -243,14 +260,44 @@ class CudaGraphDecoder:
 
     @staticmethod
     def _key_of(cache, batch, device):
-        return id(cache), batch, _full_length(cache), device
+        """What a graph is captured for: the batch size, the key slots of the full-attention layers, the device (the
+        cache object itself is bound before each replay: `_bind`)."""
+        return batch, _full_length(cache), device
+
+    def _bind(self, cache: StaticCache) -> bool:
+        """Points the cache's tensors at the graph's storage (see the class docstring); False when they do not fit
+        it (another layout: a capture is needed)."""
+        tensors = _cache_tensors(cache)
+        if len(tensors) == len(self._bound) and all(ref() is t for ref, t in zip(self._bound, tensors)):
+            return True  # the tensors bound for the last step
+        if len(tensors) != len(self._buffers) or any(
+                t.shape != b.shape or t.stride() != b.stride() or t.dtype != b.dtype or t.device != b.device
+                for t, b in zip(tensors, self._buffers)):
+            return False
+        current = {id(t) for t in tensors}
+        try:
+            for ref, buffer in zip(self._bound, self._buffers):
+                earlier = ref()
+                if earlier is not None and id(earlier) not in current and earlier.data_ptr() == buffer.data_ptr():
+                    earlier.set_(earlier.clone())
+            for tensor, buffer in zip(tensors, self._buffers):
+                if tensor.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(tensor)
+                    tensor.set_(buffer)
+        except RuntimeError:  # (e.g. inference tensors outside inference mode) a capture binds it instead
+            return False
+        self._bound = [weakref.ref(t) for t in tensors]
+        self._step_cache = StepCache(cache, self._windows)
+        if self._windows is not None:
+            self._windows.bind(cache)
+        return True
 
     def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache,
              key: tuple) -> torch.Tensor | None:
         """The logits of the step replayed from the graph (captured first if needed); None if the capture failed
-        (the error is kept in `_failed` under this cache's `key`, and the cache is left as it was)."""
-        batch, max_len = input_ids.shape[0], key[2]
-        if key != self._key or self._watch.changed():
+        (the error is kept in `_failed` under the step's `key`, and the cache is left as it was)."""
+        batch, max_len = input_ids.shape[0], key[1]
+        if key != self._key or self._watch.changed() or not self._bind(cache):
             try:
                 self._capture(model, cache, batch, max_len, input_ids.device, key)
             except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
@@ -303,11 +350,12 @@ class CudaGraphDecoder:
 
     def _capture(self, model, cache, batch, max_len, device, key) -> None:
         self._graph = None  # release the previous graph's memory pool first
+        self._buffers, self._bound = [], []
         self._has_attention = any(isinstance(layer, StaticLayer) for layer in cache.layers)
         self._has_full = any(_is_full(layer) for layer in cache.layers)
         sliding = any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers)
         self._windows = WindowSteps(cache, batch, device) if sliding else None
-        step_cache = StepCache(cache, self._windows)
+        self._step_cache = StepCache(cache, self._windows)
         self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
@@ -321,9 +369,9 @@ class CudaGraphDecoder:
             # (the LM head's too) through this package's Triton kernel (kernels_gemv)
             with decode_gemv_mode(device):
                 with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
-                    hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, step_cache,
+                    hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, self._step_cache,
                                                     self._windows)
-                step_cache.advance()
+                self._step_cache.advance()
                 return model.lm_head(hidden)
 
         try:
@@ -333,5 +381,8 @@ class CudaGraphDecoder:
                 tensor.copy_(value)
             for layer, count in zip(linear_layers, seen):
                 layer.seen_tokens = count
+        tensors = _cache_tensors(cache)
+        self._buffers = [t.detach() for t in tensors]  # (views: the storage stays while the graph is kept)
+        self._bound = [weakref.ref(t) for t in tensors]
         self._key = key
         self._watch = ChangeWatch(derived_weights(model))

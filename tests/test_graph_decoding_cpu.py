@@ -12,8 +12,8 @@ import torch
 from transformers import GenerationMixin, StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
-from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
-from model_helpers import replay_graphs_eagerly, tiny_model
+from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder, _cache_tensors
+from model_helpers import EagerReplay, replay_graphs_eagerly, tiny_model
 
 LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"]
 
@@ -219,7 +219,8 @@ def _greedy_static(model, input_ids, **kwargs):
 
 def test_a_failed_capture_falls_back_to_the_uncaptured_step_with_one_warning(monkeypatch, caplog):
     """A capture that raises (an op a CUDA graph cannot hold) leaves the cache as it was, runs the uncaptured
-    forward, says why in one warning line (once), and is not tried again for that cache."""
+    forward, says why in one warning line (once), and is not tried again for that batch size and cache length
+    (another cache of them, as the next generate builds, included)."""
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
     attempts = []
 
@@ -239,7 +240,7 @@ def test_a_failed_capture_falls_back_to_the_uncaptured_step_with_one_warning(mon
     warnings = [r.getMessage() for r in caplog.records if "CUDA-graph decoding" in r.getMessage()]
     assert len(warnings) == 1 and "\n" not in warnings[0]
     assert "RuntimeError: operation not permitted when stream is capturing" in warnings[0]
-    assert len(attempts) == 2  # one per cache (each generate builds its own), not one per step
+    assert len(attempts) == 1  # not once per step, nor per cache (each generate builds its own)
     for got in (fallen_back, again):
         assert torch.equal(got.sequences, eager.sequences)
         for a, b in zip(got.logits, eager.logits):  # the same eager steps: the same floats
@@ -285,3 +286,60 @@ def test_a_step_past_the_end_of_the_static_cache_is_refused_by_name(eager_graphs
             model(input_ids=input_ids[:, -1:], cache=cache, use_cache=True)
         with pytest.raises(ValueError, match=r"holds 8 tokens per row and all 8 slots are written.*max_cache_len"):
             model(input_ids=input_ids[:, -1:], cache=cache, use_cache=True)
+
+
+@pytest.fixture
+def storage_checked(eager_graphs, monkeypatch) -> list:
+    """Every replay first checks what a real CUDA graph relies on: the tensors of the cache it serves are the
+    storage the graph was captured with (the decoder's buffers). Returns the number of replays checked, per call."""
+    checked: list = []
+    original = EagerReplay.replay
+
+    def replay(self):
+        decoder = _decoder_of_replay[0]
+        cache = decoder._step_cache.cache
+        assert [t.data_ptr() for t in _cache_tensors(cache)] == [b.data_ptr() for b in decoder._buffers]
+        checked.append(1)
+        original(self)
+
+    monkeypatch.setattr(EagerReplay, "replay", replay)
+    return checked
+
+
+_decoder_of_replay: list = []
+
+
+BINDING_LAYOUTS = {  # every kind of cache layer: GDN, KDA, full and sliding attention, MLA
+    "linear": (LAYERS, {}),
+    "sliding_and_latent": (["sliding_attention", "mla_attention", "gated_deltanet", "sliding_attention"],
+                           dict(per_layer_config={0: {"sliding_window": 3}, 3: {"sliding_window": 5}}, kv_lora_rank=16,
+                                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(BINDING_LAYOUTS))
+@pytest.mark.parametrize("mode", [dict(), dict(num_beams=3)], ids=["greedy", "beam_search"])
+def test_one_capture_serves_each_new_cache_and_beam_search_reorders_into_its_storage(storage_checked, eager_graphs,
+                                                                                     mode, layout):
+    """generate(..., cache_implementation="static") builds a new cache per call and beam search replaces the cache
+    tensors with reordered copies every step: the captured step keeps serving them (one capture), each replay
+    reading and writing the storage it was captured with, the tokens and scores those of uncaptured decoding, and
+    the cache of an earlier call, returned to the user, keeps its values."""
+    layer_types, settings = BINDING_LAYOUTS[layout]
+    model = tiny_model(layer_types, **settings).eval()
+    _decoder_of_replay[:] = [model._graph_decoder]
+    input_ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(5))
+    generation = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+                      return_dict_in_generate=True, cache_implementation="static", **mode)
+    with torch.no_grad():
+        first = model.generate(input_ids, **generation)
+        kept = [t.clone() for t in _cache_tensors(first.past_key_values)]
+        second = model.generate(input_ids.flip(0), **generation)
+        model.set_cuda_graph_decoding(False)
+        eager_first = model.generate(input_ids, **generation)
+        eager_second = model.generate(input_ids.flip(0), **generation)
+    assert len(eager_graphs) == 1 and len(storage_checked) == 2 * 5  # the first new token comes from the prefill
+    _assert_same(first, eager_first)
+    _assert_same(second, eager_second)
+    for value, tensor in zip(kept, _cache_tensors(first.past_key_values)):
+        assert torch.equal(value, tensor)
