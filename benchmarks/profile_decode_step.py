@@ -12,7 +12,7 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 - with `--trace DIR`, one replayed step's kernels in launch order with their durations (DIR/decode_<model>.txt);
 - with `--prefill N ...`, the same accounting for uncaptured batch-1 prefills of N tokens (wall against kernel time:
   how much of a prefill is host launch overhead rather than GPU work);
-- with `--gemv-ab`, instead, each model's replayed step captured with its narrow GEMVs on cuBLAS and on this
+- with `--gemv-ab`, instead, each model's replayed step captured with its GEMVs on cuBLAS and on this
   package's Triton GEMV in turn (kernels_gemv), wall ms per step of each, in one run;
 - with `--generate N`, instead, batch-1 `generate(..., cache=<static cache>)` of N new tokens against the step alone:
   ms per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel

@@ -365,7 +365,7 @@ class CudaGraphDecoder:
         saved = [t.clone() for t in _cache_tensors(cache)]
 
         def run():
-            # sparse MoE layers: an experts implementation without host syncs for this dtype and device; narrow GEMVs
+            # sparse MoE layers: an experts implementation without host syncs for this dtype and device; the GEMVs
             # (the LM head's too) through this package's Triton kernel (kernels_gemv)
             with decode_gemv_mode(device):
                 with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
