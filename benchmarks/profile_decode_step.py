@@ -44,6 +44,14 @@ from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 CONFIGS = {"gdn": lambda: gdn_pair(**GPU_GDN)[0], "kda": lambda: kda_pair(**GPU_KDA)[0], "kimi": kimi_linear_config}
 
 
+def model_and_prompt(name: str, prompt: int) -> tuple[HybridLinearForCausalLM, torch.Tensor]:
+    """The benchmark model `name` (random weights, seed 0, bfloat16, on CUDA) and a random batch-1 prompt."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
+    return model, torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+
+
 def kernel_events(prof) -> list:
     from torch.autograd import DeviceType
 
@@ -144,10 +152,7 @@ def compare_gemv(name: str, prompt: int, steps: int) -> None:
     each."""
     from hybrid_linear_models import kernels_gemv
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
-    input_ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+    model, input_ids = model_and_prompt(name, prompt)
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 * (3 + steps) + 1)
     with torch.no_grad():
         model(input_ids=input_ids, cache=cache, use_cache=True)
@@ -172,10 +177,7 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
-    input_ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+    model, input_ids = model_and_prompt(name, prompt)
     cache = StaticCache(config=model.config, max_cache_len=prompt + max(tokens, steps + 8) + 1)
 
     def run(new: int):
@@ -218,10 +220,7 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
 
 def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,
                   prefills: tuple[int, ...] = ()) -> None:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
-    input_ids = torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+    model, input_ids = model_and_prompt(name, prompt)
     # every step below writes one slot: the capture, 3 warm-ups, `steps` timed and `steps` profiled
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 + 2 * steps)
     token = input_ids[:, -1:]

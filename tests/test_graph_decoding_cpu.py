@@ -13,7 +13,7 @@ from transformers import GenerationMixin, StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder, _cache_tensors
-from model_helpers import EagerReplay, replay_graphs_eagerly, tiny_model
+from model_helpers import replay_graphs_eagerly, tiny_model
 
 LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"]
 
@@ -290,23 +290,20 @@ def test_a_step_past_the_end_of_the_static_cache_is_refused_by_name(eager_graphs
 
 @pytest.fixture
 def storage_checked(eager_graphs, monkeypatch) -> list:
-    """Every replay first checks what a real CUDA graph relies on: the tensors of the cache it serves are the
-    storage the graph was captured with (the decoder's buffers). Returns the number of replays checked, per call."""
+    """Every replayed step is checked for what a real CUDA graph relies on: the tensors of the cache it served are
+    the storage the graph was captured with (the decoder's buffers). Returns one entry per step checked."""
     checked: list = []
-    original = EagerReplay.replay
+    original = CudaGraphDecoder.step
 
-    def replay(self):
-        decoder = _decoder_of_replay[0]
-        cache = decoder._step_cache.cache
-        assert [t.data_ptr() for t in _cache_tensors(cache)] == [b.data_ptr() for b in decoder._buffers]
-        checked.append(1)
-        original(self)
+    def step(self, model, input_ids, position_ids, attention_mask, cache, key):
+        logits = original(self, model, input_ids, position_ids, attention_mask, cache, key)
+        if logits is not None:
+            assert [t.data_ptr() for t in _cache_tensors(cache)] == [b.data_ptr() for b in self._buffers]
+            checked.append(1)
+        return logits
 
-    monkeypatch.setattr(EagerReplay, "replay", replay)
+    monkeypatch.setattr(CudaGraphDecoder, "step", step)
     return checked
-
-
-_decoder_of_replay: list = []
 
 
 BINDING_LAYOUTS = {  # every kind of cache layer: GDN, KDA, full and sliding attention, MLA
@@ -327,7 +324,6 @@ def test_one_capture_serves_each_new_cache_and_beam_search_reorders_into_its_sto
     the cache of an earlier call, returned to the user, keeps its values."""
     layer_types, settings = BINDING_LAYOUTS[layout]
     model = tiny_model(layer_types, **settings).eval()
-    _decoder_of_replay[:] = [model._graph_decoder]
     input_ids = torch.randint(1, 100, (2, 7), generator=torch.Generator().manual_seed(5))
     generation = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
                       return_dict_in_generate=True, cache_implementation="static", **mode)
