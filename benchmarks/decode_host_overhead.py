@@ -4,8 +4,11 @@ what the GPU waits for between replays at batch 1 (transformers' loop reads each
 The benchmark models' layer structure (16 layers of the GDN, KDA or Kimi-Linear benchmark models) at tiny widths, on
 the CPU, with the captured step stood in by a replay that does nothing (its output is the capture's): what remains is
 the host work around it, transformers' loop and this package's (`CudaGraphDecoder.try_step`: the inputs copied into
-the graph's buffers, the check that no kept tensor changed, the cache's counters). Also printed: the cost of that
-check alone, `ChangeWatch.changed()`, against asking every kept tensor (`stale()`), as before it.
+the graph's buffers, the check that no kept tensor changed, the cache's counters). Split in two: from the end of
+transformers' per-step stop check (on a GPU, a synchronisation) to the next replay, which the GPU waits for at batch
+1, and from the replay to the stop check, which runs while the GPU computes the step. Also printed: the cost of the
+per-step change check, `ChangeWatch.changed()`, against its check at the start of a run (`addresses=True`) and
+against asking every kept tensor (`stale()`).
 
     python benchmarks/decode_host_overhead.py [--tokens 200] [--models gdn kda kimi]
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from transformers.generation import utils as gen_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,6 +42,28 @@ CONFIGS = {
 }
 
 
+def _timed_replays(model, ids, settings) -> tuple[float, float]:
+    """Median host seconds from the stop check to the next replay, and from a replay to the next stop check."""
+    marks: list[tuple[str, float]] = []
+    decoder = model._graph_decoder
+    decoder._graph.replay = lambda: marks.append(("replay", time.perf_counter()))
+    check = gen_utils.StopCheck.__call__
+
+    def timed_check(self, *args):
+        result = check(self, *args)
+        marks.append(("stop", time.perf_counter()))
+        return result
+
+    gen_utils.StopCheck.__call__ = timed_check
+    try:
+        model.generate(ids, **settings)
+    finally:
+        gen_utils.StopCheck.__call__ = check
+    waited = sorted(b - a for (x, a), (y, b) in zip(marks, marks[1:]) if (x, y) == ("stop", "replay"))
+    overlapped = sorted(b - a for (x, a), (y, b) in zip(marks, marks[1:]) if (x, y) == ("replay", "stop"))
+    return waited[len(waited) // 2], overlapped[len(overlapped) // 2]
+
+
 def measure(name: str, tokens: int) -> None:
     torch.manual_seed(0)
     model = HybridLinearForCausalLM(CONFIGS[name]()).eval()
@@ -53,20 +79,22 @@ def measure(name: str, tokens: int) -> None:
         start = time.perf_counter()
         model.generate(ids, **dict(settings, max_new_tokens=1, min_new_tokens=1))
         prompt = time.perf_counter() - start
+        waited, overlapped = _timed_replays(model, ids, settings)
     watch = model._graph_decoder._watch
     checks = 2000
-    start = time.perf_counter()
-    for _ in range(checks):
-        watch.changed()
-    fast = (time.perf_counter() - start) / checks
-    start = time.perf_counter()
-    for _ in range(checks):
-        any(kept.value is not value or kept.stale() for kept, value in watch._pairs)
-    slow = (time.perf_counter() - start) / checks
+    timings = []
+    for check in (lambda: watch.changed(), lambda: watch.changed(addresses=True),
+                  lambda: any(kept.value is not value or kept.stale() for kept, value in watch._pairs)):
+        start = time.perf_counter()
+        for _ in range(checks):
+            check()
+        timings.append((time.perf_counter() - start) / checks * 1e3)
     host = per_token - prompt / tokens
     print(f"{name:5s} {len(model.config.layer_types):3d} layers: {host * 1e3:.3f} ms of host time per token around "
-          f"the replay; change check {fast * 1e3:.4f} ms ({len(watch._sources)} sources) against {slow * 1e3:.4f} ms "
-          f"asking each kept tensor ({slow / fast:.1f}x)")
+          f"the replay: {waited * 1e3:.3f} ms from the stop check to the replay (the GPU waits), "
+          f"{overlapped * 1e3:.3f} ms from the replay to the stop check; change check {timings[0]:.4f} ms per "
+          f"step, {timings[1]:.4f} ms with the addresses ({len(watch._sources)} sources), {timings[2]:.4f} ms "
+          "asking each kept tensor")
 
 
 def main() -> None:

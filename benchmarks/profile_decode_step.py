@@ -12,15 +12,17 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 - with `--trace DIR`, one replayed step's kernels in launch order with their durations (DIR/decode_<model>.txt);
 - with `--prefill N ...`, the same accounting for uncaptured batch-1 prefills of N tokens (wall against kernel time:
   how much of a prefill is host launch overhead rather than GPU work);
-- with `--gemv-ab`, instead, each model's replayed step captured with its GEMVs on cuBLAS and on this
-  package's Triton GEMV in turn (kernels_gemv), wall ms per step of each, in one run;
+- with `--ab KIND ...`, instead, each model's replayed step captured without and with one of this package's decoding
+  kernels in turn (A B A B), wall ms per step of each, in one run: `gemv` (the linear layers on cuBLAS, or on the
+  Triton GEMV: kernels_gemv), `attention` (the full-attention layers on the torch path, or the fused attention step:
+  attention_step);
 - with `--generate N`, instead, batch-1 `generate(..., cache=<static cache>)` of N new tokens against the step alone:
   ms per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel
   time, its kernels (the graph's and those outside it), and the host time from the end of each synchronisation
   (transformers' loop reads each step's tokens on the host) to the next graph launch, which the GPU waits for.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
-        [--trace DIR] [--prefill 1024 8192] [--gemv-ab] [--generate 64]
+        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention] [--generate 64]
 """
 
 from __future__ import annotations
@@ -146,28 +148,35 @@ def replayed_ms(model, cache, token, steps: int) -> float:
     return step_ms(model, cache, token, steps)
 
 
-def compare_gemv(name: str, prompt: int, steps: int) -> None:
-    """The same model and cache, its step captured with its GEMVs on cuBLAS (and GDN's gather after its input
-    projection) and with the Triton kernel where kernels_gemv takes it, in turn (A B A B): wall ms per replayed step of
-    each."""
-    from hybrid_linear_models import kernels_gemv
+# what `--ab` switches: the module, its device-types tuple (emptied: the kernel off), the two sides' names
+SWITCHES = {
+    "gemv": ("kernels_gemv", "GEMV_DEVICE_TYPES", "cuBLAS", "Triton GEMV"),
+    "attention": ("attention_step", "STEP_DEVICE_TYPES", "torch attention", "fused attention step"),
+}
 
+
+def compare(name: str, prompt: int, steps: int, kind: str) -> None:
+    """The same model and cache, its step captured without and with the kernels `kind` switches (SWITCHES), in turn
+    (A B A B): wall ms per replayed step of each."""
+    import importlib
+
+    module_name, attribute, off_name, on_name = SWITCHES[kind]
+    module = importlib.import_module(f"hybrid_linear_models.{module_name}")
     model, input_ids = model_and_prompt(name, prompt)
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 * (3 + steps) + 1)
     with torch.no_grad():
         model(input_ids=input_ids, cache=cache, use_cache=True)
-    devices, times = kernels_gemv.GEMV_DEVICE_TYPES, {"cuBLAS": [], "triton": []}
+    devices, times = getattr(module, attribute), {off_name: [], on_name: []}
     try:
         for _ in range(2):
-            for kind, types in (("cuBLAS", ()), ("triton", devices)):
-                kernels_gemv.GEMV_DEVICE_TYPES = types
-                times[kind].append(replayed_ms(model, cache, input_ids[:, -1:], steps))
+            for side, types in ((off_name, ()), (on_name, devices)):
+                setattr(module, attribute, types)
+                times[side].append(replayed_ms(model, cache, input_ids[:, -1:], steps))
     finally:
-        kernels_gemv.GEMV_DEVICE_TYPES = devices
-    best = {kind: min(values) for kind, values in times.items()}
-    print(f"\n{name}: replayed step, GEMVs on cuBLAS {best['cuBLAS']:.3f} ms, on the Triton GEMV where it is taken "
-          f"(widths {kernels_gemv.WIDEST_OUTPUTS}) {best['triton']:.3f} ms: {best['cuBLAS'] / best['triton']:.3f}x "
-          "(each the best of 2)")
+        setattr(module, attribute, devices)
+    off, on = min(times[off_name]), min(times[on_name])
+    print(f"\n{name}: replayed step, {off_name} {off:.3f} ms, {on_name} where it is taken {on:.3f} ms: "
+          f"{off / on:.3f}x (each the best of 2)")
     del model, cache
     torch.cuda.empty_cache()
 
@@ -265,8 +274,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--trace", type=Path, default=None, help="folder for each model's kernels of one step")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="also profile prefills of these lengths")
-    parser.add_argument("--gemv-ab", action="store_true",
-                        help="instead: each model's replayed step, GEMVs on cuBLAS against the Triton GEMV")
+    parser.add_argument("--ab", nargs="*", default=[], choices=sorted(SWITCHES),
+                        help="instead: each model's replayed step without and with these kernels, in turn")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
                         help="instead: generate N new tokens at batch 1 against the step alone, and where it waits")
     args = parser.parse_args()
@@ -275,8 +284,9 @@ def main() -> None:
         raise SystemExit("profile_decode_step.py profiles CUDA-graph decoding: it needs a CUDA GPU")
     for name in args.models:
         try:
-            if args.gemv_ab:
-                compare_gemv(name, args.prompt, args.steps)
+            if args.ab:
+                for kind in args.ab:
+                    compare(name, args.prompt, args.steps, kind)
                 continue
             if args.generate:
                 profile_generate(name, args.prompt, args.generate, args.steps)

@@ -73,6 +73,22 @@ from .mlp_registry import expert_parallel_plan as mlps_expert_parallel_plan
 from .mlp_registry import tensor_parallel_plan as mlps_tensor_parallel_plan
 from .shown_values import brief, clip
 
+
+def config_value(config: PreTrainedConfig, name: str, stored_as: str | None = None) -> Any:
+    """`config.<name>`, read from the config's own `__dict__` (under `stored_as` where a property keeps it, as
+    transformers' `_attn_implementation` does in `_attn_implementation_internal`), else from its class: the value the
+    attribute would give, without transformers' attribute hooks (a few microseconds a read, on the host path that a
+    captured decoding step waits for); None for a plain name set nowhere. Anything else is read the usual way."""
+    stored = object.__getattribute__(config, "__dict__")
+    key = stored_as or name
+    if key in stored:
+        return stored[key]
+    cls = type(config)
+    if stored_as is None and name not in cls.attribute_map and not hasattr(cls, name):
+        return None  # what getattr(config, name, None) gives
+    return getattr(config, name, None)
+
+
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 
 # The layer types, MLP types and the fields each one's component reads (and may set per layer) come from the

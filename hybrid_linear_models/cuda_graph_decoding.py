@@ -31,6 +31,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 from .cache_hybrid_linear import LinearStateLayer
+from .configuration_hybrid_linear import config_value
 from .derived_weights import ChangeWatch, derived_weights
 from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
@@ -132,6 +133,13 @@ class StepCache:
         layer.values.index_copy_(2, slot, value)
         return layer.keys, layer.values
 
+    def full_layer(self, layer_idx: int) -> StaticLayer | None:
+        """The full-attention layer `layer_idx` whose `update` this step cache does by its counter (None for any
+        other): a fused attention step may write its token at `cumulative_length` itself (attention_step.py)."""
+        layer = self.layers[layer_idx]
+        windowed = self.windows is not None and layer_idx in self.windows.layers
+        return layer if _is_full(layer) and not windowed else None
+
     def advance(self) -> None:
         """After every layer of the step (captured): each full layer's counter + 1, as its update would have done."""
         if self._full:
@@ -152,19 +160,55 @@ def _is_full(layer) -> bool:
     return isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer)
 
 
-def _check_room(cache: StaticCache, slots: int) -> None:
-    """Refuses a step whose token has no slot left in a full-attention layer of the static cache (`slots`: theirs,
-    `_full_length`): the captured write would index past the buffer, which on a GPU is a device-side assertion that
-    leaves the process's CUDA context unusable. Read from the host-side token count of the GDN/KDA layers (no
-    synchronisation); a cache without them or without full-attention layers has nothing to check."""
-    written = next((layer.seen_tokens for layer in cache.layers if isinstance(layer, LinearStateLayer)), None)
-    if written is None or not any(_is_full(layer) for layer in cache.layers):
+def _check_room(layout: "CacheLayout") -> None:
+    """Refuses a step whose token has no slot left in a full-attention layer of the static cache: the captured write
+    would index past the buffer, which on a GPU is a device-side assertion that leaves the process's CUDA context
+    unusable. Read from the host-side token count of the GDN/KDA layers (no synchronisation); a cache without them or
+    without full-attention layers has nothing to check."""
+    if not layout.linear or not layout.has_full:
         return
+    written, slots = layout.linear[0].seen_tokens, layout.full_length
     if written >= slots:
         raise ValueError(f"the static cache holds {slots} tokens per row and all {written} slots are written: this "
                          "decoding step's token has no slot. Create the StaticCache with a larger max_cache_len (at "
                          "least the prompt length plus max_new_tokens), or let generate size it "
                          "(cache_implementation=\"static\" without a cache of your own).")
+
+
+class CacheLayout:
+    """What the per-step checks read of one cache, found once per cache object (its layer list is fixed): the
+    GDN/KDA layers, the attention layers, the key slots of the full-attention ones (`_full_length`)."""
+
+    def __init__(self, cache: StaticCache):
+        self.cache = weakref.ref(cache)
+        self.count = len(cache.layers)
+        self.linear = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
+        self.attention = [layer for layer in cache.layers if isinstance(layer, StaticLayer)]
+        self.unknown = self.count - len(self.linear) - len(self.attention)  # neither: never ready for a capture
+        self.has_full = any(_is_full(layer) for layer in cache.layers)
+        self.full_length = _full_length(cache)
+
+    def describes(self, cache: StaticCache) -> bool:
+        return self.cache() is cache and len(cache.layers) == self.count
+
+    def ready(self) -> bool:
+        """Whether the prefill has run (eagerly) and sized every buffer."""
+        return (not self.unknown and all(layer.has_previous_state[0] for layer in self.linear)
+                and all(layer.is_initialized for layer in self.attention))
+
+
+def _weights_of(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """(holder, name, tensor) for every parameter and buffer of the model: what a captured step reads by address."""
+    return [(holder, name, tensor) for module in model.modules()
+            for holder in (module._parameters, module._buffers) for name, tensor in holder.items()
+            if tensor is not None]
+
+
+def _weights_moved(weights: list[tuple[dict, str, torch.Tensor]], addresses: list[int]) -> bool:
+    """Whether a parameter or buffer was replaced (`load_state_dict(assign=True)`) or given new data (`.data = `,
+    `module.to`) since `weights` and their `addresses` were taken."""
+    return (any(holder.get(name) is not tensor for holder, name, tensor in weights)
+            or [tensor.data_ptr() for _, _, tensor in weights] != addresses)
 
 
 def _full_length(cache: StaticCache) -> int:
@@ -193,6 +237,10 @@ class CudaGraphDecoder:
         self._bound: list[weakref.ref] = []  # the cache tensors viewing that storage, as bound for the last step
         self._step_cache: StepCache | None = None
         self._watch: ChangeWatch | None = None  # the kept tensors the graph reads (norms' 1 + w, stacked weights)
+        self._weights: list = []  # every parameter and buffer at capture (`_weights_of`), and their addresses
+        self._addresses: list[int] = []
+        self._new_run = True  # the next step starts a run of steps: the weights' addresses are checked too
+        self._layout: CacheLayout | None = None  # of the last cache asked about
         self._windows: WindowSteps | None = None
         self._failed: dict = {}  # capture keys whose capture failed -> the error (not tried again)
         self._warned: set[str] = set()
@@ -210,32 +258,35 @@ class CudaGraphDecoder:
                 and input_ids.device.type in CudaGraphDecoder.device_types and not torch.is_grad_enabled()
                 and not model.training and isinstance(cache, StaticCache))
 
-    @staticmethod
-    def obstacle(model, cache, attention_mask, kwargs) -> str | None:
+    def layout(self, cache: StaticCache) -> CacheLayout:
+        if self._layout is None or not self._layout.describes(cache):
+            self._layout = CacheLayout(cache)
+        return self._layout
+
+    def obstacle(self, model, cache, attention_mask, kwargs) -> str | None:
         """Why a wanted step cannot be captured (None when it can): one line, with the fix."""
         if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
             return "attention weights or hidden states were requested (the captured step returns logits only)"
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
             return "the attention mask is not a 2-D [batch, length] tensor (pass the 2-D padding mask)"
-        if model.config._attn_implementation not in ("sdpa", "eager"):
-            return (f"attn_implementation {model.config._attn_implementation!r} is not captured (use 'sdpa' or "
-                    "'eager')")
-        if not graph_capturable_expert_dispatch(model.config):
+        attention = config_value(model.config, "_attn_implementation", "_attn_implementation_internal")
+        if attention not in ("sdpa", "eager"):
+            return f"attn_implementation {attention!r} is not captured (use 'sdpa' or 'eager')"
+        if not graph_capturable_expert_dispatch(config_value(model.config, "distributed_config")):
             return ("expert parallelism's all-to-all dispatch reads its split sizes on the host (use the all-reduce "
                     "dispatch to capture)")
-        ready = [
-            layer.has_previous_state[0] if isinstance(layer, LinearStateLayer)
-            else isinstance(layer, StaticLayer) and layer.is_initialized
-            for layer in cache.layers
-        ]
-        if not all(ready):  # the prefill has run (eagerly) and sized every buffer
+        if not self.layout(cache).ready():
             return "the static cache has not been filled by a prefill of this model (run the prompt first)"
         return None
 
-    @staticmethod
-    def applies(model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:
-        return (CudaGraphDecoder.wanted(model, input_ids, inputs_embeds, cache)
-                and CudaGraphDecoder.obstacle(model, cache, attention_mask, kwargs) is None)
+    def applies(self, model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:
+        return (self.wanted(model, input_ids, inputs_embeds, cache)
+                and self.obstacle(model, cache, attention_mask, kwargs) is None)
+
+    def ran_uncaptured(self) -> None:
+        """Told by the model's uncaptured forward (a prefill, a step that could not be captured): the next replay
+        starts a new run of steps, for which the weights' addresses are checked again (see `step`)."""
+        self._new_run = True
 
     def warn_once(self, reason: str) -> None:
         """The one-line warning that a step runs uncaptured, once per model (this decoder) and reason."""
@@ -248,8 +299,9 @@ class CudaGraphDecoder:
         run: the step cannot be captured, or its capture failed."""
         reason = self.obstacle(model, cache, attention_mask, kwargs)
         if reason is None:
-            key = self._key_of(cache, input_ids.shape[0], input_ids.device)
-            _check_room(cache, slots=key[1])
+            layout = self.layout(cache)
+            key = (input_ids.shape[0], layout.full_length, input_ids.device)  # (the cache is bound: `_bind`)
+            _check_room(layout)
             if key not in self._failed:
                 logits = self.step(model, input_ids, position_ids, attention_mask, cache, key)
                 if logits is not None:
@@ -257,12 +309,6 @@ class CudaGraphDecoder:
             reason = self._failed[key]
         self.warn_once(reason)
         return None
-
-    @staticmethod
-    def _key_of(cache, batch, device):
-        """What a graph is captured for: the batch size, the key slots of the full-attention layers, the device (the
-        cache object itself is bound before each replay: `_bind`)."""
-        return batch, _full_length(cache), device
 
     def _bind(self, cache: StaticCache) -> bool:
         """Points the cache's tensors at the graph's storage (see the class docstring); False when they do not fit
@@ -290,6 +336,7 @@ class CudaGraphDecoder:
         self._step_cache = StepCache(cache, self._windows)
         if self._windows is not None:
             self._windows.bind(cache)
+        self._new_run = True
         return True
 
     def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache,
@@ -297,7 +344,11 @@ class CudaGraphDecoder:
         """The logits of the step replayed from the graph (captured first if needed); None if the capture failed
         (the error is kept in `_failed` under the step's `key`, and the cache is left as it was)."""
         batch, max_len = input_ids.shape[0], key[1]
-        if key != self._key or self._watch.changed() or not self._bind(cache):
+        # Per step: the derived weights' in-place updates (the graph reads the kept values). At the start of a run of
+        # steps (after an uncaptured forward, a new cache bound): also the address of every weight, which new data
+        # (`module.to`, `.data = `, a replaced parameter) changes: a graph would read the storage it let go of.
+        if (key != self._key or not self._bind(cache) or self._watch.changed(addresses=self._new_run)
+                or (self._new_run and _weights_moved(self._weights, self._addresses))):
             try:
                 self._capture(model, cache, batch, max_len, input_ids.device, key)
             except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
@@ -306,6 +357,7 @@ class CudaGraphDecoder:
                 self._failed[key] = (f"capturing the step failed ({type(error).__name__}: {first_line}); "
                                      "model.set_cuda_graph_decoding(False) skips the attempt")
                 return None
+        self._new_run = False
         self._ids.copy_(input_ids)
         past = cache.get_seq_length() if self._has_attention else None  # a device tensor: no synchronisation
         if position_ids is not None:
@@ -386,3 +438,5 @@ class CudaGraphDecoder:
         self._bound = [weakref.ref(t) for t in tensors]
         self._key = key
         self._watch = ChangeWatch(derived_weights(model))
+        self._weights = _weights_of(model)
+        self._addresses = [tensor.data_ptr() for _, _, tensor in self._weights]

@@ -7,21 +7,26 @@ A kept value is rebuilt as soon as a source changes: another tensor in its place
 in place when its layout allows. A captured CUDA graph reads the kept tensor without running Python, so
 `CudaGraphDecoder` captures again when `stale()` says so or the kept tensor was replaced.
 
-It asks before every replayed step, so the question must cost little next to a step of a millisecond or two: asking
-each of a 16-layer model's ~110 kept tensors (`stale()`, a few attribute reads per source) took 0.13 ms (GDN) to
-0.21 ms (KDA) of host time per token on a CI core, half of what the decoding loop spends around each replay.
-`ChangeWatch` answers from a snapshot instead: every source's version counter and address in two flat lists,
-compared with the current ones by two list comprehensions, plus a count of the values built anywhere since
-(`_BUILDS`, raised by every build); only when one differs are the kept tensors asked one by one.
+It asks before every replayed step, so the question must cost little next to a step of a millisecond or two, on
+the host time between transformers' per-token synchronisation and the replay: asking each of a 16-layer model's ~110
+kept tensors (`stale()`, a few attribute reads per source) took 0.13 ms (GDN) to 0.21 ms (KDA) per token on a CI core.
+`ChangeWatch` answers from a snapshot instead, in two depths. Before every step (`changed()`): the count of values
+built anywhere since (`_BUILDS`, raised by every build) and the version counters of the derived values' sources, the
+only in-place updates that change what a kept tensor should hold (a stacked weight's in-place update is in the shared
+tensor already). Where the caller says a new run of steps starts (`changed(addresses=True)`: after a capture, an
+uncaptured forward, a new cache): also every source's address, which new data changes (`module.to`, `.data = ...`).
+Only when one differs are the kept tensors asked one by one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 import torch
 
 
+_VERSION = attrgetter("_version")  # a tensor's version counter (in-place updates raise it)
 _BUILDS = [0]  # values built or joined by any DerivedWeight / SharedRows so far (ChangeWatch's cheap first test)
 
 
@@ -124,21 +129,24 @@ class SharedRows:
 
 class ChangeWatch:
     """Whether any of `kept` (DerivedWeight / SharedRows) is stale or holds another value than when watched (see the
-    module docstring): a snapshot of every source's version and address, compared as two lists."""
+    module docstring): a snapshot of the derived values' source versions and of every source's address, compared as
+    flat lists."""
 
     def __init__(self, kept: Sequence[DerivedWeight | SharedRows]):
         self._pairs = [(k, k.value) for k in kept]
         self._sources = [s for k in kept for s in k._sources]
+        self._versioned = [s for k in kept if isinstance(k, DerivedWeight) for s in k._sources]
         self._snapshot()
 
     def _snapshot(self) -> None:
         self._builds = _BUILDS[0]
-        self._versions = [s._version for s in self._sources]
-        self._addresses = [s.data_ptr() for s in self._sources]
+        self._versions = list(map(_VERSION, self._versioned))
+        self._addresses = list(map(torch.Tensor.data_ptr, self._sources))
 
-    def changed(self) -> bool:
-        if (self._builds == _BUILDS[0] and [s._version for s in self._sources] == self._versions
-                and [s.data_ptr() for s in self._sources] == self._addresses):
+    def changed(self, addresses: bool = False) -> bool:
+        """addresses: also compare every source's address (a run of steps starts); per step, the versions suffice."""
+        if (self._builds == _BUILDS[0] and list(map(_VERSION, self._versioned)) == self._versions
+                and (not addresses or list(map(torch.Tensor.data_ptr, self._sources)) == self._addresses)):
             return False
         if any(k.value is not value or k.stale() for k, value in self._pairs):
             return True

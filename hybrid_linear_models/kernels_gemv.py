@@ -10,7 +10,7 @@ bf16): at batch 1 its one-row form beats cuBLAS on every shape of the benchmark 
 outputs (out_proj 9.8 -> 6.4 us, 55% of the bandwidth; down 60%), 1.02-1.12x on the wide ones (in_proj, gate+up,
 q/k/v; the LM head 34.3 -> 31.3 us, 87%), 1.9x on MLA's kv_a, 3.8x on Kimi-Linear's shared expert; hence no width
 limit for one row. Its tl.dot form for 2 to 16 rows wins up to 2,048 outputs (1.1-1.16x) and loses beyond (0.8x on
-9,216), hence that limit. A replayed step (`profile_decode_step.py --gemv-ab`, the one-row form then limited to 2,048
+9,216), hence that limit. A replayed step (`profile_decode_step.py --ab gemv`, the one-row form then limited to 2,048
 outputs): GDN 1.443 -> 1.236 ms (1.17x), KDA 1.264 -> 1.162 ms (1.09x); without the limit (`profile_decode_step.py`,
 another run) GDN 1.180 ms, KDA 1.108 ms. It runs when:
 - the input is CUDA bf16/fp16 with at most 16 rows and a unit stride along its features, the weight a plain 2-D tensor

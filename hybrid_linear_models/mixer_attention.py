@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_one_query import one_query_applies, one_query_attention
+from .attention_step import fused_attention_step
 from .fused_projections import FusedProjections
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
@@ -72,6 +73,7 @@ class RotaryTables:
                  direct: Callable[[int], tuple[torch.Tensor, torch.Tensor] | None] | None = None):
         self._pair, self._compute, self._direct = pair, compute, direct
         self._whole_head: dict = {}
+        self._rotated: dict = {}  # head_dim -> the rotated dims of `whole_head`'s tables
 
     def __iter__(self):
         if self._pair is None:
@@ -95,7 +97,13 @@ class RotaryTables:
             cos_full, sin_full, rotary = tables
             swap = _swap_index(head_dim, rotary, cos_full.device)
             self._whole_head[head_dim] = (cos_full.unsqueeze(2), sin_full.unsqueeze(2), swap)
+            self._rotated[head_dim] = rotary
         return self._whole_head[head_dim]
+
+    def rotated_dims(self, head_dim: int) -> int:
+        """How many leading dims of a head `whole_head`'s tables rotate (the rest pass through)."""
+        self.whole_head(head_dim)
+        return self._rotated[head_dim]
 
 
 _SWAP_INDICES: dict = {}
@@ -272,6 +280,10 @@ class HybridLinearAttention(nn.Module):
         B, T = hidden_states.shape[:2]
         local_heads(self.k_proj, self.num_key_value_heads, self.layer_idx, "num_key_value_heads")  # TP: divisible
         # head counts follow from the projections' sizes, so a tensor-parallel shard runs its local heads
+        if T == 1 and cache is not None:  # a captured decoding step: three Triton kernels where they apply
+            fused = fused_attention_step(self, hidden_states, position_embeddings, attention_mask, cache)
+            if fused is not None:
+                return self.o_proj(fused), None
         query, key, value, gate = self._project(hidden_states, position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)

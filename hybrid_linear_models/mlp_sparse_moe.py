@@ -93,11 +93,11 @@ def graph_safe_experts(config: Any, dtype: torch.dtype | None = None, device_typ
         config._experts_implementation_internal = requested
 
 
-def graph_capturable_expert_dispatch(config: Any) -> bool:
-    """Whether a CUDA graph can capture the model's experts: False when they are expert parallel with a token dispatch
-    that reads its split sizes on the host (transformers' "all_to_all", which "auto" also picks when the ranks of the
-    expert group hold different batches, ep_size != tp_size); decoding then runs eagerly."""
-    distributed = getattr(config, "distributed_config", None)
+def graph_capturable_expert_dispatch(distributed: Any) -> bool:
+    """Whether a CUDA graph can capture the model's experts, given the config's `distributed_config` (None without
+    one): False when they are expert parallel with a token dispatch that reads its split sizes on the host
+    (transformers' "all_to_all", which "auto" also picks when the ranks of the expert group hold different batches,
+    ep_size != tp_size); decoding then runs eagerly."""
     if distributed is None or getattr(distributed, "ep_size", 1) <= 1:
         return True
     dispatch = distributed.ep_implementation

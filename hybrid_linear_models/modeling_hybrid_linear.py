@@ -532,7 +532,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         # transformers' generic preparation (4-D masks for static caches, clones, device checks) would cost more host
         # time per token than the replayed step itself, and its 4-D mask would keep the graph from being used.
         if (self._graph_decoder is not None and not is_first_iteration and next_sequence_length == 1
-                and CudaGraphDecoder.applies(self, input_ids[:, -1:], None, cache, attention_mask, kwargs)):
+                and self._graph_decoder.applies(self, input_ids[:, -1:], None, cache, attention_mask, kwargs)):
             # (prompt embeddings only serve the first iteration; later steps feed the generated ids)
             inputs = {"input_ids": input_ids[:, -1:], "cache": cache, "attention_mask": attention_mask}
             position_ids = kwargs.pop("position_ids", None)
@@ -576,6 +576,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             logits = self._graph_decoder.try_step(self, input_ids, position_ids, attention_mask, cache, kwargs)
             if logits is not None:
                 return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
+        if self._graph_decoder is not None:
+            self._graph_decoder.ran_uncaptured()
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -75,9 +75,10 @@ def test_model_lists_its_kept_tensors():
 
 def test_change_watch_sees_every_change_a_captured_graph_must_follow():
     """ChangeWatch (what CudaGraphDecoder asks before each replay) against each kept tensor's own answer: quiet while
-    nothing changes; an in-place update of a derived value's source, new data for a stacked weight, or a value built
-    anew are changes; an in-place update of a stacked weight (its rows are views of the shared tensor, which the graph
-    reads) is not, and the watch is quiet again after it."""
+    nothing changes; an in-place update of a derived value's source is a change at every step; new data for a
+    stacked weight is one where a run of steps starts (`addresses=True`), as is a value built anew at any time; an
+    in-place update of a stacked weight (its rows are views of the shared tensor, which the graph reads) is not, and
+    the watch is quiet again after it."""
     from hybrid_linear_models.derived_weights import ChangeWatch, SharedRows
 
     w, a, b = (torch.nn.Parameter(torch.randn(n, 4)) for n in (1, 2, 3))
@@ -86,15 +87,15 @@ def test_change_watch_sees_every_change_a_captured_graph_must_follow():
         derived.get([w], lambda: w + 1)
         shared.get([a, b])
         watch = ChangeWatch([derived, shared])
-        assert not watch.changed()
+        assert not watch.changed() and not watch.changed(addresses=True)
         b.add_(1.0)  # an optimiser step on a stacked weight: in the shared tensor already
-        assert not shared.stale() and not watch.changed() and not watch.changed()
+        assert not shared.stale() and not watch.changed() and not watch.changed(addresses=True)
         w.mul_(2.0)  # the derived value's source changed in place
         assert derived.stale() and watch.changed()
         derived.get([w], lambda: w + 1)  # rebuilt in place: the graph's tensor holds the new value
         watch = ChangeWatch([derived, shared])
         a.data = a.detach().clone()  # new data (module.to): no longer the shared rows
-        assert watch.changed()
+        assert watch.changed(addresses=True)
         shared.get([a, b])  # joined again, into a new tensor
         watch = ChangeWatch([derived, shared])
         derived.get([w], lambda: w.double() + 1, tag="float64")  # a new value under another tag

@@ -261,6 +261,38 @@ def test_a_step_that_cannot_be_captured_says_why_once(monkeypatch, caplog):
     assert len(got.attentions) == 5 and got.attentions[-1][0].shape[-2] == 1  # each eager step returned its row
 
 
+def test_a_weight_given_new_storage_between_generations_is_captured_again(eager_graphs):
+    """A captured step reads every weight by address. Between two generations (the prefill ran uncaptured) a weight
+    given new storage (`.data = `, as `module.to` does) or replaced (`load_state_dict(assign=True)`) makes the next
+    run capture again, with the tokens of uncaptured decoding; an in-place update (read by the graph as it is) does
+    not."""
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (2, 7))
+    down = lambda: model.model.layers[0].mlp.down_proj  # noqa: E731  (a plain weight: neither stacked nor derived)
+    _generate(model, input_ids, None)
+    assert len(eager_graphs) == 1
+    with torch.no_grad():
+        down().weight.mul_(1.5)
+    _assert_same(_generate(model, input_ids, None), _uncaptured(model, input_ids))
+    assert len(eager_graphs) == 1
+    down().weight.data = down().weight.detach() * 0.5
+    _assert_same(_generate(model, input_ids, None), _uncaptured(model, input_ids))
+    assert len(eager_graphs) == 2
+    state = {name: value.clone() * 1.25 if name.endswith("down_proj.weight") else value.clone()
+             for name, value in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    _assert_same(_generate(model, input_ids, None), _uncaptured(model, input_ids))
+    assert len(eager_graphs) == 3
+
+
+def _uncaptured(model, input_ids):
+    decoder, model._graph_decoder = model._graph_decoder, None  # (the same decoder back after: its captures counted)
+    try:
+        return _generate(model, input_ids, None)
+    finally:
+        model._graph_decoder = decoder
+
+
 def test_a_copy_of_a_model_that_captured_a_step_starts_uncaptured_and_decodes_alike(eager_graphs):
     """copy.deepcopy of a model after graph decoding (a CUDA graph cannot be copied, and it reads the original's
     buffers): the copy holds no captured step, captures its own, and decodes the same tokens."""

@@ -1,0 +1,111 @@
+"""A captured decoding step's full-attention layer, from the fused q/k/v projection to o_proj's input, in three Triton
+kernels (`kernels_attention_step_triton`) instead of the torch path's fifteen or so.
+
+The torch path of a one-token step (`HybridLinearAttention._project` and `forward`, the reference of the kernels'
+tests) runs, per layer: the q and k RMSNorms (fla's kernel, plus a copy for a strided input), the rotary embedding of
+both (`rotate_together`: cat, two products, a gather, a sum), the cache writes (two index_copy_), the attention
+(`attention_one_query`: two GEMMs, the mask add, softmax, a cast) and the output gate (sigmoid, product): at batch 1
+each a kernel of a few microseconds whose time is mostly its launch and ramp. The kernels do the same math with the
+same roundings (each bf16/fp16 op's result rounded where the torch path rounds it), except where the sums are ordered
+differently: the attention's, flash-decoding style (split over the cache slots, probabilities rounded unnormalised
+for the P V product, as fused attention kernels do, where `one_query_attention` rounds them normalised).
+
+Taken when all hold (checked as the step is recorded, so a replay runs the kernels with no Python): a step of
+`CudaGraphDecoder` (its `StepCache` lends the layer whose slot the kernels write: a full-attention layer, not a
+sliding one), CUDA bf16/fp16 activations and cache, sdpa chosen (eager keeps its own math), the fused q/k/v
+projection, the whole-head rotary tables, an additive mask over the cache slots, head widths a power of two from 16
+to 256, no tensor-parallel shards, triton importable and a GPU of compute capability 8.0 or later. A kernel that
+fails to compile is not tried again for that layout (one warning); the step is then recorded with the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from .tensor_parallel_heads import device_mesh
+
+logger = logging.getLogger(__name__)
+
+STEP_DEVICE_TYPES = ("cuda",)  # tests add "cpu", running the kernels under triton's interpreter
+STEP_DTYPES = (torch.bfloat16, torch.float16)
+_FAILED: dict = {}  # layouts whose kernels failed -> the error (the torch path from then on)
+
+
+@functools.cache
+def attention_step_kernel():
+    """`kernels_attention_step_triton.attention_step`, or None where triton cannot be imported (CPU machines)."""
+    try:
+        from .kernels_attention_step_triton import attention_step
+    except Exception as error:  # ImportError, or triton finding no driver
+        logger.debug(f"the fused attention step is not available ({error!r})")
+        return None
+    return attention_step
+
+
+@functools.cache
+def _capable(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _layout_problem(attention, hidden_states, tables, mask, layer) -> bool:
+    """True when the step's tensors are not what the kernels take (see the module docstring)."""
+    from .mixer_attention import RotaryTables
+
+    D = attention.head_dim
+    gate = 2 if attention.output_gate else 1
+    keys, values = layer.keys, layer.values
+    B, L = hidden_states.shape[0], keys.shape[2]
+    return (hidden_states.device.type not in STEP_DEVICE_TYPES or hidden_states.dtype not in STEP_DTYPES
+            or hidden_states.shape[1] != 1 or keys.dtype != hidden_states.dtype or values.dtype != keys.dtype
+            or D & (D - 1) or not 16 <= D <= 256 or keys.shape[-1] != D or values.shape[-1] != D
+            or keys.shape[:3] != (B, attention.num_key_value_heads, L) or values.shape[:3] != keys.shape[:3]
+            or keys.stride(-1) != 1 or values.stride(-1) != 1
+            or attention.q_proj.out_features != attention.num_heads * D * gate
+            or not isinstance(tables, RotaryTables) or tables.rotated_dims(D) % 2
+            or not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1:3] != (1, 1)
+            or mask.shape[0] not in (1, B) or mask.shape[-1] != L or not mask.dtype.is_floating_point
+            or mask.stride(-1) != 1)
+
+
+def fused_attention_step(attention, hidden_states: torch.Tensor, tables, mask, cache) -> torch.Tensor | None:
+    """o_proj's input [B, 1, heads * D] for a one-token step of the full-attention mixer `attention`
+    (HybridLinearAttention), its key and value written to the cache; None where the kernels do not apply (see the
+    module docstring): the caller then runs the torch path."""
+    full_layer = getattr(cache, "full_layer", None)  # only a captured step's cache (cuda_graph_decoding.StepCache)
+    layer = full_layer(attention.layer_idx) if full_layer is not None else None
+    if layer is None or attention.training or torch.is_grad_enabled():
+        return None
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    if (attention.config._attn_implementation != "sdpa"
+            or _layout_problem(attention, hidden_states, tables, mask, layer)
+            or not attention._qkv.applies(hidden_states, projections)
+            or any(device_mesh(p.weight) is not None for p in projections)
+            or attention_step_kernel() is None or not _capable(hidden_states.device)):
+        return None
+    key = (attention.num_heads, attention.num_key_value_heads, attention.head_dim, attention.output_gate,
+           attention.q_norm is not None, hidden_states.dtype, hidden_states.device)
+    if key in _FAILED:
+        return None
+    B, D = hidden_states.shape[0], attention.head_dim
+    qkv = attention._qkv(hidden_states, projections).view(B, -1)
+    cos, sin, _ = tables.whole_head(D)
+    cos, sin = cos.reshape(-1, D), sin.reshape(-1, D)  # [B or 1, D]
+    norms = (attention.q_norm, attention.k_norm)
+    scales = [norm.scale(qkv) if norm is not None else None for norm in norms]
+    try:
+        out = attention_step_kernel()(
+            qkv, layer.keys, layer.values, layer.cumulative_length, *scales,
+            tuple(norm.eps if norm is not None else 0.0 for norm in norms), cos.expand(B, D), sin.expand(B, D),
+            tables.rotated_dims(D), mask.view(mask.shape[0], -1), attention.scaling, attention.num_heads,
+            attention.output_gate)
+    except Exception as error:  # compilation or launch failure
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        _FAILED[key] = error
+        logger.warning(f"the fused attention step failed ({type(error).__name__}: {str(error)[:200]}); the "
+                       "attention layers of captured steps run the torch path")
+        return None
+    return out.view(B, 1, -1)

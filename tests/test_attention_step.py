@@ -1,0 +1,160 @@
+"""The fused attention step of captured decoding (attention_step.py: three Triton kernels from the q/k/v projection to
+o_proj's input) against the torch path it replaces and a float64 reference. On a GPU (bf16, fp16) and on the CPU
+under triton's interpreter (`TRITON_INTERPRET=1 pytest tests/test_attention_step.py`: fp16 only, the interpreter has
+no bf16 arithmetic)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+
+import pytest
+import torch
+from model_helpers import tiny_model
+from transformers import StaticCache
+
+from hybrid_linear_models import attention_step
+from hybrid_linear_models.cuda_graph_decoding import StepCache
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
+
+
+def _runs_the_kernels() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# (heads, kv_heads, head_dim, rotated fraction, q/k norms, output gate, batch, slots): GQA groups of 2, 8 and 1, the
+# benchmark models' 16/2 x 256 and 16/2 x 128, whole and partial rotation, with and without norms and gate, slots
+# over several tiles of 64 (and past the 64 splits at which a split covers two tiles)
+LAYOUTS = {
+    "gqa2_partial": (4, 2, 16, 0.25, True, True, 2, 130),
+    "gqa8_whole_no_norm": (16, 2, 32, 1.0, False, True, 1, 70),
+    "mha_no_gate": (2, 2, 64, 0.5, True, False, 3, 64),
+    "gdn_benchmark": (16, 2, 256, 0.25, True, True, 1, 1152),
+    "kda_benchmark": (16, 2, 128, 0.25, True, True, 2, 4500),
+    "two_tiles_per_split": (4, 2, 16, 1.0, True, True, 1, 4200),
+}
+INTERPRETED = ("gqa2_partial", "gqa8_whole_no_norm", "mha_no_gate", "two_tiles_per_split")
+
+
+def _model(layout: str, dtype: torch.dtype, device: str):
+    heads, kv_heads, head_dim, rotated, norms, gate, _, _ = LAYOUTS[layout]
+    model = tiny_model(["full_attention"], num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       attention_qk_norm=norms, attention_output_gate=gate,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": rotated})
+    model.config._attn_implementation = "sdpa"
+    return model.to(device, dtype)
+
+
+def _step(model, cache: StaticCache, hidden: torch.Tensor, key_mask: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The attention layer's output for a one-token step against `cache` (as a captured step's StepCache)."""
+    inner = model.model
+    positions = cache.layers[0].cumulative_length.view(1, 1).expand(hidden.shape[0], 1)
+    tables = inner._step_rotary_tables(hidden, positions)[inner.rotary_of_layer[0]]
+    mask = torch.full(key_mask.shape, float("-inf"), dtype=hidden.dtype, device=hidden.device)
+    mask = mask.masked_fill_(key_mask, 0.0)[:, None, None, :]
+    kernel, launches = attention_step.attention_step_kernel(), []
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return kernel(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch, torch.no_grad():
+        patch.setattr(attention_step, "STEP_DEVICE_TYPES", (hidden.device.type,) if fused else ())
+        patch.setattr(attention_step, "attention_step_kernel", lambda: counted)
+        out = inner.layers[0].self_attn(hidden, tables, mask, StepCache(cache, None))[0]
+    assert len(launches) == (1 if fused else 0)  # the path asked for ran
+    return out
+
+
+def _filled_cache(model, batch: int, slots: int, prompt: int) -> tuple[StaticCache, torch.Tensor]:
+    """A static cache of `slots` slots after a prompt of `prompt` tokens (the last row left-padded by 3), and the key
+    mask of the next step (real prompt tokens and the step's own slot)."""
+    device = model.device
+    ids = torch.randint(1, 100, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(device)
+    padding = torch.ones(batch, prompt, dtype=torch.long, device=device)
+    padding[-1, :3] = 0
+    cache = StaticCache(config=model.config, max_cache_len=slots)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=padding, cache=cache, use_cache=True)
+    key_mask = torch.zeros(batch, slots, dtype=torch.bool, device=device)
+    key_mask[:, :prompt] = padding.bool()
+    key_mask[:, prompt] = True
+    return cache, key_mask
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _runs_the_kernels(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fused_step_against_the_torch_path_and_float64(layout, dtype):
+    """Writes the step's key (normed and rotated: the torch path's roundings, so within one rounding of its key, the
+    norm's float32 sum being ordered differently) and value (the same bits) at the step's slot and nothing else; its
+    output is no further from the float64 step than twice the torch path's, plus one rounding of the output (the
+    attention's sums are ordered differently, and its probabilities rounded before normalisation)."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and (dtype == torch.bfloat16 or layout not in INTERPRETED):
+        pytest.skip("triton's interpreter: fp16 (no bfloat16 arithmetic), the small layouts")
+    device = "cuda" if on_gpu else "cpu"
+    batch, slots = LAYOUTS[layout][6:]
+    model = _model(layout, dtype, device)
+    prompt = min(slots - 8, 100)
+    cache, key_mask = _filled_cache(model, batch, slots, prompt)
+    hidden = torch.randn(batch, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(device,
+                                                                                                           dtype)
+    before = copy.deepcopy(cache)
+    fused = _step(model, cache, hidden, key_mask, fused=True)
+    torch_cache = copy.deepcopy(before)
+    reference = _step(model, torch_cache, hidden, key_mask, fused=False)
+    exact_cache = copy.deepcopy(before)
+    for layer in exact_cache.layers:
+        layer.keys, layer.values = layer.keys.double(), layer.values.double()
+    exact = _step(copy.deepcopy(model).double(), exact_cache, hidden.double(), key_mask, fused=False)
+
+    unit = UNIT_ROUNDOFF[dtype]
+    got, torch_path = cache.layers[0], torch_cache.layers[0]
+    untouched = [s for s in range(slots) if s != prompt]
+    assert torch.equal(got.keys[:, :, untouched], before.layers[0].keys[:, :, untouched])
+    assert torch.equal(got.values[:, :, untouched], before.layers[0].values[:, :, untouched])
+    assert torch.equal(got.values[:, :, prompt], torch_path.values[:, :, prompt])
+    torch.testing.assert_close(got.keys[:, :, prompt], torch_path.keys[:, :, prompt], rtol=2 * unit, atol=unit)
+    assert torch.equal(got.cumulative_length, before.layers[0].cumulative_length)  # advanced by the step's end
+    assert fused.shape == reference.shape and fused.dtype == dtype
+    fused_error = (fused.double() - exact).abs().max()
+    torch_error = (reference.double() - exact).abs().max()
+    assert fused_error <= 2 * torch_error + unit * exact.abs().max(), (fused_error, torch_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _runs_the_kernels(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+def test_fused_step_is_taken_only_where_its_conditions_hold(monkeypatch):
+    """The kernels serve a captured step's full-attention layers with sdpa: eager attention, a cache that is not a
+    captured step's, a mask over other slots, or a sliding layer (its step cache lends no full layer) keep the torch
+    path (the function returns None, touching nothing)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(attention_step, "STEP_DEVICE_TYPES", (device,))
+    model = _model("gqa2_partial", torch.float16, device)
+    cache, key_mask = _filled_cache(model, 2, 80, 20)
+    hidden = torch.randn(2, 1, model.config.hidden_size, device=device, dtype=torch.float16)
+    inner = model.model
+    positions = torch.full((2, 1), 20, device=device)
+    tables = inner._step_rotary_tables(hidden, positions)[inner.rotary_of_layer[0]]
+    mask = torch.zeros(2, 1, 1, 80, device=device, dtype=torch.float16)
+    attention = inner.layers[0].self_attn
+    keys = cache.layers[0].keys.clone()
+    with torch.no_grad():
+        assert attention_step.fused_attention_step(attention, hidden, tables, mask, cache) is None  # not a StepCache
+        model.config._attn_implementation = "eager"
+        assert attention_step.fused_attention_step(attention, hidden, tables, mask, StepCache(cache, None)) is None
+        model.config._attn_implementation = "sdpa"
+        assert attention_step.fused_attention_step(attention, hidden, tables, mask[..., :40],
+                                                   StepCache(cache, None)) is None  # a mask over other slots
+        assert torch.equal(cache.layers[0].keys, keys)
+        assert attention_step.fused_attention_step(attention, hidden, tables, mask, StepCache(cache, None)) is not None
+    sliding = tiny_model(["sliding_attention"], sliding_window=4).to(device, torch.float16)
+    sliding_cache, _ = _filled_cache(sliding, 1, 16, 6)
+    assert StepCache(sliding_cache, None).full_layer(0) is None
