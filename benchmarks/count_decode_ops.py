@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM, fla_backend  # noqa: E402
-from hybrid_linear_models import block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
+from hybrid_linear_models import attention_step, block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
@@ -105,6 +105,41 @@ def _conv(x, weight, activation=None, initial_state=None, output_final_state=Fal
     return out, (torch.nn.functional.pad(final, (1, 0)) if final is not None else None)
 
 
+def _in_place(per_channel):
+    """fla's recurrent kernel run with the state in place (recurrent_in_place.py), as the torch rule plus copies
+    into the output and the state: counted as one kernel."""
+    def run(q, k, v, g, beta, scale, state, use_qk_l2norm, A_log, dt_bias, beta_logits, out):
+        COUNTER.count("fla.fused_recurrent_kda (state in place)" if per_channel
+                      else "fla.fused_recurrent_gated_delta_rule (state in place)")
+        COUNTER.paused += 1
+        try:
+            o, final = _rule(per_channel)(q, k, v, g, beta, scale, state, True, use_qk_l2norm,
+                                          use_gate_in_kernel=A_log is not None, A_log=A_log, dt_bias=dt_bias,
+                                          use_beta_sigmoid_in_kernel=beta_logits)
+            state.copy_(final)
+            return out.copy_(o) if out is not None else o
+        finally:
+            COUNTER.paused -= 1
+    return run
+
+
+class _RecurrentKernel:
+    """fla's GDN recurrent Triton kernel as `recurrent_in_place` launches it: kernel[grid](...)."""
+
+    def __getitem__(self, grid):
+        def launch(q, k, v, g, beta, A_log, dt_bias, o, h0, scale, USE_QK_L2NORM_IN_KERNEL, APPLY_BETA_SIGMOID,
+                   **_):
+            _in_place(False)(q, k, v, g, beta, scale, h0, USE_QK_L2NORM_IN_KERNEL, A_log, dt_bias, APPLY_BETA_SIGMOID,
+                             o)
+        return launch
+
+
+def _kda_in_place(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, use_qk_l2norm_in_kernel,
+                  use_beta_sigmoid_in_kernel, **_):
+    return _in_place(True)(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, A_log, dt_bias,
+                           use_beta_sigmoid_in_kernel, None), initial_state
+
+
 STAND_INS = SimpleNamespace(
     rms_norm=_fused("rms_norm", _rms_norm),
     rms_norm_gated=_fused("rms_norm_gated", lambda x, g, w, b, activation, eps: ops.gated_rms_norm(
@@ -115,7 +150,21 @@ STAND_INS = SimpleNamespace(
         ops.causal_conv1d_step(x, weight, cache, activation=activation), cache)),
     fused_recurrent_gated_delta_rule=_fused("fused_recurrent_gated_delta_rule", _rule(False)),
     fused_recurrent_kda=_fused("fused_recurrent_kda", _rule(True)),
+    fused_recurrent_gated_delta_rule_fwd_kernel=_RecurrentKernel(),
+    fused_recurrent_kda_fwd=_kda_in_place,
 )
+
+
+def _attention_step(qkv, keys, values, slot, q_scale, k_scale, eps, cos, sin, rotary, mask, scale, heads, gate):
+    """The fused attention step's three kernels (attention_step.py), counted; its output stood in by zeros (the count
+    does not depend on the values)."""
+    for kernel in ("prepare", "attend", "combine"):
+        COUNTER.count(f"attention_step.{kernel}")
+    COUNTER.paused += 1
+    try:
+        return qkv.new_zeros(qkv.shape[0], heads * keys.shape[-1])
+    finally:
+        COUNTER.paused -= 1
 
 
 MODELS = {  # the GPU benchmark models' layer structure at narrow widths (the kernel count does not depend on them)
@@ -141,6 +190,7 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
     cache = StaticCache(config=config, max_cache_len=16)
     counted: dict[str, KernelCounter] = {}
     previous = fla_backend.fla_for, CudaGraphDecoder.device_types, CudaGraphDecoder._record
+    step_previous = attention_step.STEP_DEVICE_TYPES, attention_step.attention_step_kernel
 
     def record(run, device):  # the capture: a warm-up run (as on the GPU: kept tensors built), then one counted
         global COUNTER
@@ -166,6 +216,8 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
             else:
                 CudaGraphDecoder.device_types = ("cuda", "cpu")
                 CudaGraphDecoder._record = staticmethod(record)
+                attention_step.STEP_DEVICE_TYPES = ("cuda", "cpu")  # the full-attention layers as three kernels
+                attention_step.attention_step_kernel = lambda: _attention_step
                 model(input_ids=ids[:, 8:], cache=cache, use_cache=True)  # captured (counted), not replayed
                 COUNTER = counted["around"] = KernelCounter(by_site)
                 with COUNTER:
@@ -173,6 +225,7 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
     finally:
         fla_backend.fla_for, CudaGraphDecoder.device_types = previous[:2]
         CudaGraphDecoder._record = staticmethod(previous[2])
+        attention_step.STEP_DEVICE_TYPES, attention_step.attention_step_kernel = step_previous
     return counted
 
 

@@ -1,6 +1,6 @@
-"""Where one captured batch-1 decoding step spends its time on a GPU: the device kernels of replayed steps, grouped by
-kernel name, against the step's wall time (issue 17: what to fuse next, and how far the launches are from the
-weight-read limit).
+"""Where one captured decoding step (batch 1, or `--batch` rows) spends its time on a GPU: the device kernels of
+replayed steps, grouped by kernel name, against the step's wall time (issue 17: what to fuse next, and how far the
+launches are from the weight-read limit).
 
 For each model (the GDN and KDA benchmark models of bench_generation.py, the Kimi-Linear MoE model of
 bench_kimi_linear.py; random weights, bfloat16): a `--prompt`-token prefill into a static cache, one step to capture
@@ -15,14 +15,15 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 - with `--ab KIND ...`, instead, each model's replayed step captured without and with one of this package's decoding
   kernels in turn (A B A B), wall ms per step of each, in one run: `gemv` (the linear layers on cuBLAS, or on the
   Triton GEMV: kernels_gemv), `attention` (the full-attention layers on the torch path, or the fused attention step:
-  attention_step);
+  attention_step), `in_place` (the GDN/KDA state copied after fla's recurrent kernel, or updated in place by it:
+  recurrent_in_place);
 - with `--generate N`, instead, batch-1 `generate(..., cache=<static cache>)` of N new tokens against the step alone:
   ms per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel
   time, its kernels (the graph's and those outside it), and the host time from the end of each synchronisation
   (transformers' loop reads each step's tokens on the host) to the next graph launch, which the GPU waits for.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
-        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention] [--generate 64]
+        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place] [--generate 64] [--batch 16]
 """
 
 from __future__ import annotations
@@ -46,12 +47,12 @@ from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 CONFIGS = {"gdn": lambda: gdn_pair(**GPU_GDN)[0], "kda": lambda: kda_pair(**GPU_KDA)[0], "kimi": kimi_linear_config}
 
 
-def model_and_prompt(name: str, prompt: int) -> tuple[HybridLinearForCausalLM, torch.Tensor]:
-    """The benchmark model `name` (random weights, seed 0, bfloat16, on CUDA) and a random batch-1 prompt."""
+def model_and_prompt(name: str, prompt: int, batch: int = 1) -> tuple[HybridLinearForCausalLM, torch.Tensor]:
+    """The benchmark model `name` (random weights, seed 0, bfloat16, on CUDA) and `batch` random prompts."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
-    return model, torch.randint(1, model.config.vocab_size, (1, prompt), device="cuda")
+    return model, torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
 
 
 def kernel_events(prof) -> list:
@@ -152,6 +153,7 @@ def replayed_ms(model, cache, token, steps: int) -> float:
 SWITCHES = {
     "gemv": ("kernels_gemv", "GEMV_DEVICE_TYPES", "cuBLAS", "Triton GEMV"),
     "attention": ("attention_step", "STEP_DEVICE_TYPES", "torch attention", "fused attention step"),
+    "in_place": ("recurrent_in_place", "IN_PLACE_DEVICE_TYPES", "state copied", "state in place"),
 }
 
 
@@ -228,8 +230,8 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
 
 
 def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,
-                  prefills: tuple[int, ...] = ()) -> None:
-    model, input_ids = model_and_prompt(name, prompt)
+                  prefills: tuple[int, ...] = (), batch: int = 1) -> None:
+    model, input_ids = model_and_prompt(name, prompt, batch)
     # every step below writes one slot: the capture, 3 warm-ups, `steps` timed and `steps` profiled
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 + 2 * steps)
     token = input_ids[:, -1:]
@@ -249,7 +251,7 @@ def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | No
     kernels = kernel_events(prof)
     total = sum(e.device_time_total for e in kernels) / 1e3 / steps
     params = sum(p.numel() for p in model.parameters())
-    print(f"\n{name}: {params / 1e6:.0f}M params, prompt {prompt}, batch 1: wall {wall_ms:.3f} ms/step "
+    print(f"\n{name}: {params / 1e6:.0f}M params, prompt {prompt}, batch {batch}: wall {wall_ms:.3f} ms/step "
           f"({1e3 / wall_ms:.0f} tok/s), kernels {total:.3f} ms/step, idle between kernels {wall_ms - total:.3f} ms, "
           f"{len(kernels) / steps:.0f} kernels/step")
     print_ranked(kernels, steps, top)
@@ -272,6 +274,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--batch", type=int, default=1, help="rows of the profiled step (not --ab, --generate)")
     parser.add_argument("--trace", type=Path, default=None, help="folder for each model's kernels of one step")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="also profile prefills of these lengths")
     parser.add_argument("--ab", nargs="*", default=[], choices=sorted(SWITCHES),
@@ -292,7 +295,7 @@ def main() -> None:
                 profile_generate(name, args.prompt, args.generate, args.steps)
                 torch.cuda.empty_cache()
                 continue
-            profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill))
+            profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill), args.batch)
         except Exception as error:  # one model's failure must not cost the others' figures in a GPU call
             print(f"\n{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             torch.cuda.empty_cache()

@@ -90,6 +90,8 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
                            recurrent_states.to(torch.promote_types(recurrent_states.dtype, torch.float32)), state_idx)
 
     def _write(self, buffers, initialized, kind, value, state_idx):
+        if initialized[state_idx] and value is buffers[state_idx]:
+            return value  # updated in place by the kernel (recurrent_in_place.py)
         if not initialized[state_idx] or buffers[state_idx].shape != value.shape:
             self.lazy_initialization(**{kind: value, "state_idx": state_idx})
         buffers[state_idx].copy_(value)

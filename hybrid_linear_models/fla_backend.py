@@ -34,6 +34,9 @@ FLA_KERNELS = {
     "fused_recurrent_gated_delta_rule": "fla.ops.gated_delta_rule",
     "chunk_kda": "fla.ops.kda",
     "fused_recurrent_kda": "fla.ops.kda",
+    # the decoding step's state updated in place (recurrent_in_place.py)
+    "fused_recurrent_gated_delta_rule_fwd_kernel": "fla.ops.gated_delta_rule.fused_recurrent",
+    "fused_recurrent_kda_fwd": "fla.ops.kda.fused_recurrent",
     "causal_conv1d": "fla.modules.causal_conv1d",
     "causal_conv1d_update": "fla.modules.causal_conv1d",
     "rms_norm": "fla.modules.norm.layernorm",

@@ -18,6 +18,7 @@ from . import fla_backend
 from .fla_backend import fla_available_for, note_torch_path  # noqa: F401  (fla_available_for: public)
 from .kernels_conv import causal_conv1d_torch
 from .kernels_delta_rule import chunk_delta_rule, compute_dtype, recurrent_delta_rule
+from .recurrent_in_place import step_in_place
 
 # Up to this many tokens per sequence (and no packing) the token-by-token form is faster than the chunked one.
 RECURRENT_MAX_TOKENS = 16
@@ -117,7 +118,7 @@ def _check_gate(name, A_log, dt_bias, g, per_channel) -> None:
 
 
 def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initial_state, output_final_state,
-                cu_seqlens, use_qk_l2norm, A_log, dt_bias, beta_logits=False):
+                cu_seqlens, use_qk_l2norm, A_log, dt_bias, beta_logits=False, state_in_place=False):
     _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_channel)
     _check_gate(name, A_log, dt_bias, g, per_channel)
     if scale is None:
@@ -128,6 +129,12 @@ def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initia
         initial_state = initial_state.float() if kernel is not None else initial_state.to(compute_dtype(v))
     if beta_logits and (kernel is None or not decoding):  # fla's recurrent kernels alone take logits
         beta, beta_logits = beta.sigmoid(), False
+    if (kernel is not None and decoding and state_in_place and output_final_state and cu_seqlens is None
+            and initial_state is not None):
+        out = step_in_place(per_channel, q, k, v, g, beta, scale, initial_state, use_qk_l2norm, A_log, dt_bias,
+                            beta_logits)
+        if out is not None:
+            return out, initial_state
     if kernel is not None:
         options = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
         if beta_logits:
@@ -173,6 +180,7 @@ def gated_delta_rule(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     beta_logits: bool = False,
+    state_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule (GDN): per token and value head, S <- exp(g) S; u = beta (v - S^T k); S <- S + k u^T;
     o = S^T q (q scaled by `scale`, default dk^-0.5, after the optional L2 norm of q and k).
@@ -184,11 +192,14 @@ def gated_delta_rule(
     With `A_log` ([Hv]) given, g holds the gate's raw input and the log decay is -exp(A_log) * softplus(g + dt_bias)
     (`gate_log_decay`, dt_bias [Hv] optional), which fla computes inside its kernels. With `beta_logits`, beta holds
     logits and the rule uses sigmoid(beta) (inside fla's recurrent kernel when decoding: one kernel less a step).
+    With `state_in_place` (a one-token step with `output_final_state`), the final state may be written over
+    `initial_state` (a float32 buffer, the cache's) and returned as it: fla's kernels do so (recurrent_in_place.py),
+    other paths return a new tensor.
     """
     return _delta_rule("gated_delta_rule", ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
                        q, k, v, g, beta, per_channel=False, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-                       A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits)
+                       A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits, state_in_place=state_in_place)
 
 
 def kimi_delta_rule(
@@ -206,14 +217,15 @@ def kimi_delta_rule(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     beta_logits: bool = False,
+    state_in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Kimi delta rule (KDA): `gated_delta_rule` with a per-channel decay, S <- diag(exp(g)) S, g: [B, T, Hv, dk].
     With `A_log` ([Hv]) given, g is the gate's raw input as in `gated_delta_rule`, dt_bias then [Hv * dk];
-    `beta_logits` as there."""
+    `beta_logits` and `state_in_place` as there."""
     return _delta_rule("kimi_delta_rule", ("chunk_kda", "fused_recurrent_kda"),
                        q, k, v, g, beta, per_channel=True, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
-                       A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits)
+                       A_log=A_log, dt_bias=dt_bias, beta_logits=beta_logits, state_in_place=state_in_place)
 
 
 # ------------------------------------------------------------------------------------------------- short convolution
