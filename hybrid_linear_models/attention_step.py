@@ -20,12 +20,12 @@ fails to compile is not tried again for that layout (one warning); the step is t
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
 from .tensor_parallel_heads import device_mesh
+from .triton_loading import has_bf16_tensor_cores, triton_function
 
 logger = logging.getLogger(__name__)
 
@@ -34,20 +34,9 @@ STEP_DTYPES = (torch.bfloat16, torch.float16)
 _FAILED: dict = {}  # layouts whose kernels failed -> the error (the torch path from then on)
 
 
-@functools.cache
 def attention_step_kernel():
     """`kernels_attention_step_triton.attention_step`, or None where triton cannot be imported (CPU machines)."""
-    try:
-        from .kernels_attention_step_triton import attention_step
-    except Exception as error:  # ImportError, or triton finding no driver
-        logger.debug(f"the fused attention step is not available ({error!r})")
-        return None
-    return attention_step
-
-
-@functools.cache
-def _capable(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+    return triton_function("kernels_attention_step_triton", "attention_step")
 
 
 def _layout_problem(attention, hidden_states, tables, mask, layer) -> bool:
@@ -83,7 +72,7 @@ def fused_attention_step(attention, hidden_states: torch.Tensor, tables, mask, c
             or _layout_problem(attention, hidden_states, tables, mask, layer)
             or not attention._qkv.applies(hidden_states, projections)
             or any(device_mesh(p.weight) is not None for p in projections)
-            or attention_step_kernel() is None or not _capable(hidden_states.device)):
+            or attention_step_kernel() is None or not has_bf16_tensor_cores(hidden_states.device)):
         return None
     key = (attention.num_heads, attention.num_key_value_heads, attention.head_dim, attention.output_gate,
            attention.q_norm is not None, hidden_states.dtype, hidden_states.device)

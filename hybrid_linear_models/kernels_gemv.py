@@ -32,7 +32,6 @@ the mode the kernel computes the activation as it loads its input, and SwiGLU's 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 
 import torch
@@ -41,6 +40,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from .block_ops import silu_and_mul
 from .tensor_parallel_heads import device_mesh
+from .triton_loading import has_bf16_tensor_cores, triton_function
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +53,9 @@ GEMV_DEVICE_TYPES = ("cuda",)  # tests add "cpu", with the kernel stood in
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-@functools.cache
 def triton_gemv_kernel():
     """`kernels_gemv_triton.triton_gemv`, or None where triton cannot be imported (CPU machines)."""
-    try:
-        from .kernels_gemv_triton import triton_gemv
-    except Exception as error:  # ImportError, or triton finding no driver
-        logger.debug(f"the Triton GEMV is not available ({error!r}); decoding GEMVs run through cuBLAS")
-        return None
-    return triton_gemv
+    return triton_function("kernels_gemv_triton", "triton_gemv")
 
 
 def _within_width(outputs: int, rows_of_x: int, gathered: bool) -> bool:
@@ -93,13 +87,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return False
     if device_mesh(weight) is not None or device_mesh(x) is not None:
         return False
-    return triton_gemv_kernel() is not None and _capable(x.device)
-
-
-@functools.cache
-def _capable(device: torch.device) -> bool:
-    """GPUs whose tensor cores `tl.dot` drives in bf16 and fp16 (compute capability 8.0 on: Ampere, Hopper, ...)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+    return triton_gemv_kernel() is not None and has_bf16_tensor_cores(x.device)
 
 
 _FAILED: dict = {}  # (weight shape, dtype, device, gathered, gated) -> the first error: cuBLAS from then on

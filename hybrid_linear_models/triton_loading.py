@@ -1,0 +1,30 @@
+"""This package's own Triton kernels, imported on first use: importing triton needs a GPU driver, and CPU machines (CI,
+`trust_remote_code`'s import scan) have neither, so a kernel module is imported only when a CUDA step asks for it."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def triton_function(module: str, name: str):
+    """`name` from this package's Triton module `module`, or None where it cannot be imported (no triton, no driver):
+    the caller then keeps its torch path."""
+    try:
+        return getattr(importlib.import_module(f".{module}", __package__), name)
+    except Exception as error:  # ImportError, or triton finding no driver
+        logger.debug(f"{module}.{name} is not available ({error!r}); the torch path runs instead")
+        return None
+
+
+@functools.cache
+def has_bf16_tensor_cores(device: torch.device) -> bool:
+    """GPUs whose tensor cores `tl.dot` drives in bf16 and fp16 (compute capability 8.0 on: Ampere, Hopper, ...);
+    True off CUDA (triton's interpreter in tests)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
