@@ -45,7 +45,10 @@ def test_applies_to_narrow_half_precision_products_of_few_rows(stand_in):
     wide = torch.zeros(kernels_gemv.WIDEST_OUTPUTS["rows"] + 1, 32, dtype=torch.bfloat16)
     assert not gemv_applies(x, wide, None)  # wider than the limit of the form of two rows
     assert gemv_applies(x[:1], wide, None) == (kernels_gemv.WIDEST_OUTPUTS["one_row"] is None)  # one row: any width
-    assert gemv_applies(x, wide, None, rows=torch.arange(4))  # a gather of outputs is always folded in
+    assert gemv_applies(x, wide, None, rows=torch.arange(4))  # four outputs gathered: within the limit
+    assert not gemv_applies(x, wide, None, rows=torch.arange(wide.shape[0]))  # gathered, and wider than the limit
+    assert gemv_applies(x[:1], wide, None, rows=torch.arange(wide.shape[0])) == (
+        kernels_gemv.WIDEST_OUTPUTS["one_row"] is None)
     assert not gemv_applies(x, w, None, rows=torch.arange(4.0))  # a float index
     assert not gemv_applies(x, w, None, rows=torch.arange(4).view(2, 2))
     assert not gemv_applies(x, torch.zeros(32, 64, dtype=torch.bfloat16).T, None)  # strided along K
@@ -96,14 +99,17 @@ def test_linear_rows_is_the_linear_layer_then_a_gather_and_the_mode_folds_the_ga
 
 def test_swiglu_linear_is_the_gated_mlps_activation_then_its_down_projection(stand_in):
     g = torch.Generator().manual_seed(4)
-    gate_up, w = torch.randn(2, 1, 32, generator=g, dtype=torch.bfloat16), torch.randn(8, 16, generator=g,
+    gate_up, w = torch.randn(1, 1, 32, generator=g, dtype=torch.bfloat16), torch.randn(8, 16, generator=g,
                                                                                         dtype=torch.bfloat16)
     expected = F.linear(silu_and_mul(gate_up[..., :16], gate_up[..., 16:]), w)
     assert torch.equal(swiglu_linear(gate_up, w), expected) and stand_in == []  # no mode
     with torch.no_grad(), DecodeGemvMode():
         fused = swiglu_linear(gate_up, w)
-    assert stand_in == [(2, 8, 16, "gated")] and torch.equal(fused, expected)
+    assert stand_in == [(1, 8, 16, "gated")] and torch.equal(fused, expected)
     assert gemv_applies(gate_up, w, None, gated=True) and not gemv_applies(gate_up[..., :24], w, None, gated=True)
+    # the tl.dot form of 2 to 16 rows leaves SwiGLU to its own kernel (kernels_gemv.SWIGLU_FORMS)
+    assert not gemv_applies(gate_up.expand(2, 1, 32), w, None, gated=True) and gemv_applies(gate_up.expand(2, 1, 32)[
+        ..., :16].contiguous(), w, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -115,7 +121,7 @@ def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, 
     decoding without graphs (the stand-in is F.linear)."""
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "mla_attention"],
                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8).to(dtype).eval()
-    input_ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(2))
+    input_ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
     captured = replay_graphs_eagerly(monkeypatch)
     graphed = greedy(model, input_ids, cache_implementation="static")
     assert len(captured) == 1
@@ -123,11 +129,11 @@ def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, 
     if dtype == torch.float32:
         assert stand_in == []
     else:
-        assert (2, vocab, hidden) in stand_in  # the LM head of a batch of 2
-        assert (2, hidden, model.config.intermediate_size, "gated") in stand_in  # the MLPs' SwiGLU and down_proj
+        assert (1, vocab, hidden) in stand_in  # the LM head
+        assert (1, hidden, model.config.intermediate_size, "gated") in stand_in  # the MLPs' SwiGLU and down_proj
         gdn = model.model.layers[0].linear_attn
         stacked = gdn.in_proj_qkvz.out_features + gdn.in_proj_ba.out_features
-        assert (2, stacked, hidden, stacked) in stand_in  # in_proj_qkvz and in_proj_ba, regrouped in the kernel
+        assert (1, stacked, hidden, stacked) in stand_in  # in_proj_qkvz and in_proj_ba, regrouped in the kernel
     model.set_cuda_graph_decoding(False)
     eager = greedy(model, input_ids, cache_implementation="static")
     assert torch.equal(graphed.sequences, eager.sequences)
