@@ -27,7 +27,7 @@ of its own otherwise, disappears (cuBLAS + gather 23.1 us, the kernel 14.1 us fo
 in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`), as torch's own functions do, so the mode
 sees it. `swiglu_linear(gate_up, W, b)` likewise is the gated MLP's silu(gate) * up then its down projection: inside
 the mode the one-row kernel computes the activation as it loads its input, and SwiGLU's own kernel (one per MLP)
-disappears (`SWIGLU_FORMS`). Both folds stay within the width of the form that serves the product.
+disappears (the one-row form only: `SWIGLU_FORMS`).
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 # one row (batch-1 decoding), "rows" for 2 to MAX_ROWS rows; None: any width (see the module docstring)
 WIDEST_OUTPUTS: dict[str, int | None] = {"one_row": None, "rows": 2048}
 # the forms that compute SwiGLU as they load [gate | up] (`swiglu_linear`): every program computes it again for each
-# row of x, so the tl.dot form's programs would each redo 16 rows of it (and re-read them); that form takes the
-# plain down projection after SwiGLU's own kernel instead (batch 16 slowed from 6,940 to 5,200-5,600 tokens/s with it)
+# row of x it reads, so the tl.dot form's programs each redo it for up to 16 rows: at batch 16 that form took 74.5 us
+# for the MLP's 2,048 x 5,632 down projection with SwiGLU, against 13.4 us for SwiGLU's kernel then cuBLAS
+# (bench_decode_gemv.py --batches 16), and 1.19 ms of a 2.84 ms GDN step (profile_decode_step.py --batch 16)
 SWIGLU_FORMS = ("one_row",)
 MAX_ROWS = 16  # rows of x (batch x tokens) the kernel takes
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -63,13 +64,12 @@ def triton_gemv_kernel():
     return triton_function("kernels_gemv_triton", "triton_gemv")
 
 
-def _within_width(outputs: int, rows_of_x: int) -> bool:
-    """Products (gathered or not) up to the measured width of the form that serves them. (A gather past the tl.dot
-    form's width stays a kernel of its own: at batch 16 that form took GDN's 12,352-wide gathered input projection at
-    several times cuBLAS's time, 1.54 ms of a 2.84 ms step for the form's 44 products, `profile_decode_step.py
-    --batch 16`.)"""
+def _within_width(outputs: int, rows_of_x: int, gathered: bool) -> bool:
+    """A gather is always worth folding in (it is a kernel of its own otherwise: GDN's 12,352-wide input projection
+    with its regrouping, 21.7 us on cuBLAS + gather against 17.2 us in the tl.dot form at batch 16, 22.7 against 14.1
+    in the one-row form at batch 1); plain products only up to the measured width of the form that serves them."""
     widest = WIDEST_OUTPUTS[_form(rows_of_x)]
-    return widest is None or outputs <= widest
+    return gathered or widest is None or outputs <= widest
 
 
 def _form(rows_of_x: int) -> str:
@@ -92,7 +92,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if rows is not None and (rows.dtype not in INDEX_DTYPES or rows.dim() != 1 or rows.device != x.device
                              or rows.stride(0) != 1):
         return False
-    if not _within_width(weight.shape[0] if rows is None else rows.shape[0], rows_of_x):
+    if not _within_width(weight.shape[0] if rows is None else rows.shape[0], rows_of_x, rows is not None):
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1):
         return False

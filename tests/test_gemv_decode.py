@@ -45,10 +45,7 @@ def test_applies_to_narrow_half_precision_products_of_few_rows(stand_in):
     wide = torch.zeros(kernels_gemv.WIDEST_OUTPUTS["rows"] + 1, 32, dtype=torch.bfloat16)
     assert not gemv_applies(x, wide, None)  # wider than the limit of the form of two rows
     assert gemv_applies(x[:1], wide, None) == (kernels_gemv.WIDEST_OUTPUTS["one_row"] is None)  # one row: any width
-    assert gemv_applies(x, wide, None, rows=torch.arange(4))  # four outputs gathered: within the limit
-    assert not gemv_applies(x, wide, None, rows=torch.arange(wide.shape[0]))  # gathered, and wider than the limit
-    assert gemv_applies(x[:1], wide, None, rows=torch.arange(wide.shape[0])) == (
-        kernels_gemv.WIDEST_OUTPUTS["one_row"] is None)
+    assert gemv_applies(x, wide, None, rows=torch.arange(wide.shape[0]))  # a gather of outputs is always folded in
     assert not gemv_applies(x, w, None, rows=torch.arange(4.0))  # a float index
     assert not gemv_applies(x, w, None, rows=torch.arange(4).view(2, 2))
     assert not gemv_applies(x, torch.zeros(32, 64, dtype=torch.bfloat16).T, None)  # strided along K
