@@ -226,7 +226,12 @@ class CudaGraphDecoder:
     search's `reorder_cache` replaced with reordered copies) has its values moved into it and its tensors pointed at
     it, and tensors bound before that are still held elsewhere (an earlier cache, a user's reference) keep their
     values in storage of their own. So no replay reads memory the cache has let go of, and a new cache costs a copy
-    of its values, not a capture."""
+    of its values, not a capture. The weights the graph reads are checked the same way, in two depths (`step`): per
+    step, the in-place updates that change a kept derived value; where a run of steps starts (after an uncaptured
+    forward, a newly bound cache), also every parameter's and buffer's identity and address, so a weight given new
+    storage between two generations is captured again rather than read from the storage it let go of. The host
+    work before a replay is what the GPU waits for at batch 1 (transformers reads each step's tokens on the host), so
+    the per-step checks read memoised layouts (`CacheLayout`) and plain config values (`config_value`)."""
 
     device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
 
