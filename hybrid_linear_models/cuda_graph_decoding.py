@@ -381,7 +381,7 @@ class CudaGraphDecoder:
                 if length < self._mask_length:
                     self._key_mask[:, length : self._mask_length].zero_()
                 self._mask_length = length
-        linear = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
+        linear = self.layout(cache).linear
         written = [layer.seen_tokens for layer in linear]
         self._graph.replay()
         for layer, count in zip(linear, written):  # set, not added to: a stand-in replay that runs the step's Python
@@ -408,8 +408,8 @@ class CudaGraphDecoder:
     def _capture(self, model, cache, batch, max_len, device, key) -> None:
         self._graph = None  # release the previous graph's memory pool first
         self._buffers, self._bound = [], []
-        self._has_attention = any(isinstance(layer, StaticLayer) for layer in cache.layers)
-        self._has_full = any(_is_full(layer) for layer in cache.layers)
+        layout = self.layout(cache)
+        self._has_attention, self._has_full = bool(layout.attention), layout.has_full
         sliding = any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers)
         self._windows = WindowSteps(cache, batch, device) if sliding else None
         self._step_cache = StepCache(cache, self._windows)
@@ -417,7 +417,7 @@ class CudaGraphDecoder:
         self._positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self._mask_length = 0
-        linear_layers = [layer for layer in cache.layers if isinstance(layer, LinearStateLayer)]
+        linear_layers = layout.linear
         seen = [layer.seen_tokens for layer in linear_layers]
         saved = [t.clone() for t in _cache_tensors(cache)]
 

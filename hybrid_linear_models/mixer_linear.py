@@ -68,12 +68,11 @@ def convolve_and_recur(
             output_final_state=cache is not None, cu_seqlens=info.cu_seqlens,
         )
     q, k, v = split(mixed)
-    # a decoding step may update the cache's state in place (no copy of it afterwards: recurrent_in_place.py)
-    in_place = {"state_in_place": True} if cache is not None and mixed.shape[1] == 1 else {}
     out, recurrent_state = rule(
         q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
         cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **gate_args, **({"beta_logits": True} if beta_logits else {}),
-        **in_place,
+        # a decoding step may update the cache's state in place (no copy of it afterwards: recurrent_in_place.py)
+        state_in_place=cache is not None and mixed.shape[1] == 1,
     )
     if cache is not None:  # (a decoding step updated the conv window in place: conv_state None)
         cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])
