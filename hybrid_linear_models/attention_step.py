@@ -20,14 +20,10 @@ fails to compile is not tried again for that layout (one warning); the step is t
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import has_bf16_tensor_cores, triton_function
-
-logger = logging.getLogger(__name__)
+from .triton_loading import has_bf16_tensor_cores, record_failure, triton_function
 
 STEP_DEVICE_TYPES = ("cuda",)  # tests add "cpu", running the kernels under triton's interpreter
 STEP_DTYPES = (torch.bfloat16, torch.float16)
@@ -91,10 +87,7 @@ def fused_attention_step(attention, hidden_states: torch.Tensor, tables, mask, c
             tables.rotated_dims(D), mask.view(mask.shape[0], -1), attention.scaling, attention.num_heads,
             attention.output_gate)
     except Exception as error:  # compilation or launch failure
-        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise
-        _FAILED[key] = error
-        logger.warning(f"the fused attention step failed ({type(error).__name__}: {str(error)[:200]}); the "
-                       "attention layers of captured steps run the torch path")
+        record_failure(_FAILED, key, error, hidden_states, "the fused attention step failed; the attention layers of "
+                       "captured steps run the torch path")
         return None
     return out.view(B, 1, -1)

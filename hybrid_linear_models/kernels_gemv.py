@@ -33,7 +33,6 @@ disappears (the one-row form only: `SWIGLU_FORMS`).
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +40,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from .block_ops import silu_and_mul
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import has_bf16_tensor_cores, triton_function
-
-logger = logging.getLogger(__name__)
+from .triton_loading import has_bf16_tensor_cores, record_failure, triton_function
 
 # out_features (gathered outputs for `linear_rows`) up to which each form of the kernel is taken: "one_row" for x of
 # one row (batch-1 decoding), "rows" for 2 to MAX_ROWS rows; None: any width (see the module docstring)
@@ -128,11 +125,8 @@ def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     try:
         out = triton_gemv_kernel()(flat, weight, bias, rows, gated=gated)
     except Exception as error:  # compilation or launch failure
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise
-        _FAILED[key] = error
-        logger.warning(f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight ({type(error).__name__}: "
-                       f"{str(error)[:200]}); that product runs through cuBLAS")
+        record_failure(_FAILED, key, error, x, f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; "
+                       "that product runs through cuBLAS")
         return _torch_linear_rows(x, weight, bias, rows, gated)
     return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -28,3 +28,13 @@ def has_bf16_tensor_cores(device: torch.device) -> bool:
     """GPUs whose tensor cores `tl.dot` drives in bf16 and fp16 (compute capability 8.0 on: Ampere, Hopper, ...);
     True off CUDA (triton's interpreter in tests)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def record_failure(failed: dict, key, error: Exception, tensor: torch.Tensor, what: str) -> None:
+    """A kernel of this package failed (a GPU or triton it cannot compile for): inside a CUDA graph capture the error
+    propagates (the capture then fails as a whole, with its reason); otherwise it is kept under `key` in `failed`, so
+    the caller does not try that kernel again for that layout, and one warning says `what` runs instead."""
+    if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise error
+    failed[key] = error
+    logger.warning(f"{what} ({type(error).__name__}: {str(error)[:200]})")
