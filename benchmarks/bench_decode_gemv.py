@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 # (out, in) of the benchmark models' decoding GEMMs: GDN 1.2B, KDA 1B, Kimi-Linear (bench_kimi_linear.py)
 SHAPES = {
@@ -36,17 +35,7 @@ SHAPES = {
 }
 
 
-def _linear(x, w, rows, gated):
-    """What a decoding step runs without the Triton GEMV (cuBLAS; the gather or SwiGLU a kernel of its own)."""
-    if gated:
-        from hybrid_linear_models.block_ops import silu_and_mul  # (sys.path set in main)
-
-        x = silu_and_mul(*x.chunk(2, dim=-1))
-    out = F.linear(x, w)
-    return out if rows is None else out.index_select(-1, rows)
-
-
-FORMS = {"linear": _linear}
+FORMS = {}  # form -> fn(x, w, rows, gated); filled in main, once the package is importable
 
 
 def time_replays(fn, repeats: int) -> float:
@@ -92,8 +81,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_gemv.py times cuBLAS on a CUDA GPU")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from hybrid_linear_models.kernels_gemv import triton_gemv_kernel
+    from hybrid_linear_models.kernels_gemv import torch_linear_rows, triton_gemv_kernel
 
+    FORMS["linear"] = lambda x, w, rows, gated: torch_linear_rows(x, w, None, rows, gated)
     if triton_gemv_kernel() is not None:
         FORMS["triton"] = lambda x, w, rows, gated: triton_gemv_kernel()(x, w, None, rows, gated=gated)
     print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)

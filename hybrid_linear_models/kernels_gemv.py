@@ -103,7 +103,10 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 _FAILED: dict = {}  # (weight shape, dtype, device, gathered, gated) -> the first error: cuBLAS from then on
 
 
-def _torch_linear_rows(x, weight, bias, rows, gated=False):
+def torch_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,
+                      gated: bool = False) -> torch.Tensor:
+    """What `decode_linear` computes, without the Triton GEMV: SwiGLU's own kernel when `gated`, F.linear (cuBLAS), the
+    gather of `rows` as a kernel of its own."""
     if gated:
         x = silu_and_mul(*x.chunk(2, dim=-1))
     out = F.linear(x, weight, bias)
@@ -120,14 +123,14 @@ def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     x = input
     key = (tuple(weight.shape), x.dtype, x.device, rows is not None, gated)
     if key in _FAILED or not gemv_applies(x, weight, bias, rows, gated):
-        return _torch_linear_rows(x, weight, bias, rows, gated)
+        return torch_linear_rows(x, weight, bias, rows, gated)
     flat = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
     try:
         out = triton_gemv_kernel()(flat, weight, bias, rows, gated=gated)
     except Exception as error:  # compilation or launch failure
         record_failure(_FAILED, key, error, x, f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; "
                        "that product runs through cuBLAS")
-        return _torch_linear_rows(x, weight, bias, rows, gated)
+        return torch_linear_rows(x, weight, bias, rows, gated)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -137,7 +140,7 @@ def linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     Inside `DecodeGemvMode` one GEMV kernel reads the weight rows in that order (see the module docstring)."""
     if has_torch_function_variadic(input, weight, bias, rows):
         return handle_torch_function(linear_rows, (input, weight, bias, rows), input, weight, bias=bias, rows=rows)
-    return _torch_linear_rows(input, weight, bias, rows)
+    return torch_linear_rows(input, weight, bias, rows)
 
 
 def swiglu_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,7 +149,7 @@ def swiglu_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     kernel as it loads its input (see the module docstring); elsewhere by `block_ops.silu_and_mul`."""
     if has_torch_function_variadic(input, weight, bias):
         return handle_torch_function(swiglu_linear, (input, weight, bias), input, weight, bias=bias)
-    return _torch_linear_rows(input, weight, bias, None, gated=True)
+    return torch_linear_rows(input, weight, bias, None, gated=True)
 
 
 class DecodeGemvMode(TorchFunctionMode):
