@@ -5,7 +5,8 @@ batch 1, prompt 256, 64 new tokens, against transformers' Qwen3NextForCausalLM w
 
 GPU (--device cuda): bfloat16, ~1.2B GDN model (hidden 2048, 12 GDN + 4 gated attention, vocab 32000) against
 Qwen3NextForCausalLM with the same weights, and a ~1B KDA model against KimiLinearForCausalLM; prompt 1024, 128 new
-tokens, batch 1 and 16; ours with a static cache (captured CUDA graph per step), transformers with its default cache.
+tokens, batch 1 and 16; ours with `cache_implementation="static"` (a captured CUDA graph per step, generate's stop
+check one step behind: deferred_stop_check), transformers with its default cache.
 Prints tokens/s of the decoding phase, prefill tokens/s and the ratios; beside ours, the share of the weight-read
 limit (a step reads every weight once, and the caches: bytes per step / `--bandwidth-gbs`, 4800 GB/s for an H200,
 gives the fastest a batch can decode) and the kernels of one decoding step (on CUDA: counted by torch.profiler over
@@ -38,12 +39,8 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def timed_generate(model, input_ids, new_tokens, static_cache: StaticCache | None = None, **kwargs) -> float:
-    """Seconds for one greedy `generate`. With `static_cache`, that cache is reset and reused, so its CUDA graph is
-    captured once (in the warm-up) as in a serving loop."""
-    if static_cache is not None:
-        static_cache.reset()
-        kwargs["cache"] = static_cache
+def timed_generate(model, input_ids, new_tokens, **kwargs) -> float:
+    """Seconds for one greedy `generate`."""
     _sync(input_ids.device)
     start = time.perf_counter()
     with torch.no_grad():
@@ -56,8 +53,10 @@ def timed_generate(model, input_ids, new_tokens, static_cache: StaticCache | Non
 
 def measure(model, input_ids, new_tokens, repeats, **kwargs) -> dict:
     """Decoding tokens/s from (time of prompt + N tokens) - (time of prompt + 1 token); prefill tokens/s from the
-    latter."""
-    timed_generate(model, input_ids, min(new_tokens, 4), **kwargs)  # warm-up: autotuning, graph capture
+    latter. The warm-up generates all N tokens: autotuning, and for ours with `cache_implementation="static"` the
+    graph's capture, which then serves every later call (transformers keeps the longest static cache length asked
+    for, and each call's new cache is bound to the captured storage: cuda_graph_decoding)."""
+    timed_generate(model, input_ids, new_tokens, **kwargs)
     prefill = min(timed_generate(model, input_ids, 1, **kwargs) for _ in range(repeats))
     total = min(timed_generate(model, input_ids, new_tokens, **kwargs) for _ in range(repeats))
     batch = input_ids.shape[0]
@@ -185,14 +184,14 @@ def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, rep
         input_ids = torch.randint(1, ours.config.vocab_size, (batch, prompt),
                                   generator=torch.Generator().manual_seed(batch)).to(device)
         kwargs = dict(ours_kwargs)
-        if kwargs.pop("static", False):
-            kwargs["static_cache"] = StaticCache(config=ours.config, max_cache_len=prompt + new_tokens)
+        static = kwargs.pop("static", False)
+        if static:  # what a user types: a new static cache per call (bound to the graph captured in the warm-up)
+            kwargs["cache_implementation"] = "static"
         a = measure(ours, input_ids, new_tokens, repeats, **kwargs)
         b = measure(theirs, input_ids, new_tokens, repeats)
         rows.append((batch, a, b))
         # the limit at the mean context of the decoding phase (bytes per step over the bandwidth, times the batch)
         limit = batch * bandwidth_gbs * 1e9 / bytes_per_step(ours, batch, prompt + new_tokens // 2)
-        static = ours_kwargs.get("static")
         kernels = kernels_per_step(ours, input_ids, new_tokens) if static else "n/a"
         alone = step_alone_tok_s(ours, input_ids) if static else "n/a"
         print(f"{batch:>5} {a['decode_tok_s']:>11.1f} {b['decode_tok_s']:>13.1f} "

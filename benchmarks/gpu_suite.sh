@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine (see README "GPU"): installs the carried wheels (./.wheels: transformers, fla, ...) and
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
-# logging to $OUT/<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
+# logging to $OUT/NN-<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
 #   profile-decode, decode-gemv, kimi-linear, moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests,
 #   save-tuning (or any command, quoted: its log is named after it)
@@ -74,7 +74,9 @@ for spec in "$@"; do
     *) cmd="$step" ;;
   esac
   echo "=== $step ($limit s): $cmd"
-  log="$OUT/$(printf %s "$step" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-60).log"  # a command as a step: a file name
+  # a command as a step: a file name (numbered: two commands may start alike)
+  STEP_NO=$(( ${STEP_NO:-0} + 1 ))
+  log="$OUT/$(printf %02d-%s "$STEP_NO" "$step" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-64).log"
   timeout "$limit" $cmd > "$log" 2>&1; echo "exit $?" >> "$log"
   grep -vE "Loading weights|it/s\]|Warning|warn" "$log" | tail -25
 done

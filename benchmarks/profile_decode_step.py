@@ -17,10 +17,11 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   Triton GEMV: kernels_gemv), `attention` (the full-attention layers on the torch path, or the fused attention step:
   attention_step), `in_place` (the GDN/KDA state copied after fla's recurrent kernel, or updated in place by it:
   recurrent_in_place);
-- with `--generate N`, instead, batch-1 `generate(..., cache=<static cache>)` of N new tokens against the step alone:
-  ms per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel
-  time, its kernels (the graph's and those outside it), and the host time from the end of each synchronisation
-  (transformers' loop reads each step's tokens on the host) to the next graph launch, which the GPU waits for.
+- with `--generate N`, instead, batch-1 generate of N new tokens against the step alone, with generate's stop check
+  synchronous (a cache of one's own: transformers' loop reads each step's tokens on the host, and the GPU waits for
+  the host's work before the next replay) and deferred (`cache_implementation="static"`: deferred_stop_check): ms
+  per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel time,
+  its kernels (the graph's and those outside it), and the time the GPU idles.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
         [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place] [--generate 64] [--batch 16]
@@ -184,49 +185,48 @@ def compare(name: str, prompt: int, steps: int, kind: str) -> None:
 
 
 def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
-    """Batch-1 generate with a static cache against its step alone (see the module docstring)."""
+    """Batch-1 generate against its step alone, with the stop check synchronous (a static cache of one's own, which
+    generate hands back: GDN/KDA states cannot undo the extra step a deferred check runs) and deferred
+    (`cache_implementation="static"`: deferred_stop_check); see the module docstring."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     model, input_ids = model_and_prompt(name, prompt)
-    cache = StaticCache(config=model.config, max_cache_len=prompt + max(tokens, steps + 8) + 1)
-
-    def run(new: int):
-        cache.reset()
-        model.generate(input_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, cache=cache)
-
+    length = prompt + max(tokens, steps + 8) + 1
+    cache = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
-        run(4)  # captured here, then warm
-        first = min(timed_ms(lambda: run(1), 1) for _ in range(3))
-        whole = min(timed_ms(lambda: run(tokens), 1) for _ in range(3))
-        per_token = (whole - first) / (tokens - 1)
-        cache.reset()
         model(input_ids=input_ids, cache=cache, use_cache=True)
+        model(input_ids=input_ids[:, -1:], cache=cache, use_cache=True)  # captured here
         alone = step_ms(model, cache, input_ids[:, -1:], steps)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run(tokens)
-            torch.cuda.synchronize()
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    launches = [e for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name]
-    syncs = [e for e in events if e.device_type == DeviceType.CPU and "Synchronize" in e.name]
-    if len(launches) < 2:
-        print(f"\n{name}: generate ran {len(launches)} graph launches: not a captured decoding loop")
-        return
-    start, end = launches[0].time_range.start, launches[-1].time_range.start  # tokens 2 .. N-1: whole loop turns
-    turns = len(launches) - 1
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and start <= e.time_range.start < end]
-    gaps = []
-    for launch in launches[1:]:
-        before = [s.time_range.end for s in syncs if s.time_range.end <= launch.time_range.start]
-        if before:
-            gaps.append(launch.time_range.start - before[-1])
-    busy = sum(e.device_time_total for e in kernels) / 1e3 / turns
-    host = sum(gaps) / len(gaps) / 1e3 if gaps else float("nan")
-    print(f"\n{name}: generate, batch 1, prompt {prompt}, {tokens} new tokens: {per_token:.3f} ms per token "
-          f"({1e3 / per_token:.0f} tok/s) against the step alone {alone:.3f} ms ({1e3 / alone:.0f} tok/s); per token "
-          f"in generate's loop (profiled): GPU kernels {busy:.3f} ms, {len(kernels) / turns:.0f} kernels, host from "
-          f"a synchronisation's end to the next graph launch {host:.3f} ms ({len(syncs)} synchronisations for "
-          f"{len(launches)} launches)")
+
+    for mode, caches in (("synchronous stop check", dict(cache=cache)),
+                         ("deferred stop check", dict(cache_implementation="static"))):
+        def run(new: int):
+            cache.reset()
+            model.generate(input_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                           **caches)
+
+        with torch.no_grad():
+            run(tokens)  # captured here (each cache length is a capture of its own), then warm
+            first = min(timed_ms(lambda: run(1), 1) for _ in range(3))
+            whole = min(timed_ms(lambda: run(tokens), 1) for _ in range(3))
+            per_token = (whole - first) / (tokens - 1)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(tokens)
+                torch.cuda.synchronize()
+        events = sorted(prof.events(), key=lambda e: e.time_range.start)
+        launches = [e for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name]
+        if len(launches) < 2:
+            print(f"\n{name}: generate ran {len(launches)} graph launches: not a captured decoding loop")
+            return
+        start, end = launches[0].time_range.start, launches[-1].time_range.start  # whole loop turns
+        turns = len(launches) - 1
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and start <= e.time_range.start < end]
+        busy = sum(e.device_time_total for e in kernels) / 1e3 / turns
+        print(f"\n{name}, {mode}: generate, batch 1, prompt {prompt}, {tokens} new tokens: {per_token:.3f} ms per "
+              f"token ({1e3 / per_token:.0f} tok/s) against the step alone {alone:.3f} ms ({1e3 / alone:.0f} tok/s); "
+              f"per token in generate's loop (profiled): GPU kernels {busy:.3f} ms, {len(kernels) / turns:.0f} "
+              f"kernels, GPU idle {(end - start) / 1e3 / turns - busy:.3f} ms")
 
 
 def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,

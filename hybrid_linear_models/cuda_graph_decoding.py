@@ -230,8 +230,9 @@ class CudaGraphDecoder:
     step, the in-place updates that change a kept derived value; where a run of steps starts (after an uncaptured
     forward, a newly bound cache), also every parameter's and buffer's identity and address, so a weight given new
     storage between two generations is captured again rather than read from the storage it let go of. The host
-    work before a replay is what the GPU waits for at batch 1 (transformers reads each step's tokens on the host), so
-    the per-step checks read memoised layouts (`CacheLayout`) and plain config values (`config_value`)."""
+    work before a replay is what the GPU waits for at batch 1 wherever transformers reads each step's tokens on the
+    host before the next step (a stop check not deferred: deferred_stop_check), so the per-step checks read
+    memoised layouts (`CacheLayout`) and plain config values (`config_value`)."""
 
     device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
 

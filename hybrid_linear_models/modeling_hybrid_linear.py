@@ -32,6 +32,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
+from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
 from .component_registry import all_specs
@@ -516,7 +517,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def set_cuda_graph_decoding(self, enabled: bool) -> None:
-        """One-token steps on CUDA against a StaticCache replay a captured CUDA graph (on by default)."""
+        """One-token steps on CUDA against a StaticCache replay a captured CUDA graph, and `generate`'s stop check
+        runs a step behind on CUDA (deferred_stop_check) (both on by default)."""
         self._graph_decoder = CudaGraphDecoder() if enabled else None
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
@@ -525,6 +527,12 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         if self._graph_decoder is not None:
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def _sample(self, *args, **kwargs):
+        # with graph decoding on, the stop check runs a step behind on CUDA (deferred_stop_check.py): the host queues
+        # the next replayed step while the GPU runs this one, instead of waiting for it every token
+        with deferred_stop_checks(self._graph_decoder is not None):
+            return super()._sample(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):

@@ -1,0 +1,72 @@
+"""`generate`'s stop check one step behind on CUDA, for this package's models (their `_sample`).
+
+transformers' sampling loop ends every step by reading `unfinished_sequences.max() == 0` on the host. At batch 1 on a
+GPU that read is the cost that remains once a decoding step is one replayed CUDA graph: the host waits for the step to
+finish, then the GPU waits while the host runs the loop's Python, the input preparation and the replay's bookkeeping
+(0.2-0.3 ms per token on an H200's host, against a 1.0 ms step). transformers (5.24) has the remedy,
+`DeferredStopCheck`: the flag is copied to pinned memory without waiting and read one step later, so the host queues
+step t + 1 while the GPU runs step t; a stop found a step late costs one more forward, whose token `generate` drops.
+transformers turns it on for "mps" only, waiting to see gains on CUDA; the gain is measured here
+(`benchmarks/bench_generation.py`), so within this package's `_sample` (`deferred_stop_checks`) it is on for CUDA too.
+
+What `generate` returns does not change (`tests/test_deferred_stop_check.py` compares sequences, scores and streamed
+tokens with the check deferred and not). transformers' cache rule is kept: a cache handed back to the caller (one the
+caller passed in, or `return_dict_in_generate=True`) must be croppable to undo the extra step, and GDN/KDA states are
+not (one state per row, overwritten each step), so with one the check stays synchronous.
+
+The switch is `DeferredStopCheck.is_supported`, which `_sample` asks; it is wrapped once, on first use, so that it also
+answers for CUDA while a context variable says a model of this package is sampling (per thread and task: another
+model's `generate`, elsewhere, sees transformers' rule unchanged). A transformers without `DeferredStopCheck` leaves
+the check synchronous."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+from transformers.generation import utils as generation_utils
+
+_DEFERRING = contextvars.ContextVar("hybrid_linear_models_deferred_stop_checks", default=False)
+
+
+def _deferrable(device: torch.device | str, cache, cache_is_returned: bool, is_assistant: bool) -> bool:
+    """transformers' rule without its device gate: not for an assistant model, and a cache that is handed back must be
+    croppable (the extra step undone)."""
+    if is_assistant or torch.device(device).type != "cuda":
+        return False
+    return cache is None or not cache_is_returned or bool(cache.is_croppable)
+
+
+def _install() -> bool:
+    """Wraps `DeferredStopCheck.is_supported` (once); False when this transformers has no deferred check."""
+    deferred = getattr(generation_utils, "DeferredStopCheck", None)
+    if deferred is None or not hasattr(deferred, "is_supported"):
+        return False
+    if getattr(deferred.is_supported, "_hybrid_linear_original", None) is not None:
+        return True
+    original = deferred.is_supported
+
+    def is_supported(device, cache, cache_is_returned, is_assistant=False):
+        if _DEFERRING.get() and _deferrable(device, cache, cache_is_returned, is_assistant):
+            return True
+        return original(device, cache, cache_is_returned, is_assistant=is_assistant)
+
+    is_supported._hybrid_linear_original = original
+    deferred.is_supported = staticmethod(is_supported)
+    return True
+
+
+@contextlib.contextmanager
+def deferred_stop_checks(enabled: bool = True) -> Iterator[bool]:
+    """Within it, `generate`'s stop check on a CUDA device runs one step behind (see the module docstring); yields
+    whether it can (enabled, and this transformers has a deferred check)."""
+    if not enabled or not _install():
+        yield False
+        return
+    token = _DEFERRING.set(True)
+    try:
+        yield True
+    finally:
+        _DEFERRING.reset(token)
