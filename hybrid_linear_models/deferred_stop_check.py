@@ -12,7 +12,8 @@ transformers turns it on for "mps" only, waiting to see gains on CUDA; the gain 
 What `generate` returns does not change (`tests/test_deferred_stop_check.py` compares sequences, scores and streamed
 tokens with the check deferred and not). transformers' cache rule is kept: a cache handed back to the caller (one the
 caller passed in, or `return_dict_in_generate=True`) must be croppable to undo the extra step, and GDN/KDA states are
-not (one state per row, overwritten each step), so with one the check stays synchronous.
+not (one state per row, overwritten each step), so with one the check stays synchronous. So does generation with
+`synced_gpus` (peers stepping in lockstep under ZeRO-3 or FSDP), which transformers never defers either.
 
 The switch is `DeferredStopCheck.is_supported`, which `_sample` asks; it is wrapped once, on first use, so that it also
 answers for CUDA while a context variable says a model of this package is sampling (per thread and task: another

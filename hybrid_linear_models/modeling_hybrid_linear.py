@@ -530,8 +530,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
 
     def _sample(self, *args, **kwargs):
         # with graph decoding on, the stop check runs a step behind on CUDA (deferred_stop_check.py): the host queues
-        # the next replayed step while the GPU runs this one, instead of waiting for it every token
-        with deferred_stop_checks(self._graph_decoder is not None):
+        # the next replayed step while the GPU runs this one, instead of waiting for it every token. Not where peers
+        # generate in lockstep (synced_gpus, the 5th argument: ZeRO-3, FSDP), which transformers never defers.
+        synced = kwargs.get("synced_gpus", args[4] if len(args) > 4 else False)
+        with deferred_stop_checks(self._graph_decoder is not None and not synced):
             return super()._sample(*args, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,

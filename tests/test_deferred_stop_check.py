@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.generation import utils as generation_utils
 from transformers.generation.streamers import BaseStreamer
 
@@ -75,6 +75,19 @@ def test_the_models_sampling_loop_defers_with_graph_decoding_on():
                            logits_processor=LogitsProcessorList([recorder]))
         assert recorder.answers == [enabled] * 3
         assert not _asks()
+
+
+@needs_deferred
+def test_peers_generating_in_lockstep_keep_the_synchronous_check(monkeypatch):
+    """synced_gpus (ZeRO-3, FSDP: every peer runs each step until all are done), by keyword as generate passes it or
+    by position: not deferred (the loop is stood in by one that asks the rule)."""
+    answers = []
+    monkeypatch.setattr(GenerationMixin, "_sample", lambda self, *args, **kwargs: answers.append(_asks()))
+    model = tiny_model(["gated_deltanet", "full_attention"])
+    model._sample(None, None, None, None, synced_gpus=True)
+    model._sample(None, None, None, None, True)
+    model._sample(None, None, None, None, synced_gpus=False)
+    assert answers == [False, False, True]
 
 
 class _Tokens(BaseStreamer):
