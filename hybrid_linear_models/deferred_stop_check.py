@@ -15,10 +15,10 @@ caller passed in, or `return_dict_in_generate=True`) must be croppable to undo t
 not (one state per row, overwritten each step), so with one the check stays synchronous. So does generation with
 `synced_gpus` (peers stepping in lockstep under ZeRO-3 or FSDP), which transformers never defers either.
 
-The switch is `DeferredStopCheck.is_supported`, which `_sample` asks; it is wrapped once, on first use, so that it also
-answers for CUDA while a context variable says a model of this package is sampling (per thread and task: another
-model's `generate`, elsewhere, sees transformers' rule unchanged). A transformers without `DeferredStopCheck` leaves
-the check synchronous."""
+The switch is `DeferredStopCheck.is_supported`, which `_sample` asks; it is wrapped once per process, on first use,
+so that it also answers for CUDA while a context variable says a model of this package is sampling (per thread and
+task: another model's `generate`, elsewhere, sees transformers' rule unchanged). A transformers without
+`DeferredStopCheck` leaves the check synchronous."""
 
 from __future__ import annotations
 
@@ -40,34 +40,38 @@ def _deferrable(device: torch.device | str, cache, cache_is_returned: bool, is_a
     return cache is None or not cache_is_returned or bool(cache.is_croppable)
 
 
-def _install() -> bool:
-    """Wraps `DeferredStopCheck.is_supported` (once); False when this transformers has no deferred check."""
+def _installed_switch() -> contextvars.ContextVar | None:
+    """The context variable the wrapped `DeferredStopCheck.is_supported` reads, wrapping it first if nothing has (one
+    wrapper and one variable per process, whichever copy of this module installed them: a saved folder's remote code
+    loaded beside the package is another copy); None when this transformers has no deferred check."""
     deferred = getattr(generation_utils, "DeferredStopCheck", None)
     if deferred is None or not hasattr(deferred, "is_supported"):
-        return False
-    if getattr(deferred.is_supported, "_hybrid_linear_original", None) is not None:
-        return True
-    original = deferred.is_supported
+        return None
+    switch = getattr(deferred.is_supported, "_hybrid_linear_switch", None)
+    if switch is not None:
+        return switch
+    original, switch = deferred.is_supported, _DEFERRING
 
     def is_supported(device, cache, cache_is_returned, is_assistant=False):
-        if _DEFERRING.get() and _deferrable(device, cache, cache_is_returned, is_assistant):
+        if switch.get() and _deferrable(device, cache, cache_is_returned, is_assistant):
             return True
         return original(device, cache, cache_is_returned, is_assistant=is_assistant)
 
-    is_supported._hybrid_linear_original = original
+    is_supported._hybrid_linear_switch = switch
     deferred.is_supported = staticmethod(is_supported)
-    return True
+    return switch
 
 
 @contextlib.contextmanager
 def deferred_stop_checks(enabled: bool = True) -> Iterator[bool]:
     """Within it, `generate`'s stop check on a CUDA device runs one step behind (see the module docstring); yields
     whether it can (enabled, and this transformers has a deferred check)."""
-    if not enabled or not _install():
+    switch = _installed_switch() if enabled else None
+    if switch is None:
         yield False
         return
-    token = _DEFERRING.set(True)
+    token = switch.set(True)
     try:
         yield True
     finally:
-        _DEFERRING.reset(token)
+        switch.reset(token)

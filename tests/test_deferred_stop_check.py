@@ -149,3 +149,22 @@ def test_a_deferred_check_returns_what_the_synchronous_check_returns(monkeypatch
     _, made, _ = _generate(model, input_ids, True, monkeypatch, max_new_tokens=16, eos_token_id=eos,
                            return_dict_in_generate=True)
     assert made == 0
+
+
+@needs_deferred
+def test_a_second_copy_of_the_module_shares_the_one_wrapper():
+    """A saved folder's remote code is another copy of this module beside the package: it switches the rule the first
+    copy wrapped, not a wrapper of its own around it."""
+    import importlib.util
+
+    from hybrid_linear_models import deferred_stop_check
+
+    with deferred_stop_checks():
+        pass  # installed by the package's copy
+    wrapped = generation_utils.DeferredStopCheck.is_supported
+    spec = importlib.util.spec_from_file_location("copied_deferred_stop_check", deferred_stop_check.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    with copy.deferred_stop_checks() as deferring:
+        assert deferring and _asks()
+    assert generation_utils.DeferredStopCheck.is_supported is wrapped and not _asks()
