@@ -202,7 +202,8 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
     for mode, caches in (("synchronous stop check", dict(cache=cache)),
                          ("deferred stop check", dict(cache_implementation="static"))):
         def run(new: int):
-            cache.reset()
+            if "cache" in caches:  # (generate's own caches start empty)
+                cache.reset()
             model.generate(input_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                            **caches)
 
