@@ -12,10 +12,11 @@ limit (a step reads every weight once, and the caches: bytes per step / `--bandw
 gives the fastest a batch can decode) and the kernels of one decoding step (on CUDA: counted by torch.profiler over
 one replayed step, graph replays included) and the tokens/s of the step alone (back-to-back replays, outside
 `generate`: what separates it from the decoding figure is host work in generate's loop). Then prefill alone at
-batch 1 for each of `--prefill-lengths` (default 1024 and 8192 on a GPU), ours against transformers, with each one's
-peak memory.
+batch 1 for each of `--prefill-lengths` (default 1024 and 8192 on a GPU): ours into a static cache (its captured
+prefill), ours with the graphs off, and transformers, with each one's peak memory.
 
     python benchmarks/bench_generation.py [--device cuda] [--tiny] [--bandwidth-gbs 4800] [--prefill-lengths 1024 8192]
+                                          [--batches 1 16] [--prefill-only] [--skip-gdn] [--skip-kda]
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ def timed_generate(model, input_ids, new_tokens, **kwargs) -> float:
 
 def measure(model, input_ids, new_tokens, repeats, **kwargs) -> dict:
     """Decoding tokens/s from (time of prompt + N tokens) - (time of prompt + 1 token); prefill tokens/s from the
-    latter. The warm-up generates all N tokens: autotuning, and for ours with `cache_implementation="static"` the
-    graph's capture, which then serves every later call (transformers keeps the longest static cache length asked
-    for, and each call's new cache is bound to the captured storage: cuda_graph_decoding)."""
+    latter. The warm-up generates all N tokens, then 1: autotuning, and for ours with `cache_implementation="static"`
+    the captures (the decoding step's, and the prompt's length bucket's: cuda_graph_prefill), which then serve every
+    later call (transformers keeps the longest static cache length asked for, and each call's new cache is bound to
+    the captured storage: cuda_graph_decoding)."""
     timed_generate(model, input_ids, new_tokens, **kwargs)
+    timed_generate(model, input_ids, 1, **kwargs)  # ours captures the prompt's bucket on its second prefill
     prefill = min(timed_generate(model, input_ids, 1, **kwargs) for _ in range(repeats))
     total = min(timed_generate(model, input_ids, new_tokens, **kwargs) for _ in range(repeats))
     batch = input_ids.shape[0]
@@ -141,19 +144,31 @@ def step_alone_tok_s(model, input_ids, steps: int = 64) -> str:
     return f"{input_ids.shape[0] * steps / (time.perf_counter() - start):.0f}"
 
 
-def prefill(models: dict, lengths, repeats: int, device) -> None:
-    """Batch-1 prefill (the prompt's forward with a cache, only the last token's logits, as `generate` runs it):
-    tokens/s of each model and their ratio, with each one's peak memory on CUDA."""
-    names = list(models)
-    print(f"\nprefill, batch 1: {' | '.join(f'{n} tok/s, peak GiB' for n in names)} | ratio")
-    vocab = models[names[0]].config.vocab_size
+def prefill(ours, theirs, lengths, repeats: int, device) -> None:
+    """Batch-1 prefill (the prompt's forward into a new cache, only the last token's logits, as `generate` runs it):
+    ours into a StaticCache as `generate(..., cache_implementation="static")` makes one per call, replayed from the
+    prompt's captured length bucket (cuda_graph_prefill: captured on the bucket's second prompt, in the warm-up);
+    ours uncaptured (`plain`: the plain forward with the default cache, what ours ran before the captured prefill);
+    transformers' with its default cache. Tokens/s and the ratios to
+    transformers, with each one's peak memory allocated and reserved on CUDA (reserved counts a graph's memory pool,
+    which a replay uses without allocating)."""
+    print("\nprefill, batch 1: tok/s (peak GiB allocated / reserved) | ours / transformers, plain / transformers")
+
+    def static(model, length):
+        return dict(cache=StaticCache(config=model.config, max_cache_len=length + 1))
+
+    variants = [("ours", ours, static, True), ("plain", ours, None, False), ("transformers", theirs, None, None)]
+    vocab = ours.config.vocab_size
     for length in lengths:
         input_ids = torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
         results = []
-        for name in names:
-            model = models[name]
+        for name, model, cache_for, graphs in variants:
+            if graphs is not None:
+                model.set_cuda_graph_decoding(graphs)
             with torch.no_grad():
-                model(input_ids=input_ids, use_cache=True, logits_to_keep=1)  # warm-up
+                for _ in range(2):  # warm-up: autotuning; ours captures its bucket on the second prompt
+                    model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
+                          **(cache_for(model, length) if cache_for else {}))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
@@ -161,13 +176,18 @@ def prefill(models: dict, lengths, repeats: int, device) -> None:
                 for _ in range(repeats):
                     _sync(device)
                     start = time.perf_counter()
-                    model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+                    model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
+                          **(cache_for(model, length) if cache_for else {}))
                     _sync(device)
                     best = min(best, time.perf_counter() - start)
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            results.append((length / best, peak))
-        cells = " | ".join(f"{rate:>10.0f}, {peak:6.2f}" for rate, peak in results)
-        print(f"  {length:>6} tokens: {cells} | {results[0][0] / results[1][0]:.2f}x", flush=True)
+            memory = ((torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)
+                      if device.type == "cuda" else (float("nan"), float("nan")))
+            results.append((name, length / best, *memory))
+        ours.set_cuda_graph_decoding(True)
+        cells = " | ".join(f"{name} {rate:>9.0f} ({alloc:5.2f} / {reserved:5.2f})"
+                           for name, rate, alloc, reserved in results)
+        print(f"  {length:>6} tokens: {cells} | {results[0][1] / results[2][1]:.2f}x, "
+              f"{results[1][1] / results[2][1]:.2f}x", flush=True)
 
 
 def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, repeats, ours_kwargs, bandwidth_gbs=4800.0,
@@ -199,7 +219,7 @@ def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, rep
               f"{b['prefill_tok_s']:>14.0f} {a['prefill_tok_s'] / b['prefill_tok_s']:>6.2f} | {limit:>11.0f} "
               f"{a['decode_tok_s'] / limit:>6.1%} {kernels:>20} {alone:>10}", flush=True)
     if prefill_lengths:
-        prefill({"ours": ours, "transformers": theirs}, prefill_lengths, repeats, device)
+        prefill(ours, theirs, prefill_lengths, max(repeats, 3), device)
     return rows
 
 
@@ -210,6 +230,7 @@ def main() -> None:
     parser.add_argument("--skip-kda", action="store_true")
     parser.add_argument("--skip-gdn", action="store_true")
     parser.add_argument("--batches", type=int, nargs="*")
+    parser.add_argument("--prefill-only", action="store_true", help="only the batch-1 prefill table")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
                         help="the GPU's memory bandwidth in GB/s for the weight-read limit (default: H200's 4800)")
@@ -230,11 +251,11 @@ def main() -> None:
         theirs = Qwen3NextForCausalLM(theirs_cfg)
         theirs.load_state_dict(ours.state_dict())
         run_pair("GDN (CPU)", ours, theirs, device, torch.float32, 32 if args.tiny else 256, 8 if args.tiny else 64,
-                 args.batches or [1], args.repeats, {}, **extra)
+                 [] if args.prefill_only else args.batches or [1], args.repeats, {}, **extra)
         return
     dtype = torch.bfloat16
     prompt, new_tokens = (64, 16) if args.tiny else (1024, 128)
-    batches = args.batches or [1, 16]
+    batches = [] if args.prefill_only else args.batches or [1, 16]
     static = {"static": True}  # ours: a static cache, one-token steps replayed from a CUDA graph
     if not args.skip_gdn:
         ours_cfg, theirs_cfg = gdn_pair(**(TINY_GDN if args.tiny else GPU_GDN))

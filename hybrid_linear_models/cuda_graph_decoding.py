@@ -217,6 +217,47 @@ def _full_length(cache: StaticCache) -> int:
     return max([layer.get_max_length() for layer in cache.layers if _is_full(layer)] + [1])
 
 
+def bind_to_storage(tensors: list[torch.Tensor], buffers: list[torch.Tensor],
+                    bound: list[weakref.ref]) -> list[weakref.ref] | None:
+    """Points a cache's `tensors` (`_cache_tensors`) at `buffers`, the storage a captured graph reads and writes:
+    each tensor elsewhere has its values copied in and is set to that storage, and the tensors `bound` to it before
+    (an earlier cache, a user's reference) that are still alive and not among `tensors` keep their values in storage
+    of their own. Returns the new bound references; None when the tensors do not fit the buffers (another layout)."""
+    if len(tensors) != len(buffers) or any(
+            t.shape != b.shape or t.stride() != b.stride() or t.dtype != b.dtype or t.device != b.device
+            for t, b in zip(tensors, buffers)):
+        return None
+    current = {id(t) for t in tensors}
+    try:
+        for ref, buffer in zip(bound, buffers):
+            earlier = ref()
+            if earlier is not None and id(earlier) not in current and earlier.data_ptr() == buffer.data_ptr():
+                earlier.set_(earlier.clone())
+        for tensor, buffer in zip(tensors, buffers):
+            if tensor.data_ptr() != buffer.data_ptr():
+                buffer.copy_(tensor)
+                tensor.set_(buffer)
+    except RuntimeError:  # (e.g. inference tensors outside inference mode) a capture binds it instead
+        return None
+    return [weakref.ref(t) for t in tensors]
+
+
+def record_graph(run: Callable[[], torch.Tensor], device: torch.device,
+                 pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of run() and the output buffer each replay refills, after two warm-up runs on a side stream
+    (autotuning, lazy handles). pool: a memory pool shared with other graphs replayed one at a time."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 class CudaGraphDecoder:
     """Captures `model.model.decode_step` + the LM head for one batch size and cache layout, and replays it.
 
@@ -322,23 +363,10 @@ class CudaGraphDecoder:
         tensors = _cache_tensors(cache)
         if len(tensors) == len(self._bound) and all(ref() is t for ref, t in zip(self._bound, tensors)):
             return True  # the tensors bound for the last step
-        if len(tensors) != len(self._buffers) or any(
-                t.shape != b.shape or t.stride() != b.stride() or t.dtype != b.dtype or t.device != b.device
-                for t, b in zip(tensors, self._buffers)):
+        bound = bind_to_storage(tensors, self._buffers, self._bound)
+        if bound is None:
             return False
-        current = {id(t) for t in tensors}
-        try:
-            for ref, buffer in zip(self._bound, self._buffers):
-                earlier = ref()
-                if earlier is not None and id(earlier) not in current and earlier.data_ptr() == buffer.data_ptr():
-                    earlier.set_(earlier.clone())
-            for tensor, buffer in zip(tensors, self._buffers):
-                if tensor.data_ptr() != buffer.data_ptr():
-                    buffer.copy_(tensor)
-                    tensor.set_(buffer)
-        except RuntimeError:  # (e.g. inference tensors outside inference mode) a capture binds it instead
-            return False
-        self._bound = [weakref.ref(t) for t in tensors]
+        self._bound = bound
         self._step_cache = StepCache(cache, self._windows)
         if self._windows is not None:
             self._windows.bind(cache)
@@ -393,18 +421,7 @@ class CudaGraphDecoder:
 
     @staticmethod
     def _record(run, device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """A CUDA graph of run() and the output buffer each replay refills, after two warm-up runs on a side stream
-        (autotuning, lazy handles)."""
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = run()
-        return graph, logits
+        return record_graph(run, device)  # (tests stand in an eager replay here)
 
     def _capture(self, model, cache, batch, max_len, device, key) -> None:
         self._graph = None  # release the previous graph's memory pool first

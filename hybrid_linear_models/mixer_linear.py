@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,20 @@ def mask_padding(hidden_states: torch.Tensor, info: SequenceInfo) -> torch.Tenso
     return hidden_states.masked_fill(~info.padding_mask.unsqueeze(-1), 0.0)
 
 
+def conv_state_at_last_real(inputs: torch.Tensor, padding_mask: torch.Tensor, keep: int,
+                            initial: torch.Tensor | None) -> torch.Tensor:
+    """The short convolution's state [B, C, keep] after each row's last real token: the `keep` inputs up to it, the
+    ones before the row's first input from `initial` [B, C, keep] (zeros without). The kernel's final state holds
+    each row's last `keep` inputs, which is this for rows padded on the left only; a row padded on the right (as a
+    captured prefill pads a prompt to its length bucket) would keep its pads' zero inputs instead."""
+    B, T, C = inputs.shape
+    before = initial.transpose(1, 2).to(inputs.dtype) if initial is not None else inputs.new_zeros(B, keep, C)
+    history = torch.cat([before, inputs], dim=1)  # [B, keep + T, C]: input t at keep + t
+    upto = (padding_mask * torch.arange(1, T + 1, device=inputs.device)).amax(-1)  # tokens up to the last real one
+    rows = upto[:, None] + torch.arange(keep, device=inputs.device)  # history rows upto .. upto + keep - 1
+    return history.gather(1, rows[..., None].expand(B, keep, C)).transpose(1, 2)
+
+
 def convolve_and_recur(
     mixed: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -49,24 +64,27 @@ def convolve_and_recur(
     start from zero; a cache provides the initial conv/recurrent states and keeps the final ones. Returns the
     delta-rule output [B, T, H, dv].
     """
-    if info.padding_mask is not None:  # the decay is evaluated here, so pads can be given none
+    g, gate_args = gate.raw, {"A_log": gate.A_log, "dt_bias": gate.dt_bias}
+    if info.padding_mask is not None:
         pad = ~info.padding_mask.unsqueeze(-1)  # [B, T, 1]
         if beta_logits:
             beta, beta_logits = beta.sigmoid(), False
         beta = beta.masked_fill(pad, 0.0)
-        g = gate_log_decay(gate.raw, gate.A_log, gate.dt_bias)
-        g, gate_args = g.masked_fill(pad if g.dim() == 3 else pad.unsqueeze(-1), 0.0), {}
-    else:
-        g, gate_args = gate.raw, {"A_log": gate.A_log, "dt_bias": gate.dt_bias}
+        pad = pad if g.dim() == 3 else pad.unsqueeze(-1)
+        if torch.is_grad_enabled():  # the decay evaluated here, zero at pads
+            g, gate_args = gate_log_decay(g, gate.A_log, gate.dt_bias).masked_fill(pad, 0.0), {}
+        else:  # a raw input of -inf is a log decay of exactly 0 (-exp(A_log) * softplus(-inf)), and the decay is still
+            g = g.masked_fill(pad, -math.inf)  # evaluated inside the rule's kernels
     mixed, g, beta = info.flatten(mixed), info.flatten(g), info.flatten(beta)
     recurrent_state = cache.recurrent_state if cache is not None else None
     if cache is not None and cache.conv_window is not None and mixed.shape[1] == 1 and info.cu_seqlens is None:
         mixed, conv_state = causal_conv1d_step(mixed, conv_weight, cache.conv_window, activation="silu"), None
     else:
-        mixed, conv_state = causal_conv1d(
-            mixed, conv_weight, activation="silu", initial_state=cache.conv_state if cache is not None else None,
-            output_final_state=cache is not None, cu_seqlens=info.cu_seqlens,
-        )
+        inputs, initial = mixed, cache.conv_state if cache is not None else None
+        mixed, conv_state = causal_conv1d(mixed, conv_weight, activation="silu", initial_state=initial,
+                                          output_final_state=cache is not None, cu_seqlens=info.cu_seqlens)
+        if conv_state is not None and info.padding_mask is not None:  # rows padded on the right too
+            conv_state = conv_state_at_last_real(inputs, info.padding_mask, conv_state.shape[-1], initial)
     q, k, v = split(mixed)
     out, recurrent_state = rule(
         q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,

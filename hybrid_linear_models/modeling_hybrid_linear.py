@@ -32,6 +32,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_hybrid_linear import linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
+from .cuda_graph_prefill import CudaGraphPrefill
 from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
@@ -468,6 +469,37 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 
+    def prefill_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, real: torch.Tensor, cache: Cache,
+                     slots: int, rows_padded: bool = True) -> torch.Tensor:
+        """A prompt's forward into an empty static cache with no host synchronisation (what a CUDA graph captures:
+        cuda_graph_prefill.py). real [B, T] bool marks the tokens that are not padding; the GDN/KDA layers leave
+        their states as the last real token left them. Each attention layer attends over the `slots` key slots of its
+        static cache (T <= slots), query i over slots 0..i: the real ones among them, and its own (so no pad's row is
+        fully masked, which would be NaN), where `rows_padded` says a row has pads before a real token; otherwise
+        (pads only after the real tokens) all of them: sdpa's own causal mask, which is that (aligned at the first
+        slot), and its flash kernel. Returns the final normed hidden states [B, T, H]."""
+        hidden_states = self.embed_tokens(input_ids)
+        batch, length = input_ids.shape
+        position_embeddings = self._position_embeddings(hidden_states, position_ids)
+        mask = None  # sdpa, no padding before a real token: is_causal
+        if rows_padded or self.config._attn_implementation != "sdpa":
+            keys = torch.arange(slots, device=input_ids.device)
+            queries = torch.arange(length, device=input_ids.device)[:, None]
+            mask = (keys <= queries)[None, None]  # [1, 1, T, slots]
+            if rows_padded:
+                real_keys = torch.nn.functional.pad(real, (0, slots - length))[:, None, None, :]
+                mask = (mask & real_keys) | (keys == queries)  # [B, 1, T, slots]
+            if self.config._attn_implementation == "eager":  # (an additive mask; sdpa takes the bool one)
+                mask = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device).masked_fill_(
+                    ~mask, torch.finfo(hidden_states.dtype).min)
+        info = SequenceInfo(batch, length, padding_mask=real)
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            rotary = self.rotary_of_layer[layer.layer_idx]
+            hidden_states = layer(hidden_states, position_embeddings=position_embeddings[rotary] if rotary is not None
+                                  else None, attention_mask=mask if layer.mixer_state == "kv" else None,
+                                  sequence_info=info, cache=cache, position_ids=position_ids)
+        return self.norm(hidden_states)
+
     def decode_step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, key_mask: torch.Tensor,
                     cache: Cache, windows=None) -> torch.Tensor:
         """One token per row against a static cache, with no host synchronisation (what a CUDA graph captures).
@@ -514,12 +546,14 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._graph_decoder: CudaGraphDecoder | None = CudaGraphDecoder()
+        self._graph_prefill: CudaGraphPrefill | None = CudaGraphPrefill()
         self.post_init()
 
     def set_cuda_graph_decoding(self, enabled: bool) -> None:
-        """One-token steps on CUDA against a StaticCache replay a captured CUDA graph, and `generate`'s stop check
-        runs a step behind on CUDA (deferred_stop_check) (both on by default)."""
+        """One-token steps and prompts (cuda_graph_prefill) on CUDA against a StaticCache replay captured CUDA graphs,
+        and `generate`'s stop check runs a step behind on CUDA (deferred_stop_check) (all on by default)."""
         self._graph_decoder = CudaGraphDecoder() if enabled else None
+        self._graph_prefill = CudaGraphPrefill() if enabled else None
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         # `generate` would torch.compile the forward for a static cache; our captured decoding step serves that case
@@ -585,6 +619,15 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             # (None: this step cannot be captured; the decoder said why, once, and the forward below runs)
             logits = self._graph_decoder.try_step(self, input_ids, position_ids, attention_mask, cache, kwargs)
             if logits is not None:
+                return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
+        if (labels is None and self._graph_prefill is not None
+                and CudaGraphPrefill.wanted(self, input_ids, inputs_embeds, cache)):
+            # (None: the first prompt of its length bucket, or one that cannot be captured: the forward below runs)
+            logits = self._graph_prefill.try_prefill(self, input_ids, position_ids, attention_mask, cache,
+                                                     logits_to_keep, kwargs)
+            if logits is not None:
+                if self._graph_decoder is not None:
+                    self._graph_decoder.ran_uncaptured()  # (a run of decoding steps starts)
                 return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         if self._graph_decoder is not None:
             self._graph_decoder.ran_uncaptured()

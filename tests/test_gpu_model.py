@@ -213,6 +213,40 @@ def test_cuda_graph_decoding_matches_eager_decoding():
     assert_same_generation(graphed, eager, graphed.scores, eager.scores)
 
 
+PREFILL_MODELS = {  # (MoE in float32 through batched_mm: the graph-safe experts implementation for that dtype)
+    "linear_and_attention": lambda: tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention",
+                                                "gated_deltanet"], **GPU_DIMS),
+    "latent_and_moe": lambda: tiny_model(["mla_attention", "gated_deltanet", "kimi_delta_attention", "full_attention"],
+                                         mlp_types=["sparse_moe", "dense", "sparse_moe", "dense"], num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16,
+                                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, **GPU_DIMS),
+}
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["left_padded_row", "unpadded"])
+@pytest.mark.parametrize("layout", sorted(PREFILL_MODELS))
+def test_cuda_graph_prefill_matches_the_plain_prefill(layout, padded):
+    """The captured prefill (cuda_graph_prefill.py) on a GPU: three generations of one prompt (40 tokens; a row
+    left-padded, whose keys the attention mask then holds, or none: sdpa's causal flash kernel), each into a new
+    static cache: the bucket's first prompt runs the plain forward, the second captures it (padded to the cache's 59
+    slots inside the graph), the third replays it. Each gives the tokens and scores of generation with the graphs
+    off."""
+    model = PREFILL_MODELS[layout]().cuda()
+    if layout == "latent_and_moe":
+        model.set_experts_implementation("batched_mm")
+    input_ids = torch.randint(1, 128, (3, 40), device="cuda")
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :7] = 0 if padded else 1
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                  pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    runs = [model.generate(input_ids, **kwargs) for _ in range(3)]
+    assert list(model._graph_prefill._graphs) == [(3, 59, 59, input_ids.device, padded)]  # captured (59 slots)
+    model.set_cuda_graph_decoding(False)
+    eager = model.generate(input_ids, **kwargs)
+    for run in runs:
+        assert_same_generation(run, eager, run.scores, eager.scores)
+
+
 def test_cuda_graph_decoding_follows_weight_updates():
     """Kept derived weights (norms' 1 + w, KDA's conv kernels) are read by the captured graph: after an in-place
     update of the parameters, the next generation with the same cache captures again and matches eager decoding."""

@@ -1,0 +1,282 @@
+"""Prompt prefills replayed from captured CUDA graphs, one graph per length bucket.
+
+At batch 1 the prefill of a ~1B model over a 1k-token prompt is bound by the host, not the GPU: some 600 kernels
+(fla's chunked delta rule alone launches 10-15 Triton kernels a layer), each launched from Python in tens of
+microseconds on a GPU server's host (on the H200: 44 ms of wall time for 6.4 ms of kernels). A captured graph
+launches them all at once.
+
+A graph holds fixed shapes, so a prompt of L tokens is padded on the right to its length bucket P (`prefill_length`:
+a multiple of max(64, an eighth of the largest power of two <= L): fewer than max(64, L / 8) pads, 8 buckets per
+doubling), and
+the padding is exact for everything the prefill leaves behind:
+- the model is causal: no real token sees a pad (attention masks later keys, convolution and recurrence run forward);
+- GDN/KDA layers see the pads as padding (`SequenceInfo.padding_mask`): beta and log decay 0, so the recurrent state
+  stays as the last real token left it, and the convolution's state is read at the last real token
+  (`mixer_linear.conv_state_at_last_real`);
+- attention layers write the pads' keys into slots L..P-1 of the static cache, which no later query reads before a
+  real token overwrites them (a decoding step writes its own slot and masks the later ones); the layers' counters are
+  set to L inside the graph;
+- the graph returns the logits of token L-1 only, all that `generate` asks of a prefill (`logits_to_keep=1`).
+
+Used by `HybridLinearForCausalLM.forward` for a prompt (more than one token) on CUDA, without gradients, into an empty
+`StaticCache` (`generate(..., cache_implementation="static")`), with graph decoding on (`set_cuda_graph_decoding`,
+one switch for both). A bucket is captured the second time a prompt falls in it: a one-off prompt runs the plain
+forward and does not pay for a capture (two warm-up runs and the recording, about three plain prefills). A prefill
+that cannot be captured (sliding-window layers, whose buffers would keep the pads' keys; a cache already holding
+tokens; all the logits asked for; what graph decoding refuses too) runs the plain forward, and a one-line warning says
+why, once per model and reason. The cache is bound to the graph's storage as for decoding (`bind_to_storage`).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+
+import torch
+from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
+
+from .cache_hybrid_linear import LinearStateLayer
+from .configuration_hybrid_linear import config_value
+from .cuda_graph_decoding import (
+    CacheLayout,
+    _cache_tensors,
+    _weights_moved,
+    _weights_of,
+    bind_to_storage,
+    record_graph,
+)
+from .derived_weights import ChangeWatch, derived_weights
+from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts, graph_safe_experts_implementation
+
+logger = logging.getLogger(__name__)
+
+SMALLEST_BUCKET = 64  # fla's chunk length: a shorter pad saves no chunk
+
+
+def prefill_length(length: int, slots: int | None = None) -> int:
+    """The bucket a prompt of `length` tokens is padded to: the next multiple of max(64, an eighth of the largest
+    power of two <= length), so fewer than 64 or length / 8 pads and 8 buckets per doubling; at most `slots` (the
+    static cache's key slots; None for a cache without attention layers)."""
+    step = max(SMALLEST_BUCKET, (1 << (length.bit_length() - 1)) // 8)
+    padded = -(-length // step) * step
+    return padded if slots is None else max(min(padded, slots), length)
+
+
+class PrefillGraph:
+    """One captured bucket: the graph, its input buffers (refilled before each replay), the logits buffer it
+    refills, the cache storage it reads and writes, and the weights it read at capture."""
+
+    def __init__(self, batch: int, padded: int, device: torch.device):
+        self.ids = torch.zeros(batch, padded, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, padded, dtype=torch.long, device=device)
+        self.real = torch.zeros(batch, padded, dtype=torch.bool, device=device)
+        self.length = torch.zeros((), dtype=torch.long, device=device)  # L, the real tokens' count
+        self.last = torch.zeros(1, dtype=torch.long, device=device)  # L - 1
+        self._arange = torch.arange(padded, device=device).expand(batch, padded)
+        self.graph = self.logits = None
+        self.cache: weakref.ref | None = None  # the cache bound last (not kept alive)
+        self.buffers: list[torch.Tensor] = []
+        self.bound: list = []
+        self.watch: ChangeWatch | None = None
+        self.weights: list = []
+        self.addresses: list[int] = []
+
+    def fill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+             attention_mask: torch.Tensor | None) -> None:
+        """The prompt into the input buffers: its tokens, positions and real-token flags first, pads after."""
+        length = input_ids.shape[1]
+        self.ids[:, :length].copy_(input_ids)
+        self.positions.copy_(self._arange)
+        if position_ids is not None:
+            self.positions[:, :length].copy_(position_ids)
+        self.real[:, length:].zero_()
+        if attention_mask is None:
+            self.real[:, :length].fill_(True)
+        else:
+            self.real[:, :length].copy_(attention_mask[:, -length:])
+        self.length.fill_(length)
+        self.last.fill_(length - 1)
+
+    def bind(self, cache: StaticCache) -> bool:
+        _initialize_like(cache, self.buffers)
+        bound = bind_to_storage(_cache_tensors(cache), self.buffers, self.bound)
+        if bound is None:
+            return False
+        self.bound, self.cache = bound, weakref.ref(cache)
+        return True
+
+    def stale(self) -> bool:
+        """Whether a weight the graph reads was replaced, given new storage, or (a kept derived value) updated."""
+        return self.watch.changed(addresses=True) or _weights_moved(self.weights, self.addresses)
+
+
+def _initialize_like(cache: StaticCache, buffers: list[torch.Tensor]) -> None:
+    """Gives the layers of a new cache that have not allocated their tensors yet (transformers' static layers and
+    ours allocate on their first update) tensors shaped as `buffers` (`_cache_tensors` order), so they can be bound."""
+    tensors = iter(buffers)
+    for layer in cache.layers:
+        if isinstance(layer, LinearStateLayer):
+            conv, recurrent = next(tensors), next(tensors)
+            if not (layer.is_conv_states_initialized[0] and layer.is_recurrent_states_initialized[0]):
+                layer.lazy_initialization(conv_states=conv[..., 1:], recurrent_states=recurrent)
+        else:
+            keys, values, _ = next(tensors), next(tensors), next(tensors)
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+
+
+class CudaGraphPrefill:
+    """Captures `model.model.prefill_step` + the LM head on the last real token, per (batch, length bucket, cache
+    slots, device, whether a row is left-padded: the attention mask then holds the padding), and replays it (see the module docstring). The graphs share one memory pool: they run one at a
+    time."""
+
+    device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
+
+    def __init__(self):
+        self._graphs: dict[tuple, PrefillGraph] = {}
+        self._uses: Counter = Counter()
+        self._failed: dict[tuple, str] = {}
+        self._warned: set[str] = set()
+        self._pool = None
+
+    def __reduce__(self):
+        """Copies (copy.deepcopy of the model, pickling) start with nothing captured, as `CudaGraphDecoder`'s."""
+        return CudaGraphPrefill, ()
+
+    @staticmethod
+    def wanted(model, input_ids, inputs_embeds, cache) -> bool:
+        """Whether this forward is a prefill the graphs serve: a prompt of token ids on a graph device, no gradient,
+        into a static cache (`generate(..., cache_implementation="static")`)."""
+        return (input_ids is not None and inputs_embeds is None and input_ids.dim() == 2 and input_ids.shape[1] > 1
+                and input_ids.device.type in CudaGraphPrefill.device_types and not torch.is_grad_enabled()
+                and not model.training and isinstance(cache, StaticCache))
+
+    @staticmethod
+    def obstacle(model, cache: StaticCache, layout: CacheLayout, attention_mask, logits_to_keep, kwargs,
+                 device_type: str = "cuda") -> str | None:
+        """Why a wanted prefill cannot be captured (None when it can): one line, with the fix."""
+        if kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or kwargs.get("output_router_logits"):
+            return "hidden states, attention weights or router logits were requested (the graph returns logits only)"
+        if not isinstance(logits_to_keep, int) or logits_to_keep != 1:
+            return "the logits of more than the last token were asked for (generate asks for logits_to_keep=1)"
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            return "the attention mask is not a 2-D [batch, length] tensor (pass the 2-D padding mask)"
+        attention = config_value(model.config, "_attn_implementation", "_attn_implementation_internal")
+        if attention not in ("sdpa", "eager"):
+            return f"attn_implementation {attention!r} is not captured (use 'sdpa' or 'eager')"
+        if not graph_capturable_expert_dispatch(config_value(model.config, "distributed_config")):
+            return "expert parallelism's all-to-all dispatch reads its split sizes on the host"
+        requested = getattr(model.config, "_experts_implementation", None)
+        if model._routers() and graph_safe_experts_implementation(
+                requested, model.lm_head.weight.dtype, device_type) == "batched_mm" != requested:
+            return ("the experts' graph-safe implementation for this dtype gathers an expert matrix per routed token "
+                    "(batched_mm), too much memory for a prompt")
+        if layout.unknown or any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers):
+            return ("the cache has sliding-window layers, whose buffers would keep the keys of the padding a "
+                    "captured prefill adds")
+        if (layout.linear and any(layer.seen_tokens for layer in layout.linear)) or (
+                not layout.linear and int(cache.get_seq_length())):
+            return "the cache already holds tokens (a prompt continuing a cache runs uncaptured)"
+        return None
+
+    def warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(f"CUDA-graph prefill: this prefill runs uncaptured (slower): {reason}.")
+
+    def try_prefill(self, model, input_ids, position_ids, attention_mask, cache: StaticCache, logits_to_keep,
+                    kwargs) -> torch.Tensor | None:
+        """The last token's logits [B, 1, V] of a prefill replayed from its bucket's graph, or None where the plain
+        forward must run: the bucket's first prompt (silently), or a prefill that cannot be captured (warned once
+        per reason)."""
+        layout = CacheLayout(cache)
+        reason = self.obstacle(model, cache, layout, attention_mask, logits_to_keep, kwargs, input_ids.device.type)
+        if reason is None:
+            slots = layout.full_length if layout.has_full else None
+            padded = prefill_length(input_ids.shape[1], slots)
+            rows_padded = attention_mask is not None and not bool(attention_mask.all())  # (one sync, not per token)
+            key = (input_ids.shape[0], padded, slots, input_ids.device, rows_padded)
+            if key not in self._failed:
+                self._uses[key] += 1
+                if key not in self._graphs and self._uses[key] < 2:
+                    return None
+                logits = self._replay(model, input_ids, position_ids, attention_mask, cache, layout, key)
+                if logits is not None:
+                    return logits
+            reason = self._failed[key]
+        self.warn_once(reason)
+        return None
+
+    def _replay(self, model, input_ids, position_ids, attention_mask, cache, layout, key) -> torch.Tensor | None:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.fill(input_ids, position_ids, attention_mask)
+        if graph is None or not graph.bind(cache) or graph.stale():
+            self._graphs.pop(key, None)
+            try:
+                graph = self._capture(model, cache, layout, key, input_ids, position_ids, attention_mask)
+            except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
+                first_line = (str(error).strip().splitlines() or [""])[0][:200]
+                self._failed[key] = (f"capturing the prefill failed ({type(error).__name__}: {first_line}); "
+                                     "model.set_cuda_graph_decoding(False) skips the attempt")
+                _forget_prefill(layout)  # the warm-ups' writes: the plain forward starts from an empty cache
+                for layer in layout.attention:
+                    if layer.is_initialized:
+                        layer.cumulative_length.zero_()
+                return None
+            self._graphs[key] = graph
+        graph.graph.replay()
+        for layer in layout.linear:  # the host-side state a prefill leaves (the graph set the devices' counters)
+            layer.has_previous_state[0] = True
+            layer.seen_tokens = input_ids.shape[1]
+        return graph.logits.clone()
+
+    @staticmethod
+    def _record(run, device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        return record_graph(run, device, pool)  # (tests stand in an eager replay here)
+
+    def _capture(self, model, cache, layout, key, input_ids, position_ids, attention_mask) -> PrefillGraph:
+        batch, padded, slots, device, rows_padded = key
+        graph = PrefillGraph(batch, padded, device)
+        graph.fill(input_ids, position_ids, attention_mask)
+        graph.cache = weakref.ref(cache)
+
+        def run():  # (of the cache bound last: a CPU test's eager stand-in replays it)
+            cache = graph.cache()
+            layout = CacheLayout(cache)
+            _forget_prefill(layout)  # each run is the prefill of an empty cache (the warm-ups' writes undone)
+            for layer in layout.attention:
+                layer.cumulative_length.zero_()
+            with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
+                hidden = model.model.prefill_step(graph.ids, graph.positions, graph.real, cache, slots or padded,
+                                                  rows_padded)
+            for layer in layout.attention:
+                layer.cumulative_length.copy_(graph.length)
+            return model.lm_head(hidden.index_select(1, graph.last))
+
+        if not all(_cache_tensors_ready(layer) for layer in cache.layers):
+            run()  # allocates the cache's tensors (on first update) outside the graph's memory pool
+        if self._pool is None and device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        graph.graph, graph.logits = self._record(run, device, self._pool)
+        tensors = _cache_tensors(cache)
+        graph.buffers = [t.detach() for t in tensors]
+        graph.bound = bind_to_storage(tensors, graph.buffers, [])
+        graph.watch = ChangeWatch(derived_weights(model))
+        graph.weights = _weights_of(model)
+        graph.addresses = [tensor.data_ptr() for _, _, tensor in graph.weights]
+        return graph
+
+
+def _cache_tensors_ready(layer) -> bool:
+    if isinstance(layer, LinearStateLayer):
+        return layer.is_conv_states_initialized[0] and layer.is_recurrent_states_initialized[0]
+    return layer.is_initialized
+
+
+def _forget_prefill(layout: CacheLayout) -> None:
+    """The host-side state of an empty cache in the GDN/KDA layers (their buffers stay allocated)."""
+    for layer in layout.linear:
+        layer.has_previous_state[0] = False
+        layer.seen_tokens = 0
