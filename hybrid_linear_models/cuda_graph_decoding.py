@@ -146,7 +146,7 @@ class StepCache:
             torch._foreach_add_([layer.cumulative_length for layer in self._full], 1)
 
 
-def _cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
+def cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
     tensors = []
     for layer in cache.layers:
         if isinstance(layer, LinearStateLayer):
@@ -197,14 +197,14 @@ class CacheLayout:
                 and all(layer.is_initialized for layer in self.attention))
 
 
-def _weights_of(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+def weights_of(model: torch.nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
     """(holder, name, tensor) for every parameter and buffer of the model: what a captured step reads by address."""
     return [(holder, name, tensor) for module in model.modules()
             for holder in (module._parameters, module._buffers) for name, tensor in holder.items()
             if tensor is not None]
 
 
-def _weights_moved(weights: list[tuple[dict, str, torch.Tensor]], addresses: list[int]) -> bool:
+def weights_moved(weights: list[tuple[dict, str, torch.Tensor]], addresses: list[int]) -> bool:
     """Whether a parameter or buffer was replaced (`load_state_dict(assign=True)`) or given new data (`.data = `,
     `module.to`) since `weights` and their `addresses` were taken."""
     return (any(holder.get(name) is not tensor for holder, name, tensor in weights)
@@ -219,7 +219,7 @@ def _full_length(cache: StaticCache) -> int:
 
 def bind_to_storage(tensors: list[torch.Tensor], buffers: list[torch.Tensor],
                     bound: list[weakref.ref]) -> list[weakref.ref] | None:
-    """Points a cache's `tensors` (`_cache_tensors`) at `buffers`, the storage a captured graph reads and writes:
+    """Points a cache's `tensors` (`cache_tensors`) at `buffers`, the storage a captured graph reads and writes:
     each tensor elsewhere has its values copied in and is set to that storage, and the tensors `bound` to it before
     (an earlier cache, a user's reference) that are still alive and not among `tensors` keep their values in storage
     of their own. Returns the new bound references; None when the tensors do not fit the buffers (another layout)."""
@@ -284,7 +284,7 @@ class CudaGraphDecoder:
         self._bound: list[weakref.ref] = []  # the cache tensors viewing that storage, as bound for the last step
         self._step_cache: StepCache | None = None
         self._watch: ChangeWatch | None = None  # the kept tensors the graph reads (norms' 1 + w, stacked weights)
-        self._weights: list = []  # every parameter and buffer at capture (`_weights_of`), and their addresses
+        self._weights: list = []  # every parameter and buffer at capture (`weights_of`), and their addresses
         self._addresses: list[int] = []
         self._new_run = True  # the next step starts a run of steps: the weights' addresses are checked too
         self._layout: CacheLayout | None = None  # of the last cache asked about
@@ -360,7 +360,7 @@ class CudaGraphDecoder:
     def _bind(self, cache: StaticCache) -> bool:
         """Points the cache's tensors at the graph's storage (see the class docstring); False when they do not fit
         it (another layout: a capture is needed)."""
-        tensors = _cache_tensors(cache)
+        tensors = cache_tensors(cache)
         if len(tensors) == len(self._bound) and all(ref() is t for ref, t in zip(self._bound, tensors)):
             return True  # the tensors bound for the last step
         bound = bind_to_storage(tensors, self._buffers, self._bound)
@@ -382,7 +382,7 @@ class CudaGraphDecoder:
         # steps (after an uncaptured forward, a new cache bound): also the address of every weight, which new data
         # (`module.to`, `.data = `, a replaced parameter) changes: a graph would read the storage it let go of.
         if (key != self._key or not self._bind(cache) or self._watch.changed(addresses=self._new_run)
-                or (self._new_run and _weights_moved(self._weights, self._addresses))):
+                or (self._new_run and weights_moved(self._weights, self._addresses))):
             try:
                 self._capture(model, cache, batch, max_len, input_ids.device, key)
             except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
@@ -437,7 +437,7 @@ class CudaGraphDecoder:
         self._mask_length = 0
         linear_layers = layout.linear
         seen = [layer.seen_tokens for layer in linear_layers]
-        saved = [t.clone() for t in _cache_tensors(cache)]
+        saved = [t.clone() for t in cache_tensors(cache)]
 
         def run():
             # sparse MoE layers: an experts implementation without host syncs for this dtype and device; the GEMVs
@@ -452,14 +452,14 @@ class CudaGraphDecoder:
         try:
             self._graph, self._logits = self._record(run, device)
         finally:  # the warm-up steps advanced the cache (also when the capture failed): undo them
-            for tensor, value in zip(_cache_tensors(cache), saved):
+            for tensor, value in zip(cache_tensors(cache), saved):
                 tensor.copy_(value)
             for layer, count in zip(linear_layers, seen):
                 layer.seen_tokens = count
-        tensors = _cache_tensors(cache)
+        tensors = cache_tensors(cache)
         self._buffers = [t.detach() for t in tensors]  # (views: the storage stays while the graph is kept)
         self._bound = [weakref.ref(t) for t in tensors]
         self._key = key
         self._watch = ChangeWatch(derived_weights(model))
-        self._weights = _weights_of(model)
+        self._weights = weights_of(model)
         self._addresses = [tensor.data_ptr() for _, _, tensor in self._weights]

@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationMixin, StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
-from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder, _cache_tensors
+from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder, cache_tensors
 from model_helpers import replay_graphs_eagerly, tiny_model
 
 LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"]
@@ -330,7 +330,7 @@ def storage_checked(eager_graphs, monkeypatch) -> list:
     def step(self, model, input_ids, position_ids, attention_mask, cache, key):
         logits = original(self, model, input_ids, position_ids, attention_mask, cache, key)
         if logits is not None:
-            assert [t.data_ptr() for t in _cache_tensors(cache)] == [b.data_ptr() for b in self._buffers]
+            assert [t.data_ptr() for t in cache_tensors(cache)] == [b.data_ptr() for b in self._buffers]
             checked.append(1)
         return logits
 
@@ -361,7 +361,7 @@ def test_one_capture_serves_each_new_cache_and_beam_search_reorders_into_its_sto
                       return_dict_in_generate=True, cache_implementation="static", **mode)
     with torch.no_grad():
         first = model.generate(input_ids, **generation)
-        kept = [t.clone() for t in _cache_tensors(first.past_key_values)]
+        kept = [t.clone() for t in cache_tensors(first.past_key_values)]
         second = model.generate(input_ids.flip(0), **generation)
         model.set_cuda_graph_decoding(False)
         eager_first = model.generate(input_ids, **generation)
@@ -369,5 +369,5 @@ def test_one_capture_serves_each_new_cache_and_beam_search_reorders_into_its_sto
     assert len(eager_graphs) == 1 and len(storage_checked) == 2 * 5  # the first new token comes from the prefill
     _assert_same(first, eager_first)
     _assert_same(second, eager_second)
-    for value, tensor in zip(kept, _cache_tensors(first.past_key_values)):
+    for value, tensor in zip(kept, cache_tensors(first.past_key_values)):
         assert torch.equal(value, tensor)
