@@ -242,6 +242,20 @@ def bind_to_storage(tensors: list[torch.Tensor], buffers: list[torch.Tensor],
     return [weakref.ref(t) for t in tensors]
 
 
+def capture_obstacle(model, attention_mask) -> str | None:
+    """What keeps any forward of `model` from being captured, a step or a prompt (None when nothing does): one line,
+    with the fix."""
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+        return "the attention mask is not a 2-D [batch, length] tensor (pass the 2-D padding mask)"
+    attention = config_value(model.config, "_attn_implementation", "_attn_implementation_internal")
+    if attention not in ("sdpa", "eager"):
+        return f"attn_implementation {attention!r} is not captured (use 'sdpa' or 'eager')"
+    if not graph_capturable_expert_dispatch(config_value(model.config, "distributed_config")):
+        return ("expert parallelism's all-to-all dispatch reads its split sizes on the host (use the all-reduce "
+                "dispatch to capture)")
+    return None
+
+
 def record_graph(run: Callable[[], torch.Tensor], device: torch.device,
                  pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """A CUDA graph of run() and the output buffer each replay refills, after two warm-up runs on a side stream
@@ -314,14 +328,9 @@ class CudaGraphDecoder:
         """Why a wanted step cannot be captured (None when it can): one line, with the fix."""
         if kwargs.get("output_hidden_states") or kwargs.get("output_attentions"):
             return "attention weights or hidden states were requested (the captured step returns logits only)"
-        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
-            return "the attention mask is not a 2-D [batch, length] tensor (pass the 2-D padding mask)"
-        attention = config_value(model.config, "_attn_implementation", "_attn_implementation_internal")
-        if attention not in ("sdpa", "eager"):
-            return f"attn_implementation {attention!r} is not captured (use 'sdpa' or 'eager')"
-        if not graph_capturable_expert_dispatch(config_value(model.config, "distributed_config")):
-            return ("expert parallelism's all-to-all dispatch reads its split sizes on the host (use the all-reduce "
-                    "dispatch to capture)")
+        reason = capture_obstacle(model, attention_mask)
+        if reason is not None:
+            return reason
         if not self.layout(cache).ready():
             return "the static cache has not been filled by a prefill of this model (run the prompt first)"
         return None

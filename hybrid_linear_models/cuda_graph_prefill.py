@@ -39,10 +39,10 @@ import torch
 from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 
 from .cache_hybrid_linear import LinearStateLayer
-from .configuration_hybrid_linear import config_value
-from .cuda_graph_decoding import CacheLayout, bind_to_storage, cache_tensors, record_graph, weights_moved, weights_of
+from .cuda_graph_decoding import (CacheLayout, bind_to_storage, cache_tensors, capture_obstacle, record_graph,
+                                  weights_moved, weights_of)
 from .derived_weights import ChangeWatch, derived_weights
-from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts, graph_safe_experts_implementation
+from .mlp_sparse_moe import graph_safe_experts, graph_safe_experts_implementation
 
 logger = logging.getLogger(__name__)
 
@@ -157,13 +157,9 @@ class CudaGraphPrefill:
             return "hidden states, attention weights or router logits were requested (the graph returns logits only)"
         if not isinstance(logits_to_keep, int) or logits_to_keep != 1:
             return "the logits of more than the last token were asked for (generate asks for logits_to_keep=1)"
-        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
-            return "the attention mask is not a 2-D [batch, length] tensor (pass the 2-D padding mask)"
-        attention = config_value(model.config, "_attn_implementation", "_attn_implementation_internal")
-        if attention not in ("sdpa", "eager"):
-            return f"attn_implementation {attention!r} is not captured (use 'sdpa' or 'eager')"
-        if not graph_capturable_expert_dispatch(config_value(model.config, "distributed_config")):
-            return "expert parallelism's all-to-all dispatch reads its split sizes on the host"
+        reason = capture_obstacle(model, attention_mask)
+        if reason is not None:
+            return reason
         requested = getattr(model.config, "_experts_implementation", None)
         if model._routers() and graph_safe_experts_implementation(
                 requested, model.lm_head.weight.dtype, device_type) == "batched_mm" != requested:
