@@ -481,8 +481,9 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         hidden_states = self.embed_tokens(input_ids)
         batch, length = input_ids.shape
         position_embeddings = self._position_embeddings(hidden_states, position_ids)
-        mask = None  # sdpa, no padding before a real token: is_causal
-        if rows_padded or self.config._attn_implementation != "sdpa":
+        mask = None  # no attention layer; or sdpa with no padding before a real token: is_causal
+        attends = any(layer.mixer_state == "kv" for layer in self.layers[: self.config.num_hidden_layers])
+        if attends and (rows_padded or self.config._attn_implementation != "sdpa"):
             keys = torch.arange(slots, device=input_ids.device)
             queries = torch.arange(length, device=input_ids.device)[:, None]
             mask = (keys <= queries)[None, None]  # [1, 1, T, slots]
