@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import torch
 from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
@@ -47,6 +47,7 @@ from .mlp_sparse_moe import graph_safe_experts, graph_safe_experts_implementatio
 logger = logging.getLogger(__name__)
 
 SMALLEST_BUCKET = 64  # fla's chunk length: a shorter pad saves no chunk
+KEPT_GRAPHS = 8  # captured buckets kept per model, the least recently replayed dropped first
 
 
 def prefill_length(length: int, slots: int | None = None) -> int:
@@ -126,12 +127,13 @@ def _initialize_like(cache: StaticCache, buffers: list[torch.Tensor]) -> None:
 class CudaGraphPrefill:
     """Captures `model.model.prefill_step` + the LM head on the last real token, per (batch, length bucket, cache
     slots, device, whether a row is left-padded: the attention mask then holds the padding), and replays it (see the
-    module docstring). The graphs share one memory pool: they run one at a time."""
+    module docstring). The graphs share one memory pool (they run one at a time); the KEPT_GRAPHS most recently
+    replayed are kept (each also holds the storage of the cache it was captured with)."""
 
     device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
 
     def __init__(self):
-        self._graphs: dict[tuple, PrefillGraph] = {}
+        self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()  # least recently replayed first
         self._uses: Counter = Counter()
         self._failed: dict[tuple, str] = {}
         self._warned: set[str] = set()
@@ -219,6 +221,9 @@ class CudaGraphPrefill:
                         layer.cumulative_length.zero_()
                 return None
             self._graphs[key] = graph
+            while len(self._graphs) > KEPT_GRAPHS:  # each holds a cache's storage and its inputs: keep the recent
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
         graph.graph.replay()
         for layer in layout.linear:  # the host-side state a prefill leaves (the graph set the devices' counters)
             layer.has_previous_state[0] = True

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import DynamicCache, StaticCache
 
 from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
+from hybrid_linear_models import cuda_graph_prefill
 from hybrid_linear_models.cuda_graph_prefill import CudaGraphPrefill, prefill_length
 from model_helpers import EagerReplay, tiny_model
 
@@ -150,6 +151,18 @@ def test_generate_sized_cache_caps_the_bucket_and_lengths_share_a_bucket(capture
         model.set_cuda_graph_decoding(True)
         _assert_same(graphed, eager)
     assert len(captured) == 1  # each set_cuda_graph_decoding(True) starts afresh: the 57 and second 40 share one
+
+
+def test_only_the_most_recently_replayed_buckets_are_kept(captured, monkeypatch):
+    """Each kept graph holds the storage of a whole cache: beyond KEPT_GRAPHS (2 here) the least recently replayed
+    bucket is dropped, and a prompt of its length is captured again."""
+    monkeypatch.setattr(cuda_graph_prefill, "KEPT_GRAPHS", 2)
+    model = tiny_model(LAYERS).double().eval()
+    ids = torch.randint(1, 100, (1, 300), generator=torch.Generator().manual_seed(10))
+    for length in (40, 40, 100, 100, 40, 200, 200, 40, 100, 100):  # buckets 64, 128, 64 (replayed), 256, 64, 128
+        _generate(model, ids[:, :length], cache=StaticCache(config=model.config, max_cache_len=300))
+    assert [key[1] for key in model._graph_prefill._graphs] == [64, 128]
+    assert len(captured) == 4  # 64, 128, 256, then 128 again (dropped when 256 came)
 
 
 def test_a_new_weight_is_captured_again(captured):
