@@ -189,6 +189,11 @@ class CudaGraphPrefill:
         reason = self.obstacle(model, cache, layout, attention_mask, logits_to_keep, kwargs, input_ids.device.type)
         if reason is None:
             slots = layout.full_length if layout.has_full else None
+            if slots is not None and input_ids.shape[1] > slots:  # (the write past the buffer: a device assertion)
+                raise ValueError(
+                    f"the static cache holds {slots} tokens per row and the prompt has {input_ids.shape[1]}. Create "
+                    "the StaticCache with a larger max_cache_len (at least the prompt length plus max_new_tokens), or "
+                    "let generate size it (cache_implementation=\"static\" without a cache of your own).")
             padded = prefill_length(input_ids.shape[1], slots)
             rows_padded = attention_mask is not None and not bool(attention_mask.all())  # (one sync, not per token)
             key = (input_ids.shape[0], padded, slots, input_ids.device, rows_padded)
