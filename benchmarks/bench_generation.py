@@ -149,9 +149,8 @@ def prefill(ours, theirs, lengths, repeats: int, device) -> None:
     ours into a StaticCache as `generate(..., cache_implementation="static")` makes one per call, replayed from the
     prompt's captured length bucket (cuda_graph_prefill: captured on the bucket's second prompt, in the warm-up);
     ours uncaptured (`plain`: the plain forward with the default cache, what ours ran before the captured prefill);
-    transformers' with its default cache. Tokens/s and the ratios to
-    transformers, with each one's peak memory allocated and reserved on CUDA (reserved counts a graph's memory pool,
-    which a replay uses without allocating)."""
+    transformers' with its default cache. Tokens/s and the ratios to transformers, with each one's peak memory
+    allocated and reserved on CUDA (reserved counts a graph's memory pool, which a replay uses without allocating)."""
     print("\nprefill, batch 1: tok/s (peak GiB allocated / reserved) | ours / transformers, plain / transformers")
 
     def static(model, length):
