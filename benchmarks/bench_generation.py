@@ -148,15 +148,17 @@ def prefill(ours, theirs, lengths, repeats: int, device) -> None:
     """Batch-1 prefill (the prompt's forward into a new cache, only the last token's logits, as `generate` runs it):
     ours into a StaticCache as `generate(..., cache_implementation="static")` makes one per call, replayed from the
     prompt's captured length bucket (cuda_graph_prefill: captured on the bucket's second prompt, in the warm-up);
-    ours uncaptured (`plain`: the plain forward with the default cache, what ours ran before the captured prefill);
-    transformers' with its default cache. Tokens/s and the ratios to transformers, with each one's peak memory
+    ours uncaptured into a StaticCache (`first`: what a bucket's first prompt runs, and every prompt with the graphs
+    off) and into the default cache (`plain`: what ours ran before the captured prefill); transformers' with its
+    default cache. Tokens/s and the ratios to transformers, with each one's peak memory
     allocated and reserved on CUDA (reserved counts a graph's memory pool, which a replay uses without allocating)."""
-    print("\nprefill, batch 1: tok/s (peak GiB allocated / reserved) | ours / transformers, plain / transformers")
+    print("\nprefill, batch 1: tok/s (peak GiB allocated / reserved) | ours, first, plain : transformers")
 
     def static(model, length):
         return dict(cache=StaticCache(config=model.config, max_cache_len=length + 1))
 
-    variants = [("ours", ours, static, True), ("plain", ours, None, False), ("transformers", theirs, None, None)]
+    variants = [("ours", ours, static, True), ("first", ours, static, False), ("plain", ours, None, False),
+                ("transformers", theirs, None, None)]
     vocab = ours.config.vocab_size
     for length in lengths:
         input_ids = torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
@@ -185,8 +187,8 @@ def prefill(ours, theirs, lengths, repeats: int, device) -> None:
         ours.set_cuda_graph_decoding(True)
         cells = " | ".join(f"{name} {rate:>9.0f} ({alloc:5.2f} / {reserved:5.2f})"
                            for name, rate, alloc, reserved in results)
-        print(f"  {length:>6} tokens: {cells} | {results[0][1] / results[2][1]:.2f}x, "
-              f"{results[1][1] / results[2][1]:.2f}x", flush=True)
+        ratios = ", ".join(f"{rate / results[-1][1]:.2f}x" for _, rate, _, _ in results[:-1])
+        print(f"  {length:>6} tokens: {cells} | {ratios}", flush=True)
 
 
 def run_pair(name, ours, theirs, device, dtype, prompt, new_tokens, batches, repeats, ours_kwargs, bandwidth_gbs=4800.0,

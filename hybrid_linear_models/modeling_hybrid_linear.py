@@ -355,7 +355,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                                                                                      head_dim))
                 for rotary in self._rotary_embeddings()]
 
-    def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool) -> list:
+    def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool,
+                     past: int | torch.Tensor = 0) -> list:
         """The attention mask of every layer (None for GDN/KDA layers): one for all full (and latent) attention,
         one per distinct sliding window, each built once. A dict given by the caller maps layer types to masks."""
         if isinstance(attention_mask, dict):
@@ -377,11 +378,25 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             elif MIXERS[layer_type].state == "kv":  # full attention, and every other attention over all past keys
                 key = "full"
                 if key not in built:
-                    built[key] = create_causal_mask(config=self.config, **kwargs)
+                    causal = not weights_wanted and self._causal_kernel_suffices(inputs_embeds, attention_mask, cache,
+                                                                                 past)
+                    built[key] = None if causal else create_causal_mask(config=self.config, **kwargs)
             else:
                 key = None
             masks.append(built.get(key))
         return masks
+
+    def _causal_kernel_suffices(self, inputs_embeds, attention_mask, cache, past) -> bool:
+        """Whether sdpa's own causal mask is the full-attention mask: a prompt of several tokens, none of them
+        padding, into an empty static cache. The keys are then the cache's slots, the prompt's first, and sdpa's
+        causal mask (aligned at the first key) is the prompt's causal mask and hides the empty slots after it.
+        transformers builds a [T, slots] mask there (a static cache has more keys than queries), for which sdpa runs
+        its masked kernel: 23-33% slower 8k-token prefills on an H200 than with a dynamic cache."""
+        return (self.config._attn_implementation == "sdpa" and getattr(cache, "is_compileable", False)
+                and inputs_embeds.shape[1] > 1 and not torch.compiler.is_compiling()
+                and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                                                and not _is_padded(attention_mask)))
+                and not past)
 
     def _sliding_window_mask(self, inputs_embeds, attention_mask, cache, position_ids,
                              window: int) -> SlidingWindowMask | None:
@@ -452,7 +467,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             cache = DynamicCache(config=self.config)
 
         weights_wanted = bool(kwargs.get("output_attentions", self.config.output_attentions))
-        masks = self._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted)
+        masks = self._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted, past)
         position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:

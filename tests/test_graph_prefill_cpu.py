@@ -266,3 +266,43 @@ def test_a_prompt_padded_on_the_right_leaves_the_states_of_its_real_tokens(mixer
             for name in ("conv_state", "recurrent_state"):
                 got = getattr(padded.layers[0], name)[row : row + 1]
                 torch.testing.assert_close(got, getattr(alone.layers[0], name), rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("layout", ["gdn_kda_attention", "latent_attention"])
+def test_an_unpadded_prompt_into_an_empty_static_cache_takes_sdpas_causal_mask(layout, monkeypatch):
+    """The plain forward (graphs off) of a prompt into an empty static cache builds no [T, slots] mask for sdpa: its
+    own causal mask (aligned at the first slot) is that mask. The logits and the cache it leaves are those with the
+    mask built as transformers builds it, and the next tokens decode alike; a padded batch still builds the mask."""
+    from hybrid_linear_models import modeling_hybrid_linear
+
+    layer_types, settings = LAYOUTS[layout]
+    model = tiny_model(layer_types, **settings).double().eval()
+    model.set_cuda_graph_decoding(False)
+    ids = torch.randint(1, 100, (2, 23), generator=torch.Generator().manual_seed(12))
+    built = []
+    original = modeling_hybrid_linear.create_causal_mask
+    monkeypatch.setattr(modeling_hybrid_linear, "create_causal_mask", lambda **k: built.append(1) or original(**k))
+
+    def run():
+        cache = StaticCache(config=model.config, max_cache_len=40)
+        with torch.no_grad():
+            prompt = model(ids, cache=cache).logits
+            masks_built = len(built)
+            step = model(ids[:, -1:], cache=cache).logits
+        return prompt, step, masks_built
+
+    *causal, masks_built = run()
+    assert masks_built == 0  # (the one-token step after it builds its one-row mask)
+    monkeypatch.setattr(modeling_hybrid_linear.HybridLinearModel, "_causal_kernel_suffices", lambda *a: False)
+    built.clear()
+    *masked, masks_built = run()
+    assert masks_built == 1
+    for a, b in zip(causal, masked):
+        torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+    monkeypatch.undo()
+    monkeypatch.setattr(modeling_hybrid_linear, "create_causal_mask", lambda **k: built.append(2) or original(**k))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=StaticCache(config=model.config, max_cache_len=40))
+    assert built[-1] == 2
