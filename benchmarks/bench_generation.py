@@ -150,26 +150,26 @@ def prefill(ours, theirs, lengths, repeats: int, device) -> None:
     prompt's captured length bucket (cuda_graph_prefill: captured on the bucket's second prompt, in the warm-up);
     ours uncaptured into a StaticCache (`first`: what a bucket's first prompt runs, and every prompt with the graphs
     off) and into the default cache (`plain`: what ours ran before the captured prefill); transformers' with its
-    default cache. Tokens/s and the ratios to transformers, with each one's peak memory
-    allocated and reserved on CUDA (reserved counts a graph's memory pool, which a replay uses without allocating)."""
+    default cache. Tokens/s and the ratios to transformers, with each one's peak memory allocated and reserved on
+    CUDA (reserved counts a graph's memory pool, which a replay uses without allocating)."""
     print("\nprefill, batch 1: tok/s (peak GiB allocated / reserved) | ours, first, plain : transformers")
 
-    def static(model, length):
-        return dict(cache=StaticCache(config=model.config, max_cache_len=length + 1))
+    def forward(model, input_ids, static: bool) -> None:  # (a new static cache per call, as generate makes one)
+        cache = StaticCache(config=model.config, max_cache_len=input_ids.shape[1] + 1) if static else None
+        model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **({"cache": cache} if static else {}))
 
-    variants = [("ours", ours, static, True), ("first", ours, static, False), ("plain", ours, None, False),
-                ("transformers", theirs, None, None)]
+    variants = [("ours", ours, True, True), ("first", ours, True, False), ("plain", ours, False, False),
+                ("transformers", theirs, False, None)]
     vocab = ours.config.vocab_size
     for length in lengths:
         input_ids = torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
         results = []
-        for name, model, cache_for, graphs in variants:
+        for name, model, static, graphs in variants:
             if graphs is not None:
                 model.set_cuda_graph_decoding(graphs)
             with torch.no_grad():
                 for _ in range(2):  # warm-up: autotuning; ours captures its bucket on the second prompt
-                    model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
-                          **(cache_for(model, length) if cache_for else {}))
+                    forward(model, input_ids, static)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
@@ -177,8 +177,7 @@ def prefill(ours, theirs, lengths, repeats: int, device) -> None:
                 for _ in range(repeats):
                     _sync(device)
                     start = time.perf_counter()
-                    model(input_ids=input_ids, use_cache=True, logits_to_keep=1,
-                          **(cache_for(model, length) if cache_for else {}))
+                    forward(model, input_ids, static)
                     _sync(device)
                     best = min(best, time.perf_counter() - start)
             memory = ((torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)

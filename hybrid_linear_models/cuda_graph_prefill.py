@@ -116,11 +116,11 @@ def _initialize_like(cache: StaticCache, buffers: list[torch.Tensor]) -> None:
     for layer in cache.layers:
         if isinstance(layer, LinearStateLayer):
             conv, recurrent = next(tensors), next(tensors)
-            if not (layer.is_conv_states_initialized[0] and layer.is_recurrent_states_initialized[0]):
+            if not _allocated(layer):
                 layer.lazy_initialization(conv_states=conv[..., 1:], recurrent_states=recurrent)
         else:
             keys, values, _ = next(tensors), next(tensors), next(tensors)
-            if not layer.is_initialized:
+            if not _allocated(layer):
                 layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
 
 
@@ -167,7 +167,9 @@ class CudaGraphPrefill:
                 requested, model.lm_head.weight.dtype, device_type) == "batched_mm" != requested:
             return ("the experts' graph-safe implementation for this dtype gathers an expert matrix per routed token "
                     "(batched_mm), too much memory for a prompt")
-        if layout.unknown or any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers):
+        if layout.unknown:
+            return "the cache holds layers of a kind this package does not capture"
+        if any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers):
             return ("the cache has sliding-window layers, whose buffers would keep the keys of the padding a "
                     "captured prefill adds")
         if (layout.linear and any(layer.seen_tokens for layer in layout.linear)) or (
@@ -220,10 +222,7 @@ class CudaGraphPrefill:
                 first_line = (str(error).strip().splitlines() or [""])[0][:200]
                 self._failed[key] = (f"capturing the prefill failed ({type(error).__name__}: {first_line}); "
                                      "model.set_cuda_graph_decoding(False) skips the attempt")
-                _forget_prefill(layout)  # the warm-ups' writes: the plain forward starts from an empty cache
-                for layer in layout.attention:
-                    if layer.is_initialized:
-                        layer.cumulative_length.zero_()
+                _empty(layout)  # the warm-ups' writes: the plain forward starts from an empty cache
                 return None
             self._graphs[key] = graph
             while len(self._graphs) > KEPT_GRAPHS:  # each holds a cache's storage and its inputs: keep the recent
@@ -248,9 +247,7 @@ class CudaGraphPrefill:
         def run():  # (of the cache bound last: a CPU test's eager stand-in replays it)
             cache = graph.cache()
             layout = CacheLayout(cache)
-            _forget_prefill(layout)  # each run is the prefill of an empty cache (the warm-ups' writes undone)
-            for layer in layout.attention:
-                layer.cumulative_length.zero_()
+            _empty(layout)  # each run is the prefill of an empty cache (the warm-ups' writes undone)
             with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
                 hidden = model.model.prefill_step(graph.ids, graph.positions, graph.real, cache, slots or padded,
                                                   rows_padded)
@@ -258,7 +255,7 @@ class CudaGraphPrefill:
                 layer.cumulative_length.copy_(graph.length)
             return model.lm_head(hidden.index_select(1, graph.last))
 
-        if not all(_cache_tensors_ready(layer) for layer in cache.layers):
+        if not all(_allocated(layer) for layer in cache.layers):
             run()  # allocates the cache's tensors (on first update) outside the graph's memory pool
         if self._pool is None and device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
@@ -272,14 +269,19 @@ class CudaGraphPrefill:
         return graph
 
 
-def _cache_tensors_ready(layer) -> bool:
+def _allocated(layer) -> bool:
+    """Whether a cache layer holds its tensors (transformers' static layers and ours allocate on the first update)."""
     if isinstance(layer, LinearStateLayer):
         return layer.is_conv_states_initialized[0] and layer.is_recurrent_states_initialized[0]
     return layer.is_initialized
 
 
-def _forget_prefill(layout: CacheLayout) -> None:
-    """The host-side state of an empty cache in the GDN/KDA layers (their buffers stay allocated)."""
+def _empty(layout: CacheLayout) -> None:
+    """The cache's counters and flags as an empty cache has them (its tensors stay allocated): the GDN/KDA layers'
+    host-side state, the attention layers' device counters (inside a capture: by the graph)."""
     for layer in layout.linear:
         layer.has_previous_state[0] = False
         layer.seen_tokens = 0
+    for layer in layout.attention:
+        if layer.is_initialized:
+            layer.cumulative_length.zero_()

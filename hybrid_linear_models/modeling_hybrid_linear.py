@@ -297,6 +297,11 @@ def _is_padded(attention_mask) -> bool:
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all())
 
 
+def _additive_mask(visible: torch.Tensor, dtype: torch.dtype, masked: float) -> torch.Tensor:
+    """A bool attention mask (True: attended) as the additive one: 0 where visible, `masked` elsewhere."""
+    return torch.full(visible.shape, masked, dtype=dtype, device=visible.device).masked_fill_(visible, 0.0)
+
+
 def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Positions restarting at 0 at every document start, so attention masks keep packed documents apart."""
     starts = cu_seqlens[:-1].long()
@@ -356,9 +361,10 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 for rotary in self._rotary_embeddings()]
 
     def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool,
-                     past: int | torch.Tensor = 0) -> list:
+                     causal: bool = False) -> list:
         """The attention mask of every layer (None for GDN/KDA layers): one for all full (and latent) attention,
-        one per distinct sliding window, each built once. A dict given by the caller maps layer types to masks."""
+        one per distinct sliding window, each built once. A dict given by the caller maps layer types to masks.
+        `causal`: sdpa's own causal mask is the full-attention one (`_causal_kernel_suffices`), None is passed."""
         if isinstance(attention_mask, dict):
             return [attention_mask.get(t) for t in self.config.layer_types]
         kwargs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
@@ -378,15 +384,14 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             elif MIXERS[layer_type].state == "kv":  # full attention, and every other attention over all past keys
                 key = "full"
                 if key not in built:
-                    causal = not weights_wanted and self._causal_kernel_suffices(inputs_embeds, attention_mask, cache,
-                                                                                 past)
-                    built[key] = None if causal else create_causal_mask(config=self.config, **kwargs)
+                    built[key] = None if causal and not weights_wanted else create_causal_mask(config=self.config,
+                                                                                                **kwargs)
             else:
                 key = None
             masks.append(built.get(key))
         return masks
 
-    def _causal_kernel_suffices(self, inputs_embeds, attention_mask, cache, past) -> bool:
+    def _causal_kernel_suffices(self, inputs_embeds, attention_mask, cache, past, info: SequenceInfo) -> bool:
         """Whether sdpa's own causal mask is the full-attention mask: a prompt of several tokens, none of them
         padding, into an empty static cache. The keys are then the cache's slots, the prompt's first, and sdpa's
         causal mask (aligned at the first key) is the prompt's causal mask and hides the empty slots after it.
@@ -395,8 +400,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         return (self.config._attn_implementation == "sdpa" and getattr(cache, "is_compileable", False)
                 and inputs_embeds.shape[1] > 1 and not torch.compiler.is_compiling()
                 and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-                                                and not _is_padded(attention_mask)))
-                and not past)
+                                                and attention_mask.shape[1] == inputs_embeds.shape[1]))
+                and info.padding_mask is None and info.cu_seqlens is None and not past)  # (padding: `info` found it)
 
     def _sliding_window_mask(self, inputs_embeds, attention_mask, cache, position_ids,
                              window: int) -> SlidingWindowMask | None:
@@ -467,7 +472,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             cache = DynamicCache(config=self.config)
 
         weights_wanted = bool(kwargs.get("output_attentions", self.config.output_attentions))
-        masks = self._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted, past)
+        causal = self._causal_kernel_suffices(inputs_embeds, attention_mask, cache, past, sequence_info)
+        masks = self._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted, causal)
         position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:
@@ -506,8 +512,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 real_keys = torch.nn.functional.pad(real, (0, slots - length))[:, None, None, :]
                 mask = (mask & real_keys) | (keys == queries)  # [B, 1, T, slots]
             if self.config._attn_implementation == "eager":  # (an additive mask; sdpa takes the bool one)
-                mask = torch.zeros(mask.shape, dtype=hidden_states.dtype, device=mask.device).masked_fill_(
-                    ~mask, torch.finfo(hidden_states.dtype).min)
+                mask = _additive_mask(mask, hidden_states.dtype, torch.finfo(hidden_states.dtype).min)
         info = SequenceInfo(batch, length, padding_mask=real)
         for layer in self.layers[: self.config.num_hidden_layers]:
             rotary = self.rotary_of_layer[layer.layer_idx]
@@ -529,9 +534,9 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             """The additive mask each attention layer of the step adds, built once per step: eager attention's (finfo
             min where masked), or for sdpa the -inf/0 mask sdpa would otherwise build from a bool mask in every
             layer (the same values: the same scores)."""
-            mask = mask[:, None, None, :]
-            masked = torch.finfo(hidden_states.dtype).min if self.config._attn_implementation == "eager" else -math.inf
-            return torch.full_like(mask, masked, dtype=hidden_states.dtype).masked_fill_(mask, 0.0)
+            eager = self.config._attn_implementation == "eager"
+            return _additive_mask(mask[:, None, None, :], hidden_states.dtype,
+                                  torch.finfo(hidden_states.dtype).min if eager else -math.inf)
 
         full_mask = attention_mask_of(key_mask)
         window_masks = windows.masks(attention_mask_of) if windows is not None else {}
