@@ -9,10 +9,10 @@ us). For each weight shape of the benchmark models this times, in one run, CUDA-
   captured decoding steps run it within the widths of `kernels_gemv.WIDEST_OUTPUTS`), autotuned first;
 and prints microseconds per product, the share of `--bandwidth-gbs` (bf16) and which is faster. The "gathered" row is
 GDN's decoding input projection with its outputs regrouped (a permutation): F.linear then index_select against the
-kernel reading the weight rows in that order (`kernels_gemv.linear_rows`); the "with SwiGLU" row is the MLP's down
-projection of silu(gate) * up: SwiGLU's kernel (fla's where installed) then F.linear, against the kernel computing the
-activation as it loads [gate | up] (`kernels_gemv.swiglu_linear`). (Asking cuBLAS for the transposed product,
-(W @ x^T)^T, was measured too: the same kernels, the same times.)
+kernel reading the weight rows in that order (`kernels_gemv.linear_rows`); the "with SwiGLU" row is the MLP's gate
+and up projections with their activation: F.linear then SwiGLU's kernel (fla's where installed), against the kernel
+reading the rows in (gate, up) pairs and storing silu(gate) * up (`kernels_gemv.linear_swiglu`). (Asking cuBLAS for
+the transposed product, (W @ x^T)^T, was measured too: the same kernels, the same times.)
 
     python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800]
 """
@@ -31,11 +31,11 @@ SHAPES = {
     "mlp down": (2048, 5632), "attention qkv (gated)": (9216, 2048), "attention o_proj": (2048, 4096),
     "kda in (q,k,v,f,b,g)": (8448, 2048), "kda o_proj": (2048, 2048), "shared expert gate+up": (1024, 2048),
     "shared expert down": (2048, 512), "mla kv_a": (576, 2048), "mla q": (3072, 2048), "lm head": (32000, 2048),
-    "gdn in_proj, gathered": (12352, 2048), "mlp down, with SwiGLU": (2048, 5632),
+    "gdn in_proj, gathered": (12352, 2048), "mlp gate+up, with SwiGLU": (11264, 2048),
 }
 
 
-FORMS = {}  # form -> fn(x, w, rows, gated); filled in main, once the package is importable
+FORMS = {}  # form -> fn(x, w, rows, swiglu); filled in main, once the package is importable
 
 
 def time_replays(fn, repeats: int) -> float:
@@ -81,24 +81,28 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_gemv.py times cuBLAS on a CUDA GPU")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from hybrid_linear_models.kernels_gemv import torch_linear_rows, triton_gemv_kernel
+    from hybrid_linear_models.kernels_gemv import (swiglu_pair_rows, torch_linear_rows, torch_linear_swiglu,
+                                                   triton_gemv_kernel)
 
-    FORMS["linear"] = lambda x, w, rows, gated: torch_linear_rows(x, w, None, rows, gated)
+    FORMS["linear"] = lambda x, w, rows, swiglu: (torch_linear_swiglu(x, w, None) if swiglu
+                                                  else torch_linear_rows(x, w, None, rows))
     if triton_gemv_kernel() is not None:
-        FORMS["triton"] = lambda x, w, rows, gated: triton_gemv_kernel()(x, w, None, rows, gated=gated)
+        FORMS["triton"] = lambda x, w, rows, swiglu: triton_gemv_kernel()(x, w, None, rows, swiglu_pairs=swiglu)
     print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)
           + "  faster / linear")
     for name, (out, inp) in SHAPES.items():
         # several weights in turn, 4x the L2 cache together, so each product reads its weight from memory
         copies = max(1, int(4 * 50e6 // (out * inp * 2)) + 1)
         weights = [torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        swiglu = "SwiGLU" in name
         rows = torch.randperm(out, device="cuda") if "gathered" in name else None
-        gated = "SwiGLU" in name
+        if swiglu:
+            rows = swiglu_pair_rows(out // 2, torch.device("cuda"))
         for batch in args.batches:
-            x = torch.randn(batch, inp * (2 if gated else 1), device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
             figures = {}
             for form, fn in FORMS.items():
-                calls = [lambda w=w, fn=fn: fn(x, w, rows, gated) for w in weights]
+                calls = [lambda w=w, fn=fn: fn(x, w, rows, swiglu) for w in weights]
                 figures[form] = time_replays(lambda: [c() for c in calls], repeats=max(1, 200 // copies)) / copies
             bytes_read = out * inp * 2
             cells = " ".join(f"{us:>11.2f} {bytes_read / (us * 1e-6) / (args.bandwidth_gbs * 1e9):>6.1%}"

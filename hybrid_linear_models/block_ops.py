@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import fla_backend
 from .kernels_delta_rule import compute_dtype
@@ -20,7 +21,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32 (float64 for float64 x), returned
     in x's dtype. With `residual`, normalises s = x + residual instead and returns (normed, s) (the pre-norm block's
-    residual add, fused into the norm's kernel on CUDA)."""
+    residual add, fused into the norm's kernel on CUDA). Takes part in `__torch_function__` dispatch, so a captured
+    decoding step's mode may route it (`decode_norm`)."""
+    if has_torch_function_variadic(x, weight, residual):
+        return handle_torch_function(rms_norm, (x, weight, residual), x, weight, eps, residual=residual)
     kernel = fla_backend.fla_kernel("rms_norm", x, weight)
     if kernel is not None:
         if residual is None:

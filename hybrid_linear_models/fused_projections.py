@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .derived_weights import SharedRows
-from .kernels_gemv import linear_rows
+from .kernels_gemv import linear_rows, linear_swiglu
 from .tensor_parallel_heads import device_mesh
 
 
@@ -66,3 +66,10 @@ class FusedProjections:
         weight = self._weight.get([m.weight for m in linears])
         bias = self._bias.get([m.bias for m in linears]) if linears[0].bias is not None else None
         return F.linear(x, weight, bias) if rows is None else linear_rows(x, weight, bias, rows)
+
+    def swiglu(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor:
+        """silu(gate(x)) * up(x) for linears = (gate, up) of one width (check `applies` first), as one GEMM
+        (`kernels_gemv.linear_swiglu`: in a captured decoding step one GEMV whose epilogue computes the SwiGLU)."""
+        weight = self._weight.get([m.weight for m in linears])
+        bias = self._bias.get([m.bias for m in linears]) if linears[0].bias is not None else None
+        return linear_swiglu(x, weight, bias)

@@ -13,6 +13,9 @@ output to the input of o_proj (`attention_step.py` says when they run; its torch
    their blocks are skipped.
 3. `_combine_kernel`, one program per (row, query head): the splits' partial sums merged by their maxima, divided by
    the softmax's sum, rounded, then the output gate sigmoid(gate) (rounded, and the product rounded, as torch's ops).
+   The splits are loaded together (up to `COMBINED_ELEMENTS` partial sums at once), not one after another: a
+   decoding step's combine was a chain of dependent L2 reads, one per split (6-7 us a layer for 18 splits on an H200:
+   `profile_decode_step.py`).
 
 Imported only for CUDA tensors (triton needs a GPU driver), or in tests under triton's interpreter.
 """
@@ -29,6 +32,7 @@ except ImportError as error:
 
 BLOCK_SLOTS = 64  # cache slots per tl.dot tile
 MAX_SPLITS = 64  # programs per (row, KV head) at most: a split then covers several tiles
+COMBINED_ELEMENTS = 8192  # partial sums (splits x head dim) `_combine_kernel` loads at once (64 registers a thread)
 
 
 @triton.jit
@@ -131,24 +135,28 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_
 @triton.jit
 def _combine_kernel(acc_ptr, max_ptr, sum_ptr, qkv_ptr, stride_qkv, out_ptr, H: tl.constexpr, HKV: tl.constexpr,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                    GATE: tl.constexpr):
+                    CHUNK: tl.constexpr, GATE: tl.constexpr):
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     j = h // G
     d = tl.arange(0, D)
     first = (b * HKV + j) * SPLITS * G_PAD + h % G  # split 0 of this head's row
-    overall = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
+    overall = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
+    total = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
-    for split in range(SPLITS):
-        part = first + split * G_PAD
-        split_max = tl.load(max_ptr + part + tl.zeros([1], tl.int32))
-        new_max = tl.maximum(overall, split_max)
+    for start in range(0, SPLITS, CHUNK):  # CHUNK splits loaded at once: one memory round trip for them
+        split = start + tl.arange(0, CHUNK)
+        inside = split < SPLITS
+        parts = first + split * G_PAD
+        maxima = tl.load(max_ptr + parts, mask=inside, other=float("-inf"))
+        sums = tl.load(sum_ptr + parts, mask=inside, other=0.0)
+        partial = tl.load(acc_ptr + parts[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+        new_max = tl.maximum(overall, tl.max(maxima, axis=0))
         base = tl.where(new_max == float("-inf"), 0.0, new_max)
-        kept, taken = tl.exp(overall - base), tl.exp(split_max - base)
-        total = total * kept + tl.load(sum_ptr + part + tl.zeros([1], tl.int32)) * taken
-        acc = acc * kept + tl.load(acc_ptr + part * D + d) * taken
+        kept, taken = tl.exp(overall - base), tl.exp(maxima - base)  # (an empty split: exp(-inf) = 0)
+        total = total * kept + tl.sum(sums * taken, axis=0)
+        acc = acc * kept + tl.sum(partial * taken[:, None], axis=0)
         overall = new_max
     out = (acc / total).to(out_ptr.dtype.element_ty)
     if GATE:
@@ -188,6 +196,7 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         query, keys, values, mask, mask_stride, slot, acc, maxima, sums, *keys.stride()[:3], *values.stride()[:3],
         scale, slots, H=heads, HKV=HKV, G=G, G_PAD=G_PAD, D=D, BLOCK=BLOCK_SLOTS, TILES=tiles, SPLITS=splits)
     out = qkv.new_empty(B, heads * D)
+    chunk = min(triton.next_power_of_2(splits), max(COMBINED_ELEMENTS // D, 1))
     _combine_kernel[(B * heads,)](acc, maxima, sums, qkv, qkv.stride(0), out, H=heads, HKV=HKV, G=G, G_PAD=G_PAD,
-                                  D=D, SPLITS=splits, GATE=gate)
+                                  D=D, SPLITS=splits, CHUNK=chunk, GATE=gate)
     return out

@@ -21,13 +21,19 @@ another run) GDN 1.180 ms, KDA 1.108 ms. It runs when:
   layers' base weights, the LM head), and the graph replays the chosen kernels with no Python at all.
 Anything else keeps `F.linear`. The kernel is autotuned in the warm-up steps before the capture.
 
-`linear_rows(x, W, b, rows)` is F.linear followed by a gather of its outputs (GDN's decoding step regroups its fused
-input projection so): inside the mode one kernel reads the weight rows in the gathered order, and the gather, a kernel
-of its own otherwise, disappears (cuBLAS + gather 23.1 us, the kernel 14.1 us for GDN's 12,352 x 2,048). It takes part
-in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`), as torch's own functions do, so the mode
-sees it. `swiglu_linear(gate_up, W, b)` likewise is the gated MLP's silu(gate) * up then its down projection: inside
-the mode the one-row kernel computes the activation as it loads its input, and SwiGLU's own kernel (one per MLP)
-disappears (the one-row form only: `SWIGLU_FORMS`).
+Two products with more to them take part in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`),
+as torch's own functions do, so the mode sees them:
+- `linear_rows(x, W, b, rows)`, F.linear followed by a gather of its outputs (GDN's decoding step regroups its fused
+  input projection so): one kernel reads the weight rows in the gathered order, and the gather, a kernel of its own
+  otherwise, disappears (cuBLAS + gather 23.1 us, the kernel 14.1 us for GDN's 12,352 x 2,048);
+- `linear_swiglu(x, [W_gate; W_up], b)`, the gated MLP's silu(x W_gate^T) * (x W_up^T): one kernel reads the rows in
+  (gate_j, up_j) pairs (`swiglu_pair_rows`) and stores each pair's SwiGLU, so neither SwiGLU's kernel nor the
+  [gate | up] output exists, and the down projection is a plain GEMV. (Before, the down projection's kernel computed
+  silu(gate) * up as it loaded its input, every program again for its slice: 9.66 us for the 2,048 x 5,632 down
+  projection against 7.94 us plain, and 74.5 us at batch 16 in the tl.dot form, which therefore left SwiGLU to its
+  own kernel. A replayed step with the pairs against the activation on load, same run, H200, this package's RMSNorm
+  kernel on both sides: GDN 1.0061 -> 0.9817 ms, KDA 0.9643 -> 0.9440 ms.)
+The mode also sends `block_ops.rms_norm` to `decode_norm.decode_rms_norm` (this package's RMSNorm kernel).
 """
 
 from __future__ import annotations
@@ -38,18 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
-from .block_ops import silu_and_mul
+from .block_ops import rms_norm, silu_and_mul
+from .decode_norm import decode_rms_norm
 from .tensor_parallel_heads import device_mesh
 from .triton_loading import has_bf16_tensor_cores, record_failure, triton_function
 
 # out_features (gathered outputs for `linear_rows`) up to which each form of the kernel is taken: "one_row" for x of
 # one row (batch-1 decoding), "rows" for 2 to MAX_ROWS rows; None: any width (see the module docstring)
 WIDEST_OUTPUTS: dict[str, int | None] = {"one_row": None, "rows": 2048}
-# the forms that compute SwiGLU as they load [gate | up] (`swiglu_linear`): every program computes it again for each
-# row of x it reads, so the tl.dot form's programs each redo it for up to 16 rows: at batch 16 that form took 74.5 us
-# for the MLP's 2,048 x 5,632 down projection with SwiGLU, against 13.4 us for SwiGLU's kernel then cuBLAS
-# (bench_decode_gemv.py --batches 16), and 1.19 ms of a 2.84 ms GDN step (profile_decode_step.py --batch 16)
-SWIGLU_FORMS = ("one_row",)
 MAX_ROWS = 16  # rows of x (batch x tokens) the kernel takes
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 GEMV_DEVICE_TYPES = ("cuda",)  # tests add "cpu", with the kernel stood in
@@ -74,17 +76,17 @@ def _form(rows_of_x: int) -> str:
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 rows: torch.Tensor | None = None, gated: bool = False) -> bool:
-    """Whether F.linear(x, weight, bias)[..., rows] (of silu(gate) * up for x = [gate | up] when `gated`) may run as
-    the Triton GEMV (the conditions of the module docstring)."""
+                 rows: torch.Tensor | None = None, paired: bool = False) -> bool:
+    """Whether F.linear(x, weight, bias)[..., rows] (the SwiGLU of its (gate, up) pairs when `paired`) may run as the
+    Triton GEMV (the conditions of the module docstring)."""
     if x.device.type not in GEMV_DEVICE_TYPES or x.dtype not in GEMV_DTYPES or weight.dtype != x.dtype:
         return False
-    if weight.dim() != 2 or weight.device != x.device or x.shape[-1] != weight.shape[1] * (2 if gated else 1):
+    if weight.dim() != 2 or weight.device != x.device or x.shape[-1] != weight.shape[1]:
         return False
     rows_of_x = x.numel() // max(x.shape[-1], 1)
     if rows_of_x > MAX_ROWS or x.stride(-1) != 1 or weight.stride(1) != 1:
         return False
-    if gated and _form(rows_of_x) not in SWIGLU_FORMS:
+    if paired and (rows is None or rows.shape[0] % 2):
         return False
     if rows is not None and (rows.dtype not in INDEX_DTYPES or rows.dim() != 1 or rows.device != x.device
                              or rows.stride(0) != 1):
@@ -100,37 +102,44 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return triton_gemv_kernel() is not None and has_bf16_tensor_cores(x.device)
 
 
-_FAILED: dict = {}  # (weight shape, dtype, device, gathered, gated) -> the first error: cuBLAS from then on
+_FAILED: dict = {}  # (weight shape, dtype, device, gathered, paired) -> the first error: cuBLAS from then on
 
 
-def torch_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,
-                      gated: bool = False) -> torch.Tensor:
-    """What `decode_linear` computes, without the Triton GEMV: SwiGLU's own kernel when `gated`, F.linear (cuBLAS), the
-    gather of `rows` as a kernel of its own."""
-    if gated:
-        x = silu_and_mul(*x.chunk(2, dim=-1))
+def torch_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      rows: torch.Tensor | None) -> torch.Tensor:
+    """`linear_rows` without the Triton GEMV: F.linear (cuBLAS), the gather of `rows` as a kernel of its own."""
     out = F.linear(x, weight, bias)
     return out if rows is None else out.index_select(-1, rows)
 
 
+def torch_linear_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear_swiglu` without the Triton GEMV: F.linear (cuBLAS), then SwiGLU's own kernel."""
+    return silu_and_mul(*F.linear(x, weight, bias).chunk(2, dim=-1))
+
+
 def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  rows: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """F.linear(input, weight, bias) (its outputs `rows` when given; of silu(gate) * up for input = [gate | up] when
-    `gated`), through the Triton GEMV where `gemv_applies`. A kernel that fails (a GPU or triton it cannot compile
-    for) is not tried again for that shape, and one warning says so: the step is still captured, with cuBLAS (the
-    first try happens in the warm-up before a capture, never inside it). Arguments named as F.linear's, so the mode
-    passes a call's positional and keyword arguments through as they are."""
+                  rows: torch.Tensor | None = None, paired: bool = False) -> torch.Tensor:
+    """F.linear(input, weight, bias) (its outputs `rows` when given), or with `paired` `linear_swiglu`'s result
+    (`rows` then None: the kernel reads the stacked weight in `swiglu_pair_rows` order), through the Triton GEMV where
+    `gemv_applies`. A kernel that fails (a GPU or triton it cannot compile for) is not tried again for that shape, and
+    one warning says so: the step is still captured, with cuBLAS (the first try happens in the warm-up before a
+    capture, never inside it). Arguments named as F.linear's, so the mode passes a call's positional and keyword
+    arguments through as they are."""
     x = input
-    key = (tuple(weight.shape), x.dtype, x.device, rows is not None, gated)
-    if key in _FAILED or not gemv_applies(x, weight, bias, rows, gated):
-        return torch_linear_rows(x, weight, bias, rows, gated)
+    eager = (lambda: torch_linear_swiglu(x, weight, bias)) if paired else (
+        lambda: torch_linear_rows(x, weight, bias, rows))
+    if paired:
+        rows = swiglu_pair_rows(weight.shape[0] // 2, weight.device) if weight.shape[0] % 2 == 0 else None
+    key = (tuple(weight.shape), x.dtype, x.device, rows is not None, paired)
+    if key in _FAILED or not gemv_applies(x, weight, bias, rows, paired):
+        return eager()
     flat = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
     try:
-        out = triton_gemv_kernel()(flat, weight, bias, rows, gated=gated)
+        out = triton_gemv_kernel()(flat, weight, bias, rows, swiglu_pairs=paired)
     except Exception as error:  # compilation or launch failure
         record_failure(_FAILED, key, error, x, f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; "
                        "that product runs through cuBLAS")
-        return torch_linear_rows(x, weight, bias, rows, gated)
+        return eager()
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -143,24 +152,40 @@ def linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch_linear_rows(input, weight, bias, rows)
 
 
-def swiglu_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(silu(gate) * up, weight, bias) for input = [gate | up] along its last dim (the gated MLP's down
-    projection of its fused gate and up projections). Inside `DecodeGemvMode` the activation is computed by the GEMV
-    kernel as it loads its input (see the module docstring); elsewhere by `block_ops.silu_and_mul`."""
+def swiglu_pair_rows(width: int, device: torch.device) -> torch.Tensor:
+    """[0, width, 1, width + 1, ...]: the rows of a [gate; up] stacked weight (each `width` rows) in (gate_j, up_j)
+    pairs (kept per width and device: made once, in the warm-up before a capture)."""
+    key = (width, device)
+    if key not in _PAIR_ROWS:
+        _PAIR_ROWS[key] = torch.arange(2 * width, device=device).view(2, width).T.reshape(-1)
+    return _PAIR_ROWS[key]
+
+
+_PAIR_ROWS: dict = {}
+
+
+def linear_swiglu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for [gate | up] = F.linear(input, weight, bias), weight = [W_gate; W_up] (the gated MLP's gate
+    and up projections stacked by rows): [..., weight rows / 2]. Inside `DecodeGemvMode` one GEMV kernel reads the
+    weight rows in (gate_j, up_j) pairs (`swiglu_pair_rows`) and stores each pair's SwiGLU: neither the [gate | up]
+    output nor SwiGLU's own kernel (see the module docstring)."""
     if has_torch_function_variadic(input, weight, bias):
-        return handle_torch_function(swiglu_linear, (input, weight, bias), input, weight, bias=bias)
-    return torch_linear_rows(input, weight, bias, None, gated=True)
+        return handle_torch_function(linear_swiglu, (input, weight, bias), input, weight, bias=bias)
+    return torch_linear_swiglu(input, weight, bias)
 
 
 class DecodeGemvMode(TorchFunctionMode):
-    """Sends the F.linear, `linear_rows` and `swiglu_linear` calls made while it is active through `decode_linear`."""
+    """Sends the F.linear, `linear_rows` and `linear_swiglu` calls made while it is active through `decode_linear`,
+    and `block_ops.rms_norm` through `decode_norm.decode_rms_norm`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear or func is linear_rows:
-            return decode_linear(*args, **kwargs)  # F.linear's own signature: (input, weight, bias=None), + rows
-        if func is swiglu_linear:
-            return decode_linear(*args, **kwargs, gated=True)
+        if func is F.linear or func is linear_rows:  # F.linear's own signature: (input, weight, bias=None), + rows
+            return decode_linear(*args, **kwargs)
+        if func is linear_swiglu:
+            return decode_linear(*args, **kwargs, paired=True)
+        if func is rms_norm:
+            return decode_rms_norm(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -1,8 +1,10 @@
 """A Triton GEMV for decoding steps: y = x W[rows]^T (+ b[rows]) for x of at most 16 rows, bf16/fp16, float32 sums.
 
-With GATED, x holds [gate | up] (twice the weight's width) and the product's input is SwiGLU's silu(gate) * up,
-computed as fla's SwiGLU kernel computes it (float32 gate * sigmoid(gate) * up, rounded once to x's dtype) while the
-slice is loaded: the gated MLP's down projection without a kernel of its own for the activation.
+With SWIGLU_PAIRS, the weight rows come in (gate_j, up_j) pairs (picked so through the index from the gated MLP's
+stacked [W_gate; W_up]) and the kernel stores silu(gate_j) * up_j, computed as the eager step computes it (each
+product rounded to x's dtype, then float32 gate * sigmoid(gate) * up rounded once, as fla's SwiGLU kernel rounds):
+the MLP's activation without a kernel of its own, and without its [gate | up] output. (A program's BLOCK_N outputs
+hold whole pairs: every configuration has an even BLOCK_N.)
 
 Imported only for CUDA tensors (`kernels_gemv`), since importing triton needs a GPU driver. Each program owns BLOCK_N
 output columns (weight rows, optionally picked through an index: a gather of the product's outputs costs nothing
@@ -52,19 +54,21 @@ _ROWS_CONFIGS = [
 
 
 @triton.jit
-def _load_input(x_ptr, offsets, mask, K, GATED: tl.constexpr):
-    """A slice of the product's input: x itself, or silu(gate) * up from x = [gate | up] (rounded as fla's SwiGLU
-    rounds its output)."""
-    if GATED:
-        gate = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + offsets, mask=mask, other=0.0).to(tl.float32)
-        return (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
-    return tl.load(x_ptr + offsets, mask=mask, other=0.0)
+def _store_swiglu_of_pairs(acc, y_ptr, rows, M, N, stride_ym, BLOCK_N: tl.constexpr):
+    """SwiGLU of the gate and up products side by side in acc [ROWS, BLOCK_N] (gate_j at 2j, up_j at 2j + 1), each
+    rounded to the output dtype first (as the eager step's GEMM output is), then silu(gate) * up in float32, rounded
+    once (as fla's SwiGLU kernel rounds): output columns program_id * BLOCK_N / 2 + j."""
+    products = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.reshape(products, (acc.shape[0], BLOCK_N // 2, 2)))
+    cols = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    swiglu = (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], swiglu,
+             mask=(rows[:, None] < M) & (cols[None, :] < N // 2))
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, SWIGLU_PAIRS: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = cols < N
@@ -77,7 +81,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
         tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = _load_input(x_ptr, ks, ks < K, K, GATED)
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0)
             w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
                         mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
             tile += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -86,15 +90,18 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = _load_input(x_ptr, rows[:, None] * stride_xm + ks[None, :], (rows[:, None] < M) & (ks[None, :] < K),
-                            K, GATED)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                        other=0.0)
             w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
                         mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
             acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + w_rows, mask=in_range, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & in_range[None, :])
+    if SWIGLU_PAIRS:  # outputs (2j, 2j + 1) are (gate_j, up_j): store silu(gate_j) * up_j as output j
+        _store_swiglu_of_pairs(acc, y_ptr, rows, M, N, stride_ym, BLOCK_N)
+    else:
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < M) & in_range[None, :])
 
 
 def _timed(kernel_call, quantiles):
@@ -111,7 +118,7 @@ def _autotuned(configs: list) -> triton.runtime.Autotuner:
     return triton.autotune(configs=configs, key=_KEY, **options)(_gemv_kernel)
 
 
-_KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX", "GATED"]
+_KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX", "SWIGLU_PAIRS"]
 _tuned_one_row = _autotuned(_ONE_ROW_CONFIGS)
 _tuned_rows = _autotuned(_ROWS_CONFIGS)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one fixed configuration, no timing
@@ -119,18 +126,20 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one f
 
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 rows: torch.Tensor | None = None, blocks: tuple[int, int] | None = None,
-                gated: bool = False) -> torch.Tensor:
-    """x [M, K] (M <= ROWS, unit stride along K; [M, 2K] holding [gate | up] when `gated`), weight [W, K] (unit stride
-    along K), bias [W] or None, one dtype, rows [N] (int32/int64 indices into W) or None for all W rows in order:
-    [M, N] in x's dtype, column j the product with weight row rows[j] (see the module docstring). `blocks` (BLOCK_N,
-    BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for more than one row);
-    triton's interpreter runs (16, 128) by default."""
+                swiglu_pairs: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= ROWS, unit stride along K), weight [W, K] (unit stride along K), bias [W] or None, one dtype,
+    rows [N] (int32/int64 indices into W) or None for all W rows in order: [M, N] in x's dtype, column j the product
+    with weight row rows[j] (see the module docstring); with `swiglu_pairs`, the products come in (gate, up) pairs
+    (rows ordered so: `kernels_gemv.swiglu_pair_rows`) and the output is [M, N / 2], silu(gate) * up of each pair.
+    `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for more
+    than one row, even for pairs); triton's interpreter runs (16, 128) by default."""
     M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0] if rows is None else rows.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    y = torch.empty(M, N // 2 if swiglu_pairs else N, device=x.device, dtype=x.dtype)
     args = (x, weight, bias if bias is not None else weight, rows if rows is not None else weight, y, M, N, K,
             x.stride(0), weight.stride(0), y.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, GATED=gated, ROWS=1 if M == 1 else ROWS)
+    flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, SWIGLU_PAIRS=swiglu_pairs,
+                 ROWS=1 if M == 1 else ROWS)
     if blocks is None and _INTERPRETED:
         blocks = (16, 128)
     if blocks is not None:

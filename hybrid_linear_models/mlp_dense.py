@@ -3,9 +3,10 @@
     y = down_proj(act(gate_proj(x)) * up_proj(x))
 
 act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient)
-runs gate_proj and up_proj as one GEMM (`fused_projections`) and SwiGLU with the down projection as `swiglu_linear`
-(in a captured step, one GEMV kernel that computes the activation as it reads [gate | up]: `kernels_gemv`). The module
-(`GatedMLP`) is also the MoE blocks' shared experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same way.
+runs gate_proj and up_proj as one GEMM (`fused_projections`), with SwiGLU as `linear_swiglu` (in a captured step, one
+GEMV kernel that reads the stacked weight's rows in (gate, up) pairs and stores their SwiGLU: `kernels_gemv`). The
+module (`GatedMLP`) is also the MoE blocks' shared experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same
+way.
 Tensor names `mlp.gate_proj`, `mlp.up_proj`, `mlp.down_proj` (each Linear stores (out_features, in_features)), as every
 checkpoint of this family has them.
 """
@@ -19,8 +20,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .block_ops import silu_and_mul
-from .fused_projections import FusedProjections, is_plain_linear
-from .kernels_gemv import swiglu_linear
+from .fused_projections import FusedProjections
 from .mlp_registry import ConfigField, MlpSpec, register
 
 if TYPE_CHECKING:
@@ -43,10 +43,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projections = (self.gate_proj, self.up_proj)
         if x.dim() == 3 and x.shape[1] == 1 and self._gate_up.applies(x, projections):  # a decoding step
-            gate_up = self._gate_up(x, projections)
-            if self.swiglu and is_plain_linear(self.down_proj):  # (gate and up have one width: `width`)
-                return swiglu_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
-            gate, up = gate_up.split([self.gate_proj.out_features, self.up_proj.out_features], -1)
+            if self.swiglu:  # (gate and up have one width: `width`)
+                return self.down_proj(self._gate_up.swiglu(x, projections))
+            gate, up = self._gate_up(x, projections).split([self.gate_proj.out_features, self.up_proj.out_features], -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)

@@ -13,22 +13,24 @@ import torch.nn.functional as F
 
 from hybrid_linear_models import kernels_gemv
 from hybrid_linear_models.block_ops import silu_and_mul
-from hybrid_linear_models.kernels_gemv import DecodeGemvMode, decode_linear, gemv_applies, linear_rows, swiglu_linear
+from hybrid_linear_models.kernels_gemv import (DecodeGemvMode, decode_linear, gemv_applies, linear_rows, linear_swiglu,
+                                               swiglu_pair_rows)
 from model_helpers import greedy, replay_graphs_eagerly, tiny_model
 
 
 @pytest.fixture
 def stand_in(monkeypatch) -> list:
-    """The kernel stood in on the CPU by F.linear itself (after silu_and_mul for a gated call); returns the (rows of x,
-    out, in) of each call it served, with the gathered outputs' count appended for a call given `rows` and "gated"
-    for a gated one."""
+    """The kernel stood in on the CPU by F.linear itself (then silu_and_mul of the pairs for a paired call); returns the
+    (rows of x, out, in) of each call it served, with the gathered outputs' count appended for a call given `rows` and
+    "pairs" for a paired one."""
     calls: list = []
 
-    def kernel(x, weight, bias, rows=None, gated=False):
+    def kernel(x, weight, bias, rows=None, swiglu_pairs=False):
         calls.append((x.shape[0], *weight.shape) + (() if rows is None else (rows.shape[0],))
-                     + (("gated",) if gated else ()))
-        out = F.linear(silu_and_mul(*x.chunk(2, dim=-1)) if gated else x, weight, bias)
-        return out if rows is None else out[:, rows]
+                     + (("pairs",) if swiglu_pairs else ()))
+        out = F.linear(x, weight, bias)
+        out = out if rows is None else out[:, rows]
+        return silu_and_mul(out[:, 0::2].contiguous(), out[:, 1::2].contiguous()) if swiglu_pairs else out
 
     monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
@@ -69,7 +71,7 @@ def test_the_mode_routes_f_linear_and_nothing_else(stand_in):
 def test_a_kernel_that_fails_is_dropped_for_that_shape_with_one_warning(monkeypatch, caplog):
     tries = []
 
-    def broken(x, weight, bias, rows=None, gated=False):
+    def broken(x, weight, bias, rows=None, swiglu_pairs=False):
         tries.append(weight.shape)
         raise RuntimeError("no such instruction on this GPU")
 
@@ -94,26 +96,26 @@ def test_linear_rows_is_the_linear_layer_then_a_gather_and_the_mode_folds_the_ga
     assert stand_in == [(2, 10, 16, 5)] and torch.equal(folded, expected)
 
 
-def test_swiglu_linear_is_the_gated_mlps_activation_then_its_down_projection(stand_in):
+def test_linear_swiglu_is_the_gated_mlps_activation_and_the_mode_reads_the_rows_in_pairs(stand_in):
     g = torch.Generator().manual_seed(4)
-    gate_up, w = torch.randn(1, 1, 32, generator=g, dtype=torch.bfloat16), torch.randn(8, 16, generator=g,
-                                                                                        dtype=torch.bfloat16)
-    expected = F.linear(silu_and_mul(gate_up[..., :16], gate_up[..., 16:]), w)
-    assert torch.equal(swiglu_linear(gate_up, w), expected) and stand_in == []  # no mode
+    x, w, b = (torch.randn(*shape, generator=g, dtype=torch.bfloat16) for shape in ((2, 1, 16), (12, 16), (12,)))
+    gate, up = F.linear(x, w, b).chunk(2, dim=-1)
+    expected = silu_and_mul(gate, up)
+    assert torch.equal(linear_swiglu(x, w, b), expected) and stand_in == []  # no mode
     with torch.no_grad(), DecodeGemvMode():
-        fused = swiglu_linear(gate_up, w)
-    assert stand_in == [(1, 8, 16, "gated")] and torch.equal(fused, expected)
-    assert gemv_applies(gate_up, w, None, gated=True) and not gemv_applies(gate_up[..., :24], w, None, gated=True)
-    # the tl.dot form of 2 to 16 rows leaves SwiGLU to its own kernel (kernels_gemv.SWIGLU_FORMS)
-    assert not gemv_applies(gate_up.expand(2, 1, 32), w, None, gated=True) and gemv_applies(gate_up.expand(2, 1, 32)[
-        ..., :16].contiguous(), w, None)
+        paired = linear_swiglu(x, w, bias=b)
+    assert stand_in == [(2, 12, 16, 12, "pairs")] and torch.equal(paired, expected)
+    assert swiglu_pair_rows(3, torch.device("cpu")).tolist() == [0, 3, 1, 4, 2, 5]
+    assert gemv_applies(x, w, None, swiglu_pair_rows(6, x.device), paired=True)
+    assert not gemv_applies(x, w, None, None, paired=True)  # pairs need their row order
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
     """Every linear layer of the tiny model is narrow (within WIDEST_OUTPUTS): in bf16 each of them, the LM head
     included, runs through the kernel in the captured step (recorded once: the replays run no Python on a GPU), GDN's
-    input projection with its outputs gathered in the kernel, the MLPs' down_proj with their SwiGLU; in float32 none
+    input projection with its outputs gathered in the kernel, the MLPs' gate and up projections with their SwiGLU; in
+    float32 none
     does; the tokens and logits are those of
     decoding without graphs (the stand-in is F.linear)."""
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "mla_attention"],
@@ -127,7 +129,8 @@ def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, 
         assert stand_in == []
     else:
         assert (1, vocab, hidden) in stand_in  # the LM head
-        assert (1, hidden, model.config.intermediate_size, "gated") in stand_in  # the MLPs' SwiGLU and down_proj
+        width = model.config.intermediate_size  # the MLPs' gate and up projections with their SwiGLU, then down_proj
+        assert (1, 2 * width, hidden, 2 * width, "pairs") in stand_in and (1, hidden, width) in stand_in
         gdn = model.model.layers[0].linear_attn
         stacked = gdn.in_proj_qkvz.out_features + gdn.in_proj_ba.out_features
         assert (1, stacked, hidden, stacked) in stand_in  # in_proj_qkvz and in_proj_ba, regrouped in the kernel
@@ -149,16 +152,14 @@ def _runs_the_kernel() -> bool:
 @pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300), (2, 40, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("form", ["plain", "gathered", "gated"])
+@pytest.mark.parametrize("form", ["plain", "gathered"])
 def test_kernel_against_float64(shape, dtype, bias, form):
     """float32 accumulation of half-precision products, then one rounding to the output dtype: within the output's
     rounding (unit roundoff u: bf16 2^-8, its 8 significant bits; fp16 2^-11) plus float32 summation error (K * 2^-24,
     at most 3.4e-4 here) of the largest |output|; both forms (one row of x: elementwise products; more: tl.dot), with
-    the outputs in order, gathered through an index (reversed, a row repeated, one left out), or of SwiGLU's
-    silu(gate) * up (x = [gate | up]: that input is rounded to the dtype first, as fla's SwiGLU kernel rounds its
-    output, which adds u * sum_k |input_k w_nk| to the bound), each in two block configurations (fixed: autotuning
-    every case would take minutes of a GPU run). (A first GPU run bounded bf16 by 2^-9, half its unit roundoff: its
-    bf16 cases failed and the fp16 ones passed.)"""
+    the outputs in order or gathered through an index (reversed, a row repeated, one left out), each in two block
+    configurations (fixed: autotuning every case would take minutes of a GPU run). (A first GPU run bounded bf16 by
+    2^-9, half its unit roundoff: its bf16 cases failed and the fp16 ones passed.)"""
     if not torch.cuda.is_available() and dtype == torch.bfloat16:
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
@@ -166,22 +167,52 @@ def test_kernel_against_float64(shape, dtype, bias, form):
     rows, out, inp = shape
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, inp * (2 if form == "gated" else 1), generator=g).to(device, dtype)
+    x = torch.randn(rows, inp, generator=g).to(device, dtype)
     w = (torch.randn(out, inp, generator=g) / inp ** 0.5).to(device, dtype)
     b = torch.randn(out, generator=g).to(device, dtype) if bias else None
     index = torch.cat([torch.arange(out - 1, 0, -1), torch.tensor([5])]).to(device) if form == "gathered" else None
-    product_input = x.double()
-    if form == "gated":
-        gate, up = product_input.chunk(2, dim=-1)
-        product_input = gate * torch.sigmoid(gate) * up
-    expected = product_input @ w.double().T + (b.double() if bias else 0)
+    expected = x.double() @ w.double().T + (b.double() if bias else 0)
     if index is not None:
         expected = expected[:, index]
     unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
     bound = (unit + inp * 2 ** -24) * expected.abs().max()
-    if form == "gated":
-        bound += (unit + inp * 2 ** -24) * (product_input.abs() @ w.double().abs().T).max()
     for blocks in ((16, 128), (4, 512) if rows == 1 else (32, 256)):  # (BLOCK_N, BLOCK_K); tl.dot needs BLOCK_N >= 16
-        got = triton_gemv(x, w, b, index, blocks=blocks, gated=form == "gated")
+        got = triton_gemv(x, w, b, index, blocks=blocks)
         assert got.dtype == dtype and got.shape == expected.shape
         assert (got.double() - expected).abs().max() <= bound, blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _runs_the_kernel(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("shape", [(1, 2048, 2048), (16, 1024, 2048), (3, 40, 300), (1, 40, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_epilogue_against_float64(shape, dtype, bias):
+    """`linear_swiglu`'s kernel (rows of [W_gate; W_up] read in (gate_j, up_j) pairs, silu(gate) * up stored):
+    against silu(g) * u of the exact products g, u (float64). Each product is a float32 sum (error at most
+    K 2^-24 sum_k |x_k w_k|) rounded to the dtype (unit roundoff u), so |g~ - g| <= dg = u|g| + K 2^-24 S_g (and du
+    likewise); silu's slope is at most 1.0998, so the output is within 1.0998 dg (|u| + du) + |silu(g)| du, plus its
+    own rounding u |out| and float32's evaluation of silu(g) * u (4 * 2^-24 |out|), element by element; both forms
+    (one row: elementwise products; more: tl.dot), two block configurations each."""
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter has no bfloat16 arithmetic")
+    from hybrid_linear_models.kernels_gemv_triton import triton_gemv
+
+    rows, width, inp = shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(rows, inp, generator=g).to(device, dtype)
+    w = (torch.randn(2 * width, inp, generator=g) / inp ** 0.5).to(device, dtype)
+    b = torch.randn(2 * width, generator=g).to(device, dtype) if bias else None
+    products = x.double() @ w.double().T + (b.double() if bias else 0)
+    sizes = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
+    unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    gate, up = products.chunk(2, dim=-1)
+    d_gate, d_up = (unit * p.abs() + inp * 2 ** -24 * s for p, s in zip((gate, up), sizes.chunk(2, dim=-1)))
+    expected = gate * torch.sigmoid(gate) * up
+    bound = 1.0998 * d_gate * (up.abs() + d_up) + (gate * torch.sigmoid(gate)).abs() * d_up
+    bound += (unit + 4 * 2 ** -24) * (expected.abs() + bound)
+    for blocks in ((16, 128), (2, 1024) if rows == 1 else (32, 256)):
+        got = triton_gemv(x, w, b, swiglu_pair_rows(width, x.device), blocks=blocks, swiglu_pairs=True)
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert ((got.double() - expected).abs() <= bound).all(), blocks

@@ -1,0 +1,64 @@
+"""The block RMSNorms of a captured decoding step (with their residual add) go to a Triton kernel of this package.
+
+A batch-1 step runs 2 norms a layer plus the final one (33 in the 16-layer benchmark models), each a one-row kernel
+of a few microseconds that is all memory latency: fla's kernel reads the norm weight only after the row's reduction,
+a second round trip to HBM (`kernels_norm_triton` reads it with the row). Measured on an H200, the replayed step of
+the benchmark models with it against fla's (same run): GDN 1.0274 -> 1.0061 ms, KDA 0.9862 -> 0.9643 ms (the 33
+norms 79.5 -> 57.8 us of kernel time, GDN). Inside the decoding step's mode (`kernels_gemv.DecodeGemvMode`, which
+routes `block_ops.rms_norm` here) the norm runs as `triton_rms_norm` when: the input is CUDA bf16/fp16/fp32,
+contiguous, the weight a contiguous vector of its width on its device, the residual (if any) of its shape, dtype and
+device, contiguous, no gradient wanted, triton importable. Anything else, and a kernel that failed to compile for a
+layout (one warning, not tried again), keeps `block_ops.rms_norm` (fla or torch). `NORM_DEVICE_TYPES` emptied turns
+it off (`benchmarks/profile_decode_step.py --ab norm`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .block_ops import rms_norm
+from .triton_loading import record_failure, triton_function
+
+NORM_DEVICE_TYPES = ("cuda",)
+NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_FAILED: dict = {}  # (width, dtypes, device, has residual) -> the first error: block_ops.rms_norm from then on
+
+
+def triton_rms_norm_kernel():
+    """`kernels_norm_triton.triton_rms_norm`, or None where triton cannot be imported (CPU machines)."""
+    return triton_function("kernels_norm_triton", "triton_rms_norm")
+
+
+def decode_norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether rms_norm(x, weight, eps, residual) may run as the Triton kernel (the module docstring's conditions)."""
+    if x.device.type not in NORM_DEVICE_TYPES or x.dtype not in NORM_DTYPES or not x.is_contiguous():
+        return False
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or weight.device != x.device or not weight.is_contiguous():
+        return False
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or residual.device != x.device or not residual.is_contiguous()):
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual)):
+        return False
+    return triton_rms_norm_kernel() is not None
+
+
+def decode_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """`block_ops.rms_norm`'s result, through the Triton kernel where `decode_norm_applies` (see the module
+    docstring)."""
+    key = (x.shape[-1], x.dtype, weight.dtype, x.device, residual is not None)
+    if key in _FAILED or x.numel() == 0 or not decode_norm_applies(x, weight, residual):
+        return rms_norm(x, weight, eps, residual=residual)
+    width = x.shape[-1]
+    try:
+        out = triton_rms_norm_kernel()(x.view(-1, width), weight, eps,
+                                       residual.view(-1, width) if residual is not None else None)
+    except Exception as error:  # compilation or launch failure
+        record_failure(_FAILED, key, error, x, f"the Triton RMSNorm failed for width {width} and {x.dtype}; "
+                       "that norm runs through fla")
+        return rms_norm(x, weight, eps, residual=residual)
+    if residual is None:
+        return out.view(x.shape)
+    return out[0].view(x.shape), out[1].view(x.shape)
+
