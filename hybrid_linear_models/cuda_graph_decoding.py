@@ -411,7 +411,9 @@ class CudaGraphDecoder:
             self._windows.prepare(past, attention_mask)
         if past is not None and self._has_full:  # cache slots holding real tokens once this step's token is written
             if attention_mask is None:
-                self._key_mask.copy_(torch.arange(max_len, device=input_ids.device) <= past)
+                # one kernel (the slot numbers kept; comparing into the buffer): not arange, compare, copy
+                bound = past.view(1, 1) if isinstance(past, torch.Tensor) else past  # (a device counter, or an int)
+                torch.le(self._slot_numbers.expand(batch, -1), bound, out=self._key_mask)
                 self._mask_length = max_len
             else:  # slots past the mask stay False: zeroed at capture, and again where a longer mask wrote
                 length = attention_mask.shape[1]
@@ -443,6 +445,7 @@ class CudaGraphDecoder:
         self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self._key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self._slot_numbers = torch.arange(max_len, device=device)
         self._mask_length = 0
         linear_layers = layout.linear
         seen = [layer.seen_tokens for layer in linear_layers]
