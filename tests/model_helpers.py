@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -150,3 +154,11 @@ def replay_graphs_eagerly(monkeypatch) -> list[EagerReplay]:
 
     monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
     return captured
+
+
+# this package's Triton kernels run on a GPU, or on a CPU under triton's interpreter (TRITON_INTERPRET=1, triton
+# installed): their numeric tests are marked so
+runs_triton_kernels = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None
+    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton and CUDA (or TRITON_INTERPRET=1)")

@@ -6,12 +6,10 @@ no bf16 arithmetic)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
-from model_helpers import tiny_model
+from model_helpers import runs_triton_kernels, tiny_model
 from transformers import StaticCache
 
 from hybrid_linear_models import attention_step
@@ -19,11 +17,6 @@ from hybrid_linear_models.cuda_graph_decoding import StepCache
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
 
-
-def _runs_the_kernels() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # (heads, kv_heads, head_dim, rotated fraction, q/k norms, output gate, batch, slots): GQA groups of 2, 8 and 1, the
@@ -88,7 +81,7 @@ def _filled_cache(model, batch: int, slots: int, prompt: int) -> tuple[StaticCac
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _runs_the_kernels(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_fused_step_against_the_torch_path_and_float64(layout, dtype):
@@ -135,7 +128,7 @@ def test_fused_step_against_the_torch_path_and_float64(layout, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _runs_the_kernels(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@runs_triton_kernels
 def test_fused_step_is_taken_only_where_its_conditions_hold(monkeypatch):
     """The kernels serve a captured step's full-attention layers with sdpa: eager attention, a cache that is not a
     captured step's, a mask over other slots, or a sliding layer (its step cache lends no full layer) keep the torch

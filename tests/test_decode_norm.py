@@ -5,8 +5,6 @@ tests/test_decode_norm.py`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from hybrid_linear_models import decode_norm, kernels_gemv
 from hybrid_linear_models.block_ops import rms_norm
 from hybrid_linear_models.decode_norm import decode_norm_applies, decode_rms_norm
 from hybrid_linear_models.kernels_gemv import DecodeGemvMode
-from model_helpers import greedy, replay_graphs_eagerly, tiny_model
+from model_helpers import assert_same_generation, greedy, replay_graphs_eagerly, runs_triton_kernels, tiny_model
 
 
 @pytest.fixture
@@ -93,19 +91,12 @@ def test_a_captured_step_sends_its_block_norms_to_the_kernel(stand_in, monkeypat
         (2, width, True)] * (2 * len(layers))
     model.set_cuda_graph_decoding(False)
     eager = greedy(model, input_ids, new_tokens=4, cache_implementation="static")
-    assert torch.equal(graphed.sequences, eager.sequences)
-    for a, b in zip(graphed.logits, eager.logits):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_same_generation(graphed, eager, tolerance=0.0)
 
-
-def _runs_the_kernel() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _runs_the_kernel(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@runs_triton_kernels
 @pytest.mark.parametrize("shape", [(1, 2048), (16, 4096), (32, 128), (3, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("residual", [False, True])

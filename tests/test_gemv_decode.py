@@ -4,8 +4,6 @@ interpreter when TRITON_INTERPRET=1 and triton are there: `TRITON_INTERPRET=1 py
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from hybrid_linear_models import kernels_gemv
 from hybrid_linear_models.block_ops import silu_and_mul
 from hybrid_linear_models.kernels_gemv import (DecodeGemvMode, decode_linear, gemv_applies, linear_rows, linear_swiglu,
                                                swiglu_pair_rows)
-from model_helpers import greedy, replay_graphs_eagerly, tiny_model
+from model_helpers import assert_same_generation, greedy, replay_graphs_eagerly, runs_triton_kernels, tiny_model
 
 
 @pytest.fixture
@@ -136,19 +134,21 @@ def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, 
         assert (1, stacked, hidden, stacked) in stand_in  # in_proj_qkvz and in_proj_ba, regrouped in the kernel
     model.set_cuda_graph_decoding(False)
     eager = greedy(model, input_ids, cache_implementation="static")
-    assert torch.equal(graphed.sequences, eager.sequences)
-    for a, b in zip(graphed.logits, eager.logits):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_same_generation(graphed, eager, tolerance=0.0)
 
 
-def _runs_the_kernel() -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+def _inputs(rows: int, out: int, inp: int, dtype: torch.dtype, bias: bool, seed: int):
+    """x [rows, inp], a weight [out, inp] of unit-variance outputs and a bias [out] (or None), on the GPU if any."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, inp, generator=g).to(device, dtype)
+    w = (torch.randn(out, inp, generator=g) / inp ** 0.5).to(device, dtype)
+    return x, w, torch.randn(out, generator=g).to(device, dtype) if bias else None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _runs_the_kernel(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@runs_triton_kernels
 @pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300), (2, 40, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
@@ -165,12 +165,8 @@ def test_kernel_against_float64(shape, dtype, bias, form):
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
 
     rows, out, inp = shape
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, inp, generator=g).to(device, dtype)
-    w = (torch.randn(out, inp, generator=g) / inp ** 0.5).to(device, dtype)
-    b = torch.randn(out, generator=g).to(device, dtype) if bias else None
-    index = torch.cat([torch.arange(out - 1, 0, -1), torch.tensor([5])]).to(device) if form == "gathered" else None
+    x, w, b = _inputs(rows, out, inp, dtype, bias, seed=0)
+    index = torch.cat([torch.arange(out - 1, 0, -1), torch.tensor([5])]).to(x.device) if form == "gathered" else None
     expected = x.double() @ w.double().T + (b.double() if bias else 0)
     if index is not None:
         expected = expected[:, index]
@@ -183,7 +179,7 @@ def test_kernel_against_float64(shape, dtype, bias, form):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _runs_the_kernel(), reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+@runs_triton_kernels
 @pytest.mark.parametrize("shape", [(1, 2048, 2048), (16, 1024, 2048), (3, 40, 300), (1, 40, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
@@ -199,11 +195,7 @@ def test_swiglu_epilogue_against_float64(shape, dtype, bias):
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
 
     rows, width, inp = shape
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(rows, inp, generator=g).to(device, dtype)
-    w = (torch.randn(2 * width, inp, generator=g) / inp ** 0.5).to(device, dtype)
-    b = torch.randn(2 * width, generator=g).to(device, dtype) if bias else None
+    x, w, b = _inputs(rows, 2 * width, inp, dtype, bias, seed=1)
     products = x.double() @ w.double().T + (b.double() if bias else 0)
     sizes = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
     unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
