@@ -412,8 +412,8 @@ class CudaGraphDecoder:
         if past is not None and self._has_full:  # cache slots holding real tokens once this step's token is written
             if attention_mask is None:
                 # one kernel (the slot numbers kept; comparing into the buffer): not arange, compare, copy
-                bound = past.view(1, 1) if isinstance(past, torch.Tensor) else past  # (a device counter, or an int)
-                torch.le(self._slot_numbers.expand(batch, -1), bound, out=self._key_mask)
+                own_slot = past.view(1, 1) if isinstance(past, torch.Tensor) else past  # (a device counter, or an int)
+                torch.le(self._slot_numbers.expand(batch, -1), own_slot, out=self._key_mask)
                 self._mask_length = max_len
             else:  # slots past the mask stay False: zeroed at capture, and again where a longer mask wrote
                 length = attention_mask.shape[1]

@@ -63,13 +63,15 @@ class FusedProjections:
         """[... , sum of the layers' out_features]: x through every layer, side by side (check `applies` first);
         with `rows`, only those outputs, in that order (`kernels_gemv.linear_rows`: a captured decoding step reads
         the stacked weight's rows in that order instead of gathering the outputs)."""
-        weight = self._weight.get([m.weight for m in linears])
-        bias = self._bias.get([m.bias for m in linears]) if linears[0].bias is not None else None
+        weight, bias = self._stacked(linears)
         return F.linear(x, weight, bias) if rows is None else linear_rows(x, weight, bias, rows)
 
     def swiglu(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor:
         """silu(gate(x)) * up(x) for linears = (gate, up) of one width (check `applies` first), as one GEMM
         (`kernels_gemv.linear_swiglu`: in a captured decoding step one GEMV whose epilogue computes the SwiGLU)."""
+        return linear_swiglu(x, *self._stacked(linears))
+
+    def _stacked(self, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers' weights stacked by rows, and their biases (None without)."""
         weight = self._weight.get([m.weight for m in linears])
-        bias = self._bias.get([m.bias for m in linears]) if linears[0].bias is not None else None
-        return linear_swiglu(x, weight, bias)
+        return weight, self._bias.get([m.bias for m in linears]) if linears[0].bias is not None else None
