@@ -10,12 +10,16 @@ output to the input of o_proj (`attention_step.py` says when they run; its torch
    share a KV head are the rows of one `tl.dot` tile (padded to 16), scores in float32 plus the additive mask, an
    online softmax over its slots, probabilities rounded to the value dtype for the P V product (as fused attention
    kernels do), the partial sums kept in float32. Slots past the step's own are never written yet (masked anyway):
-   their blocks are skipped.
+   their blocks are skipped. A tile's values are loaded with its keys (one memory round trip a tile).
 3. `_combine_kernel`, one program per (row, query head): the splits' partial sums merged by their maxima, divided by
    the softmax's sum, rounded, then the output gate sigmoid(gate) (rounded, and the product rounded, as torch's ops).
    The splits are loaded together (up to `COMBINED_ELEMENTS` partial sums at once, the online rescale kept between
    such chunks), not one after another: the merge was a chain of dependent L2 reads, one per split, 6.6-7.9 us a layer
    for the 18 splits of a 1,152-slot cache on an H200, 2.75 us loaded at once (`profile_decode_step.py`'s tables).
+
+All three are launched with programmatic dependent launch where it is on (`kernels_launch_triton`): each waits for
+the kernel ahead first (everything they read, the cache's counter included, a kernel of the step writes), and lets
+the next start early (o_proj's GEMV then loads its weight while the merge runs).
 
 Imported only for CUDA tensors (triton needs a GPU driver), or in tests under triton's interpreter.
 """
@@ -29,6 +33,8 @@ try:
     import triton.language as tl
 except ImportError as error:
     raise ImportError("the fused attention step needs triton (a CUDA machine)") from error
+
+from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 BLOCK_SLOTS = 64  # cache slots per tl.dot tile
 MAX_SPLITS = 64  # programs per (row, KV head) at most: a split then covers several tiles
@@ -48,7 +54,8 @@ def _normed(ptr, offsets, scale_ptr, rstd, NORM: tl.constexpr):
 def _prepare_kernel(qkv_ptr, stride_qkv, query_ptr, keys_ptr, values_ptr, slot_ptr, q_scale_ptr, k_scale_ptr,
                     cos_ptr, sin_ptr, stride_table, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
                     q_eps, k_eps, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROTARY: tl.constexpr,
-                    GATE: tl.constexpr, NORM: tl.constexpr):
+                    GATE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)  # (everything it reads, the cache's counter too, a kernel of the step writes)
     b = tl.program_id(0)
     head = tl.program_id(1)  # H query heads, then HKV key heads, then HKV value heads
     d = tl.arange(0, D)
@@ -94,7 +101,8 @@ def _prepare_kernel(qkv_ptr, stride_qkv, query_ptr, keys_ptr, values_ptr, slot_p
 def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_ptr, acc_ptr, max_ptr, sum_ptr,
                    stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, scale, slots,
                    H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                   BLOCK: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr):
+                   BLOCK: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     bj = tl.program_id(0)
     split = tl.program_id(1)
     b = bj // HKV
@@ -113,6 +121,9 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_
             seen = (s_idx < slots) & (s_idx <= last)
             keys = tl.load(keys_ptr + b * stride_kb + j * stride_kh + s_idx[:, None] * stride_kl + d[None, :],
                            mask=seen[:, None], other=0.0)
+            # the values with the keys: one memory round trip for the tile, not a second one after the softmax
+            values = tl.load(values_ptr + b * stride_vb + j * stride_vh + s_idx[:, None] * stride_vl + d[None, :],
+                             mask=seen[:, None], other=0.0)
             scores = tl.dot(query, tl.trans(keys))  # [G_PAD, BLOCK], float32
             added = tl.load(mask_ptr + b * stride_mask + s_idx, mask=seen, other=float("-inf")).to(tl.float32)
             scores = scores * scale + added[None, :]
@@ -122,8 +133,6 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_
             kept = tl.exp(running_max - base)
             probs = tl.exp(scores - base[:, None])
             running_sum = running_sum * kept + tl.sum(probs, axis=1)
-            values = tl.load(values_ptr + b * stride_vb + j * stride_vh + s_idx[:, None] * stride_vl + d[None, :],
-                             mask=seen[:, None], other=0.0)
             acc = acc * kept[:, None] + tl.dot(probs.to(values.dtype), values)
             running_max = new_max
     part = (bj * SPLITS + split) * G_PAD + g
@@ -135,7 +144,8 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_
 @triton.jit
 def _combine_kernel(acc_ptr, max_ptr, sum_ptr, qkv_ptr, stride_qkv, out_ptr, H: tl.constexpr, HKV: tl.constexpr,
                     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                    CHUNK: tl.constexpr, GATE: tl.constexpr):
+                    CHUNK: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_kernel(PDL)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -183,10 +193,11 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     splits = triton.cdiv(slots, BLOCK_SLOTS * tiles)
     query = qkv.new_empty(B, heads, D)
     norm = q_scale is not None
+    launch = dependent_launch(qkv.device)
     _prepare_kernel[(B, heads + 2 * HKV)](
         qkv, qkv.stride(0), query, keys, values, slot, q_scale if norm else qkv, k_scale if norm else qkv, cos, sin,
         cos.stride(0), *keys.stride()[:3], *values.stride()[:3], *eps, H=heads, HKV=HKV, D=D, ROTARY=rotary,
-        GATE=gate, NORM=norm)
+        GATE=gate, NORM=norm, **launch)
     partial = B * HKV * splits * G_PAD
     acc = qkv.new_empty(partial, D, dtype=torch.float32)
     maxima = qkv.new_empty(partial, dtype=torch.float32)
@@ -194,9 +205,10 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     mask_stride = mask.stride(0) if mask.shape[0] > 1 else 0
     _attend_kernel[(B * HKV, splits)](
         query, keys, values, mask, mask_stride, slot, acc, maxima, sums, *keys.stride()[:3], *values.stride()[:3],
-        scale, slots, H=heads, HKV=HKV, G=G, G_PAD=G_PAD, D=D, BLOCK=BLOCK_SLOTS, TILES=tiles, SPLITS=splits)
+        scale, slots, H=heads, HKV=HKV, G=G, G_PAD=G_PAD, D=D, BLOCK=BLOCK_SLOTS, TILES=tiles, SPLITS=splits,
+        **launch)
     out = qkv.new_empty(B, heads * D)
     chunk = min(triton.next_power_of_2(splits), max(COMBINED_ELEMENTS // D, 1))
     _combine_kernel[(B * heads,)](acc, maxima, sums, qkv, qkv.stride(0), out, H=heads, HKV=HKV, G=G, G_PAD=G_PAD,
-                                  D=D, SPLITS=splits, CHUNK=chunk, GATE=gate)
+                                  D=D, SPLITS=splits, CHUNK=chunk, GATE=gate, **launch)
     return out

@@ -146,7 +146,9 @@ def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(input, weight, bias).index_select(-1, rows): the outputs `rows` (int32/int64, 1-D), in that order.
-    Inside `DecodeGemvMode` one GEMV kernel reads the weight rows in that order (see the module docstring)."""
+    Inside `DecodeGemvMode` one GEMV kernel reads the weight rows in that order (see the module docstring); it reads
+    `rows`, like the weight, before the kernel ahead of it has finished (kernels_launch_triton), so neither may be
+    written inside the captured step (index rows made once, before the capture)."""
     if has_torch_function_variadic(input, weight, bias, rows):
         return handle_torch_function(linear_rows, (input, weight, bias, rows), input, weight, bias=bias, rows=rows)
     return torch_linear_rows(input, weight, bias, rows)

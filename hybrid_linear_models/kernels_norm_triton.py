@@ -7,7 +7,8 @@ the norm, rounded once for the residual stream. The difference is when the weigh
 the row's reduction (its PTX: the weight's loads follow the reduction's barrier), so a decoding step's norm, a few
 microseconds of latency and nothing else at batch 1, waits for two memory round trips (x and residual, then w from
 HBM, where the previous step left it); here w is loaded with x and residual, one round trip. No mean or rstd is
-stored (no backward in a decoding step). (The same change to the GDN/KDA output norm, fla's
+stored (no backward in a decoding step). With programmatic dependent launch (`kernels_launch_triton`) the weight is
+read before the wait for the kernel ahead, whose output x is. (The same change to the GDN/KDA output norm, fla's
 `layer_norm_gated_fwd_kernel`, measured at parity on an H200: 30.5 against 29.4 us a step for the GDN model's 12;
 not kept.)
 
@@ -24,14 +25,18 @@ try:  # (in a try: transformers' remote-code check then does not require triton 
 except ImportError as error:
     raise ImportError("the Triton RMSNorm needs triton (a CUDA machine); decoding norms run through fla") from error
 
+from .kernels_launch_triton import await_previous_kernel, dependent_launch
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, eps, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64) * D
     d = tl.arange(0, BLOCK_D)
     inside = d < D
-    w = tl.load(w_ptr + d, mask=inside, other=0.0)  # issued with the row's loads (see the module docstring)
+    # the weight before the row (see the module docstring); with PDL, while the kernel ahead finishes
+    w = tl.load(w_ptr + d, mask=inside, other=0.0)
+    await_previous_kernel(PDL)
     s = tl.load(x_ptr + row + d, mask=inside, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         s += tl.load(res_ptr + row + d, mask=inside, other=0.0).to(tl.float32)
@@ -50,6 +55,6 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(width)
     _rms_norm_kernel[(rows,)](x, residual if residual is not None else x, weight, y, res_out, width, eps,
                               HAS_RESIDUAL=residual is not None, BLOCK_D=block,
-                              num_warps=min(max(block // 512, 1), 8))
+                              num_warps=min(max(block // 512, 1), 8), **dependent_launch(x.device))
     return y if residual is None else (y, res_out)
 
