@@ -17,7 +17,9 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   Triton GEMV: kernels_gemv), `attention` (the full-attention layers on the torch path, or the fused attention step:
   attention_step), `in_place` (the GDN/KDA state copied after fla's recurrent kernel, or updated in place by it:
   recurrent_in_place), `norm` (the block RMSNorms on fla's kernel, or on this package's: decode_norm), `pdl`
-  (this package's decoding kernels launched plainly, or with programmatic dependent launch: kernels_launch_triton);
+  (this package's decoding kernels launched plainly, or with programmatic dependent launch: kernels_launch_triton),
+  `conv` (GDN/KDA's short convolution on fla's kernel after the input projection's GEMV, or in that GEMV's epilogue:
+  kernels_gemv.linear_conv_step);
 - with `--generate N`, instead, batch-1 generate of N new tokens against the step alone, with generate's stop check
   synchronous (a cache of one's own: transformers' loop reads each step's tokens on the host, and the GPU waits for
   the host's work before the next replay) and deferred (`cache_implementation="static"`: deferred_stop_check): ms
@@ -25,7 +27,7 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   its kernels (the graph's and those outside it), and the time the GPU idles.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
-        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place norm pdl] [--generate 64] [--batch 16]
+        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place norm pdl conv] [--generate 64] [--batch 16]
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ SWITCHES = {
     "in_place": ("recurrent_in_place", "IN_PLACE_DEVICE_TYPES", "state copied", "state in place"),
     "norm": ("decode_norm", "NORM_DEVICE_TYPES", "fla's RMSNorm", "RMSNorm kernel"),
     "pdl": ("kernels_launch_triton", "PDL_DEVICE_TYPES", "plain launches", "dependent launches"),
+    "conv": ("kernels_gemv", "CONV_STEP_DEVICE_TYPES", "convolution's kernel", "convolution in the GEMV"),
 }
 
 

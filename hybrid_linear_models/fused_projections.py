@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .derived_weights import SharedRows
-from .kernels_gemv import linear_rows, linear_swiglu
+from .kernels_gemv import linear_conv_step, linear_rows, linear_swiglu
 from .tensor_parallel_heads import device_mesh
 
 
@@ -70,6 +70,13 @@ class FusedProjections:
         """silu(gate(x)) * up(x) for linears = (gate, up) of one width (check `applies` first), as one GEMM
         (`kernels_gemv.linear_swiglu`: in a captured decoding step one GEMV whose epilogue computes the SwiGLU)."""
         return linear_swiglu(x, *self._stacked(linears))
+
+    def convolved(self, x: torch.Tensor, linears: Sequence[nn.Module], rows: torch.Tensor | None,
+                  conv_weight: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stacked projection's outputs (`rows` of them when given) split at C, the short convolution's channels:
+        its decoding step on the first C, `window` updated in place, and the rest as they are (check `applies`
+        first; `kernels_gemv.linear_conv_step`: in a captured decoding step one GEMV whose epilogue convolves)."""
+        return linear_conv_step(x, *self._stacked(linears), rows, conv_weight, window)
 
     def _stacked(self, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers' weights stacked by rows, and their biases (None without)."""

@@ -21,7 +21,7 @@ another run) GDN 1.180 ms, KDA 1.108 ms. It runs when:
   layers' base weights, the LM head), and the graph replays the chosen kernels with no Python at all.
 Anything else keeps `F.linear`. The kernel is autotuned in the warm-up steps before the capture.
 
-Two products with more to them take part in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`),
+Three products with more to them take part in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`),
 as torch's own functions do, so the mode sees them:
 - `linear_rows(x, W, b, rows)`, F.linear followed by a gather of its outputs (GDN's decoding step regroups its fused
   input projection so): one kernel reads the weight rows in the gathered order, and the gather, a kernel of its own
@@ -33,6 +33,12 @@ as torch's own functions do, so the mode sees them:
   projection against 7.94 us plain, and 74.5 us at batch 16 in the tl.dot form, which therefore left SwiGLU to its
   own kernel. A replayed step with the pairs against the activation on load, same run, H200, this package's RMSNorm
   kernel on both sides: GDN 1.0061 -> 0.9817 ms, KDA 0.9643 -> 0.9440 ms.)
+- `linear_conv_step(x, W, b, rows, conv_weight, window)`, GDN's and KDA's input projection followed by the short
+  convolution's decoding step on its first C outputs (the flat [q | k | v]): the GEMV's programs hold those sums, so
+  each runs the step for its own channels as it stores them (fla's `causal_conv1d_update` math: the window's last
+  KW - 1 inputs, the product rounded to the dtype shifted in, float32 taps, silu, one rounding; the window written
+  back whole), and the convolution's kernel (2.0-2.3 us a layer on an H200, plus its launch) disappears. Where the
+  epilogue does not apply the GEMV runs alone and the convolution's kernel after it.
 The mode also sends `block_ops.rms_norm` to `decode_norm.decode_rms_norm` (this package's RMSNorm kernel).
 """
 
@@ -46,6 +52,7 @@ from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_
 
 from .block_ops import rms_norm, silu_and_mul
 from .decode_norm import decode_rms_norm
+from .ops import causal_conv1d_step
 from .tensor_parallel_heads import device_mesh
 from .triton_loading import has_bf16_tensor_cores, record_failure, triton_function
 
@@ -55,6 +62,9 @@ WIDEST_OUTPUTS: dict[str, int | None] = {"one_row": None, "rows": 2048}
 MAX_ROWS = 16  # rows of x (batch x tokens) the kernel takes
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 GEMV_DEVICE_TYPES = ("cuda",)  # tests add "cpu", with the kernel stood in
+# where a GEMV runs the convolution's decoding step in its epilogue (`linear_conv_step`; emptied: the step's own kernel
+# after the GEMV, `benchmarks/profile_decode_step.py --ab conv`)
+CONV_STEP_DEVICE_TYPES = ("cuda", "cpu")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -117,29 +127,74 @@ def torch_linear_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return silu_and_mul(*F.linear(x, weight, bias).chunk(2, dim=-1))
 
 
+def torch_linear_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           rows: torch.Tensor | None, conv_weight: torch.Tensor,
+                           window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_conv_step` without the Triton GEMV: `torch_linear_rows`, then the convolution's step on its first
+    columns (`ops.causal_conv1d_step`: fla's kernel or torch)."""
+    out = torch_linear_rows(x, weight, bias, rows)
+    channels = conv_weight.shape[0]
+    return causal_conv1d_step(out[..., :channels], conv_weight, window, activation="silu"), out[..., channels:]
+
+
+def conv_step_applies(x: torch.Tensor, taps: torch.Tensor, window: torch.Tensor, outputs: int) -> bool:
+    """Whether the GEMV's epilogue may run the convolution's step: kernels [C, KW] and window [rows of x, C, KW]
+    contiguous on x's device, C within the product's `outputs`, no gradient wanted."""
+    rows_of_x = x.numel() // max(x.shape[-1], 1)
+    return (taps.dim() == 2 and 0 < taps.shape[0] <= outputs and taps.is_contiguous() and taps.device == x.device
+            and window.shape == (rows_of_x, *taps.shape) and window.is_contiguous() and window.device == x.device
+            and window.dtype.is_floating_point and taps.dtype.is_floating_point
+            and not (torch.is_grad_enabled() and (window.requires_grad or taps.requires_grad)))
+
+
 def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   rows: torch.Tensor | None = None, paired: bool = False) -> torch.Tensor:
     """F.linear(input, weight, bias) (its outputs `rows` when given), or with `paired` `linear_swiglu`'s result
     (`rows` then None: the kernel reads the stacked weight in `swiglu_pair_rows` order), through the Triton GEMV where
-    `gemv_applies`. A kernel that fails (a GPU or triton it cannot compile for) is not tried again for that shape, and
-    one warning says so: the step is still captured, with cuBLAS (the first try happens in the warm-up before a
-    capture, never inside it). Arguments named as F.linear's, so the mode passes a call's positional and keyword
-    arguments through as they are."""
-    x = input
-    eager = (lambda: torch_linear_swiglu(x, weight, bias)) if paired else (
-        lambda: torch_linear_rows(x, weight, bias, rows))
+    `gemv_applies`. Arguments named as F.linear's, so the mode passes a call's positional and keyword arguments
+    through as they are."""
     if paired:
-        rows = swiglu_pair_rows(weight.shape[0] // 2, weight.device) if weight.shape[0] % 2 == 0 else None
-    key = (tuple(weight.shape), x.dtype, x.device, rows is not None, paired)
+        pairs = swiglu_pair_rows(weight.shape[0] // 2, weight.device) if weight.shape[0] % 2 == 0 else None
+        out = _gemv(input, weight, bias, pairs, paired=True)
+        return out if out is not None else torch_linear_swiglu(input, weight, bias)
+    out = _gemv(input, weight, bias, rows)
+    return out if out is not None else torch_linear_rows(input, weight, bias, rows)
+
+
+def decode_linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            rows: torch.Tensor | None, conv_weight: torch.Tensor,
+                            window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_conv_step`'s result: one Triton GEMV with the convolution's step in its epilogue where
+    `conv_step_applies` (and `CONV_STEP_DEVICE_TYPES` allows it), else the projection (`decode_linear`) and then the
+    step's own kernel (`ops.causal_conv1d_step`)."""
+    taps = conv_weight.reshape(conv_weight.shape[0], -1)  # [C, KW]
+    channels, outputs = taps.shape[0], weight.shape[0] if rows is None else rows.shape[0]
+    if input.device.type in CONV_STEP_DEVICE_TYPES and conv_step_applies(input, taps, window, outputs):
+        out = _gemv(input, weight, bias, rows, convolution=(taps, window))
+        if out is not None:
+            return out[..., :channels], out[..., channels:]
+    out = decode_linear(input, weight, bias, rows)
+    return causal_conv1d_step(out[..., :channels], conv_weight, window, activation="silu"), out[..., channels:]
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,
+          paired: bool = False, convolution: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """The Triton GEMV's output [..., outputs] where `gemv_applies`, else None (the caller's torch path runs). A
+    kernel that fails (a GPU or triton it cannot compile for) is not tried again for that shape, and one warning says
+    so: the step is still captured, with cuBLAS (the first try happens in the warm-up before a capture, never inside
+    it)."""
+    key = (tuple(weight.shape), x.dtype, x.device, rows is not None, paired,
+           tuple(convolution[0].shape) if convolution is not None else None)
     if key in _FAILED or not gemv_applies(x, weight, bias, rows, paired):
-        return eager()
+        return None
     flat = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
+    options = {"swiglu_pairs": True} if paired else {"convolution": convolution} if convolution is not None else {}
     try:
-        out = triton_gemv_kernel()(flat, weight, bias, rows, swiglu_pairs=paired)
+        out = triton_gemv_kernel()(flat, weight, bias, rows, **options)
     except Exception as error:  # compilation or launch failure
         record_failure(_FAILED, key, error, x, f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; "
                        "that product runs through cuBLAS")
-        return eager()
+        return None
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -176,14 +231,30 @@ def linear_swiglu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return torch_linear_swiglu(input, weight, bias)
 
 
+def linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,
+                     conv_weight: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoding step's input projection and its short convolution: out = `linear_rows(input, weight, bias, rows)`
+    (input [B, 1, K]), then (silu(causal_conv1d_step(out[..., :C], conv_weight, window)), out[..., C:]), C the
+    convolution's channels (conv_weight [C, KW] or [C, 1, KW]), `window` [B, C, KW] updated in place
+    (`ops.causal_conv1d_step`). Inside `DecodeGemvMode` one GEMV kernel runs the convolution's step in its epilogue on
+    the products it has just summed: no kernel of its own for the convolution (see the module docstring)."""
+    tensors = (input, weight, bias, rows, conv_weight, window)
+    if has_torch_function_variadic(*tensors):
+        return handle_torch_function(linear_conv_step, tensors, *tensors)
+    return torch_linear_conv_step(*tensors)
+
+
 class DecodeGemvMode(TorchFunctionMode):
     """Sends the F.linear, `linear_rows` and `linear_swiglu` calls made while it is active through `decode_linear`,
-    and `block_ops.rms_norm` through `decode_norm.decode_rms_norm`."""
+    `linear_conv_step` through `decode_linear_conv_step`, and `block_ops.rms_norm` through
+    `decode_norm.decode_rms_norm`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear or func is linear_rows:  # F.linear's own signature: (input, weight, bias=None), + rows
             return decode_linear(*args, **kwargs)
+        if func is linear_conv_step:
+            return decode_linear_conv_step(*args, **kwargs)
         if func is linear_swiglu:
             return decode_linear(*args, **kwargs, paired=True)
         if func is rms_norm:

@@ -16,6 +16,9 @@ read once and no second kernel reduces or casts partial sums. Two forms of one k
   (a 16-row `tl.dot` tile left 128 programs for 132 SMs, one weight block each: 41-46% of it);
 - up to 16 rows: the rows padded to 16 (masked loads, no memory traffic) so one `tl.dot` per slice runs on the tensor
   cores, software-pipelined by `num_stages`.
+With a convolution (`kernels_gemv.linear_conv_step`), output columns below C are the short convolution's decoding
+step of the products, run in the epilogue (`_store_convolved`); each program reads its channels' kernels and window
+before its sums, and writes the stepped window back.
 With programmatic dependent launch (`kernels_launch_triton`, Hopper on) a program reads its row index and its first
 weight slice, which no kernel of a decoding step writes, before it waits for the kernel ahead of it (x is that
 kernel's output): the weight's bytes move while that kernel ends (a replayed step of the GDN model 0.971 -> 0.885 ms
@@ -75,11 +78,36 @@ def _store_swiglu_of_pairs(acc, y_ptr, rows, M, N, stride_ym, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _store_convolved(acc, y_ptr, rows, cols, M, N, stride_ym, window, taps_w, window_ptr, stride_window, C,
+                     KW: tl.constexpr, BLOCK_KW: tl.constexpr):
+    """Output columns below C through the short convolution's decoding step, the others as they are. acc [ROWS,
+    BLOCK_N] the products, rounded to the output dtype first (the eager step's GEMM output, which the convolution
+    reads); window [ROWS, BLOCK_N, BLOCK_KW] float32, the last KW - 1 inputs of each row and channel in its first KW - 1
+    taps; taps_w [BLOCK_N, BLOCK_KW] the kernels. fla's `causal_conv1d_update` math: the input shifted in as the last
+    tap, the float32 sum over the taps, silu, rounded once; the new window stored whole ([B, C, KW], fla's layout)."""
+    out = acc.to(y_ptr.dtype.element_ty)
+    taps = tl.arange(0, BLOCK_KW)
+    shifted = tl.where((taps == KW - 1)[None, None, :], out.to(tl.float32)[:, :, None], window)
+    conv = tl.sum(shifted * taps_w.to(tl.float32)[None, :, :], axis=2)
+    conv = conv * tl.sigmoid(conv)
+    convolved = cols < C
+    y = tl.where(convolved[None, :], conv.to(y_ptr.dtype.element_ty), out)
+    live = rows[:, None] < M
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y, mask=live & (cols < N)[None, :])
+    tl.store(window_ptr + rows[:, None, None] * stride_window + cols[None, :, None] * KW + taps[None, None, :],
+             shifted.to(window_ptr.dtype.element_ty),
+             mask=live[:, :, None] & convolved[None, :, None] & (taps < KW)[None, None, :])
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 conv_w_ptr, window_ptr, stride_window, C,
                  HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, SWIGLU_PAIRS: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    # Until await_previous_kernel only the row index and the weight are read (no kernel of a step writes them), so
-    # with PDL the first weight slice is on its way while the kernel ahead finishes (kernels_launch_triton)
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KW: tl.constexpr = 0, BLOCK_KW: tl.constexpr = 1,
+                 PDL: tl.constexpr = False):
+    # Until await_previous_kernel only the row index, the weight and the convolution's kernels and window are read
+    # (no kernel of a step writes them before this one), so with PDL they are on their way while the kernel ahead
+    # finishes (kernels_launch_triton)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_range = cols < N
     if HAS_INDEX:  # output column j is weight row index[j]
@@ -87,6 +115,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
     else:
         w_rows = cols.to(tl.int64)
     rows = tl.arange(0, ROWS)
+    if KW > 0:  # the short convolution of the columns below C: its kernels, and each row's last KW - 1 inputs
+        taps = tl.arange(0, BLOCK_KW)
+        convolved = cols < C
+        taps_w = tl.load(conv_w_ptr + cols[:, None] * KW + taps[None, :],
+                         mask=convolved[:, None] & (taps < KW)[None, :], other=0.0)
+        window = tl.load(window_ptr + rows[:, None, None] * stride_window + cols[None, :, None] * KW
+                         + (taps + 1)[None, None, :],
+                         mask=(rows < M)[:, None, None] & convolved[None, :, None] & (taps + 1 < KW)[None, None, :],
+                         other=0.0).to(tl.float32)
     if ROWS == 1:
         tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
@@ -114,6 +151,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
         acc += tl.load(b_ptr + w_rows, mask=in_range, other=0.0).to(tl.float32)[None, :]
     if SWIGLU_PAIRS:  # outputs (2j, 2j + 1) are (gate_j, up_j): store silu(gate_j) * up_j as output j
         _store_swiglu_of_pairs(acc, y_ptr, rows, M, N, stride_ym, BLOCK_N)
+    elif KW > 0:
+        _store_convolved(acc, y_ptr, rows, cols, M, N, stride_ym, window, taps_w, window_ptr, stride_window, C, KW,
+                         BLOCK_KW)
     else:
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & in_range[None, :])
@@ -133,7 +173,7 @@ def _autotuned(configs: list) -> triton.runtime.Autotuner:
     return triton.autotune(configs=configs, key=_KEY, **options)(_gemv_kernel)
 
 
-_KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX", "SWIGLU_PAIRS"]
+_KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX", "SWIGLU_PAIRS", "KW"]
 _tuned_one_row = _autotuned(_ONE_ROW_CONFIGS)
 _tuned_rows = _autotuned(_ROWS_CONFIGS)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one fixed configuration, no timing
@@ -141,20 +181,29 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one f
 
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 rows: torch.Tensor | None = None, blocks: tuple[int, int] | None = None,
-                swiglu_pairs: bool = False) -> torch.Tensor:
+                swiglu_pairs: bool = False,
+                convolution: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] (M <= ROWS, unit stride along K), weight [W, K] (unit stride along K), bias [W] or None, one dtype,
     rows [N] (int32/int64 indices into W) or None for all W rows in order: [M, N] in x's dtype, column j the product
     with weight row rows[j] (see the module docstring); with `swiglu_pairs`, the products come in (gate, up) pairs
     (rows ordered so: `kernels_gemv.swiglu_pair_rows`) and the output is [M, N / 2], silu(gate) * up of each pair.
+    `convolution` (kernels [C, KW], window [M, C, KW], both contiguous, C <= N): output columns below C are the short
+    convolution's decoding step of the products (silu(sum over the taps of [window[..., 1:], product] * kernel)), and
+    the window is updated in place (see the module docstring).
     `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for more
     than one row, even for pairs); triton's interpreter runs (16, 128) by default."""
     M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0] if rows is None else rows.shape[0]
     y = torch.empty(M, N // 2 if swiglu_pairs else N, device=x.device, dtype=x.dtype)
+    taps, window = convolution if convolution is not None else (weight, weight)
     args = (x, weight, bias if bias is not None else weight, rows if rows is not None else weight, y, M, N, K,
-            x.stride(0), weight.stride(0), y.stride(0))
+            x.stride(0), weight.stride(0), y.stride(0), taps, window, window.stride(0),
+            taps.shape[0] if convolution is not None else 0)
     flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, SWIGLU_PAIRS=swiglu_pairs,
-                 ROWS=1 if M == 1 else ROWS, **dependent_launch(x.device))
+                 KW=taps.shape[1] if convolution is not None else 0,
+                 BLOCK_KW=triton.next_power_of_2(taps.shape[1]) if convolution is not None else 1,
+                 ROWS=1 if M == 1 else ROWS,
+                 **dependent_launch(x.device))
     if blocks is None and _INTERPRETED:
         blocks = (16, 128)
     if blocks is not None:

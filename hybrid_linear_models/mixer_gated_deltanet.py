@@ -14,8 +14,9 @@ rank computes a block of key heads with their value heads (see `tensor_parallel_
 A decoding step (one token per row, no gradient) runs both projections as one GEMM (`fused_projections`) whose
 outputs are taken in the flat order [q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as
 contiguous slices (the grouped split would need a copy for z and for a): a gather after the GEMM, or none in a
-captured step, whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`); beta's sigmoid
-runs inside the recurrent kernel.
+captured step, whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`) and runs the
+convolution's step on the [q | k | v] outputs in its epilogue (`kernels_gemv.linear_conv_step`); beta's sigmoid runs
+inside the recurrent kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cache_hybrid_linear import LinearStateLayer
 from .fused_projections import FusedProjections
-from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
+from .mixer_linear import DecayGate, convolve_and_recur, mask_padding, project_for_convolution
 from .norms import GatedRMSNorm
 from .ops import gated_delta_rule
 from .sequence_info import SequenceInfo
@@ -101,16 +102,17 @@ class HybridLinearGatedDeltaNet(nn.Module):
         the input projections (see the module docstring)."""
         B, T = hidden_states.shape[:2]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        flat = self._in_proj(hidden_states, (self.in_proj_qkvz, self.in_proj_ba),
-                             rows=self._flat_decoding_channels(hidden_states.device))
-        mixed, z, b, a = flat.split([2 * self.key_dim + self.value_dim, self.value_dim, nv, nv], dim=-1)
+        mixed, rest, conv_weight = project_for_convolution(
+            self._in_proj, hidden_states, (self.in_proj_qkvz, self.in_proj_ba),
+            self._flat_decoding_channels(hidden_states.device), self.conv1d.weight, info, cache)
+        z, b, a = rest.split([self.value_dim, nv, nv], dim=-1)
 
         def split(x):
             q, k, v = x.split([nk * dk, nk * dk, nv * dv], dim=-1)
             return q.unflatten(-1, (nk, dk)), k.unflatten(-1, (nk, dk)), v.unflatten(-1, (nv, dv))
 
         gate = DecayGate(a, self.A_log, self.dt_bias)
-        out = convolve_and_recur(mixed, self.conv1d.weight, split, gate, b, gated_delta_rule, info, cache,
+        out = convolve_and_recur(mixed, conv_weight, split, gate, b, gated_delta_rule, info, cache,
                                  beta_logits=True)  # sigmoid(b) in the recurrent kernel
         out = self.norm(out, z.unflatten(-1, (nv, dv)))
         return self.out_proj(out.reshape(B, T, nv * dv))

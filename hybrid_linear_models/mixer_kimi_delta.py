@@ -13,8 +13,9 @@ act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`. fla's
 (`kda_gate_bias`): act(g_b(g_a(x)) + bias).
 
 A decoding step (one token per row, no gradient) runs the six projections of x (q, k, v, f_a, g_a, b) as one GEMM
-(`fused_projections`), whose first columns are the flat [q | k | v] the convolution reads (no concatenation), and
-beta's sigmoid runs inside the recurrent kernel.
+(`fused_projections`), whose first columns are the flat [q | k | v] the convolution reads (no concatenation; in a
+captured step the GEMV kernel runs the convolution's step on them in its epilogue: `kernels_gemv.linear_conv_step`),
+and beta's sigmoid runs inside the recurrent kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import DerivedWeight
 from .fused_projections import FusedProjections
-from .mixer_linear import DecayGate, convolve_and_recur, mask_padding
+from .mixer_linear import DecayGate, convolve_and_recur, mask_padding, project_for_convolution
 from .norms import GatedRMSNorm
 from .ops import kimi_delta_rule
 from .sequence_info import SequenceInfo
@@ -66,14 +67,19 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         self._conv_weight = DerivedWeight()  # the three kernels side by side, as the flat [q | k | v] conv needs
         self._in_proj = FusedProjections()  # the projections of x, at decoding time
 
-    def _input_projections(self, hidden_states: torch.Tensor):
-        """[q | k | v] (flat), f_a(x), g_a(x), b(x): one GEMM at decoding time, else one each."""
+    def _input_projections(self, hidden_states: torch.Tensor, conv_weight: torch.Tensor, info: SequenceInfo,
+                           cache: LinearStateLayer | None):
+        """[q | k | v] (flat), f_a(x), g_a(x), b(x) and the conv weight for `convolve_and_recur`: one GEMM at
+        decoding time (None for the conv weight where the convolution ran with it: `project_for_convolution`), else
+        one each."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
         if hidden_states.shape[1] == 1 and self._in_proj.applies(hidden_states, linears):
-            widths = [m.out_features for m in linears]
-            return self._in_proj(hidden_states, linears).split([sum(widths[:3]), *widths[3:]], dim=-1)
+            mixed, rest, conv_weight = project_for_convolution(self._in_proj, hidden_states, linears, None,
+                                                               conv_weight, info, cache)
+            return mixed, *rest.split([m.out_features for m in linears[3:]], dim=-1), conv_weight
         mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
-        return mixed, self.f_a_proj(hidden_states), self.g_a_proj(hidden_states), self.b_proj(hidden_states)
+        return (mixed, self.f_a_proj(hidden_states), self.g_a_proj(hidden_states), self.b_proj(hidden_states),
+                conv_weight)
 
     def forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None = None):
         hidden_states = mask_padding(hidden_states, info)
@@ -82,9 +88,9 @@ class HybridLinearKimiDeltaAttention(nn.Module):
         heads = local_heads(self.q_proj, self.num_heads, self.layer_idx, "kda_num_heads")
         rows = heads.rows(self.head_dim)
         shape = (B, T, heads.count, self.head_dim)
-        mixed, forget_a, gate_a, beta = self._input_projections(hidden_states)
         kernels = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         conv_weight = self._conv_weight.get(kernels, lambda: torch.cat([w[rows] for w in kernels]), tag=rows)
+        mixed, forget_a, gate_a, beta, conv_weight = self._input_projections(hidden_states, conv_weight, info, cache)
         forget = self.f_b_proj(forget_a).view(shape)
         gate = DecayGate(forget, self.A_log[heads.offset : heads.offset + heads.count], self.dt_bias[rows])
         decoding = T == 1  # beta's sigmoid then runs inside the recurrent kernel

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_hybrid_linear import LinearStateLayer
+from .fused_projections import FusedProjections
 from .ops import causal_conv1d, causal_conv1d_step, gate_log_decay
 from .sequence_info import SequenceInfo
 
@@ -46,9 +47,29 @@ def conv_state_at_last_real(inputs: torch.Tensor, padding_mask: torch.Tensor, ke
     return history.gather(1, rows[..., None].expand(B, keep, C)).transpose(1, 2)
 
 
+def steps_conv_window(cache: LinearStateLayer | None, info: SequenceInfo, tokens: int) -> bool:
+    """Whether the short convolution runs as a decoding step on the cache's window (one token per row, a window to
+    shift, no packed documents), updating it in place."""
+    return cache is not None and cache.conv_window is not None and tokens == 1 and info.cu_seqlens is None
+
+
+def project_for_convolution(projections: FusedProjections, x: torch.Tensor, linears, rows: torch.Tensor | None,
+                            conv_weight: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A decoding step's stacked input projection (check `projections.applies` first), split at C = conv_weight's
+    channels: (the convolution's input, the other outputs, conv_weight for `convolve_and_recur`). Where the
+    convolution steps the cache's window, it runs with the projection (`FusedProjections.convolved`: in a captured
+    step, in the GEMV kernel's epilogue) and None is returned for conv_weight: the input is convolved already."""
+    if steps_conv_window(cache, info, x.shape[1]):
+        mixed, rest = projections.convolved(x, linears, rows, conv_weight, cache.conv_window)
+        return mixed, rest, None
+    flat = projections(x, linears, rows=rows)
+    return flat[..., : conv_weight.shape[0]], flat[..., conv_weight.shape[0]:], conv_weight
+
+
 def convolve_and_recur(
     mixed: torch.Tensor,
-    conv_weight: torch.Tensor,
+    conv_weight: torch.Tensor | None,
     split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     gate: DecayGate,
     beta: torch.Tensor,
@@ -59,8 +80,9 @@ def convolve_and_recur(
 ) -> torch.Tensor:
     """silu(causal_conv1d(mixed)) split into q, k, v, then the delta `rule` with the decay of `gate` and beta.
 
-    mixed [B, T, C]; beta [B, T, H] (its logits with `beta_logits`: the sigmoid then runs in the rule's kernel
-    where it can). Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
+    mixed [B, T, C]; conv_weight None: mixed is the convolution's output already, the cache's window stepped
+    (`project_for_convolution`); beta [B, T, H] (its logits with `beta_logits`: the sigmoid then runs in the rule's
+    kernel where it can). Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
     start from zero; a cache provides the initial conv/recurrent states and keeps the final ones. Returns the
     delta-rule output [B, T, H, dv].
     """
@@ -77,7 +99,9 @@ def convolve_and_recur(
             g = g.masked_fill(pad, -math.inf)  # evaluated inside the rule's kernels
     mixed, g, beta = info.flatten(mixed), info.flatten(g), info.flatten(beta)
     recurrent_state = cache.recurrent_state if cache is not None else None
-    if cache is not None and cache.conv_window is not None and mixed.shape[1] == 1 and info.cu_seqlens is None:
+    if conv_weight is None:  # convolved with its projection
+        conv_state = None
+    elif steps_conv_window(cache, info, mixed.shape[1]):
         mixed, conv_state = causal_conv1d_step(mixed, conv_weight, cache.conv_window, activation="silu"), None
     else:
         inputs, initial = mixed, cache.conv_state if cache is not None else None

@@ -11,23 +11,30 @@ import torch.nn.functional as F
 
 from hybrid_linear_models import kernels_gemv
 from hybrid_linear_models.block_ops import silu_and_mul
-from hybrid_linear_models.kernels_gemv import (DecodeGemvMode, decode_linear, gemv_applies, linear_rows, linear_swiglu,
-                                               swiglu_pair_rows)
+from hybrid_linear_models.ops import causal_conv1d_step
+from hybrid_linear_models.kernels_gemv import (DecodeGemvMode, conv_step_applies, decode_linear, gemv_applies,
+                                               linear_conv_step, linear_rows, linear_swiglu, swiglu_pair_rows)
 from model_helpers import assert_same_generation, greedy, replay_graphs_eagerly, runs_triton_kernels, tiny_model
 
 
 @pytest.fixture
 def stand_in(monkeypatch) -> list:
-    """The kernel stood in on the CPU by F.linear itself (then silu_and_mul of the pairs for a paired call); returns the
-    (rows of x, out, in) of each call it served, with the gathered outputs' count appended for a call given `rows` and
-    "pairs" for a paired one."""
+    """The kernel stood in on the CPU by F.linear itself (then silu_and_mul of the pairs for a paired call, the
+    convolution's step on the first columns for a call with one); returns the (rows of x, out, in) of each call it
+    served, with the gathered outputs' count appended for a call given `rows`, "pairs" for a paired one and "conv" for
+    one with a convolution."""
     calls: list = []
 
-    def kernel(x, weight, bias, rows=None, swiglu_pairs=False):
+    def kernel(x, weight, bias, rows=None, swiglu_pairs=False, convolution=None):
         calls.append((x.shape[0], *weight.shape) + (() if rows is None else (rows.shape[0],))
-                     + (("pairs",) if swiglu_pairs else ()))
+                     + (("pairs",) if swiglu_pairs else ()) + (("conv",) if convolution is not None else ()))
         out = F.linear(x, weight, bias)
         out = out if rows is None else out[:, rows]
+        if convolution is not None:
+            taps, window = convolution
+            channels = taps.shape[0]
+            convolved = causal_conv1d_step(out[:, None, :channels], taps, window, activation="silu")[:, 0]
+            return torch.cat([convolved, out[:, channels:]], dim=-1)
         return silu_and_mul(out[:, 0::2].contiguous(), out[:, 1::2].contiguous()) if swiglu_pairs else out
 
     monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
@@ -112,10 +119,9 @@ def test_linear_swiglu_is_the_gated_mlps_activation_and_the_mode_reads_the_rows_
 def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
     """Every linear layer of the tiny model is narrow (within WIDEST_OUTPUTS): in bf16 each of them, the LM head
     included, runs through the kernel in the captured step (recorded once: the replays run no Python on a GPU), GDN's
-    input projection with its outputs gathered in the kernel, the MLPs' gate and up projections with their SwiGLU; in
-    float32 none
-    does; the tokens and logits are those of
-    decoding without graphs (the stand-in is F.linear)."""
+    input projection with its outputs gathered in the kernel and its convolution's step in the epilogue, KDA's input
+    projection with its convolution's step, the MLPs' gate and up projections with their SwiGLU; in float32 none does;
+    the tokens and logits are those of decoding without graphs (the stand-in is F.linear, then the torch steps)."""
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "mla_attention"],
                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8).to(dtype).eval()
     input_ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
@@ -131,7 +137,11 @@ def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, 
         assert (1, 2 * width, hidden, 2 * width, "pairs") in stand_in and (1, hidden, width) in stand_in
         gdn = model.model.layers[0].linear_attn
         stacked = gdn.in_proj_qkvz.out_features + gdn.in_proj_ba.out_features
-        assert (1, stacked, hidden, stacked) in stand_in  # in_proj_qkvz and in_proj_ba, regrouped in the kernel
+        # in_proj_qkvz and in_proj_ba, regrouped and convolved in the kernel; KDA's six projections, convolved
+        assert (1, stacked, hidden, stacked, "conv") in stand_in
+        kda = model.model.layers[2].linear_attn
+        six = sum(m.out_features for m in (kda.q_proj, kda.k_proj, kda.v_proj, kda.f_a_proj, kda.g_a_proj, kda.b_proj))
+        assert (1, six, hidden, "conv") in stand_in
     model.set_cuda_graph_decoding(False)
     eager = greedy(model, input_ids, cache_implementation="static")
     assert_same_generation(graphed, eager, tolerance=0.0)
@@ -208,3 +218,71 @@ def test_swiglu_epilogue_against_float64(shape, dtype, bias):
         got = triton_gemv(x, w, b, swiglu_pair_rows(width, x.device), blocks=blocks, swiglu_pairs=True)
         assert got.dtype == dtype and got.shape == expected.shape
         assert ((got.double() - expected).abs() <= bound).all(), blocks
+
+
+def test_linear_conv_step_is_the_projection_then_the_convolution_step(stand_in):
+    """`linear_conv_step` outside the mode is linear_rows, then causal_conv1d_step on the first C outputs (the window
+    stepped in place), the rest as they are; inside the mode, the stand-in kernel (the same math) takes it, and
+    refuses what the epilogue does not serve (a strided window, one of other rows, more channels than outputs)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 1, 16, generator=g, dtype=torch.bfloat16), torch.randn(12, 16, generator=g).bfloat16()
+    rows, taps = torch.tensor([3, 1, 0, 2, 11, 10, 4, 5]), torch.randn(6, 1, 4, generator=g).bfloat16()
+    window = torch.randn(2, 6, 4, generator=g).bfloat16()
+    expected_window = window.clone()
+    projected = linear_rows(x, w, None, rows)
+    expected = causal_conv1d_step(projected[..., :6], taps, expected_window, activation="silu"), projected[..., 6:]
+    got_window = window.clone()
+    got = linear_conv_step(x, w, None, rows, taps, got_window)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(got_window, expected_window)
+    assert not torch.equal(got_window, window)
+    for strided in (False, True):
+        stand_in.clear()
+        moved = window.clone() if not strided else window.transpose(1, 2).contiguous().transpose(1, 2)
+        with torch.no_grad(), DecodeGemvMode():
+            out = linear_conv_step(x, w, None, rows, taps, moved)
+        assert (stand_in == [(2, 12, 16, 8, "conv")]) != strided
+        assert all(torch.equal(a, b) for a, b in zip(out, expected)) and torch.equal(moved, expected_window)
+    stand_in.clear()
+    with torch.no_grad(), DecodeGemvMode(), pytest.raises(ValueError, match="weight must be"):
+        linear_conv_step(x, w, None, rows[:5], taps, window.clone())  # fewer outputs than channels: the step's error
+    assert stand_in == [(2, 12, 16, 5)]  # the projection alone (no epilogue), then the step's own check
+    assert not conv_step_applies(x, taps.view(6, 4), window[:1], 8)  # (another batch's window)
+
+
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("shape", [(1, 136, 64, 96, 4, True), (3, 300, 40, 200, 3, False), (1, 1040, 256, 768, 4, True),
+                                   (16, 520, 128, 384, 4, False), (2, 64, 32, 64, 2, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_convolution_epilogue_against_float64(shape, dtype):
+    """The convolution's step in the GEMV's epilogue (`linear_conv_step`'s kernel): the products are those of the
+    kernel without it (the same configuration: the same sums, bit for bit); the window's first KW - 1 taps become its
+    last KW - 1 and the product its last (exact: stored in the dtype); the outputs past C are the products. Below C,
+    against silu(sum_k tap_k s_k) in float64 of those stored values: each tap_k s_k is exact in float32 (two
+    half-precision significands), their float32 sum within (KW - 1) 2^-24 sum_k |tap_k s_k|, silu's slope at most
+    1.0998, float32's sigmoid and product within 4 2^-24 of the result, then one rounding (unit roundoff u), plus half
+    the spacing of subnormals; one row (elementwise products) and several (tl.dot), outputs in order or gathered."""
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter has no bfloat16 arithmetic")
+    from hybrid_linear_models.kernels_gemv_triton import triton_gemv
+
+    rows, out, inp, channels, width, gathered = shape
+    x, w, _ = _inputs(rows, out, inp, dtype, False, seed=5)
+    g = torch.Generator(device="cpu").manual_seed(6)
+    index = torch.randperm(out, generator=g).to(x.device) if gathered else None
+    taps = (torch.randn(channels, width, generator=g) / width ** 0.5).to(x.device, dtype)
+    window = torch.randn(rows, channels, width, generator=g).to(x.device, dtype)
+    unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    for blocks in ((16, 128), (2, 256) if rows == 1 else (32, 256)):
+        products = triton_gemv(x, w, None, index, blocks=blocks)
+        stepped = window.clone()
+        got = triton_gemv(x, w, None, index, blocks=blocks, convolution=(taps, stepped))
+        assert got.dtype == dtype and got.shape == products.shape
+        assert torch.equal(got[:, channels:], products[:, channels:])
+        assert torch.equal(stepped[..., :-1], window[..., 1:]) and torch.equal(stepped[..., -1], products[:, :channels])
+        terms = stepped.double() * taps.double()
+        conv = terms.sum(-1)
+        expected = conv * torch.sigmoid(conv)
+        summed = 1.0998 * (width - 1) * 2 ** -24 * terms.abs().sum(-1)
+        bound = summed + (unit + 4 * 2 ** -24) * (expected.abs() + summed) + torch.finfo(dtype).smallest_normal * unit
+        assert ((got[:, :channels].double() - expected).abs() <= bound).all(), blocks
