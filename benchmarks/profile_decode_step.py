@@ -6,7 +6,10 @@ For each model (the GDN and KDA benchmark models of bench_generation.py, the Kim
 bench_kimi_linear.py; random weights, bfloat16): a `--prompt`-token prefill into a static cache, one step to capture
 the graph, then `--steps` replayed steps under torch.profiler. Printed per model:
 - wall ms per step (CUDA events around the replays) and the sum of kernel durations per step; their difference is
-  the time the GPU idles between kernels (launch gaps: what fewer, fuller kernels win back);
+  the time the GPU idles between kernels (launch gaps: what fewer, fuller kernels win back). With programmatic
+  dependent launch (kernels_launch_triton) a kernel starts before the one ahead has finished and its duration includes
+  its wait for it, so kernels overlap: the sum then exceeds the wall time (a negative idle), and a kernel's own
+  duration is its share of the step only up to that overlap;
 - kernels per step;
 - the `--top` kernels by device time per step, with their count per step and share of the kernel time;
 - with `--trace DIR`, one replayed step's kernels in launch order with their durations (DIR/decode_<model>.txt);
@@ -19,7 +22,8 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   recurrent_in_place), `norm` (the block RMSNorms on fla's kernel, or on this package's: decode_norm), `pdl`
   (this package's decoding kernels launched plainly, or with programmatic dependent launch: kernels_launch_triton),
   `conv` (GDN/KDA's short convolution on fla's kernel after the input projection's GEMV, or in that GEMV's epilogue:
-  kernels_gemv.linear_conv_step);
+  kernels_gemv.linear_conv_step), `gated_norm` (the GDN/KDA output norm on fla's kernel, or on this package's,
+  launched dependently: decode_norm);
 - with `--generate N`, instead, batch-1 generate of N new tokens against the step alone, with generate's stop check
   synchronous (a cache of one's own: transformers' loop reads each step's tokens on the host, and the GPU waits for
   the host's work before the next replay) and deferred (`cache_implementation="static"`: deferred_stop_check): ms
@@ -27,7 +31,8 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   its kernels (the graph's and those outside it), and the time the GPU idles.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
-        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place norm pdl conv] [--generate 64] [--batch 16]
+        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place norm pdl conv gated_norm] [--generate 64]
+        [--batch 16]
 """
 
 from __future__ import annotations
@@ -161,6 +166,7 @@ SWITCHES = {
     "norm": ("decode_norm", "NORM_DEVICE_TYPES", "fla's RMSNorm", "RMSNorm kernel"),
     "pdl": ("kernels_launch_triton", "PDL_DEVICE_TYPES", "plain launches", "dependent launches"),
     "conv": ("kernels_gemv", "CONV_STEP_DEVICE_TYPES", "convolution's kernel", "convolution in the GEMV"),
+    "gated_norm": ("decode_norm", "GATED_NORM_DEVICE_TYPES", "fla's gated RMSNorm", "gated RMSNorm kernel"),
 }
 
 

@@ -10,6 +10,11 @@ contiguous, the weight a contiguous vector of its width on its device, the resid
 device, contiguous, no gradient wanted, triton importable. Anything else, and a kernel that failed to compile for a
 layout (one warning, not tried again), keeps `block_ops.rms_norm` (fla or torch). `NORM_DEVICE_TYPES` emptied turns
 it off (`benchmarks/profile_decode_step.py --ab norm`).
+
+The GDN/KDA output norm (`ops.gated_rms_norm`, per head, with its gate) goes to `triton_gated_rms_norm` the same way
+(`decode_gated_rms_norm`, `GATED_NORM_DEVICE_TYPES`; `--ab gated_norm`): x and gate CUDA of one dtype, each viewable
+as [outer, heads, D] with a unit stride along D (the gate is a slice of the fused projection's output), the weight a
+contiguous [D], silu or sigmoid. Its gain is the dependent launch (`kernels_launch_triton`) it takes part in.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .block_ops import rms_norm
+from .ops import gated_rms_norm
 from .triton_loading import record_failure, triton_function
 
 NORM_DEVICE_TYPES = ("cuda",)
@@ -62,3 +68,57 @@ def decode_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         return out.view(x.shape)
     return out[0].view(x.shape), out[1].view(x.shape)
 
+
+GATED_NORM_DEVICE_TYPES = ("cuda",)  # (emptied: fla's kernel; benchmarks/profile_decode_step.py --ab gated_norm)
+_GATED_FAILED: dict = {}  # (width, dtypes, device, activation) -> the first error: ops.gated_rms_norm from then on
+
+
+def triton_gated_rms_norm_kernel():
+    """`kernels_norm_triton.triton_gated_rms_norm`, or None where triton cannot be imported (CPU machines)."""
+    return triton_function("kernels_norm_triton", "triton_gated_rms_norm")
+
+
+def decode_gated_norm_applies(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, activation: str) -> bool:
+    """Whether gated_rms_norm(x, gate, weight) may run as the Triton kernel: x and gate [..., heads, D] of one shape,
+    dtype (bf16/fp16/fp32) and device, each viewable as [outer, heads, D] with a unit stride along D, the weight a
+    contiguous [D] vector on that device, silu or sigmoid, no gradient wanted, triton importable."""
+    if x.device.type not in GATED_NORM_DEVICE_TYPES or x.dtype not in NORM_DTYPES or x.dim() < 2:
+        return False
+    if gate.shape != x.shape or gate.dtype != x.dtype or gate.device != x.device or activation not in _ACTIVATIONS:
+        return False
+    if weight.shape != x.shape[-1:] or weight.device != x.device or not weight.is_contiguous():
+        return False
+    if _as_heads(x) is None or _as_heads(gate) is None:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate, weight)):
+        return False
+    return triton_gated_rms_norm_kernel() is not None
+
+
+_ACTIVATIONS = {"silu": True, "swish": True, "sigmoid": False}  # -> the kernel's SILU
+
+
+def _as_heads(t: torch.Tensor) -> torch.Tensor | None:
+    """t [..., heads, D] as an [outer, heads, D] view with a unit stride along D (None where the leading dimensions do
+    not flatten to one stride)."""
+    if t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, *t.shape[-2:])
+    except RuntimeError:
+        return None
+
+
+def decode_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
+                          activation: str = "silu") -> torch.Tensor:
+    """`ops.gated_rms_norm`'s result, through the Triton kernel where `decode_gated_norm_applies`."""
+    key = (x.shape[-1], x.dtype, weight.dtype, x.device, activation)
+    if key in _GATED_FAILED or x.numel() == 0 or not decode_gated_norm_applies(x, gate, weight, activation):
+        return gated_rms_norm(x, gate, weight, eps=eps, activation=activation)
+    try:
+        out = triton_gated_rms_norm_kernel()(_as_heads(x), _as_heads(gate), weight, eps, _ACTIVATIONS[activation])
+    except Exception as error:  # compilation or launch failure
+        record_failure(_GATED_FAILED, key, error, x, f"the Triton gated RMSNorm failed for width {x.shape[-1]} and "
+                       f"{x.dtype}; that norm runs through fla")
+        return gated_rms_norm(x, gate, weight, eps=eps, activation=activation)
+    return out.view(x.shape)

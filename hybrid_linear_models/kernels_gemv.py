@@ -39,7 +39,7 @@ as torch's own functions do, so the mode sees them:
   KW - 1 inputs, the product rounded to the dtype shifted in, float32 taps, silu, one rounding; the window written
   back whole), and the convolution's kernel (2.0-2.3 us a layer on an H200, plus its launch) disappears. Where the
   epilogue does not apply the GEMV runs alone and the convolution's kernel after it.
-The mode also sends `block_ops.rms_norm` to `decode_norm.decode_rms_norm` (this package's RMSNorm kernel).
+The mode also sends `block_ops.rms_norm` and `ops.gated_rms_norm` to `decode_norm` (this package's RMSNorm kernels).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
 from .block_ops import rms_norm, silu_and_mul
-from .decode_norm import decode_rms_norm
-from .ops import causal_conv1d_step
+from .decode_norm import decode_gated_rms_norm, decode_rms_norm
+from .ops import causal_conv1d_step, gated_rms_norm
 from .tensor_parallel_heads import device_mesh
 from .triton_loading import has_bf16_tensor_cores, record_failure, triton_function
 
@@ -246,8 +246,8 @@ def linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 class DecodeGemvMode(TorchFunctionMode):
     """Sends the F.linear, `linear_rows` and `linear_swiglu` calls made while it is active through `decode_linear`,
-    `linear_conv_step` through `decode_linear_conv_step`, and `block_ops.rms_norm` through
-    `decode_norm.decode_rms_norm`."""
+    `linear_conv_step` through `decode_linear_conv_step`, `block_ops.rms_norm` and `ops.gated_rms_norm` through
+    `decode_norm`'s kernels."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -259,6 +259,8 @@ class DecodeGemvMode(TorchFunctionMode):
             return decode_linear(*args, **kwargs, paired=True)
         if func is rms_norm:
             return decode_rms_norm(*args, **kwargs)
+        if func is gated_rms_norm:
+            return decode_gated_rms_norm(*args, **kwargs)
         return func(*args, **kwargs)
 
 

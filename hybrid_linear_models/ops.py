@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import fla_backend
 from .fla_backend import fla_available_for, note_torch_path  # noqa: F401  (fla_available_for: public)
@@ -330,7 +331,11 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dim, times `weight`, times act(gate): x / sqrt(mean(x^2) + eps) * w * act(gate),
     computed in float32 (float64 for float64 x) and returned in x's dtype. act is "silu" (Qwen3-Next, Fast-LLM) or
-    "sigmoid" (Kimi)."""
+    "sigmoid" (Kimi). Takes part in `__torch_function__` dispatch, so a captured decoding step's mode may route it
+    (`decode_norm`)."""
+    if has_torch_function_variadic(x, gate, weight):
+        return handle_torch_function(gated_rms_norm, (x, gate, weight), x, gate, weight, eps=eps,
+                                     activation=activation)
     if activation not in _GATE_ACTIVATIONS:
         raise ValueError(f"gated_rms_norm: activation must be one of {sorted(_GATE_ACTIVATIONS)}, got {activation!r}.")
     if gate.shape != x.shape or weight.shape != x.shape[-1:]:

@@ -11,9 +11,21 @@ import torch
 
 from hybrid_linear_models import decode_norm, kernels_gemv
 from hybrid_linear_models.block_ops import rms_norm
-from hybrid_linear_models.decode_norm import decode_norm_applies, decode_rms_norm
+from hybrid_linear_models.decode_norm import decode_gated_norm_applies, decode_norm_applies, decode_rms_norm
+from hybrid_linear_models.ops import gated_rms_norm
 from hybrid_linear_models.kernels_gemv import DecodeGemvMode
 from model_helpers import assert_same_generation, greedy, replay_graphs_eagerly, runs_triton_kernels, tiny_model
+
+
+def stand_in_gemv(monkeypatch) -> None:
+    """The mode needs the GEMV's kernel: stood in by F.linear and its gather (no epilogues: the convolution's step and
+    the SwiGLU pairs keep their own kernels)."""
+    monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels_gemv, "CONV_STEP_DEVICE_TYPES", ())
+    monkeypatch.setattr(kernels_gemv, "_FAILED", {})
+    linear = kernels_gemv.torch_linear_rows
+    monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: lambda x, weight, bias, rows=None: linear(
+        x, weight, bias, rows))
 
 
 @pytest.fixture
@@ -76,8 +88,7 @@ def test_a_captured_step_sends_its_block_norms_to_the_kernel(stand_in, monkeypat
     """The tiny model's captured step (replayed eagerly): its input, post-attention and final norms go to the kernel
     (2 a layer + 1: with the residual add but the first layer's input norm and the final one), and the tokens and
     logits are those of decoding without graphs."""
-    monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))  # (the mode needs the GEMV's kernel:
-    monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernels_gemv.torch_linear_rows)  # stood in)
+    stand_in_gemv(monkeypatch)
     layers = ["gated_deltanet", "full_attention", "kimi_delta_attention"]
     model = tiny_model(layers)
     input_ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -129,3 +140,83 @@ def test_kernel_against_float64(shape, dtype, residual):
         if residual:
             assert out[1].dtype == dtype and ((out[1].double() - s).abs() <= unit * s.abs()).all()
 
+
+
+@pytest.fixture
+def gated_stand_in(monkeypatch) -> list:
+    """The gated norm's kernel stood in on the CPU by ops.gated_rms_norm itself (on the [outer, heads, D] views it is
+    given); returns the (outer, heads, D, silu?) it served."""
+    calls: list = []
+
+    def kernel(x, gate, weight, eps, silu):
+        calls.append((*x.shape, silu))
+        return gated_rms_norm(x, gate, weight, eps=eps, activation="silu" if silu else "sigmoid")
+
+    monkeypatch.setattr(decode_norm, "GATED_NORM_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(decode_norm, "triton_gated_rms_norm_kernel", lambda: kernel)
+    return calls
+
+
+def test_the_gated_norm_applies_to_heads_of_one_layout_and_the_mode_routes_it(gated_stand_in):
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 1, 4, 16, generator=g), torch.randn(16, generator=g)
+    wide = torch.randn(2, 1, 100, generator=g)  # the gate as a slice of a fused projection's output
+    gate = wide[..., 20:84].unflatten(-1, (4, 16))
+    assert decode_gated_norm_applies(x, gate, w, "silu") and decode_gated_norm_applies(x, gate, w, "sigmoid")
+    assert not decode_gated_norm_applies(x, gate, w, "relu")
+    assert not decode_gated_norm_applies(x, gate[..., :8], w, "silu")
+    assert not decode_gated_norm_applies(x, gate.transpose(-1, -2).contiguous().transpose(-1, -2), w, "silu")
+    assert not decode_gated_norm_applies(x.double(), gate.double(), w, "silu")
+    assert not decode_gated_norm_applies(x, gate, torch.randn(2, 16)[:, 0], "silu")  # a weight of another width
+    with torch.no_grad(), DecodeGemvMode():
+        outs = [gated_rms_norm(x, gate, w, eps=1e-5, activation=a) for a in ("silu", "sigmoid")]
+    assert gated_stand_in == [(2, 4, 16, True), (2, 4, 16, False)]
+    for out, activation in zip(outs, ("silu", "sigmoid")):
+        assert torch.equal(out, gated_rms_norm(x, gate, w, eps=1e-5, activation=activation)) and out.shape == x.shape
+
+
+def test_a_captured_step_sends_its_output_norms_to_the_gated_kernel(gated_stand_in, monkeypatch):
+    """The tiny model's captured step (replayed eagerly): each GDN and KDA layer's output norm goes to the kernel, and
+    the tokens and logits are those of decoding without graphs."""
+    stand_in_gemv(monkeypatch)
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention"])
+    input_ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(1))
+    captured = replay_graphs_eagerly(monkeypatch)
+    graphed = greedy(model, input_ids, new_tokens=4, cache_implementation="static")
+    assert len(captured) == 1
+    gdn, kda = model.model.layers[0].linear_attn, model.model.layers[2].linear_attn
+    assert gated_stand_in[:2] == [(2, gdn.num_v_heads, gdn.head_v_dim, True), (2, kda.num_heads, kda.head_dim, False)]
+    model.set_cuda_graph_decoding(False)
+    eager = greedy(model, input_ids, new_tokens=4, cache_implementation="static")
+    assert_same_generation(graphed, eager, tolerance=0.0)
+
+
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("shape", [(1, 32, 128), (16, 16, 128), (3, 5, 100)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_gated_kernel_against_float64(shape, dtype, activation):
+    """y = x / sqrt(mean(x^2) + eps) * w * act(g): the float32 sum of squares within D 2^-24 of its value, so rstd
+    within D/2 2^-24, a few more float32 roundings (sqrt, division, the products, sigmoid: 12 2^-24 in all), then one
+    rounding (unit roundoff u), element by element (and half the spacing of subnormals); the gate read through its
+    strides (a slice of a wider row, as the fused projection's output is)."""
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter has no bfloat16 arithmetic")
+    from hybrid_linear_models.kernels_norm_triton import triton_gated_rms_norm
+
+    outer, heads, width = shape
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(outer, heads, width, generator=g).to(device, dtype)
+    wide = (2 * torch.randn(outer, heads * width + 7, generator=g)).to(device, dtype)
+    gate = wide[:, 7:].unflatten(-1, (heads, width))
+    w = (1 + 0.1 * torch.randn(width, generator=g)).to(device, dtype)
+    x64, g64 = x.double(), gate.double()
+    act = g64 * torch.sigmoid(g64) if activation == "silu" else torch.sigmoid(g64)
+    expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double() * act
+    y = triton_gated_rms_norm(x, gate, w, 1e-6, activation == "silu")
+    assert y.dtype == dtype and y.shape == x.shape
+    unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -24}[dtype]
+    bound = (unit + (width / 2 + 12) * 2 ** -24) * expected.abs() + torch.finfo(dtype).smallest_normal * unit
+    assert ((y.double() - expected).abs() <= bound).all()

@@ -39,6 +39,7 @@ def stand_in(monkeypatch) -> list:
 
     monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
+    monkeypatch.setattr(kernels_gemv, "_FAILED", {})
     return calls
 
 
