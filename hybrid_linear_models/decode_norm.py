@@ -14,7 +14,9 @@ it off (`benchmarks/profile_decode_step.py --ab norm`).
 The GDN/KDA output norm (`ops.gated_rms_norm`, per head, with its gate) goes to `triton_gated_rms_norm` the same way
 (`decode_gated_rms_norm`, `GATED_NORM_DEVICE_TYPES`; `--ab gated_norm`): x and gate CUDA of one dtype, each viewable
 as [outer, heads, D] with a unit stride along D (the gate is a slice of the fused projection's output), the weight a
-contiguous [D], silu or sigmoid. Its gain is the dependent launch (`kernels_launch_triton`) it takes part in.
+contiguous [D], silu or sigmoid. Its gain is the dependent launch (`kernels_launch_triton`) it takes part in: the
+replayed step with it against fla's (same run, H200): KDA 0.800 -> 0.774 ms, GDN 0.846 -> 0.854 ms (its 32 heads in
+one program at batch 1: `triton_gated_rms_norm` takes up to 4,096 elements a program).
 """
 
 from __future__ import annotations

@@ -248,6 +248,8 @@ def test_linear_conv_step_is_the_projection_then_the_convolution_step(stand_in):
         linear_conv_step(x, w, None, rows[:5], taps, window.clone())  # fewer outputs than channels: the step's error
     assert stand_in == [(2, 12, 16, 5)]  # the projection alone (no epilogue), then the step's own check
     assert not conv_step_applies(x, taps.view(6, 4), window[:1], 8)  # (another batch's window)
+    wide = torch.zeros(6, kernels_gemv.MAX_CONV_TAPS + 1, dtype=torch.bfloat16)
+    assert not conv_step_applies(x, wide, torch.zeros(2, *wide.shape, dtype=torch.bfloat16), 8)  # too many taps
 
 
 @pytest.mark.gpu
