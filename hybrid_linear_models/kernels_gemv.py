@@ -197,8 +197,10 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows
     try:
         out = triton_gemv_kernel()(flat, weight, bias, rows, **options)
     except Exception as error:  # compilation or launch failure
-        record_failure(_FAILED, key, error, x, f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; "
-                       "that product runs through cuBLAS")
+        fallback = ("that product runs without the convolution's step in it (the step's own kernel follows)"
+                    if convolution is not None else "that product runs through cuBLAS")
+        record_failure(_FAILED, key, error, x,
+                       f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; {fallback}")
         return None
     return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -13,7 +13,8 @@ from hybrid_linear_models import kernels_gemv
 from hybrid_linear_models.block_ops import silu_and_mul
 from hybrid_linear_models.ops import causal_conv1d_step
 from hybrid_linear_models.kernels_gemv import (DecodeGemvMode, conv_step_applies, decode_linear, gemv_applies,
-                                               linear_conv_step, linear_rows, linear_swiglu, swiglu_pair_rows)
+                                               linear_conv_step, linear_rows, linear_swiglu, swiglu_pair_rows,
+                                               torch_linear_conv_step)
 from model_helpers import assert_same_generation, greedy, replay_graphs_eagerly, runs_triton_kernels, tiny_model
 
 
@@ -289,3 +290,28 @@ def test_convolution_epilogue_against_float64(shape, dtype):
         summed = 1.0998 * (width - 1) * 2 ** -24 * terms.abs().sum(-1)
         bound = summed + (unit + 4 * 2 ** -24) * (expected.abs() + summed) + torch.finfo(dtype).smallest_normal * unit
         assert ((got[:, :channels].double() - expected).abs() <= bound).all(), blocks
+
+
+def test_a_convolution_epilogue_that_fails_leaves_the_gemv_and_the_step_with_one_warning(monkeypatch, caplog):
+    tries = []
+
+    def kernel(x, weight, bias, rows=None, convolution=None):
+        tries.append(convolution is not None)
+        if convolution is not None:
+            raise RuntimeError("no such instruction on this GPU")
+        return F.linear(x, weight, bias) if rows is None else F.linear(x, weight, bias)[:, rows]
+
+    monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
+    monkeypatch.setattr(kernels_gemv, "_FAILED", {})
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(1, 1, 16, generator=g).bfloat16(), torch.randn(10, 16, generator=g).bfloat16()
+    taps, window = torch.randn(6, 1, 4, generator=g).bfloat16(), torch.randn(1, 6, 4, generator=g).bfloat16()
+    expected_window = window.clone()
+    expected = torch_linear_conv_step(x, w, None, None, taps, expected_window)
+    with caplog.at_level("WARNING", logger="hybrid_linear_models.kernels_gemv"), torch.no_grad(), DecodeGemvMode():
+        for step in range(2):
+            got = linear_conv_step(x, w, None, None, taps, window)
+            if step == 0:
+                assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(window, expected_window)
+    assert tries == [True, False, False] and caplog.text.count("failed") == 1 and "step's own kernel" in caplog.text
