@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import has_bf16_tensor_cores, record_failure, triton_function
+from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_function
 
 STEP_DEVICE_TYPES = ("cuda",)  # tests add "cpu", running the kernels under triton's interpreter
 STEP_DTYPES = (torch.bfloat16, torch.float16)
@@ -72,7 +72,7 @@ def fused_attention_step(attention, hidden_states: torch.Tensor, tables, mask, c
         return None
     key = (attention.num_heads, attention.num_key_value_heads, attention.head_dim, attention.output_gate,
            attention.q_norm is not None, hidden_states.dtype, hidden_states.device)
-    if key in _FAILED:
+    if key in _FAILED:  # (before the projection below: the torch path projects for itself)
         return None
     B, D = hidden_states.shape[0], attention.head_dim
     qkv = attention._qkv(hidden_states, projections).view(B, -1)
@@ -80,14 +80,11 @@ def fused_attention_step(attention, hidden_states: torch.Tensor, tables, mask, c
     cos, sin = cos.reshape(-1, D), sin.reshape(-1, D)  # [B or 1, D]
     norms = (attention.q_norm, attention.k_norm)
     scales = [norm.scale(qkv) if norm is not None else None for norm in norms]
-    try:
-        out = attention_step_kernel()(
+    out = kernel_result(
+        _FAILED, key, hidden_states, "the fused attention step failed; the attention layers of captured steps run "
+        "the torch path", lambda: attention_step_kernel()(
             qkv, layer.keys, layer.values, layer.cumulative_length, *scales,
             tuple(norm.eps if norm is not None else 0.0 for norm in norms), cos.expand(B, D), sin.expand(B, D),
             tables.rotated_dims(D), mask.view(mask.shape[0], -1), attention.scaling, attention.num_heads,
-            attention.output_gate)
-    except Exception as error:  # compilation or launch failure
-        record_failure(_FAILED, key, error, hidden_states, "the fused attention step failed; the attention layers of "
-                       "captured steps run the torch path")
-        return None
-    return out.view(B, 1, -1)
+            attention.output_gate))
+    return out.view(B, 1, -1) if out is not None else None

@@ -25,7 +25,7 @@ import torch
 
 from .block_ops import rms_norm
 from .ops import gated_rms_norm
-from .triton_loading import record_failure, triton_function
+from .triton_loading import kernel_result, triton_function
 
 NORM_DEVICE_TYPES = ("cuda",)
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,16 +55,15 @@ def decode_norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
 def decode_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """`block_ops.rms_norm`'s result, through the Triton kernel where `decode_norm_applies` (see the module
     docstring)."""
-    key = (x.shape[-1], x.dtype, weight.dtype, x.device, residual is not None)
-    if key in _FAILED or x.numel() == 0 or not decode_norm_applies(x, weight, residual):
-        return rms_norm(x, weight, eps, residual=residual)
     width = x.shape[-1]
-    try:
-        out = triton_rms_norm_kernel()(x.view(-1, width), weight, eps,
-                                       residual.view(-1, width) if residual is not None else None)
-    except Exception as error:  # compilation or launch failure
-        record_failure(_FAILED, key, error, x, f"the Triton RMSNorm failed for width {width} and {x.dtype}; "
-                       "that norm runs through fla")
+    out = None
+    if x.numel() and decode_norm_applies(x, weight, residual):
+        out = kernel_result(
+            _FAILED, (width, x.dtype, weight.dtype, x.device, residual is not None), x,
+            f"the Triton RMSNorm failed for width {width} and {x.dtype}; that norm runs through fla",
+            lambda: triton_rms_norm_kernel()(x.view(-1, width), weight, eps,
+                                             residual.view(-1, width) if residual is not None else None))
+    if out is None:
         return rms_norm(x, weight, eps, residual=residual)
     if residual is None:
         return out.view(x.shape)
@@ -114,13 +113,13 @@ def _as_heads(t: torch.Tensor) -> torch.Tensor | None:
 def decode_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
                           activation: str = "silu") -> torch.Tensor:
     """`ops.gated_rms_norm`'s result, through the Triton kernel where `decode_gated_norm_applies`."""
-    key = (x.shape[-1], x.dtype, weight.dtype, x.device, activation)
-    if key in _GATED_FAILED or x.numel() == 0 or not decode_gated_norm_applies(x, gate, weight, activation):
-        return gated_rms_norm(x, gate, weight, eps=eps, activation=activation)
-    try:
-        out = triton_gated_rms_norm_kernel()(_as_heads(x), _as_heads(gate), weight, eps, _ACTIVATIONS[activation])
-    except Exception as error:  # compilation or launch failure
-        record_failure(_GATED_FAILED, key, error, x, f"the Triton gated RMSNorm failed for width {x.shape[-1]} and "
-                       f"{x.dtype}; that norm runs through fla")
+    out = None
+    if x.numel() and decode_gated_norm_applies(x, gate, weight, activation):
+        out = kernel_result(
+            _GATED_FAILED, (x.shape[-1], x.dtype, weight.dtype, x.device, activation), x,
+            f"the Triton gated RMSNorm failed for width {x.shape[-1]} and {x.dtype}; that norm runs through fla",
+            lambda: triton_gated_rms_norm_kernel()(_as_heads(x), _as_heads(gate), weight, eps,
+                                                   _ACTIVATIONS[activation]))
+    if out is None:
         return gated_rms_norm(x, gate, weight, eps=eps, activation=activation)
     return out.view(x.shape)

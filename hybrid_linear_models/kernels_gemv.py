@@ -55,7 +55,7 @@ from .block_ops import rms_norm, silu_and_mul
 from .decode_norm import decode_gated_rms_norm, decode_rms_norm
 from .ops import causal_conv1d_step, gated_rms_norm
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import has_bf16_tensor_cores, record_failure, triton_function
+from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_function
 
 # out_features (gathered outputs for `linear_rows`) up to which each form of the kernel is taken: "one_row" for x of
 # one row (batch-1 decoding), "rows" for 2 to MAX_ROWS rows; None: any width (see the module docstring)
@@ -133,7 +133,12 @@ def torch_linear_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear_conv_step` without the Triton GEMV: `torch_linear_rows`, then the convolution's step on its first
     columns (`ops.causal_conv1d_step`: fla's kernel or torch)."""
-    out = torch_linear_rows(x, weight, bias, rows)
+    return _convolve_first(torch_linear_rows(x, weight, bias, rows), conv_weight, window)
+
+
+def _convolve_first(out: torch.Tensor, conv_weight: torch.Tensor,
+                    window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the convolution's step on out's first C columns, `window` updated in place; the other columns)."""
     channels = conv_weight.shape[0]
     return causal_conv1d_step(out[..., :channels], conv_weight, window, activation="silu"), out[..., channels:]
 
@@ -178,8 +183,7 @@ def decode_linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: tor
         out = _gemv(input, weight, bias, rows, convolution=(taps, window))
         if out is not None:
             return out[..., :channels], out[..., channels:]
-    out = decode_linear(input, weight, bias, rows)
-    return causal_conv1d_step(out[..., :channels], conv_weight, window, activation="silu"), out[..., channels:]
+    return _convolve_first(decode_linear(input, weight, bias, rows), conv_weight, window)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,
@@ -188,21 +192,17 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows
     kernel that fails (a GPU or triton it cannot compile for) is not tried again for that shape, and one warning says
     so: the step is still captured, with cuBLAS (the first try happens in the warm-up before a capture, never inside
     it)."""
+    if not gemv_applies(x, weight, bias, rows, paired):
+        return None
     key = (tuple(weight.shape), x.dtype, x.device, rows is not None, paired,
            tuple(convolution[0].shape) if convolution is not None else None)
-    if key in _FAILED or not gemv_applies(x, weight, bias, rows, paired):
-        return None
     flat = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
     options = {"swiglu_pairs": True} if paired else {"convolution": convolution} if convolution is not None else {}
-    try:
-        out = triton_gemv_kernel()(flat, weight, bias, rows, **options)
-    except Exception as error:  # compilation or launch failure
-        fallback = ("that product runs without the convolution's step in it (the step's own kernel follows)"
-                    if convolution is not None else "that product runs through cuBLAS")
-        record_failure(_FAILED, key, error, x,
-                       f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; {fallback}")
-        return None
-    return out.view(*x.shape[:-1], out.shape[-1])
+    fallback = ("that product runs without the convolution's step in it (the step's own kernel follows)"
+                if convolution is not None else "that product runs through cuBLAS")
+    out = kernel_result(_FAILED, key, x, f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; "
+                        f"{fallback}", lambda: triton_gemv_kernel()(flat, weight, bias, rows, **options))
+    return out.view(*x.shape[:-1], out.shape[-1]) if out is not None else None
 
 
 def linear_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -195,14 +195,12 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0] if rows is None else rows.shape[0]
     y = torch.empty(M, N // 2 if swiglu_pairs else N, device=x.device, dtype=x.dtype)
-    taps, window = convolution if convolution is not None else (weight, weight)
+    taps, window = convolution if convolution is not None else (weight, weight)  # (unread without a convolution)
+    channels, width = taps.shape if convolution is not None else (0, 0)
     args = (x, weight, bias if bias is not None else weight, rows if rows is not None else weight, y, M, N, K,
-            x.stride(0), weight.stride(0), y.stride(0), taps, window, window.stride(0),
-            taps.shape[0] if convolution is not None else 0)
-    flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, SWIGLU_PAIRS=swiglu_pairs,
-                 KW=taps.shape[1] if convolution is not None else 0,
-                 BLOCK_KW=triton.next_power_of_2(taps.shape[1]) if convolution is not None else 1,
-                 ROWS=1 if M == 1 else ROWS,
+            x.stride(0), weight.stride(0), y.stride(0), taps, window, window.stride(0), channels)
+    flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, SWIGLU_PAIRS=swiglu_pairs, KW=width,
+                 BLOCK_KW=triton.next_power_of_2(max(width, 1)), ROWS=1 if M == 1 else ROWS,
                  **dependent_launch(x.device))
     if blocks is None and _INTERPRETED:
         blocks = (16, 128)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -38,3 +42,16 @@ def record_failure(failed: dict, key, error: Exception, tensor: torch.Tensor, wh
         raise error
     failed[key] = error
     logger.warning(f"{what} ({type(error).__name__}: {str(error)[:200]})")
+
+
+def kernel_result(failed: dict, key, tensor: torch.Tensor, what: str, call: Callable[[], T]) -> T | None:
+    """call(), a kernel of this package on `tensor`'s device, or None where it failed for `key`, before (kept in
+    `failed`) or now (`record_failure`: one warning saying `what` runs instead): the caller then runs its torch
+    path."""
+    if key in failed:
+        return None
+    try:
+        return call()
+    except Exception as error:  # compilation or launch failure
+        record_failure(failed, key, error, tensor, what)
+        return None
