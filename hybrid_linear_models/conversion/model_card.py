@@ -1,4 +1,5 @@
-"""Renders the model card (README.md) of an exported folder from the template `model_cards/hybrid_linear.md`.
+"""Renders the model card (README.md) of an exported folder from the template
+`hybrid_linear_models/model_cards/hybrid_linear.md`.
 
 The card describes the layers through the registrations of their components (`mixer_registry`, `mlp_registry`):
 each spec's `title` names it ("Gated DeltaNet") and its `describe(settings)` sums up one layer's settings ("8 key
@@ -10,7 +11,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from importlib import resources
-from pathlib import Path
 
 from ..component_registry import ComponentSpec
 from ..configuration_hybrid_linear import HybridLinearConfig
@@ -25,12 +25,8 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 
 def load_template() -> str:
-    """The template of the source checkout this code runs from (its top-level `model_cards/` folder), else the one
-    installed as the `hybrid_linear_models.model_cards` package data. The checkout's comes first: an editable install
-    maps the package data to the checkout it was made from, which need not be this one (another worktree)."""
-    path = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    """The template shipped as the `hybrid_linear_models.model_cards` package data (read through importlib.resources,
+    so a wheel, an editable install and a checkout on sys.path all find it beside this code)."""
     try:
         return resources.files("hybrid_linear_models.model_cards").joinpath(TEMPLATE_NAME).read_text("utf-8")
     except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError, OSError) as error:

@@ -1,0 +1,1 @@
+"""Model-card templates, rendered by the converters (package data of hybrid_linear_models)."""
