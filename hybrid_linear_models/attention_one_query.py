@@ -1,9 +1,9 @@
 """Attention of a decoding step (one query per head and row) as two batched GEMMs, for the GPU's captured steps.
 
 At batch 1 a decoding step's attention is tiny (one query per head against a few thousand cached keys), and the
-fused SDPA kernels are built for long query blocks: on an H200, cuDNN's SDPA took 38 us per layer for 16 query heads
-of 256 over 2 KV heads and 1,152 keys, and the memory-efficient kernel (which MLA's absorbed step, a 576-wide key, falls
-back to) 63 us, against a few microseconds for the GEMMs' reads (profile_decode_step.py). Here the query heads that
+fused SDPA kernels are built for long query blocks: for one query they take tens of microseconds per layer (cuDNN's,
+and the memory-efficient kernel that MLA's absorbed step, a 576-wide key, falls back to), against a few microseconds
+for the GEMMs' reads (profile_decode_step.py). Here the query heads that
 share a KV head are the rows of one matrix, so each KV head is read once, with no copy per query head:
 
     rows = q [B, H_kv, G * T_q, d]  (query head h = j * G + g reads KV head j, transformers' repeat_kv order)

@@ -2,10 +2,9 @@
 
 A batch-1 step runs 2 norms a layer plus the final one (33 in the 16-layer benchmark models), each a one-row kernel
 of a few microseconds that is all memory latency: fla's kernel reads the norm weight only after the row's reduction,
-a second round trip to HBM (`kernels_norm_triton` reads it with the row). Measured on an H200, the replayed step of
-the benchmark models with it against fla's (same run): GDN 1.0274 -> 1.0061 ms, KDA 0.9862 -> 0.9643 ms (the 33
-norms 79.5 -> 57.8 us of kernel time, GDN). Inside the decoding step's mode (`kernels_gemv.DecodeGemvMode`, which
-routes `block_ops.rms_norm` here) the norm runs as `triton_rms_norm` when: the input is CUDA bf16/fp16/fp32,
+a second round trip to HBM (`kernels_norm_triton` reads it with the row; the step's time with each:
+docs/performance.md). Inside the decoding step's mode (`kernels_gemv.DecodeGemvMode`, which routes
+`block_ops.rms_norm` here) the norm runs as `triton_rms_norm` when: the input is CUDA bf16/fp16/fp32,
 contiguous, the weight a contiguous vector of its width on its device, the residual (if any) of its shape, dtype and
 device, contiguous, no gradient wanted, triton importable. Anything else, and a kernel that failed to compile for a
 layout (one warning, not tried again), keeps `block_ops.rms_norm` (fla or torch). `NORM_DEVICE_TYPES` emptied turns
@@ -14,9 +13,9 @@ it off (`benchmarks/profile_decode_step.py --ab norm`).
 The GDN/KDA output norm (`ops.gated_rms_norm`, per head, with its gate) goes to `triton_gated_rms_norm` the same way
 (`decode_gated_rms_norm`, `GATED_NORM_DEVICE_TYPES`; `--ab gated_norm`): x and gate CUDA of one dtype, each viewable
 as [outer, heads, D] with a unit stride along D (the gate is a slice of the fused projection's output), the weight a
-contiguous [D], silu or sigmoid. Its gain is the dependent launch (`kernels_launch_triton`) it takes part in: the
-replayed step with it against fla's (same run, H200): KDA 0.800 -> 0.774 ms, GDN 0.846 -> 0.854 ms (its 32 heads in
-one program at batch 1: `triton_gated_rms_norm` takes up to 4,096 elements a program).
+contiguous [D], silu or sigmoid. Its gain is the dependent launch (`kernels_launch_triton`) it takes part in, so the
+output projection's GEMV after it starts early; at batch 1 one program takes a row's heads, up to 4,096 elements
+(`triton_gated_rms_norm`), which keeps the GDN model's 32 heads in one program.
 """
 
 from __future__ import annotations

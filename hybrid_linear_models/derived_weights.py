@@ -9,7 +9,7 @@ in place when its layout allows. A captured CUDA graph reads the kept tensor wit
 
 It asks before every replayed step, so the question must cost little next to a step of a millisecond or two, on
 the host time between transformers' per-token synchronisation and the replay: asking each of a 16-layer model's ~110
-kept tensors (`stale()`, a few attribute reads per source) took 0.13 ms (GDN) to 0.21 ms (KDA) per token on a CI core.
+kept tensors (`stale()`, a few attribute reads per source) costs a tenth of a millisecond or more per token.
 `ChangeWatch` answers from a snapshot instead, in two depths. Before every step (`changed()`): the count of values
 built anywhere since (`_BUILDS`, raised by every build) and the version counters of the derived values' sources, the
 only in-place updates that change what a kept tensor should hold (a stacked weight's in-place update is in the shared

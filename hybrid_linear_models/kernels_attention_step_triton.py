@@ -14,8 +14,7 @@ output to the input of o_proj (`attention_step.py` says when they run; its torch
 3. `_combine_kernel`, one program per (row, query head): the splits' partial sums merged by their maxima, divided by
    the softmax's sum, rounded, then the output gate sigmoid(gate) (rounded, and the product rounded, as torch's ops).
    The splits are loaded together (up to `COMBINED_ELEMENTS` partial sums at once, the online rescale kept between
-   such chunks), not one after another: the merge was a chain of dependent L2 reads, one per split, 6.6-7.9 us a layer
-   for the 18 splits of a 1,152-slot cache on an H200, 2.75 us loaded at once (`profile_decode_step.py`'s tables).
+   such chunks), not one after another, which would make the merge a chain of dependent L2 reads, one per split.
 
 All three are launched with programmatic dependent launch where it is on (`kernels_launch_triton`): each waits for
 the kernel ahead first (everything they read, the cache's counter included, a kernel of the step writes), and lets

@@ -1,18 +1,12 @@
 """The linear layers of a captured decoding step: bf16/fp16 GEMVs go to a Triton kernel of this package.
 
 At batch 1 to 16 a linear layer reads its weight once and does little else, so it should run at the memory bandwidth.
-cuBLAS does for wide outputs, but not for narrow ones: on an H200 (`benchmarks/bench_decode_gemv.py`, bf16, batch 1)
-the GEMVs with 2,048 outputs (GDN's out_proj, the MLPs' down_proj, the attention's o_proj) ran at 29-43% of 4.8 TB/s,
-MLA's 576-wide kv_a at 8% and a 1,024-wide shared expert at 7%, against 65-80% for outputs of 8k and more. The
-products within `WIDEST_OUTPUTS` therefore run through `kernels_gemv_triton.triton_gemv` (float32 accumulation, as
-cuBLAS's; the sums are ordered differently, so results agree to rounding). Measured side by side (same run, H200,
-bf16): at batch 1 its one-row form beats cuBLAS on every shape of the benchmark models, 1.45-1.53x on the 2,048-wide
-outputs (out_proj 9.8 -> 6.4 us, 55% of the bandwidth; down 60%), 1.02-1.12x on the wide ones (in_proj, gate+up,
-q/k/v; the LM head 34.3 -> 31.3 us, 87%), 1.9x on MLA's kv_a, 3.8x on Kimi-Linear's shared expert; hence no width
-limit for one row. Its tl.dot form for 2 to 16 rows wins up to 2,048 outputs (1.1-1.16x) and loses beyond (0.8x on
-9,216), hence that limit. A replayed step (`profile_decode_step.py --ab gemv`, the one-row form then limited to 2,048
-outputs): GDN 1.443 -> 1.236 ms (1.17x), KDA 1.264 -> 1.162 ms (1.09x); without the limit (`profile_decode_step.py`,
-another run) GDN 1.180 ms, KDA 1.108 ms. It runs when:
+cuBLAS does for wide outputs, but not for narrow ones (2,048 outputs and fewer: GDN's out_proj, the MLPs' down_proj,
+the attention's o_proj, MLA's kv_a, a shared expert). The products within `WIDEST_OUTPUTS` therefore run through
+`kernels_gemv_triton.triton_gemv` (float32 accumulation, as cuBLAS's; the sums are ordered differently, so results
+agree to rounding). At batch 1 its one-row form beats cuBLAS on every shape of the benchmark models, narrow and wide,
+hence no width limit for one row; its tl.dot form for 2 to 16 rows wins up to 2,048 outputs and loses beyond, hence
+that limit (`benchmarks/bench_decode_gemv.py`; the figures are in docs/performance.md). It runs when:
 - the input is CUDA bf16/fp16 with at most 16 rows and a unit stride along its features, the weight a plain 2-D tensor
   of the same dtype (a bias too, or none), no gradient wanted, triton importable, a GPU of compute capability 8.0 or
   later (a kernel that still fails to compile is dropped for that shape, with a warning: `decode_linear`);
@@ -25,21 +19,18 @@ Three products with more to them take part in `__torch_function__` dispatch (`to
 as torch's own functions do, so the mode sees them:
 - `linear_rows(x, W, b, rows)`, F.linear followed by a gather of its outputs (GDN's decoding step regroups its fused
   input projection so): one kernel reads the weight rows in the gathered order, and the gather, a kernel of its own
-  otherwise, disappears (cuBLAS + gather 23.1 us, the kernel 14.1 us for GDN's 12,352 x 2,048);
+  otherwise, disappears;
 - `linear_swiglu(x, [W_gate; W_up], b)`, the gated MLP's silu(x W_gate^T) * (x W_up^T): one kernel reads the rows in
   (gate_j, up_j) pairs (`swiglu_pair_rows`) and stores each pair's SwiGLU, so neither SwiGLU's kernel nor the
-  [gate | up] output exists, and the down projection is a plain GEMV. (Before, the down projection's kernel computed
-  silu(gate) * up as it loaded its input, every program again for its slice: 9.66 us for the 2,048 x 5,632 down
-  projection against 7.94 us plain, and 74.5 us at batch 16 in the tl.dot form, which therefore left SwiGLU to its
-  own kernel. A replayed step with the pairs against the activation on load, same run, H200, this package's RMSNorm
-  kernel on both sides: GDN 1.0061 -> 0.9817 ms, KDA 0.9643 -> 0.9440 ms.)
+  [gate | up] output exists, and the down projection is a plain GEMV. (SwiGLU computed as the down projection loads
+  its input would be computed again by every program for its slice, a slower down projection, and at batch 16 a much
+  slower one.)
 - `linear_conv_step(x, W, b, rows, conv_weight, window)`, GDN's and KDA's input projection followed by the short
   convolution's decoding step on its first C outputs (the flat [q | k | v]): the GEMV's programs hold those sums, so
   each runs the step for its own channels as it stores them (fla's `causal_conv1d_update` math: the window's last
   KW - 1 inputs, the product rounded to the dtype shifted in, float32 taps, silu, one rounding; the window written
-  back whole), and the convolution's kernel (2.0-2.3 us a layer on an H200, plus its launch) disappears. Where the
-  epilogue does not apply the GEMV runs alone and the convolution's kernel after it. A replayed step with it against
-  the convolution's kernel (same run, H200): KDA 0.821 -> 0.785 ms, GDN 0.859 -> 0.858 ms.
+  back whole), and the convolution's kernel disappears. Where the epilogue does not apply the GEMV runs alone and the
+  convolution's kernel after it.
 The mode also sends `block_ops.rms_norm` and `ops.gated_rms_norm` to `decode_norm` (this package's RMSNorm kernels).
 """
 
@@ -75,9 +66,9 @@ def triton_gemv_kernel():
 
 
 def _within_width(outputs: int, rows_of_x: int, gathered: bool) -> bool:
-    """A gather is always worth folding in (it is a kernel of its own otherwise: GDN's 12,352-wide input projection
-    with its regrouping, 21.7 us on cuBLAS + gather against 17.2 us in the tl.dot form at batch 16, 22.7 against 14.1
-    in the one-row form at batch 1); plain products only up to the measured width of the form that serves them."""
+    """A gather is always worth folding in (it is a kernel of its own otherwise, and GDN's regrouped input projection
+    runs faster as one kernel in both forms); plain products only up to the measured width of the form that serves
+    them."""
     widest = WIDEST_OUTPUTS[_form(rows_of_x)]
     return gathered or widest is None or outputs <= widest
 

@@ -13,7 +13,7 @@ read once and no second kernel reduces or casts partial sums. Two forms of one k
 - one row of x (batch-1 decoding): elementwise products accumulated in a [BLOCK_N, BLOCK_K] float32 tile, summed
   over K once at the end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight then spreads over
   hundreds of programs, several per SM, whose loads together keep enough bytes in flight to approach the bandwidth
-  (a 16-row `tl.dot` tile left 128 programs for 132 SMs, one weight block each: 41-46% of it);
+  (a 16-row `tl.dot` tile gives 128 programs for 132 SMs, one weight block each, and under half of it);
 - up to 16 rows: the rows padded to 16 (masked loads, no memory traffic) so one `tl.dot` per slice runs on the tensor
   cores, software-pipelined by `num_stages`.
 With a convolution (`kernels_gemv.linear_conv_step`), output columns below C are the short convolution's decoding
@@ -21,17 +21,15 @@ step of the products, run in the epilogue (`_store_convolved`); each program rea
 before its sums, and writes the stepped window back.
 With programmatic dependent launch (`kernels_launch_triton`, Hopper on) a program reads its row index and its first
 weight slice, which no kernel of a decoding step writes, before it waits for the kernel ahead of it (x is that
-kernel's output): the weight's bytes move while that kernel ends (a replayed step of the GDN model 0.971 -> 0.885 ms
-with the norms' and the attention step's kernels launched so too, same run on an H200). The row index and the weight
+kernel's output): the weight's bytes move while that kernel ends (docs/performance.md, `--ab pdl`). The row index and the weight
 must therefore not be written inside the step that runs the GEMV (decoding steps read fixed weights and index rows
 made before the capture). The loop then loads each next slice after using the current one.
 Configurations are autotuned per (N, K) on first use (in the warm-up steps before a CUDA graph is captured, never
 inside the capture), each timed over 25 ms (the kernels take microseconds: thousands of runs, the L2 cache cleared
 before each by triton's do_bench), and the timings are kept in triton's cache folder, so a machine tunes a shape once,
-not once per process. On an H200 the one-row form settled on BLOCK_N = 2, BLOCK_K = 1,024, 4 warps for most weights
-of the benchmark models (`benchmarks/bench_decode_gemv.py` prints the choice): 1,024 programs for a 2,048-wide weight,
-each streaming two rows; the configurations listed are those chosen for some shape in two runs, (4, 1024) and
-(16, 512) never were.
+not once per process. On an H200 the one-row form takes BLOCK_N = 2, BLOCK_K = 1,024, 4 warps for most weights of
+the benchmark models (`benchmarks/bench_decode_gemv.py` prints the choice): 1,024 programs for a 2,048-wide weight,
+each streaming two rows; the configurations listed are those the tuning chooses for some shape of those models.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Programmatic dependent launch (PDL) for this package's decoding kernels: a kernel starts while the one ahead of it
 in the stream is still running, reads what no kernel of the step writes (its weights), then waits for it.
 
-A batch-1 decoding step is a chain of some 160 kernels, each waiting for the last. The GEMVs, three quarters of the
-step, pay a fixed cost each: on an H200 their times fit t = 2.4 us + bytes / 4.3 TB/s (the GDN model's in_proj,
-out_proj, gate+up and down: 14.2, 6.3, 13.6, 7.5 us), so of a step's 65 GEMVs some 160 us go to launching a kernel
-and waiting for its first loads while no weight byte moves. With PDL (Hopper on: PTX `griddepcontrol`), once every
-program of kernel A has passed `gdc_launch_dependents`, kernel B, launched with `launch_pdl`, may start on the SMs A
-frees: B issues its first weight loads, then `gdc_wait`s until A has finished and its writes are visible. A CUDA
+A batch-1 decoding step of the benchmark models is a chain of 148 (GDN) to 184 (KDA) kernels, each waiting for the
+last. The GEMVs, most of the step, pay a fixed cost each besides their bytes (a launch, and the latency of the first
+loads while no weight byte moves), which over a step's 65 GEMVs is its largest overhead (docs/performance.md gives
+the fit on an H200). With PDL (Hopper on: PTX `griddepcontrol`), once every program of kernel A has passed
+`gdc_launch_dependents`, kernel B, launched with `launch_pdl`, may start on the SMs A frees: B issues its first weight loads, then `gdc_wait`s until A has finished and its writes are visible. A CUDA
 graph keeps these programmatic edges.
 
 The contract of a kernel that calls `await_previous_kernel` (all of its programs do, on every path):

@@ -11,9 +11,8 @@ stored (no backward in a decoding step). With programmatic dependent launch (`ke
 read before the wait for the kernel ahead, whose output x is.
 
 The GDN/KDA output norm, per head, y = x / sqrt(mean(x^2) + eps) * w * act(g) with act silu or sigmoid, fla's
-`layer_norm_gated_fwd_kernel` math (`_gated_rms_norm_kernel`): on its own, loading w with the row measured at parity
-with fla's kernel (30.5 against 29.4 us a step for the GDN model's 12, session 15); its gain is the dependent launch,
-which fla's kernel does not take part in: it lets the output projection's GEMV after it start early and load its
+`layer_norm_gated_fwd_kernel` math (`_gated_rms_norm_kernel`): on its own, loading w with the row is at parity with
+fla's kernel; its gain is the dependent launch, which fla's kernel does not take part in: it lets the output projection's GEMV after it start early and load its
 weight while the norm runs.
 
 Imported only for CUDA tensors (`decode_norm`), since importing triton needs a GPU driver.

@@ -36,7 +36,7 @@ Two ways to attend, the same math:
   context. The sums are regrouped, so it equals the expanded form up to rounding (float32: ~1e-6, checked in the
   tests against the uncached forward). A kv_b_proj that is no plain Linear (a LoRA adapter around it) is expanded.
   On a GPU under sdpa the absorbed step attends by two GEMMs (`attention_one_query`: the memory-efficient SDPA
-  kernel, which a 576-wide key falls back to, took 63 us per layer on an H200 for Kimi-Linear's shapes).
+  kernel, which a 576-wide key falls back to, is built for long query blocks).
 """
 
 from __future__ import annotations

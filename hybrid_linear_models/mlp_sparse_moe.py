@@ -18,8 +18,8 @@ router logits are the first output of `HybridLinearTopKRouter`, which the model 
 The experts run through transformers' experts machinery (`use_experts_implementation`), chosen by the model config's
 `_experts_implementation` (`from_pretrained(..., experts_implementation=...)`, `model.set_experts_implementation`):
 - "grouped_mm_gather" (this package's default, experts_grouped_gather.py): transformers' grouped_mm with the token
-  permutations as gathers (no scatter in the backward) and the routing weight applied before down_proj; faster on
-  the CPU (benchmarks/bench_moe.py, same run: ~2x transformers' eager loop, ~1.3x their grouped_mm);
+  permutations as gathers (no scatter in the backward) and the routing weight applied before down_proj; faster than
+  both of transformers' on the CPU (benchmarks/bench_moe.py);
 - "grouped_mm" (transformers' default): the (token, expert) pairs sorted by expert, one grouped GEMM per projection
   (torch.nn.functional.grouped_mm: a CPU kernel in torch >= 2.9, CUDA SM80+);
 - "batched_mm": each pair multiplies by its own gathered expert matrix (bmm); memory k*E-fold, for tiny batches;

@@ -396,7 +396,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         padding, into an empty static cache. The keys are then the cache's slots, the prompt's first, and sdpa's
         causal mask (aligned at the first key) is the prompt's causal mask and hides the empty slots after it.
         transformers builds a [T, slots] mask there (a static cache has more keys than queries), for which sdpa runs
-        its masked kernel: 23-33% slower 8k-token prefills on an H200 than with a dynamic cache."""
+        its masked kernel, a markedly slower long prefill than with a dynamic cache."""
         return (self.config._attn_implementation == "sdpa" and getattr(cache, "is_compileable", False)
                 and inputs_embeds.shape[1] > 1 and not torch.compiler.is_compiling()
                 and (attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
