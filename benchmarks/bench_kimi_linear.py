@@ -1,4 +1,4 @@
-"""Speed of ours against transformers' KimiLinearForCausalLM with the same weights (issue 16, "Speed").
+"""Speed of ours against transformers' KimiLinearForCausalLM with the same weights.
 
 The pair: transformers' `KimiLinearForCausalLM` built from a `KimiLinearConfig` with random weights, and ours converted
 from it in memory through the kimi_linear converter (`kimi_to_hybrid_config` on its config.json fields, the

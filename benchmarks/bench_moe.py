@@ -10,7 +10,7 @@ Two measurements, forward + backward (the training step), float32 on CPU, bfloat
 Prints tokens/s, the ratios against transformers' eager experts, and peak memory on CUDA.
 
     python benchmarks/bench_moe.py                    # CPU, the small config (2 threads unless --threads)
-    python benchmarks/bench_moe.py --size gpu         # CUDA: issue 15's ~1B-active model (16 layers, 64 experts top-8)
+    python benchmarks/bench_moe.py --size gpu         # CUDA: a ~1B-active model (16 layers, 64 experts top-8)
     python benchmarks/bench_moe.py --skip-model       # the blocks only
     python benchmarks/bench_moe.py --blocks kimi_moe  # Kimi-Linear's block only (--n-group 4: grouped routing)
     python benchmarks/bench_moe.py --cpu-time         # CPU shared with other work: 1 thread, CPU time
@@ -41,7 +41,7 @@ SIZES = {
                 layers=4, vocab=4096),
     "cpu128": dict(hidden=256, experts=128, top_k=8, expert_width=64, shared_width=64, batch=2, seq=1024,
                    layers=4, vocab=4096),
-    # issue 15's ~1B-active model: 16 layers 3:1 GDN:attention, 64 experts top-8, Qwen3-Next's mixer shapes (GDN 16
+    # a ~1B-active model: 16 layers 3:1 GDN:attention, 64 experts top-8, Qwen3-Next's mixer shapes (GDN 16
     # key / 32 value heads of 128, attention 16 heads / 2 KV heads of 256: the shapes of bench_generation's GDN model,
     # so fla's tuning is shared)
     "gpu": dict(hidden=2048, experts=64, top_k=8, expert_width=512, shared_width=512, batch=4, seq=4096,

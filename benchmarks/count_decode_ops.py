@@ -204,7 +204,7 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
     try:
         with torch.no_grad():
             model(input_ids=ids[:, :8], cache=cache, use_cache=True)
-            # every op now takes the fla path; inside a stand-in, the torch path
+            # from here on every op takes the fla path; inside a stand-in, the torch path
             fla_backend.fla_for = lambda tensor: None if COUNTER.paused else STAND_INS
             COUNTER = KernelCounter(by_site)
             if eager:

@@ -64,7 +64,7 @@ for spec in "$@"; do
     profile) cmd="python3 benchmarks/profile_gpu.py" ;;
     profile-decode) cmd="python3 benchmarks/profile_decode_step.py --trace $OUT --prefill 1024" ;;  # a replayed step, kernel by kernel
     decode-gemv) cmd="python3 benchmarks/bench_decode_gemv.py" ;;  # each decoding GEMV on cuBLAS and on the Triton GEMV, against the bandwidth
-    kimi-linear) cmd="python3 benchmarks/bench_kimi_linear.py --repeats 2" ;;  # issue 16's training and decoding
+    kimi-linear) cmd="python3 benchmarks/bench_kimi_linear.py --repeats 2" ;;  # Kimi-Linear's training and decoding
     moe-blocks) cmd="python3 benchmarks/bench_moe.py --size gpu --skip-model" ;;  # MoE block, routing share
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
     save-tuning) (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;

@@ -1,5 +1,5 @@
 """Where one captured decoding step (batch 1, or `--batch` rows) spends its time on a GPU: the device kernels of
-replayed steps, grouped by kernel name, against the step's wall time (issue 17: what to fuse next, and how far the
+replayed steps, grouped by kernel name, against the step's wall time (what to fuse next, and how far the
 launches are from the weight-read limit).
 
 For each model (the GDN and KDA benchmark models of bench_generation.py, the Kimi-Linear MoE model of

@@ -89,7 +89,7 @@ TRAINING_FLAGS: dict[str, tuple[Any, str]] = {
     "ddp_find_unused_parameters": (False, "every parameter takes part in each step: no extra graph traversal"),
 }
 
-# Spellings of earlier versions of this script that are not TrainingArguments' own: old -> the tokens it stands for.
+# Other spellings this script accepts that are not TrainingArguments' own: spelling -> the tokens it stands for.
 OLD_SPELLINGS = {
     "--batch-size": ["--per_device_train_batch_size"],
     "--gradient-checkpointing": ["--activation_checkpointing"],

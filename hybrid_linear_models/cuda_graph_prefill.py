@@ -2,8 +2,8 @@
 
 At batch 1 the prefill of a ~1B model over a 1k-token prompt is bound by the host, not the GPU: some 600 kernels
 (fla's chunked delta rule alone launches 10-15 Triton kernels a layer), each launched from Python in tens of
-microseconds on a GPU server's host (on the H200: 44 ms of wall time for 6.4 ms of kernels). A captured graph
-launches them all at once.
+microseconds on a GPU server's host, so the wall time is several times the kernels' (docs/performance.md). A captured
+graph launches them all at once.
 
 A graph holds fixed shapes, so a prompt of L tokens is padded on the right to its length bucket P (`prefill_length`:
 a multiple of max(64, an eighth of the largest power of two <= L): fewer than max(64, L / 8) pads, 8 buckets per
@@ -17,8 +17,8 @@ doubling), and the padding is exact for everything the prefill leaves behind:
   set to L inside the graph;
 - the graph returns the logits of token L-1 only, all that `generate` asks of a prefill (`logits_to_keep=1`).
 Attention takes sdpa's causal kernel (over the cache's slots, aligned at the first) when no row is padded on the left,
-else the mask of each row's real keys (`HybridLinearModel.prefill_step`). On an H200 (bf16, batch 1,
-`benchmarks/bench_generation.py --device cuda`): 1k-token prompts 3.4-5.3x transformers' prefill, 8k 1.55-1.70x.
+else the mask of each row's real keys (`HybridLinearModel.prefill_step`). The speed against transformers' prefill:
+docs/performance.md (`benchmarks/bench_generation.py --device cuda`).
 
 Used by `HybridLinearForCausalLM.forward` for a prompt (more than one token) on CUDA, without gradients, into an empty
 `StaticCache` (`generate(..., cache_implementation="static")`), with graph decoding on (`set_cuda_graph_decoding`,

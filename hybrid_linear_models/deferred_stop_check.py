@@ -3,7 +3,7 @@
 transformers' sampling loop ends every step by reading `unfinished_sequences.max() == 0` on the host. At batch 1 on a
 GPU that read is the cost that remains once a decoding step is one replayed CUDA graph: the host waits for the step to
 finish, then the GPU waits while the host runs the loop's Python, the input preparation and the replay's bookkeeping
-(0.2-0.3 ms per token on an H200's host, against a 1.0 ms step). transformers (5.24) has the remedy,
+(a fifth or more of a step's time on a GPU server's host: docs/performance.md). transformers (5.24) has the remedy,
 `DeferredStopCheck`: the flag is copied to pinned memory without waiting and read one step later, so the host queues
 step t + 1 while the GPU runs step t; a stop found a step late costs one more forward, whose token `generate` drops.
 transformers turns it on for "mps" only, waiting to see gains on CUDA; the gain is measured here

@@ -3,7 +3,7 @@
 A decoding step at batch 1 is a few hundred small kernels, and each linear layer is one of them: the attention's q, k
 and v projections, the MLP's gate and up projections, GDN's in_proj_qkvz and in_proj_ba, KDA's six input
 projections all read the same hidden state. Stacked by rows, their weights W = [W_1; ...; W_n] give
-x W^T = [x W_1^T | ... | x W_n^T] in one GEMM, every output element the same dot product as before (the order in
+x W^T = [x W_1^T | ... | x W_n^T] in one GEMM, every output element the same dot product as separately (the order in
 which a BLAS sums it may differ with the matrix width: the same float result up to rounding).
 
 The stacked weight is not a copy: the parameters become views of its row blocks (`derived_weights.SharedRows`), so

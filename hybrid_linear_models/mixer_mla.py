@@ -214,7 +214,7 @@ def filled_slots(cache: Cache, layer_idx: int, compressed: torch.Tensor,
     written (one count for the whole batch: left padding and packing are masked inside the filled slots): no query of
     the step sees a later slot (the mask hides it), so expanding it through kv_b_proj would be wasted work and memory,
     max_cache_len / filled times the step's own. The count is read on the host, so not while a CUDA graph is captured
-    or torch.compile traces (the buffer is kept whole there, as before); the captured one-token step is absorbed and
+    or torch.compile traces (the buffer is expanded whole there); the captured one-token step is absorbed and
     expands nothing. A dynamic cache holds only written tokens: unchanged."""
     layer = cache.layers[layer_idx] if layer_idx < len(getattr(cache, "layers", ())) else None
     if (not isinstance(layer, StaticLatentKVLayer) or torch.compiler.is_compiling()

@@ -38,7 +38,7 @@ from .derived_weights import DerivedWeight
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
-from .mlp_dense import HybridLinearMLP  # noqa: F401  (its home since the MLPs are registered; kept importable here)
+from .mlp_dense import HybridLinearMLP  # noqa: F401  (defined with its registration in mlp_dense; importable here too)
 from .mlp_registry import MLPS
 from .mlp_sparse_moe import (
     EXPERTS_IMPLEMENTATIONS,

@@ -1,4 +1,4 @@
-"""Fast-LLM checkpoints laid out as Fast-LLM writes them, for tests: a pattern decoder of blocks that differ (issue 14)
+"""Fast-LLM checkpoints laid out as Fast-LLM writes them, for tests: a pattern decoder of blocks that differ
 in the `fast_llm` format (`{name}/weights`, state index, metadata repeated in the safetensors header) and the
 `distributed` format (one flat buffer; each stage padded to 32 elements; inside a stage, Fast-LLM's definition order
 stably sorted by (weight decay, weight decay == tensor-parallel), fast_llm/engine/multi_stage/stage_base.py).

@@ -194,8 +194,8 @@ def _edit_block(block: str, path: tuple[str, ...], value):
 
 
 @pytest.mark.parametrize("block, path, value, fragments", [
-    # Biases and per-block settings convert since issue 14 (the dense layer's bias on its own since
-    # attention_output_bias); what is refused is a mix our switches cannot express: q apart from k/v.
+    # Biases and per-block settings convert (the dense layer's bias on its own through attention_output_bias); what
+    # is refused is a mix our switches cannot express: q apart from k/v.
     ("attn", ("mixer", "query_layer", "bias", "enabled"), True,
      ("blocks.attn.mixer gives its query, key and value layers different biases", "query_layer: bias",
       "attention_bias")),
@@ -214,8 +214,8 @@ def test_config_our_model_cannot_express(fast_llm_copy, tmp_path, block, path, v
 
 
 def test_a_block_whose_settings_contradict_its_tensors(fast_llm_copy, tmp_path):
-    """Blocks may differ since issue 14; a block claiming more GDN heads than its stored tensors have is refused by
-    the tensor that does not fit (before: every difference between blocks was refused)."""
+    """Blocks may differ; a block claiming more GDN heads than its stored tensors have is refused by the tensor that
+    does not fit."""
     def edit(metadata):
         decoder = metadata["config"]["base_model"]["decoder"]
         decoder["blocks"]["gdn_wide"] = yaml.safe_load(yaml.safe_dump(decoder["blocks"]["gdn"]))

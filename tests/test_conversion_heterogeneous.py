@@ -1,4 +1,4 @@
-"""Fast-LLM pattern decoders whose blocks differ (issue 14), on checkpoints laid out as Fast-LLM writes them.
+"""Fast-LLM pattern decoders whose blocks differ, on checkpoints laid out as Fast-LLM writes them.
 
 The checkpoints come from `fast_llm_layout.py`: the real fixture's metadata (written by Fast-LLM) with blocks added
 in Fast-LLM's own config shape: a sliding-window block with fewer KV groups, other rotary theta and attention biases; a

@@ -10,7 +10,7 @@ it is installed.
 
 Short prompts (at most 64 tokens, no gradient) run fla's fused_recurrent kernels, which compute in float32 without
 tensor cores: there fla's own models must match the reference to float32 rounding (`RECURRENT_TOL`). Measured on an
-H200 (fla 0.6.0, triton 3.7.1, torch 2.11; a standalone copy of this comparison, 2026-11-30): fla against the
+H200 (fla 0.6.0, triton 3.7.1, torch 2.11; a standalone copy of this comparison): fla against the
 reference 1.8e-6 (GDN, 2 value heads per key head), 2.5e-6 (GDN, sigmoid gate, expand_v 2), 1.2e-6 (KDA, g_proj
 bias) on 20 tokens; 5.9e-3 / 3.1e-3 / 3.3e-3 on 100 tokens (chunked, TF32) against TF32 weight shifts of
 3.2e-2 / 7.0e-3 / 5.3e-3.

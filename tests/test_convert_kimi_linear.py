@@ -1,4 +1,4 @@
-"""The kimi_linear format (issue 16): folders of transformers' own KimiLinearForCausalLM (random tiny models, saved by
+"""The kimi_linear format: folders of transformers' own KimiLinearForCausalLM (random tiny models, saved by
 transformers, or laid out as the released checkpoints are) convert to our format with transformers' logits, back bit
 for bit, and our models that fit Kimi-Linear convert to folders transformers loads with our logits; those that do not
 fit are refused by the first layer or setting.
@@ -499,7 +499,7 @@ def test_bfloat16_loading_keeps_float32_what_transformers_keeps_float32(tmp_path
     in float32 the tensors transformers' KimiLinearForCausalLM holds in float32 (its _keep_in_fp32_modules_strict: the
     routers' weights and correction biases, dt_bias) and A_log, which transformers rounds to bf16 though the released
     checkpoints store it in float32 (ours keeps what the file holds); each with the stored values bit for bit, all else
-    bf16. A dt_bias rounded to bf16 (as before) changes every token's decay: this fails on it."""
+    bf16. A dt_bias rounded to bf16 changes every token's decay: this fails on it."""
     from safetensors.torch import load_file
 
     save_kimi_moe(tmp_path / "kimi", **MOE_CASES["grouped"])

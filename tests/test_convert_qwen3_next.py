@@ -1,4 +1,4 @@
-"""The qwen3_next format (issue 15): folders written by transformers' own Qwen3NextForCausalLM.save_pretrained (random
+"""The qwen3_next format: folders written by transformers' own Qwen3NextForCausalLM.save_pretrained (random
 tiny models) convert to our format with the logits and greedy tokens of transformers' model, back bit for bit, and our
 models that fit Qwen3-Next convert to folders transformers loads with our logits; those that do not fit are refused
 by the first layer or setting.

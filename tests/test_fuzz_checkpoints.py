@@ -38,7 +38,7 @@ def folders(tmp_path_factory) -> dict[str, Folder]:
                                       to_format="hf").destination
     result["hf_sharded"] = convert_checkpoint(FIXTURE / "fast_llm", root / "hf_sharded", from_format="fast_llm",
                                               to_format="hf", max_shard_size="100KB").destination
-    # a pattern decoder whose blocks differ (issue 14), as Fast-LLM lays it out, and its HF conversion
+    # a pattern decoder whose blocks differ, as Fast-LLM lays it out, and its HF conversion
     blocks = heterogeneous_blocks()
     write_fast_llm_checkpoint(root / "hetero", blocks, PATTERN, pattern_decoder(blocks, PATTERN))
     result["hetero_fast_llm"] = root / "hetero" / "fast_llm"

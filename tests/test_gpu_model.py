@@ -49,7 +49,7 @@ def _tf32_rounded(model):
     return rounded
 
 
-# The heterogeneous model of issue 14 at fla's minimum head dims: two GDN blocks of different head counts, a 1-KV-head
+# A heterogeneous model at fla's minimum head dims: two GDN blocks of different head counts, a 1-KV-head
 # sliding block, a 2-KV-head full block, a KDA block, and per-layer MLP widths, activations, epsilons and rotary.
 HETEROGENEOUS_LAYERS = ["gated_deltanet", "sliding_attention", "gated_deltanet", "full_attention",
                         "kimi_delta_attention"]
@@ -300,7 +300,7 @@ def test_cuda_graph_decoding_with_sliding_layers_matches_eager_decoding(prompt_l
 
 
 def test_per_layer_model_decodes_with_cuda_graphs_as_without_cache(monkeypatch):
-    """Issue 14's "done when" on a real GPU: the heterogeneous model decodes with a static cache replayed from a CUDA
+    """On a real GPU, the heterogeneous model decodes with a static cache replayed from a CUDA
     graph as without the graph (same tokens, each step's logits within the graph tests' margin), and the replayed
     steps' logits equal those of one uncached forward over the generated tokens on the torch path, within the
     calibrated TF32 margin of test_fla_cached_decoding_matches_full_forward (fla's one-token kernels multiply in TF32;

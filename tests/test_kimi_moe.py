@@ -158,7 +158,7 @@ def test_group_score_is_the_sum_of_each_groups_best_two():
 def test_a_bf16_router_casts_its_weight_once_and_follows_updates():
     """A bf16 model's router scores in float32 (as transformers' KimiLinear does): its float32 weight is kept between
     no-grad steps (no cast per decoding step), equal to the cast, rebuilt after an in-place update, and under
-    autograd the cast is differentiable as before."""
+    autograd the cast is differentiable."""
     ours, _ = _block_pair("eager", "one_group", dtype=torch.bfloat16)
     x = torch.randn(3, HIDDEN, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -475,7 +475,7 @@ def test_cuda_graph_decoding_matches_eager_decoding(implementation):
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
-# ------------------------------------------------------------------------------------- the CPU speed paths (issue 16)
+# ------------------------------------------------------------------------------------------------ the CPU speed paths
 
 def test_group_score_by_two_maxes_equals_topk_two():
     # the router's group score (a max, a one-element mask, a second max) against topk(2).values.sum: the same floats,

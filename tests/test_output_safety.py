@@ -68,7 +68,8 @@ def test_dst_never_the_working_directory_its_ancestors_or_root(workdir, dst, wha
 
 
 def test_unset_variable_as_dst_is_refused_with_its_own_message(workdir, capsys):
-    """`hybrid-linear-convert ... SRC "$UNSET" --force` used to replace the current directory with the model."""
+    """`hybrid-linear-convert ... SRC "$UNSET" --force` (an empty DST) is refused; it would replace the current
+    directory with the model."""
     before = listing(workdir)
     for empty in ("", "  "):
         assert main(["--from", "fast_llm", "--to", "hf", str(SRC), empty, "--force", "--quiet"]) == 1

@@ -523,7 +523,7 @@ def test_huge_user_values_are_cut_in_messages(copy_of):
 
 @st.composite
 def _fast_llm_overrides(draw, layer_types: list[str], eps) -> dict[int, dict]:
-    """Per-layer settings a Fast-LLM block can carry (issue 14): some layers differ from the defaults."""
+    """Per-layer settings a Fast-LLM block can carry: some layers differ from the defaults."""
     overrides = {}
     for index, layer_type in enumerate(layer_types):
         if not draw(st.booleans()):

@@ -32,7 +32,7 @@ Settings refused (each names the block and the field):
   asserts there is none; its default add_linear_biases is true, so a real MoE config says false explicitly).
 - `router_normalization`, `router_scale.enabled`, `router_input_scale` != 1, `router_per_expert_scale.enabled`,
   `pre_norm`, `post_norm`: extra norms and scales on the router or the experts that Qwen3-Next does not have.
-- `type: hybrid_moe` (a dense MLP summed with routed experts, ungated): an unknown MLP type, as before.
+- `type: hybrid_moe` (a dense MLP summed with routed experts, ungated): an unknown MLP type.
 Writing to Fast-LLM refuses norm_topk_prob=False and a shared expert (shared_expert_intermediate_size > 0).
 
 Weight layout (Fast-LLM's MLPBase/_get_intermediate_dims and its Mixtral converter, fast_llm/models/gpt/conversion/
