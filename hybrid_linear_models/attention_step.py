@@ -23,16 +23,19 @@ from __future__ import annotations
 import torch
 
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_function
+from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_kernel
 
 STEP_DEVICE_TYPES = ("cuda",)  # tests add "cpu", running the kernels under triton's interpreter
 STEP_DTYPES = (torch.bfloat16, torch.float16)
 _FAILED: dict = {}  # layouts whose kernels failed -> the error (the torch path from then on)
 
 
+@triton_kernel
 def attention_step_kernel():
     """`kernels_attention_step_triton.attention_step`, or None where triton cannot be imported (CPU machines)."""
-    return triton_function("kernels_attention_step_triton", "attention_step")
+    from .kernels_attention_step_triton import attention_step
+
+    return attention_step
 
 
 def _layout_problem(attention, hidden_states, tables, mask, layer) -> bool:

@@ -24,7 +24,7 @@ import torch
 
 from .block_ops import rms_norm
 from .ops import gated_rms_norm
-from .triton_loading import kernel_result, triton_function
+from .triton_loading import kernel_result, triton_kernel
 
 NORM_DEVICE_TYPES = ("cuda",)
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,9 +32,12 @@ NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FAILED: dict = {}  # (width, dtypes, device, has residual) -> the first error: block_ops.rms_norm from then on
 
 
+@triton_kernel
 def triton_rms_norm_kernel():
     """`kernels_norm_triton.triton_rms_norm`, or None where triton cannot be imported (CPU machines)."""
-    return triton_function("kernels_norm_triton", "triton_rms_norm")
+    from .kernels_norm_triton import triton_rms_norm
+
+    return triton_rms_norm
 
 
 def decode_norm_applies(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -73,9 +76,12 @@ GATED_NORM_DEVICE_TYPES = ("cuda",)  # (emptied: fla's kernel; benchmarks/profil
 _GATED_FAILED: dict = {}  # (width, dtypes, device, activation) -> the first error: ops.gated_rms_norm from then on
 
 
+@triton_kernel
 def triton_gated_rms_norm_kernel():
     """`kernels_norm_triton.triton_gated_rms_norm`, or None where triton cannot be imported (CPU machines)."""
-    return triton_function("kernels_norm_triton", "triton_gated_rms_norm")
+    from .kernels_norm_triton import triton_gated_rms_norm
+
+    return triton_gated_rms_norm
 
 
 def decode_gated_norm_applies(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, activation: str) -> bool:

@@ -46,7 +46,7 @@ from .block_ops import rms_norm, silu_and_mul
 from .decode_norm import decode_gated_rms_norm, decode_rms_norm
 from .ops import causal_conv1d_step, gated_rms_norm
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_function
+from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_kernel
 
 # out_features (gathered outputs for `linear_rows`) up to which each form of the kernel is taken: "one_row" for x of
 # one row (batch-1 decoding), "rows" for 2 to MAX_ROWS rows; None: any width (see the module docstring)
@@ -60,9 +60,12 @@ CONV_STEP_DEVICE_TYPES = ("cuda", "cpu")
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+@triton_kernel
 def triton_gemv_kernel():
     """`kernels_gemv_triton.triton_gemv`, or None where triton cannot be imported (CPU machines)."""
-    return triton_function("kernels_gemv_triton", "triton_gemv")
+    from .kernels_gemv_triton import triton_gemv
+
+    return triton_gemv
 
 
 def _within_width(outputs: int, rows_of_x: int, gathered: bool) -> bool:

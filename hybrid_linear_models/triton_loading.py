@@ -1,10 +1,16 @@
 """This package's own Triton kernels, imported on first use: importing triton needs a GPU driver, and CPU machines (CI,
-`trust_remote_code`'s import scan) have neither, so a kernel module is imported only when a CUDA step asks for it."""
+`trust_remote_code`'s import scan) have neither, so a kernel module is imported only when a CUDA step asks for it.
+
+A kernel is loaded by a function decorated with `triton_kernel` whose body imports it with a plain relative line,
+`from .kernels_x_triton import f`, inside the function. That line is what makes the kernel travel with a saved
+folder: transformers' `save_pretrained` and its remote-code loader follow `from .x import` lines (inside functions
+too) to copy a module's siblings, and `conversion.remote_code` follows the same lines to ship them. So a folder loaded
+with `trust_remote_code=True` where this package is not installed imports the same kernel modules from its own
+dynamic-module folder, and without triton both report them unavailable alike."""
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -16,15 +22,27 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@functools.cache
-def triton_function(module: str, name: str):
-    """`name` from this package's Triton module `module`, or None where it cannot be imported (no triton, no driver):
-    the caller then keeps its torch path."""
-    try:
-        return getattr(importlib.import_module(f".{module}", __package__), name)
-    except Exception as error:  # ImportError, or triton finding no driver
-        logger.debug(f"{module}.{name} is not available ({error!r}); the torch path runs instead")
-        return None
+KERNEL_LOADERS: list[Callable[[], object]] = []  # every `triton_kernel` loader, for checks that each one resolves
+UNAVAILABLE: dict[str, Exception] = {}  # loader's qualified name -> why its kernel could not be imported
+
+
+def triton_kernel(load: Callable[[], T]) -> Callable[[], T | None]:
+    """`load` (a function that imports a kernel relatively and returns it) run once: the kernel, or None where it
+    cannot be imported (no triton, no driver; the reason kept in UNAVAILABLE), and the caller then keeps its torch
+    path."""
+
+    @functools.cache
+    @functools.wraps(load)
+    def loaded() -> T | None:
+        try:
+            return load()
+        except Exception as error:  # ImportError, or triton finding no driver
+            UNAVAILABLE[f"{load.__module__}.{load.__qualname__}"] = error
+            logger.debug(f"{load.__name__}: the kernel is not available ({error!r}); the torch path runs instead")
+            return None
+
+    KERNEL_LOADERS.append(loaded)
+    return loaded
 
 
 @functools.cache
