@@ -18,21 +18,38 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 SIZE_BASE = 1000  # decimal units everywhere (progress bar, summary, --max-shard-size "5GB"), as in transformers
 
 
+# What `save_pretrained` of a transformers tokenizer writes (slow and fast kinds): the files the converter copies into
+# a folder whose layout holds a tokenizer, when present.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+)
+
+
 @dataclass(frozen=True)
 class OutputLayout:
-    """The folder a format's writer creates: a marker file that identifies it and every file name it may contain.
+    """The folder a format's writer creates, file by file: `--force` replaces a folder only when it holds the marker
+    and no name outside these, so a file the converter does not write is never removed.
 
-    `marker_fields`: keys the marker file (JSON) must hold with these values; empty to require only the file.
-    `files`: regular expressions, each matching a whole file name.
+    `marker`: the file that identifies the folder; `marker_fields`: keys it (JSON) must hold with these values, empty
+    to require only the file. `files`: every fixed name the writer may write (some only for some checkpoints, like
+    the index of a sharded one). `shards`: a regular expression matching the whole name of each numbered weight
+    file. `tokenizer`: the converter copies a tokenizer (`TOKENIZER_FILES`) into the folder. `remote_code`: the
+    writer ships the package's modeling sources for `trust_remote_code`; their names follow from the package's files,
+    so the registry (`hybrid_linear_models.conversion.formats`) adds them to `files`.
     """
 
     marker: str
     files: tuple[str, ...]
+    shards: str | None = None
     marker_fields: dict[str, str] = field(default_factory=dict)
+    tokenizer: bool = False
+    remote_code: bool = False
 
     def writes(self, name: str) -> bool:
-        """Whether the writer may create a file called `name`."""
-        return any(re.fullmatch(pattern, name) for pattern in self.files)
+        """Whether the converter may create a file called `name` in this folder."""
+        return (name in self.files or (self.tokenizer and name in TOKENIZER_FILES)
+                or (self.shards is not None and re.fullmatch(self.shards, name) is not None))
 
 
 @dataclass(frozen=True)
@@ -67,10 +84,8 @@ class FormatEntry:
         return "/".join(role for role, able in (("read", self.can_read), ("write", self.can_write)) if able)
 
 
-_TOKENIZER_FILES = (  # the usual tokenizer files, which an HF export may carry beside the model
-    r"tokenizer\.json", r"tokenizer_config\.json", r"special_tokens_map\.json", r"tokenizer\.model", r"vocab\.json",
-    r"merges\.txt", r"added_tokens\.json", r"chat_template\.jinja",
-)
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
+_HF_SHARDS = r"model-\d{5}-of-\d{5}\.safetensors"  # save_pretrained's shard names
 
 FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
     FormatEntry(
@@ -78,11 +93,9 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         read="hf:read_hf", target_rows="name_maps:build_hf_rows", write="hf:write_hf",
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "hybrid_linear"},
-            files=(r"config\.json", r"generation_config\.json", r"README\.md", r"model\.safetensors",
-                   r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json",
-                   r"[a-z_][a-z0-9_]*\.py",  # the modeling sources shipped as remote code
-                   r"extra_tensors\.safetensors",  # carried tensors the model does not load (Qwen3-Next's mtp.*)
-                   *_TOKENIZER_FILES),
+            files=("config.json", "generation_config.json", "README.md", *_HF_WEIGHTS,
+                   "extra_tensors.safetensors"),  # carried tensors the model does not load (Qwen3-Next's mtp.*)
+            shards=_HF_SHARDS, tokenizer=True, remote_code=True,
         ),
         keeps_extra_tensors=True,
     ),
@@ -91,16 +104,14 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         "Fast-LLM's export format: metadata.yaml + model_{n}.safetensors with '{parameter}/weights' tensors",
         read="fast_llm.checkpoint:read_fast_llm", target_rows="fast_llm.checkpoint:fast_llm_rows",
         write="fast_llm.checkpoint:write_fast_llm",
-        output=OutputLayout(marker="metadata.yaml", files=(r"metadata\.yaml", r"model_\d+\.safetensors")),
+        output=OutputLayout(marker="metadata.yaml", files=("metadata.yaml",), shards=r"model_\d+\.safetensors"),
     ),
     FormatEntry(
         "fla",
         "fla's Hugging Face models: config.json with model_type gated_deltanet (attn layers too) or kda, safetensors",
         model_types=("gated_deltanet", "kda"),
         read="fla.checkpoint:read_fla", target_rows="fla.checkpoint:fla_rows", write="fla.checkpoint:write_fla",
-        output=OutputLayout(marker="config.json", files=(r"config\.json", r"model\.safetensors",
-                                                         r"model-\d{5}-of-\d{5}\.safetensors",
-                                                         r"model\.safetensors\.index\.json")),
+        output=OutputLayout(marker="config.json", files=("config.json", *_HF_WEIGHTS), shards=_HF_SHARDS),
     ),
     FormatEntry(
         "fast_llm_distributed",
@@ -115,8 +126,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         write="apriel2.checkpoint:write_apriel2",
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "apriel2_text"},
-            files=(r"config\.json", r"model\.safetensors", r"model-\d{5}-of-\d{5}\.safetensors",
-                   r"model\.safetensors\.index\.json"),
+            files=("config.json", *_HF_WEIGHTS), shards=_HF_SHARDS,
         ),
     ),
     FormatEntry(
@@ -127,8 +137,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         write="qwen3_next.checkpoint:write_qwen3_next",
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "qwen3_next"},
-            files=(r"config\.json", r"generation_config\.json", r"model\.safetensors",
-                   r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json", *_TOKENIZER_FILES),
+            files=("config.json", "generation_config.json", *_HF_WEIGHTS), shards=_HF_SHARDS, tokenizer=True,
         ),
         keeps_extra_tensors=True,
     ),
@@ -141,8 +150,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         write="kimi_linear.checkpoint:write_kimi_linear",
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "kimi_linear"},
-            files=(r"config\.json", r"generation_config\.json", r"model\.safetensors",
-                   r"model-\d{5}-of-\d{5}\.safetensors", r"model\.safetensors\.index\.json", *_TOKENIZER_FILES),
+            files=("config.json", "generation_config.json", *_HF_WEIGHTS), shards=_HF_SHARDS,
         ),
     ),
 )
@@ -167,6 +175,7 @@ __all__ = [
     "DTYPE_NAMES",
     "FORMAT_CATALOGUE",
     "SIZE_BASE",
+    "TOKENIZER_FILES",
     "FormatEntry",
     "OutputLayout",
     "format_size",

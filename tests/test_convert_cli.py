@@ -19,6 +19,7 @@ from hybrid_linear_cli.conversion_catalogue import DTYPE_NAMES, FORMAT_CATALOGUE
 from hybrid_linear_models import HybridLinearConfig
 from hybrid_linear_models.conversion import FORMATS, ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion import api as conversion_api
+from hybrid_linear_models.conversion.formats import with_remote_code
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "tests" / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda" / "fast_llm"
@@ -67,7 +68,7 @@ def test_registry_is_built_from_the_catalogue():
     for entry in FORMAT_CATALOGUE:
         fmt = FORMATS[entry.name]
         assert (fmt.description, fmt.can_read, fmt.can_write, fmt.output) == (
-            entry.description, entry.can_read, entry.can_write, entry.output)
+            entry.description, entry.can_read, entry.can_write, with_remote_code(entry.output))
         assert all(callable(function) for function in (fmt.read, fmt.target_rows, fmt.write) if function is not None)
     assert FORMATS["hf"].output.marker_fields == {"model_type": HybridLinearConfig.model_type}
     assert all(isinstance(conversion_api.DTYPES[name], torch.dtype) for name in DTYPE_NAMES)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_linear_cli.conversion_catalogue import TOKENIZER_FILES
 from hybrid_linear_cli.convert import main
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.conversion import FORMATS, ConversionError, convert_checkpoint
@@ -220,9 +221,10 @@ def _expresses(fmt, config) -> bool:
 
 
 def test_leftovers_of_a_killed_run_are_removed_and_only_those(tmp_path):
+    """Unfinished outputs of this DST are removed; an output moved aside is kept (see test_output_commit.py)."""
     parent = tmp_path / "out"
     parent.mkdir()
-    own = [".dst.partial-0a1b2c3d", ".dst.old-0a1b2c3d", ".dst.partial-x_9yz0ab"]  # the last: tempfile's naming
+    own = [".dst.partial-0a1b2c3d", ".dst.partial-x_9yz0ab"]  # the last: tempfile's naming
     others = [".other.partial-0a1b2c3d", ".dst.x.partial-0a1b2c3d", ".dst.partial-0a1b2c3d.partial-0a1b2c3d",
               "dst.partial-0a1b2c3d", ".dst.partial-unfinished-name"]
     for name in own + others:
@@ -370,3 +372,136 @@ def test_messages_show_long_or_odd_paths_briefly(tmp_path):
     (dst / "notes.txt").write_text("mine")
     message = refused(dst, "line\\nbreak", "...")
     assert len(message) < 400 and "x" * 101 not in message
+
+
+# --------------------------------------------------------------------------------------------- the output layout
+
+
+def tokenizer_folder(folder: Path, names=TOKENIZER_FILES) -> Path:
+    """A tokenizer folder holding `names` (tokenizer.json a valid one with ids 0 and 1)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / name).write_text("{}\n")
+    if "tokenizer.json" in names:
+        (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}}, "added_tokens": []}))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["my_notes.py", "utils.py", "modeling_hybrid_linear.py.orig", "notes.txt",
+                                  "tokenizer.json.bak", "Model.safetensors", "model-1-of-2.safetensors"])
+def test_force_never_removes_a_file_the_converter_does_not_write(tmp_path, name):
+    """Only the names the writer writes may be replaced: a user's module beside the shipped sources is not one."""
+    dst = tmp_path / "dst"
+    convert(dst)
+    (dst / name).write_text("mine")
+    before = listing(dst)
+    refused(dst, f"holds {name!r}", "delete it yourself")
+    assert listing(dst) == before
+
+
+def test_force_replaces_its_own_output_with_every_tokenizer_file(tmp_path):
+    """Whatever tokenizer files the converter copied (chat_template.json, vocab.txt included), --force replaces the
+    folder; and the layout names exactly what the writer writes, nothing more."""
+    dst = tmp_path / "dst"
+    tokenizer = tokenizer_folder(tmp_path / "tokenizer")
+    result = convert(dst, tokenizer=tokenizer)
+    assert set(result.tokenizer_files) == set(TOKENIZER_FILES)
+    written = {path.name for path in dst.iterdir()}
+    layout = FORMATS["hf"].output
+    assert all(layout.writes(name) for name in written)
+    never_here = {"model.safetensors.index.json", "extra_tensors.safetensors"}  # unsharded; no carried tensors
+    assert set(layout.files) | set(TOKENIZER_FILES) == written | never_here
+    assert not any(layout.writes(name) for name in ("my_notes.py", "utils.py", "model_0.safetensors"))
+    convert(dst, tokenizer=tokenizer, dtype="bfloat16")
+    assert '"dtype": "bfloat16"' in (dst / "config.json").read_text()
+
+
+@pytest.mark.parametrize("kind", ["folder", "symbolic link", "special file"])
+def test_force_refuses_what_is_not_a_regular_file_under_a_layout_name(tmp_path, kind):
+    """The converter writes regular files only: a folder, link or FIFO named like one of its files is not its own."""
+    dst = tmp_path / "dst"
+    convert(dst)
+    target = dst / "vocab.txt"
+    if kind == "folder":
+        target.mkdir()
+    elif kind == "symbolic link":
+        (tmp_path / "elsewhere.txt").write_text("keep")
+        target.symlink_to(tmp_path / "elsewhere.txt")
+    else:
+        os.mkfifo(target)
+    refused(dst, f"holds 'vocab.txt', a {kind}")
+    assert os.path.lexists(target) and (kind != "symbolic link" or (tmp_path / "elsewhere.txt").read_text() == "keep")
+
+
+# --------------------------------------------------------------------------------------------- links and names
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_lock_file_that_is_a_symlink_is_refused(tmp_path, existing):
+    """A link planted at .DST.lock would make the run create (or open) a file elsewhere."""
+    victim = tmp_path / "elsewhere" / "victim"
+    victim.parent.mkdir()
+    if existing:
+        victim.write_text("keep")
+    (tmp_path / ".dst.lock").symlink_to(victim)
+    refused(tmp_path / "dst", ".dst.lock is a symbolic link", "remove it")
+    assert victim.exists() == existing and (not existing or victim.read_text() == "keep")
+    assert (tmp_path / ".dst.lock").is_symlink() and not (tmp_path / "dst").exists()
+
+
+def test_a_lock_file_that_is_not_a_regular_file_is_refused(tmp_path):
+    os.mkfifo(tmp_path / ".dst.lock")
+    refused(tmp_path / "dst", ".dst.lock is not a regular file")
+
+
+def fast_llm_source(tmp_path: Path) -> Path:
+    return Path(shutil.copytree(SRC, tmp_path / "src"))
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "vocab.txt", "chat_template.json"])
+def test_a_tokenizer_file_linked_from_outside_src_is_refused(tmp_path, name):
+    """Nothing outside SRC is read or copied: a link in SRC to a file elsewhere is refused by name."""
+    src = tokenizer_folder(fast_llm_source(tmp_path), ["tokenizer.json", "tokenizer_config.json"])
+    secret = tmp_path / "secret"
+    tokenizer_folder(secret)
+    (src / name).unlink(missing_ok=True)
+    (src / name).symlink_to(secret / name)
+    refused(tmp_path / "dst", f"{name} is a symbolic link to", "outside", "cp -L", src=src)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_tokenizer_folder_linking_outside_itself_is_refused(tmp_path):
+    tokenizer = tokenizer_folder(tmp_path / "tokenizer", ["tokenizer.json"])
+    (tmp_path / "passwords").write_text("secret")
+    (tokenizer / "vocab.txt").symlink_to(tmp_path / "passwords")
+    refused(tmp_path / "dst", "vocab.txt is a symbolic link to", tokenizer=tokenizer)
+
+
+def test_a_tokenizer_link_inside_its_folder_is_followed_and_a_fifo_refused(tmp_path):
+    src = fast_llm_source(tmp_path)
+    (src / "blobs").mkdir()
+    tokenizer_folder(src / "blobs", ["tokenizer.json"])
+    (src / "tokenizer.json").symlink_to(src / "blobs" / "tokenizer.json")
+    result = convert(tmp_path / "dst", src=src)
+    assert result.tokenizer_files == ("tokenizer.json",)
+    copied = tmp_path / "dst" / "tokenizer.json"
+    assert not copied.is_symlink() and copied.read_bytes() == (src / "blobs" / "tokenizer.json").read_bytes()
+    os.mkfifo(src / "vocab.txt")
+    refused(tmp_path / "other", "vocab.txt is not a regular file", src=src)  # at once: the FIFO is never opened
+
+
+@pytest.mark.parametrize("name", ["d" * 237, "d" * 238, "d" * 250, "d" * 255, "é" * 127])
+def test_destination_names_up_to_the_filesystems_limit(tmp_path, name):
+    """The names beside DST (lock, staging, retired) fit the limit whatever DST's name; each DST has its own."""
+    dst = tmp_path / name
+    convert(dst, to_format="fast_llm")
+    convert(dst, to_format="fast_llm", dtype="bfloat16")  # --force: the old output moved aside, then deleted
+    sibling = tmp_path / (name[:-1] + "e")  # same length, another DST: its own side names
+    convert(sibling, to_format="fast_llm")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, sibling.name])
+
+
+def test_a_destination_name_longer_than_the_filesystem_allows_is_refused(tmp_path):
+    refused(tmp_path / ("d" * 256), "DST's name is 256 bytes long, more than the 255", "choose a shorter name")
+    refused(tmp_path / ("é" * 128), "DST's name is 256 bytes long")
+    assert list(tmp_path.iterdir()) == []

@@ -24,7 +24,7 @@ from .formats import get_format
 from .interrupts import stop_signals_raise
 from .pipeline import ConversionPlan, WriteOptions, check_carried, plan_conversion, stream_tensors
 from ..shown_values import brief
-from .safety import atomic_output_dir, check_existing, check_paths
+from .safety import atomic_output_dir, check_paths
 from .tokenizer_files import copy_tokenizer, tokenizer_to_copy
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -97,13 +97,12 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     max_shard_bytes = parse_size(max_shard_size)
     reader, writer = get_format(from_format, "read"), get_format(to_format, "write")
     output = check_paths(src, dst)
-    replace = writer if force else None
-    check_existing(output, replace)  # fail before reading anything; checked again under the lock
-    with stop_signals_raise(redeliver=True), atomic_output_dir(output, replace) as staging:
+    # the lock is taken, a killed run's commit finished or undone and an existing DST checked before SRC is read
+    with stop_signals_raise(redeliver=True), atomic_output_dir(output, writer if force else None) as staging:
         source = reader.read(Path(src))
         check_carried(source, to_format, writer.keeps_extra_tensors)
         plan = plan_conversion(source, writer.target_rows(source.config), torch_dtype)
-        tokenizer_copied = tokenizer_to_copy(to_format, Path(src), tokenizer, source.config.vocab_size)
+        tokenizer_copied = tokenizer_to_copy(writer, Path(src), tokenizer, source.config.vocab_size)
         options = WriteOptions(max_shard_bytes, output_name=output.name, source_description=reader.description)
         writer.write(staging, plan, _with_progress(plan, quiet, f"{from_format} -> {to_format}"), options)
         copy_tokenizer(tokenizer_copied, staging)

@@ -5,11 +5,13 @@ configs the format cannot express) and write a plan's tensors; the layout (marke
 which folders it may replace.
 
 The built-in formats are registered once, as plain data, in `hybrid_linear_cli.conversion_catalogue` (torch-free, so
-that `hybrid-linear-convert --help` lists them at once); this module resolves their functions. Peers (`qwen3_next`,
+that `hybrid-linear-convert --help` lists them at once); this module resolves their functions, and adds to a layout
+that ships remote code the names of those source files (they follow from the package's files). Peers (`qwen3_next`,
 `kimi_linear`, `fla`) join with one catalogue entry; Python code can also `register` a format with functions."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from ..shown_values import brief
 from .errors import ConversionError
 from .name_maps import MapRow
 from .pipeline import ConversionPlan, SourceCheckpoint, WriteOptions
+from .remote_code import remote_code_files
 
 Reader = Callable[[Path], SourceCheckpoint]
 TargetRows = Callable[[HybridLinearConfig], list[MapRow]]
@@ -47,6 +50,14 @@ class CheckpointFormat(FormatEntry):
                    _resolve(entry.write), entry.output, entry.keeps_extra_tensors, entry.model_types)
 
 
+def with_remote_code(layout: OutputLayout | None) -> OutputLayout | None:
+    """`layout` with the names of the modeling sources its writer ships (`remote_code_files`) among its files."""
+    if layout is None or not layout.remote_code:
+        return layout
+    names = tuple(path.name for path in remote_code_files())
+    return dataclasses.replace(layout, files=layout.files + tuple(name for name in names if name not in layout.files))
+
+
 def _resolve(reference: str | None) -> Callable | None:
     if reference is None:
         return None
@@ -58,8 +69,10 @@ FORMATS: dict[str, CheckpointFormat] = {}
 
 
 def register(fmt: CheckpointFormat) -> CheckpointFormat:
+    """Adds `fmt` to the registry, its output layout naming the modeling sources its writer ships."""
     if fmt.name in FORMATS:
         raise ValueError(f"format {fmt.name!r} is already registered")
+    fmt = dataclasses.replace(fmt, output=with_remote_code(fmt.output))
     FORMATS[fmt.name] = fmt
     return fmt
 
@@ -77,4 +90,4 @@ def get_format(name: str, role: str) -> CheckpointFormat:
 for _entry in FORMAT_CATALOGUE:
     register(CheckpointFormat.from_entry(_entry))
 
-__all__ = ["FORMATS", "CheckpointFormat", "OutputLayout", "get_format", "register"]
+__all__ = ["FORMATS", "CheckpointFormat", "OutputLayout", "get_format", "register", "with_remote_code"]

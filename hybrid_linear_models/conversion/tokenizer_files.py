@@ -6,30 +6,63 @@ copies the files of a tokenizer folder, the one written by `tokenizer.save_pretr
 caller, else the source checkpoint's folder when it holds one. The files are copied unchanged (transformers reads
 them without this package); the one check is that the tokenizer's ids fit the model's embedding, which catches the
 tokenizer of another model before it produces out-of-range ids at generation time.
+
+Only regular files inside the tokenizer folder are read and copied: a tokenizer file that is a symbolic link leading
+out of the folder, or that is not a regular file (a FIFO would block the copy forever), is refused by name before
+anything is read. A link to another file of the same folder is followed. The copy is created afresh in the output
+(never opened through an existing name), so it cannot write anywhere else.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE, TOKENIZER_FILES
 
 from ..shown_values import clip
 from ..tokenizer_loading import ADD_TOKENIZER_HINT, VOCABULARY_FILES
 from .errors import ConversionError
 
-# What `save_pretrained` of a transformers tokenizer writes (slow and fast kinds); copied when present.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-)
+if TYPE_CHECKING:
+    from hybrid_linear_cli.conversion_catalogue import FormatEntry
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO cannot hang the open
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _file_inside(path: Path) -> os.stat_result | None:
+    """The status of the regular file `path` (following links that stay inside its folder), None when absent;
+    refuses a link that leads out of the folder (or nowhere) and anything that is not a regular file."""
+    try:
+        path.lstat()
+    except FileNotFoundError:
+        return None
+    folder, target = path.parent.resolve(), path.resolve()
+    if folder not in target.parents:
+        raise ConversionError(f"tokenizer file {clip(path)} is a symbolic link to {clip(target)}, outside "
+                              f"{clip(folder)}; only files inside the tokenizer folder are read: copy the file in "
+                              "(cp -L) or remove the link.")
+    try:
+        status = target.stat()
+    except OSError as error:
+        raise ConversionError(f"cannot read tokenizer file {clip(path)}: {error.strerror}.") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise ConversionError(f"tokenizer file {clip(path)} is not a regular file; replace it with the file "
+                              "tokenizer.save_pretrained(...) wrote, or remove it.")
+    return status
 
 
 def tokenizer_files(folder: Path) -> list[Path]:
-    """The tokenizer files in `folder`, or [] when it holds no tokenizer."""
-    if not any((folder / name).is_file() for name in VOCABULARY_FILES):
+    """The tokenizer files in `folder` (each checked by `_file_inside`), or [] when it holds no tokenizer."""
+    present = [folder / name for name in TOKENIZER_FILES if _file_inside(folder / name) is not None]
+    if not any(path.name in VOCABULARY_FILES for path in present):
         return []
-    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    return present
 
 
 def find_tokenizer(source: Path, tokenizer: Path | None) -> list[Path]:
@@ -70,15 +103,13 @@ def check_fits_vocabulary(files: list[Path], vocab_size: int) -> None:
                                   "trained with.")
 
 
-HF_FOLDER_FORMATS = ("hf", "qwen3_next")  # the formats whose folders hold a tokenizer beside the model
-
-
-def tokenizer_to_copy(to_format: str, source: Path, tokenizer: str | Path | None, vocab_size: int) -> list[Path]:
-    """The tokenizer files a conversion copies into its output (Hugging Face folders only), checked."""
-    if to_format not in HF_FOLDER_FORMATS:
+def tokenizer_to_copy(writer: FormatEntry, source: Path, tokenizer: str | Path | None, vocab_size: int) -> list[Path]:
+    """The tokenizer files a conversion copies into its output (formats whose layout holds a tokenizer), checked."""
+    if writer.output is None or not writer.output.tokenizer:
         if tokenizer is not None:
-            raise ConversionError(f"a tokenizer is copied into Hugging Face folders only (--to hf or qwen3_next), "
-                                  f"not --to {to_format}; leave the tokenizer option out.")
+            holding = [entry.name for entry in FORMAT_CATALOGUE if entry.output is not None and entry.output.tokenizer]
+            raise ConversionError(f"a tokenizer is copied into Hugging Face folders only (--to "
+                                  f"{' or '.join(holding)}), not --to {writer.name}; leave the tokenizer option out.")
         return []
     files = find_tokenizer(source, None if tokenizer is None else Path(tokenizer))
     check_fits_vocabulary(files, vocab_size)
@@ -86,8 +117,20 @@ def tokenizer_to_copy(to_format: str, source: Path, tokenizer: str | Path | None
 
 
 def copy_tokenizer(files: list[Path], out_dir: Path) -> None:
+    """Copies `files` into `out_dir` under their names, each checked again as it is opened (`_file_inside`)."""
     for path in files:
-        shutil.copy2(path, out_dir / path.name)
+        expected = _file_inside(path)
+        source = os.open(path.resolve(), _READ_FLAGS)
+        try:
+            status = os.fstat(source)
+            if expected is None or (status.st_dev, status.st_ino) != (expected.st_dev, expected.st_ino):
+                raise ConversionError(f"tokenizer file {clip(path)} changed while it was copied; copy it again.")
+            os.set_blocking(source, True)
+            target = os.open(out_dir / path.name, _CREATE_FLAGS, 0o666)
+            with open(source, "rb", closefd=False) as reader, open(target, "wb") as writer:
+                shutil.copyfileobj(reader, writer)
+        finally:
+            os.close(source)
 
 
 __all__ = [
