@@ -170,31 +170,32 @@ def bench_decoding(ours, theirs, size: dict, device: torch.device, dtype: torch.
           f"{' (CUDA graph)' if device.type == 'cuda' else ''}, transformers with its default cache")
     print(f"{'batch':>5} {'ours tok/s':>11} {'theirs tok/s':>13} {'ratio':>6} | {'ours prefill':>12} "
           f"{'theirs prefill':>14} {'ratio':>6}")
-    cache = None
+    input_ids = None
     for batch in batches:
         input_ids = torch.randint(1, size["vocab"], (batch, prompt),
                                   generator=torch.Generator().manual_seed(batch)).to(device)
-        cache = StaticCache(config=ours.config, max_cache_len=prompt + new_tokens)
-        try:
-            a = measure(ours, input_ids, new_tokens, repeats, static_cache=cache)
+        try:  # what a user types: a new static cache per call (bound to the graph captured in the warm-up)
+            a = measure(ours, input_ids, new_tokens, repeats, cache_implementation="static")
         except RuntimeError as error:  # a failed capture must not cost the rest of a GPU run: say so, go on eagerly
             if ours._graph_decoder is None or device.type != "cuda":
                 raise
             print(f"CUDA-graph decoding failed ({str(error).splitlines()[0][:200]}); ours measured without it from "
                   f"here on", flush=True)
             ours.set_cuda_graph_decoding(False)
-            cache = StaticCache(config=ours.config, max_cache_len=prompt + new_tokens)
-            a = measure(ours, input_ids, new_tokens, repeats, static_cache=cache)
+            a = measure(ours, input_ids, new_tokens, repeats, cache_implementation="static")
         b = measure(theirs, input_ids, new_tokens, repeats)
         print(f"{batch:>5} {a['decode_tok_s']:>11.1f} {b['decode_tok_s']:>13.1f} "
               f"{a['decode_tok_s'] / b['decode_tok_s']:>6.2f} | {a['prefill_tok_s']:>12.0f} "
               f"{b['prefill_tok_s']:>14.0f} {a['prefill_tok_s'] / b['prefill_tok_s']:>6.2f}", flush=True)
-    mla = next(i for i, t in enumerate(ours.config.layer_types) if t == "mla_attention")
+    mla = next(i for i, t in enumerate(ours.config.mixer_types) if t == "mla_attention")
     settings = layer_config(ours.config, mla)
     latent, full = cache_bytes_per_token(settings, dtype), full_kv_bytes_per_token(settings, dtype)
     print(f"MLA cache per token and row, one layer: {latent} B latent vs {full} B full keys and values of the same "
           f"heads ({full / latent:.1f}x smaller)")
-    if cache is not None:
+    if input_ids is not None:  # a static cache as generate makes one for the last batch, filled by its prompt
+        cache = StaticCache(config=ours.config, max_cache_len=prompt + new_tokens)
+        with torch.no_grad():
+            ours(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         held = static_cache_bytes(cache)
         parts = ", ".join(f"{kind} {count / 2**20:.2f} MiB" for kind, count in sorted(held.items()))
         print(f"ours' static cache (batch {batches[-1]}, {prompt + new_tokens} slots): "
