@@ -5,6 +5,7 @@ triton or flash-linear-attention (those load on first use with CUDA tensors)."""
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from .configuration_hybrid_linear import HybridLinearConfig
+from .lora import lora_target_modules, lora_target_parameters
 from .modeling_hybrid_linear import HybridLinearForCausalLM, HybridLinearModel, HybridLinearPreTrainedModel
 from .tokenizer_loading import HybridLinearTokenizer
 
@@ -19,4 +20,11 @@ AutoTokenizer.register(HybridLinearConfig, HybridLinearTokenizer, exist_ok=True)
 HybridLinearConfig.register_for_auto_class()
 
 __version__ = "0.1.0"
-__all__ = ["HybridLinearConfig", "HybridLinearForCausalLM", "HybridLinearModel", "HybridLinearPreTrainedModel"]
+__all__ = [
+    "HybridLinearConfig",
+    "HybridLinearForCausalLM",
+    "HybridLinearModel",
+    "HybridLinearPreTrainedModel",
+    "lora_target_modules",
+    "lora_target_parameters",
+]

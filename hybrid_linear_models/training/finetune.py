@@ -41,6 +41,7 @@ from transformers import (
 from transformers.trainer_utils import get_last_checkpoint
 
 import hybrid_linear_models  # noqa: F401  (registers the model family)
+from hybrid_linear_models.lora import lora_target_modules, lora_target_parameters
 from hybrid_linear_models.mixer_registry import lora_targets as mixer_lora_targets
 from hybrid_linear_models.mlp_registry import lora_targets as mlp_lora_targets
 from hybrid_linear_cli.finetune import (
@@ -258,13 +259,15 @@ def load_model(model_reference: str, options: FinetuneArguments):
         return model
     from peft import LoraConfig, get_peft_model
 
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    targets = [name for name in LORA_TARGET_MODULES if name in present]
+    # the projections of the mixers and MLPs the model has, and the routed experts' stacked weights where it has
+    # experts (peft adapts those through target_parameters, one rank-r update per expert)
+    modules, parameters = lora_target_modules(model.config), lora_target_parameters(model.config)
     model = get_peft_model(model, LoraConfig(r=options.lora_rank, lora_alpha=options.lora_alpha,
-                                             target_modules=targets, task_type="CAUSAL_LM"))
+                                             target_modules=modules, target_parameters=parameters or None,
+                                             task_type="CAUSAL_LM"))
     trainable, total = model.get_nb_trainable_parameters()
     report(f"LoRA rank {options.lora_rank}: training {trainable:,} of {total:,} parameters "
-           f"({100 * trainable / total:.2f}%) in {', '.join(targets)}")
+           f"({100 * trainable / total:.2f}%) in {', '.join([*modules, *parameters])}")
     return model
 
 
