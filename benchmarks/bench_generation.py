@@ -15,6 +15,9 @@ one replayed step, graph replays included) and the tokens/s of the step alone (b
 batch 1 for each of `--prefill-lengths` (default 1024 and 8192 on a GPU): ours into a static cache (its captured
 prefill), ours with the graphs off, and transformers, with each one's peak memory.
 
+--tiny: tiny models through every step of the GPU run (both pairs, ours with a static cache; prompt 32, 8 new
+tokens, batch 1 and 2, float32 on the CPU): a smoke test of this script.
+
     python benchmarks/bench_generation.py [--device cuda] [--tiny] [--bandwidth-gbs 4800] [--prefill-lengths 1024 8192]
                                           [--batches 1 16] [--prefill-only] [--skip-gdn] [--skip-kda]
 """
@@ -246,16 +249,17 @@ def main() -> None:
     torch.manual_seed(0)
     if device.type == "cpu":
         torch.set_num_threads(2)
-        ours_cfg, theirs_cfg = gdn_pair(**(TINY_GDN if args.tiny else CPU_DECODE))
+    if device.type == "cpu" and not args.tiny:
+        ours_cfg, theirs_cfg = gdn_pair(**CPU_DECODE)
         ours = HybridLinearForCausalLM(ours_cfg)
         theirs = Qwen3NextForCausalLM(theirs_cfg)
         theirs.load_state_dict(ours.state_dict())
-        run_pair("GDN (CPU)", ours, theirs, device, torch.float32, 32 if args.tiny else 256, 8 if args.tiny else 64,
+        run_pair("GDN (CPU)", ours, theirs, device, torch.float32, 256, 64,
                  [] if args.prefill_only else args.batches or [1], args.repeats, {}, **extra)
         return
-    dtype = torch.bfloat16
-    prompt, new_tokens = (64, 16) if args.tiny else (1024, 128)
-    batches = [] if args.prefill_only else args.batches or [1, 16]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    prompt, new_tokens = ((64, 16) if device.type == "cuda" else (32, 8)) if args.tiny else (1024, 128)
+    batches = [] if args.prefill_only else args.batches or ([1, 2] if device.type == "cpu" else [1, 16])
     static = {"static": True}  # ours: a static cache, one-token steps replayed from a CUDA graph
     if not args.skip_gdn:
         ours_cfg, theirs_cfg = gdn_pair(**(TINY_GDN if args.tiny else GPU_GDN))
@@ -265,7 +269,8 @@ def main() -> None:
         run_pair("GDN vs Qwen3-Next", ours, theirs, device, dtype, prompt, new_tokens, batches, args.repeats, static,
                  **extra)
         del ours, theirs
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if not args.skip_kda:
         ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
         with torch.device(device):
