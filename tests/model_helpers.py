@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +90,22 @@ except ImportError:
     spec = None
 assert spec is None, "the package is still importable"
 """
+
+# A subprocess's time limit, there to end a hang, not to time anything: on a loaded 2-core machine importing torch and
+# transformers alone can take a minute.
+SUBPROCESS_TIMEOUT = 900
+
+
+def run_without_the_package(script: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
+    """Runs the Python `script` with `args` in a subprocess that sees the environment without PYTHONPATH (so the
+    checkout's package is importable only if the script allows it; see WITHOUT_THE_PACKAGE_PRELUDE), transformers'
+    remote-code modules cached under cwd/modules and the hub offline; asserts that it succeeded."""
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    environment.update(HF_MODULES_CACHE=str(cwd / "modules"), HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, str(script), *map(str, args)], check=False, cwd=cwd, env=environment,
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
 
 
 def greedy(model: HybridLinearForCausalLM, input_ids: torch.Tensor, new_tokens: int = 8, **kwargs):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ from conversion_helpers import FAST_LLM_FIXTURES as FIXTURES
 from conversion_helpers import FIXTURE_LOGITS_TOLERANCE as TOLERANCE
 from conversion_helpers import FIXTURE_NAMES, load_tensors
 import torch
-from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE
+from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -266,12 +265,8 @@ _ISOLATED_LOAD = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
 def test_loads_with_trust_remote_code_without_the_package(tmp_path, exported):
     script = tmp_path / "load.py"
     script.write_text(_ISOLATED_LOAD)
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(script), str(exported["hybrid_attn_gdn_kda"]),
-                             str(FIXTURES / "hybrid_attn_gdn_kda" / "reference_logits.safetensors")],
-                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_without_the_package(script, exported["hybrid_attn_gdn_kda"],
+                                     FIXTURES / "hybrid_attn_gdn_kda" / "reference_logits.safetensors", cwd=tmp_path)
     max_diff = float(result.stdout.split("MAXDIFF")[1])
     assert max_diff <= TOLERANCE
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, tiny_model, word_tokenizer
+from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package, tiny_model, word_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 from transformers.dynamic_module_utils import get_relative_import_files
@@ -100,11 +100,7 @@ def isolated(folders, tmp_path_factory) -> dict:
     }
     (root / "job.json").write_text(json.dumps(job))
     (root / "run.py").write_text(_WITHOUT_THE_PACKAGE)
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment.update(HF_MODULES_CACHE=str(root / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(root / "run.py"), str(root / "job.json")], check=False, cwd=root,
-                            env=environment, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_without_the_package(root / "run.py", root / "job.json", cwd=root)
     report = json.loads((root / "report.json").read_text())
     return {"report": report, "outputs": load_file(root / "outputs.safetensors"), "input_ids": input_ids,
             "resaved": {name: Path(path) for name, path in job["resaved"].items()}}

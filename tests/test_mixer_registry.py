@@ -5,14 +5,11 @@ tensor-parallel plan and LoRA read; a new mixer or MLP is its module plus its re
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
-from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, tiny_config
+from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package, tiny_config
 from torch import nn
 from transformers import configuration_utils
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, DynamicCache
@@ -317,11 +314,7 @@ def test_a_saved_folder_ships_the_mlp_modules_and_loads_without_the_package(tmp_
         save_file({"input_ids": input_ids, "logits": model(input_ids).logits}, tmp_path / "reference.safetensors")
     script = tmp_path / "load.py"
     script.write_text(_REMOTE_LOAD)
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "reference.safetensors")],
-                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_without_the_package(script, folder, tmp_path / "reference.safetensors", cwd=tmp_path)
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["mlp_module"].startswith("transformers_modules") and report["mlp_module"].endswith("mlp_dense")
     assert report["mlp_types"] == ["dense", "dense"] and not report["package_imported"]

@@ -22,6 +22,7 @@ from model_helpers import (
     greedy,
     randomize,
     replay_graphs_eagerly,
+    run_without_the_package,
 )
 from numerics import max_rel_err
 from transformers import DynamicCache
@@ -394,11 +395,7 @@ def test_save_and_load_round_trip_with_and_without_the_package(tmp_path):
     save_file({"input_ids": input_ids, "logits": logits}, tmp_path / "reference.safetensors")
     script = tmp_path / "load.py"
     script.write_text(_REMOTE_LOAD)
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(script), str(folder), str(tmp_path / "reference.safetensors")],
-                            cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_without_the_package(script, folder, tmp_path / "reference.safetensors", cwd=tmp_path)
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["module"].startswith("transformers_modules") and report["module"].endswith("mixer_mla")
     assert not report["package_imported"]

@@ -6,14 +6,12 @@ and a 2-KV-head full block (plus a KDA block and different MLP widths, epsilons 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from model_helpers import assert_cached_generation_equals_uncached, assert_padded_and_packed_rows_run_alone
-from model_helpers import assert_same_generation, greedy, randomize, replay_graphs_eagerly, tiny_config
+from model_helpers import assert_same_generation, greedy, randomize, replay_graphs_eagerly, run_without_the_package
+from model_helpers import tiny_config
 from safetensors.torch import load_file, save_file
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
@@ -244,12 +242,7 @@ def test_a_saved_heterogeneous_folder_loads_as_remote_code_without_the_package(t
            "tensors": str(tmp_path / "outputs.safetensors"), "report": str(tmp_path / "report.json")}
     (tmp_path / "job.json").write_text(json.dumps(job))
     (tmp_path / "run.py").write_text(_WITHOUT_THE_PACKAGE)
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.json")], check=False,
-                            cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    run_without_the_package(tmp_path / "run.py", tmp_path / "job.json", cwd=tmp_path)
     report = json.loads((tmp_path / "report.json").read_text())
     assert not report["package_imported"]
     loaded = HybridLinearForCausalLM.from_pretrained(tmp_path / "het").eval()

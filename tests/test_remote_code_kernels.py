@@ -10,15 +10,12 @@ every kernel loader of the remote `triton_loading`, what it resolved to."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, tiny_model
+from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package, tiny_model
 from transformers.dynamic_module_utils import get_relative_import_files
 
 import hybrid_linear_models
@@ -86,11 +83,7 @@ def _remote_report(tmp_path: Path, folder: Path, device: str, dtype: str, genera
            "new_tokens": NEW_TOKENS, "report": str(tmp_path / "report.json")}
     (tmp_path / "job.json").write_text(json.dumps(job))
     (tmp_path / "run.py").write_text(_REPORT_KERNELS)
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    environment.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "job.json")], check=False,
-                            cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_without_the_package(tmp_path / "run.py", tmp_path / "job.json", cwd=tmp_path)
     report = json.loads((tmp_path / "report.json").read_text())
     assert not report["package_imported"]
     return report
