@@ -239,7 +239,7 @@ class _Beside:
 
 
 def _rename(source: Path, target: Path) -> None:
-    os.rename(source, target)
+    os.replace(source, target)  # rename(2): atomic; the callers check that `target` is absent
 
 
 def _remove_tree(folder: Path) -> None:
