@@ -7,6 +7,7 @@ difference near a few times the largest tensor, whatever the checkpoint size.
 
     python benchmarks/bench_conversion.py                 # ~2.5 GB bfloat16, a couple of minutes
     python benchmarks/bench_conversion.py --size-gb 0.5   # quicker
+    python benchmarks/bench_conversion.py --tiny          # a smoke test: 4 layers at hidden 64, a few MB
 """
 
 from __future__ import annotations
@@ -55,13 +56,19 @@ print(json.dumps({"seconds": time.perf_counter() - started, "imported_mb": impor
 """
 
 
-def make_config(num_layers: int) -> HybridLinearConfig:
+# hidden 2048 with 128-wide heads; --tiny: the same pattern at hidden 64 with 16-wide heads
+SIZES = {"full": dict(vocab=32000, hidden=2048, intermediate=5632, head_dim=128),
+         "tiny": dict(vocab=256, hidden=64, intermediate=96, head_dim=16)}
+
+
+def make_config(num_layers: int, size: str = "full") -> HybridLinearConfig:
+    vocab, hidden, intermediate, head_dim = SIZES[size].values()
     return HybridLinearConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, rms_norm_eps=1e-5,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, rms_norm_eps=1e-5,
         layer_types=[PATTERN[i % len(PATTERN)] for i in range(num_layers)],
-        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-        gdn_num_key_heads=8, gdn_num_value_heads=16, gdn_key_head_dim=128, gdn_value_head_dim=128,
-        kda_num_heads=16, kda_head_dim=128, kda_gate_activation="silu",
+        num_attention_heads=16, num_key_value_heads=4, head_dim=head_dim,
+        gdn_num_key_heads=8, gdn_num_value_heads=16, gdn_key_head_dim=head_dim, gdn_value_head_dim=head_dim,
+        kda_num_heads=16, kda_head_dim=head_dim, kda_gate_activation="silu",
         attention_output_gate=False, attention_qk_norm=False, zero_centered_norms=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0},
     )
@@ -119,16 +126,18 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="where to build (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--planning", action="store_true", help="only time the planning steps (1.2B GDN config)")
+    parser.add_argument("--tiny", action="store_true", help="4 layers at hidden 64 (a smoke test of this script)")
     args = parser.parse_args()
     if args.planning:
         return planning_costs()
 
     dtype = getattr(torch, args.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    size = "tiny" if args.tiny else "full"
     layers = 4
-    while checkpoint_bytes(make_config(layers + 1), itemsize)[0] <= args.size_gb * 1e9:
+    while not args.tiny and checkpoint_bytes(make_config(layers + 1), itemsize)[0] <= args.size_gb * 1e9:
         layers += 1
-    config = make_config(layers)
+    config = make_config(layers, size)
     total, largest = checkpoint_bytes(config, itemsize)
 
     workdir = Path(tempfile.mkdtemp(prefix="bench_conversion_", dir=args.workdir))
@@ -137,8 +146,8 @@ def main() -> None:
         source = write_random_checkpoint(workdir / "fast_llm", config, "fast_llm", dtype=dtype)
         build_seconds = time.perf_counter() - started
         print(f"synthetic Fast-LLM checkpoint: {layers} layers ({', '.join(sorted(set(config.layer_types)))}), "
-              f"hidden 2048, {args.dtype}, {total / 1e9:.2f} GB, largest tensor {largest / 1e6:.0f} MB, "
-              f"built in {build_seconds:.1f}s")
+              f"hidden {config.hidden_size}, {args.dtype}, {total / 1e9:.2f} GB, largest tensor "
+              f"{largest / 1e6:.0f} MB, built in {build_seconds:.1f}s")
         print(f"{'conversion':<18}{'seconds':>9}{'MB/s':>8}{'RSS after imports MB':>22}{'peak RSS MB':>13}"
               f"{'peak - imports MB':>19}{'x largest tensor':>18}")
         runs = [("fast_llm", "hf", source, workdir / "hf"), ("hf", "fast_llm", workdir / "hf", workdir / "back")]
