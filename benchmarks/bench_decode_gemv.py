@@ -14,13 +14,18 @@ and up projections with their activation: F.linear then SwiGLU's kernel (fla's w
 reading the rows in (gate, up) pairs and storing silu(gate) * up (`kernels_gemv.linear_swiglu`). (Asking cuBLAS for
 the transposed product, (W @ x^T)^T, was measured too: the same kernels, the same times.)
 
-    python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800]
+Without CUDA it says so and exits; `--tiny` then runs its forms on the CPU instead (each shape 16 times narrower,
+float32, timed by the host clock; the Triton form only where triton imports): a smoke test of this script, whose
+shares of the bandwidth mean nothing there.
+
+    python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +41,15 @@ SHAPES = {
 
 
 FORMS = {}  # form -> fn(x, w, rows, swiglu); filled in main, once the package is importable
+
+
+def time_calls(fn, repeats: int) -> float:
+    """Microseconds per call of fn on the CPU, by the host clock (the --tiny smoke run)."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) * 1e6 / repeats
 
 
 def time_replays(fn, repeats: int) -> float:
@@ -76,35 +90,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0)
+    parser.add_argument("--tiny", action="store_true", help="without CUDA: narrow shapes on the CPU (a smoke test)")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_decode_gemv.py times cuBLAS on a CUDA GPU")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        print("bench_decode_gemv.py: skipped, it times GEMVs against a GPU's bandwidth and needs a CUDA device "
+              "(--tiny runs its forms on the CPU)")
+        return
+    dtype, narrow = (torch.bfloat16, 1) if device.type == "cuda" else (torch.float32, 16)
+    timer = time_replays if device.type == "cuda" else time_calls
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from hybrid_linear_models.kernels_gemv import (swiglu_pair_rows, torch_linear_rows, torch_linear_swiglu,
                                                    triton_gemv_kernel)
 
     FORMS["linear"] = lambda x, w, rows, swiglu: (torch_linear_swiglu(x, w, None) if swiglu
                                                   else torch_linear_rows(x, w, None, rows))
-    if triton_gemv_kernel() is not None:
+    if device.type == "cuda" and triton_gemv_kernel() is not None:
         FORMS["triton"] = lambda x, w, rows, swiglu: triton_gemv_kernel()(x, w, None, rows, swiglu_pairs=swiglu)
+    else:
+        print("the Triton GEMV: skipped, it runs on CUDA tensors only")
     print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)
           + "  faster / linear")
     for name, (out, inp) in SHAPES.items():
+        out, inp = out // narrow // 2 * 2, inp // narrow  # (an even width: SwiGLU's rows come in pairs)
         # several weights in turn, 4x the L2 cache together, so each product reads its weight from memory
-        copies = max(1, int(4 * 50e6 // (out * inp * 2)) + 1)
-        weights = [torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        copies = max(1, int(4 * 50e6 // (out * inp * 2)) + 1) if device.type == "cuda" else 1
+        weights = [torch.randn(out, inp, device=device, dtype=dtype) for _ in range(copies)]
         swiglu = "SwiGLU" in name
-        rows = torch.randperm(out, device="cuda") if "gathered" in name else None
+        rows = torch.randperm(out, device=device) if "gathered" in name else None
         if swiglu:
-            rows = swiglu_pair_rows(out // 2, torch.device("cuda"))
+            rows = swiglu_pair_rows(out // 2, device)
         for batch in args.batches:
-            x = torch.randn(batch, inp, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(batch, inp, device=device, dtype=dtype)
             figures = {}
             for form, fn in FORMS.items():
                 calls = [lambda w=w, fn=fn: fn(x, w, rows, swiglu) for w in weights]
-                figures[form] = time_replays(lambda: [c() for c in calls], repeats=max(1, 200 // copies)) / copies
-            bytes_read = out * inp * 2
+                figures[form] = timer(lambda: [c() for c in calls], repeats=max(1, 200 // copies)) / copies
+            bytes_read = out * inp * weights[0].element_size()
             cells = " ".join(f"{us:>11.2f} {bytes_read / (us * 1e-6) / (args.bandwidth_gbs * 1e9):>6.1%}"
                              for us in figures.values())
             best = min(figures, key=figures.get)
