@@ -504,3 +504,16 @@ def test_a_destination_name_longer_than_the_filesystem_allows_is_refused(tmp_pat
     refused(tmp_path / ("d" * 256), "DST's name is 256 bytes long, more than the 255", "choose a shorter name")
     refused(tmp_path / ("é" * 128), "DST's name is 256 bytes long")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hub_cache_snapshot_links_into_its_own_blobs(tmp_path):
+    """A Hugging Face cache snapshot holds links into its repository's blob store: those are followed; a link out of
+    the repository is not."""
+    repo = tmp_path / "hub" / "models--org--model"
+    snapshot = Path(shutil.copytree(SRC, repo / "snapshots" / "0123abcd"))
+    tokenizer_folder(repo / "blobs", ["tokenizer.json"])
+    (snapshot / "tokenizer.json").symlink_to(Path("../../blobs/tokenizer.json"))
+    assert convert(tmp_path / "dst", src=snapshot).tokenizer_files == ("tokenizer.json",)
+    tokenizer_folder(tmp_path / "hub" / "models--other", ["vocab.txt"])
+    (snapshot / "vocab.txt").symlink_to(tmp_path / "hub" / "models--other" / "vocab.txt")
+    refused(tmp_path / "dst2", "vocab.txt is a symbolic link to", "outside", src=snapshot)

@@ -247,10 +247,14 @@ def _remove_tree(folder: Path) -> None:
 
 
 def _sync(path: Path) -> None:
-    """Flushes a file or a folder's entries to the disk (a folder: the renames done in it)."""
+    """Flushes a file or a folder's entries to the disk (a folder: the renames done in it), where the filesystem
+    can."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP):  # a filesystem without fsync for this kind of file
+            raise
     finally:
         os.close(fd)
 
@@ -295,8 +299,8 @@ def _acquire(lock_path: Path, dst: Path) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConversionError(f"another conversion is writing DST {clip(dst)} (it holds {lock_path.name}); wait "
-                                  "for it to finish or choose another DST.") from None
+            raise ConversionError(f"another conversion is writing DST {clip(dst)} (it holds {clip(lock_path.name)}); "
+                                  "wait for it to finish or choose another DST.") from None
         # The previous holder unlinks the lock file before it lets go: if ours is no longer the file at that path,
         # another run can lock the new one, so start again with it.
         if _same_file(lock_path, fd):

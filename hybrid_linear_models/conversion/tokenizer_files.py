@@ -7,10 +7,13 @@ caller, else the source checkpoint's folder when it holds one. The files are cop
 them without this package); the one check is that the tokenizer's ids fit the model's embedding, which catches the
 tokenizer of another model before it produces out-of-range ids at generation time.
 
-Only regular files inside the tokenizer folder are read and copied: a tokenizer file that is a symbolic link leading
-out of the folder, or that is not a regular file (a FIFO would block the copy forever), is refused by name before
-anything is read. A link to another file of the same folder is followed. The copy is created afresh in the output
-(never opened through an existing name), so it cannot write anywhere else.
+Only regular files inside the tokenizer folder are read and copied, since their bytes go into the output as they are
+(a hostile folder's `tokenizer.json` linking to a private key would otherwise be published with the model): a
+tokenizer file that is a symbolic link leading out of the folder, or that is not a regular file (a FIFO would block
+the copy forever), is refused by name before anything is read. A link within the folder is followed; so is one
+within the repository folder of a Hugging Face cache snapshot (`models--X/snapshots/REV/` holds links into
+`models--X/blobs/`). The copy is created afresh in the output (never opened through an existing name), so it cannot
+write anywhere else.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONB
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _checkpoint_root(folder: Path) -> Path:
+    """What links in `folder` may lead into: the folder, or for a Hugging Face cache snapshot its repository folder."""
+    folder = folder.resolve()
+    return folder.parent.parent if folder.parent.name == "snapshots" else folder
+
+
 def _file_inside(path: Path) -> os.stat_result | None:
     """The status of the regular file `path` (following links that stay inside its folder), None when absent;
     refuses a link that leads out of the folder (or nowhere) and anything that is not a regular file."""
@@ -42,7 +51,7 @@ def _file_inside(path: Path) -> os.stat_result | None:
         path.lstat()
     except FileNotFoundError:
         return None
-    folder, target = path.parent.resolve(), path.resolve()
+    folder, target = _checkpoint_root(path.parent), path.resolve()
     if folder not in target.parents:
         raise ConversionError(f"tokenizer file {clip(path)} is a symbolic link to {clip(target)}, outside "
                               f"{clip(folder)}; only files inside the tokenizer folder are read: copy the file in "
