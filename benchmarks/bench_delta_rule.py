@@ -3,8 +3,9 @@ against fla's Triton kernels called directly).
 
     python benchmarks/bench_delta_rule.py            # CPU, 2 threads, float32, forward + backward (about 1-2 min)
     python benchmarks/bench_delta_rule.py --gpu      # CUDA, bf16, 64k tokens: fla directly vs our ops dispatch
+    python benchmarks/bench_delta_rule.py --tiny     # CPU smoke test: T=128, one repetition of each
 
-CPU comparison (B=1, T=2048, float32, forward + backward of the output):
+CPU comparison (B=1, T=2048 or `--length`, float32, forward + backward of the output):
 - GDN, 4 key heads / 8 value heads of 64: `hybrid_linear_models.ops.gated_delta_rule` vs transformers'
   `qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule` (undecorated, use_qk_l2norm_in_kernel=True).
 - KDA, 8 heads of 64: `ops.kimi_delta_rule` vs `kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention`
@@ -61,13 +62,11 @@ def realistic_gates(B, T, H, d, per_channel, generator, device="cpu"):
 # --------------------------------------------------------------------------------------------------------- CPU
 
 
-def cpu_problem(kind, seed=0):
-    """Inputs (leaves requiring grad) and the output gradient for one CPU case."""
+def cpu_problem(kind, length, seed=0):
+    """Inputs (leaves requiring grad) and the output gradient for one CPU case of `length` tokens."""
     gen = torch.Generator().manual_seed(seed)
-    if kind == "gdn":
-        B, T, Hk, Hv, d = 1, 2048, 4, 8, 64
-    else:
-        B, T, Hk, Hv, d = 1, 2048, 8, 8, 64
+    B, T, d = 1, length, 64
+    Hk, Hv = (4, 8) if kind == "gdn" else (8, 8)
     q = torch.randn(B, T, Hk, d, generator=gen)
     k = torch.randn(B, T, Hk, d, generator=gen)
     v = torch.randn(B, T, Hv, d, generator=gen)
@@ -124,7 +123,7 @@ def _own_peak_rss_kb():
         return None
 
 
-def measure_memory(kind, side):
+def measure_memory(kind, side, length):
     """Child process: print the growth of peak RSS (MB) over one forward + backward.
 
     Linux carries a parent's peak RSS into ru_maxrss across fork + exec, so the parent starts these children before
@@ -132,7 +131,7 @@ def measure_memory(kind, side):
     torch.set_num_threads(CPU_THREADS)
     ours, theirs = cpu_functions(kind)
     fn = ours if side == "ours" else theirs
-    leaves, d_out = cpu_problem(kind)
+    leaves, d_out = cpu_problem(kind, length)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
     own = _own_peak_rss_kb()
     if own is not None and before > own + 1024:
@@ -142,8 +141,9 @@ def measure_memory(kind, side):
     print(f"{(after - before) / 1024:.1f}")
 
 
-def memory_in_subprocess(kind, side):
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure-memory", kind, side],
+def memory_in_subprocess(kind, side, length):
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure-memory", kind, side,
+                             "--length", str(length)],
                             capture_output=True, text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
 
@@ -151,7 +151,7 @@ def memory_in_subprocess(kind, side):
 def run_cpu(args):
     torch.set_num_threads(CPU_THREADS)
     print(f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, float32, forward + backward, B=1, T=2048")
+          f"{torch.get_num_threads()} threads, float32, forward + backward, B=1, T={args.length}")
     import transformers
 
     print(f"transformers {transformers.__version__}")
@@ -165,11 +165,12 @@ def run_cpu(args):
     if not args.no_memory:
         print("measuring peak memory in fresh subprocesses ...", flush=True)
         for _, kind, _, _ in cases:
-            memory[kind] = (memory_in_subprocess(kind, "ours"), memory_in_subprocess(kind, "theirs"))
+            memory[kind] = (memory_in_subprocess(kind, "ours", args.length),
+                            memory_in_subprocess(kind, "theirs", args.length))
     rows = []
     for label, kind, reps_ours, reps_theirs in cases:
         ours, theirs = cpu_functions(kind)
-        leaves, d_out = cpu_problem(kind)
+        leaves, d_out = cpu_problem(kind, args.length)
         g = leaves[3].detach()
         print(f"\n{label}: g in [{g.min():.3g}, {g.max():.3g}], median {g.median():.3g}", flush=True)
         # agreement first (also warms both up)
@@ -295,10 +296,14 @@ def main():
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--gpu-reps", type=int, default=20)
     parser.add_argument("--gpu-warmup", type=int, default=3)
+    parser.add_argument("--length", type=int, default=2048, help="CPU: tokens (T) of each case")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: T=128, one repetition of each")
     parser.add_argument("--measure-memory", nargs=2, metavar=("KIND", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tiny:
+        args.length, args.reps, args.kda_reps, args.warmup = 128, 1, 1, 1
     if args.measure_memory:
-        measure_memory(*args.measure_memory)
+        measure_memory(*args.measure_memory, args.length)
         return
     print("$ " + shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])), flush=True)
     if args.gpu:

@@ -7,6 +7,9 @@ GPU (H200, bfloat16 weights, fla kernels on both sides): B=4, T=4096,
 Prints tokens/s, the ratio, peak memory and model FLOPs utilisation (6 * non-embedding params * tokens plus
 attention's 12 * layers * heads * head_dim * T/2 per token, over 989 TFLOP/s dense bf16).
 
+On the CPU (no CUDA device), `--tiny` runs the same steps on the tiny models in float32 (B=2, T=64, 1 timed step
+unless given): a smoke test of this script; the full sizes need a GPU.
+
     python benchmarks/bench_training.py [--tiny] [--skip-kda] [--steps 5] [--variants ours-recompute ours-logits-loss]
 """
 
@@ -37,20 +40,27 @@ def model_flops_per_token(model, config, seq_len: int) -> float:
     return dense + attention
 
 
-def train_steps(model, input_ids, steps: int) -> tuple[float, float]:
-    """Median seconds per forward + backward, and peak memory in GiB."""
-    times = []
-    for step in range(steps + 2):
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def train_steps(model, input_ids, steps: int) -> tuple[float, float]:
+    """Median seconds per forward + backward, and peak memory in GiB (nan off CUDA)."""
+    times = []
+    device = input_ids.device
+    for step in range(steps + 2):
+        _sync(device)
         start = time.perf_counter()
         loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         loss.backward()
-        torch.cuda.synchronize()
+        _sync(device)
         if step >= 2:  # the first steps autotune fla's kernels
             times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     times.sort()
-    return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return times[len(times) // 2], peak
 
 
 def _variant(ours, keep_kda_intermediates: bool = True, fused_loss: bool = True) -> None:
@@ -63,17 +73,18 @@ def _variant(ours, keep_kda_intermediates: bool = True, fused_loss: bool = True)
 VARIANTS = {"ours-recompute": dict(keep_kda_intermediates=False), "ours-logits-loss": dict(fused_loss=False)}
 
 
-def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config, variants=()):
-    device = torch.device("cuda")
+def run_pair(name, ours, theirs, batch, seq_len, steps, mfu_config, variants=(), device=torch.device("cuda")):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     input_ids = torch.randint(0, ours.config.vocab_size, (batch, seq_len), device=device)
     tokens = batch * seq_len
     results = {}
     runs = [("ours", ours, {}), *((label, ours, VARIANTS[label]) for label in variants), ("transformers", theirs, {})]
     for label, model, variant in runs:
         _variant(ours, **variant)
-        model.to(device=device, dtype=torch.bfloat16).train()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        model.to(device=device, dtype=dtype).train()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         try:
             seconds, peak = train_steps(model, input_ids, steps)
         except torch.OutOfMemoryError:
@@ -94,30 +105,38 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--skip-kda", action="store_true")
     parser.add_argument("--skip-gdn", action="store_true")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=None, help="default 4 (2 with --tiny on the CPU)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 4096 (64 with --tiny on the CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="default 5 (1 with --tiny on the CPU)")
     parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                         help="also time these variants of ours (KDA recomputation, loss from logits)")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
-    if not torch.cuda.is_available():
-        print("no CUDA device: this benchmark measures GPU training throughput")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        print("no CUDA device: this benchmark measures GPU training throughput (--tiny runs its steps on the CPU)")
         return
+    cpu_smoke = device.type == "cpu"
+    if device.type == "cpu":
+        torch.set_num_threads(2)
+    batch = args.batch or (2 if cpu_smoke else 4)
+    seq_len = args.seq_len or (64 if cpu_smoke else 4096)
+    steps = args.steps or (1 if cpu_smoke else 5)
+    dtype = "bf16" if device.type == "cuda" else "float32"
     torch.manual_seed(0)
     if not args.skip_gdn:
         ours_cfg, theirs_cfg = gdn_pair(**(TINY_GDN if args.tiny else GPU_GDN))
         ours, theirs = HybridLinearForCausalLM(ours_cfg), Qwen3NextForCausalLM(theirs_cfg)
         theirs.load_state_dict(ours.state_dict())
-        print(f"GDN, B={args.batch}, T={args.seq_len}, bf16")
-        run_pair("GDN vs Qwen3-Next", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg,
-                 [v for v in args.variants if v != "ours-recompute"])
+        print(f"GDN, B={batch}, T={seq_len}, {dtype}, {device}")
+        run_pair("GDN vs Qwen3-Next", ours, theirs, batch, seq_len, steps, ours_cfg,
+                 [v for v in args.variants if v != "ours-recompute"], device)
         del ours, theirs
     if not args.skip_kda:
         ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
         ours, theirs = HybridLinearForCausalLM(ours_cfg), KimiLinearForCausalLM(theirs_cfg)
-        print(f"KDA, B={args.batch}, T={args.seq_len}, bf16")
-        run_pair("KDA vs Kimi-Linear", ours, theirs, args.batch, args.seq_len, args.steps, ours_cfg, args.variants)
+        print(f"KDA, B={batch}, T={seq_len}, {dtype}, {device}")
+        run_pair("KDA vs Kimi-Linear", ours, theirs, batch, seq_len, steps, ours_cfg, args.variants, device)
 
 
 if __name__ == "__main__":
