@@ -297,7 +297,8 @@ def main() -> None:
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
-        raise SystemExit("profile_decode_step.py profiles CUDA-graph decoding: it needs a CUDA GPU")
+        print("profile_decode_step.py: skipped, it profiles replays of captured CUDA graphs and needs a CUDA device")
+        return
     for name in args.models:
         try:
             if args.ab:
