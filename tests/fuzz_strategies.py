@@ -6,6 +6,7 @@
   1-3 mutations: a key dropped, a value replaced by a hostile one, a junk key added;
 - `safetensors_file(header, data)`: the bytes of a safetensors file from a (mutated) header, with the 8-byte length
   field sometimes lying;
+- `per_tensor_dtypes(count)`: a floating dtype for each of `count` stored tensors (experts included), mostly mixed;
 - `FUZZ_SETTINGS`: fixed seed (`derandomize=True`), no example database, an explicit deadline, so that CI runs the
   same examples every time.
 """
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
@@ -94,6 +96,15 @@ def safetensors_file(draw: st.DrawFn, header: dict, data: bytes) -> bytes:
     return struct.pack("<Q", length) + raw + data
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def per_tensor_dtypes(count: int) -> st.SearchStrategy[list[torch.dtype]]:
+    """A floating dtype for each of `count` stored tensors: all one dtype, or each its own."""
+    return st.one_of(st.sampled_from(FLOAT_DTYPES).map(lambda dtype: [dtype] * count),
+                     st.lists(st.sampled_from(FLOAT_DTYPES), min_size=count, max_size=count))
+
+
 def split_safetensors(blob: bytes) -> tuple[dict, bytes]:
     """A valid safetensors file's (header, data area)."""
     (length,) = struct.unpack("<Q", blob[:8])
@@ -105,6 +116,7 @@ __all__ = [
     "hostile_values",
     "mutated",
     "paths",
+    "per_tensor_dtypes",
     "safetensors_file",
     "scalars",
     "split_safetensors",

@@ -1,7 +1,9 @@
 """Small tensor converters used by the name maps. Each maps a group of tensors on the format side to a group on the
 canonical side (our Hugging Face layout) with `forward`, and back with `inverse`; both are pure data movement (copy,
 slice, concatenate, transpose, row gather), so a round trip is bit-exact. The `*_shapes` methods do the same on
-shapes, so a whole conversion can be planned and checked before any data is read.
+shapes, so a whole conversion can be planned and checked before any data is read. Tensors joined into one are joined
+in the widest of their dtypes (`dtypes.in_widest_dtype`), so a checkpoint that stores them in different dtypes loses
+no value.
 
 A converter whose layout depends on the model's dimensions (e.g. the Gated DeltaNet head grouping) is bound to a
 config first with `bind(config)`.
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from .dtypes import in_widest_dtype, widest_dtype
 
 if TYPE_CHECKING:
     from ..configuration_hybrid_linear import HybridLinearConfig
@@ -83,7 +87,7 @@ class SplitRows(Converter):
         return [chunk.contiguous() for chunk in torch.chunk(tensors[0], self.parts, dim=0)]
 
     def inverse(self, tensors):
-        return [torch.cat(list(tensors), dim=0)]
+        return [torch.cat(in_widest_dtype(tensors), dim=0)]
 
     def forward_shapes(self, shapes):
         rows, *rest = shapes[0]
@@ -168,7 +172,7 @@ class ConcatRows(Converter):
         return (len(self.rows), 1)
 
     def forward(self, tensors):
-        return [torch.cat(list(tensors), dim=0)]
+        return [torch.cat(in_widest_dtype(tensors), dim=0)]
 
     def inverse(self, tensors):
         return [part.contiguous() for part in torch.split(tensors[0], list(self.rows), dim=0)]
@@ -241,9 +245,11 @@ class StackedExperts(Converter):
 
     def forward(self, tensors):
         # one output buffer, each expert's parts copied into it: the peak is the inputs plus one stacked tensor
-        # (a real layer's experts hold gigabytes; cat then stack would hold a third copy)
+        # (a real layer's experts hold gigabytes; cat then stack would hold a third copy); the buffer has the widest
+        # of the parts' dtypes, so copying a part into it never rounds
         first = tensors[0]
-        stacked = first.new_empty((self.experts, first.shape[0] * self.parts, *first.shape[1:]))
+        stacked = first.new_empty((self.experts, first.shape[0] * self.parts, *first.shape[1:]),
+                                  dtype=widest_dtype(tensor.dtype for tensor in tensors))
         rows = first.shape[0]
         for index, tensor in enumerate(tensors):
             expert, part = divmod(index, self.parts)

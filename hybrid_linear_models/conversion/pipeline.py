@@ -4,7 +4,9 @@
 Planning works on shapes only, before any data is read: every source tensor must be consumed by exactly one source
 row and every target tensor produced by exactly one target row (a leftover or missing tensor is an error naming it),
 every source tensor's shape must be the one the config implies, and every weight must be floating point (an integer
-or bool tensor is not a weight, and casting it would silently change its meaning).
+or bool tensor is not a weight, and casting it would silently change its meaning). Each target tensor's dtype is
+planned too: `--dtype`, else the widest dtype of the source tensors it is made of (`dtypes`: a checkpoint may mix
+dtypes, and joining them narrows nothing), reached by one checked cast as the tensor is written.
 
 Before that, while a reader builds the config, a `TensorCensus` of the stored tensors (from their headers) bounds the
 config's sizes: a config claiming a million blocks or a 10^12 hidden size is refused by name before any per-layer
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from ..configuration_hybrid_linear import HybridLinearConfig
+from .dtypes import cast_checked, widest_dtype
 from .errors import ConversionError
 from .hf_layout import hf_tensor_shapes, one_layer_per_type
 from .name_maps import MapRow
@@ -223,9 +226,9 @@ def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: 
         raise RuntimeError("name maps disagree with the canonical layout: "
                            f"{sorted(set(produced) ^ set(canonical)) or sorted(set(needed) ^ set(canonical))}")
 
-    canonical_dtype = {}
+    canonical_dtype = {}  # what the source rows produce: the widest dtype of the tensors each row joins
     for row in source.rows:
-        row_dtype = source.tensors.info(row.format_keys[0]).dtype
+        row_dtype = widest_dtype(source.tensors.info(key).dtype for key in row.format_keys)
         canonical_dtype.update(dict.fromkeys(row.canonical_keys, row_dtype))
     target_row_of = {key: index for index, row in enumerate(target_rows) for key in row.canonical_keys}
     steps: list[Step] = []
@@ -241,7 +244,7 @@ def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: 
                 available.difference_update(target.canonical_keys)
                 steps.append(Step(emit=target_index))
                 shapes = target.converter.inverse_shapes([canonical[k] for k in target.canonical_keys])
-                out_dtype = dtype or canonical_dtype[target.canonical_keys[0]]
+                out_dtype = dtype or widest_dtype(canonical_dtype[k] for k in target.canonical_keys)
                 targets += [(k, TensorInfo(tuple(s), out_dtype)) for k, s in zip(target.format_keys, shapes)]
     carried = source.carried.keys if source.carried is not None else ()
     for key in carried:
@@ -271,19 +274,18 @@ def stream_tensors(plan: ConversionPlan) -> Iterator[tuple[str, torch.Tensor]]:
         for key in row.format_keys:
             # popped, not kept in a local: no reference outlives its write, so memory stays near one tensor (and a
             # cast does not keep the uncast tensor alive beside it)
-            yield key, _as_planned(key, outputs.pop(), next(planned), plan.dtype)
+            yield key, _as_planned(key, outputs.pop(), next(planned))
     for key in plan.carried:  # untouched, after the model's tensors
-        yield key, _as_planned(key, source.tensors.load(key), next(planned), plan.dtype)
+        yield key, _as_planned(key, source.tensors.load(key), next(planned))
 
 
-def _as_planned(key: str, tensor: torch.Tensor, planned: tuple, dtype: torch.dtype | None) -> torch.Tensor:
-    """`tensor` in the output dtype, checked against the (name, info) the plan wrote into the files' headers."""
+def _as_planned(key: str, tensor: torch.Tensor, planned: tuple) -> torch.Tensor:
+    """`tensor` cast once to its planned dtype (`dtypes.cast_checked`: never to an infinity), checked against the
+    (name, info) the plan wrote into the files' headers."""
     name, info = planned
-    if dtype is not None and tensor.dtype != dtype:
-        tensor = tensor.to(dtype)
     if name != key or tuple(tensor.shape) != info.shape:
         raise RuntimeError(f"produced {key} {tuple(tensor.shape)}, planned {name} {info.shape}")
-    return tensor
+    return cast_checked(key, tensor, info.dtype)
 
 
 def check_carried(source: SourceCheckpoint, to_format: str, keeps_extra_tensors: bool) -> None:
