@@ -1,28 +1,41 @@
-"""Writes a small model folder (all four mixers, word-level tokenizer) and a JSONL dataset with a learnable rule,
-for running the fine-tuning example end to end (e.g. on several GPUs).
+"""Writes a small model folder (GDN, KDA and attention layers, word-level tokenizer; about 109 MB) and a JSONL dataset
+with a learnable rule, for running the fine-tuning example end to end (e.g. on several GPUs).
 
     python benchmarks/make_finetune_example.py WORKDIR   # -> WORKDIR/model, WORKDIR/data.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
 from pathlib import Path
 
-import torch
-
-from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from model_helpers import word_tokenizer  # noqa: E402
-
 WORDS = [f"w{i}" for i in range(2, 512)]
 
 
-def main() -> None:
-    work = Path(sys.argv[1])
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("workdir", type=Path, metavar="WORKDIR",
+                        help="folder to write model/ and data.jsonl into (created if missing; both must not exist)")
+    args = parser.parse_args(argv)
+    existing = [path for path in (args.workdir / "model", args.workdir / "data.jsonl") if path.exists()]
+    if existing:
+        parser.error(f"{existing[0]} exists; choose another WORKDIR or remove it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    work = parse_arguments(argv).workdir
+    # torch, transformers and the package load only once the arguments are good (--help answers at once)
+    import torch
+
+    from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+    from model_helpers import word_tokenizer
+
     tokenizer = word_tokenizer(WORDS)
     torch.manual_seed(0)
     config = HybridLinearConfig(

@@ -17,14 +17,6 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-from transformers.utils import logging as transformers_logging
-
-from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.conversion.api import convert_checkpoint
-
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda"
 SHORT_NAMES = {"full_attention": "attention", "sliding_attention": "sliding attention", "gated_deltanet": "GDN",
                "kimi_delta_attention": "KDA"}
@@ -34,10 +26,19 @@ def layer_summary(layer_types: list[str]) -> str:
     return ", ".join(SHORT_NAMES.get(layer_type, layer_type) for layer_type in layer_types)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, help="where to write the models (default: a temporary folder)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # torch, transformers and the package load once there is work to do: --help answers at once
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+    from hybrid_linear_models.conversion.api import convert_checkpoint
+
     workdir = args.output or Path(tempfile.mkdtemp(prefix="hybrid-quickstart-"))
     workdir.mkdir(parents=True, exist_ok=True)
     transformers_logging.disable_progress_bar()  # tiny models: the loading/saving bars would outnumber the results
@@ -53,7 +54,7 @@ def main() -> None:
         logits = model(reference["input_ids"]).logits
     error = (logits - reference["logits"]).abs().max().item()
     assert error <= 1e-4, f"the converted model does not reproduce Fast-LLM's logits (max difference {error:.2e})"
-    print(f"converted the Fast-LLM checkpoint ({layer_summary(model.config.layer_types)}): {result.tensors} tensors, "
+    print(f"converted the Fast-LLM checkpoint ({layer_summary(model.config.mixer_types)}): {result.tensors} tensors, "
           f"{result.bytes / 2**20:.1f} MiB; max |logits - Fast-LLM's| = {error:.1e} (tolerance 1e-4)")
     generated = model.generate(reference["input_ids"][:1, :8], max_new_tokens=12, do_sample=False)
     print(f"  greedy continuation of 8 prompt tokens: {generated[0, 8:].tolist()}")
@@ -74,7 +75,7 @@ def main() -> None:
     with torch.no_grad():
         assert torch.equal(model(prompt).logits, reloaded(prompt).logits), "the reloaded model differs from the saved one"
     sampled = reloaded.generate(prompt, max_new_tokens=16, do_sample=True)[0, 10:].tolist()
-    print(f"fresh model ({layer_summary(config.layer_types)}), saved and reloaded (same logits): 16 sampled tokens "
+    print(f"fresh model ({layer_summary(config.mixer_types)}), saved and reloaded (same logits): 16 sampled tokens "
           f"{sampled}")
     print(f"models in {workdir}: converted-hf/ and fresh-hf/ (each loads with AutoModelForCausalLM.from_pretrained)")
 

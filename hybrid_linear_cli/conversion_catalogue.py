@@ -59,7 +59,8 @@ class FormatEntry:
     `target_rows`, `write` and `output` to be written. `keeps_extra_tensors`: its writer keeps the tensors a reader
     carries beside the model's (Qwen3-Next's multi-token prediction head); other formats refuse such a source.
     `model_types`: the config.json `model_type` values of the folders it reads (so that another reader, handed such
-    a folder, can name the right `--from`)."""
+    a folder, can name the right `--from`). `source_marker`: the file every folder it reads holds (which the command
+    line checks before it imports the converters)."""
 
     name: str
     description: str
@@ -69,6 +70,7 @@ class FormatEntry:
     output: OutputLayout | None = None
     keeps_extra_tensors: bool = False
     model_types: tuple[str, ...] = ()
+    source_marker: str = "config.json"
 
     @property
     def can_read(self) -> bool:
@@ -90,6 +92,7 @@ _HF_SHARDS = r"model-\d{5}-of-\d{5}\.safetensors"  # save_pretrained's shard nam
 FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
     FormatEntry(
         "hf", "this project's Hugging Face folder (config.json with auto_map, safetensors shards, remote code)",
+        model_types=("hybrid_linear",),
         read="hf:read_hf", target_rows="name_maps:build_hf_rows", write="hf:write_hf",
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "hybrid_linear"},
@@ -103,7 +106,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         "fast_llm",
         "Fast-LLM's export format: metadata.yaml + model_{n}.safetensors with '{parameter}/weights' tensors",
         read="fast_llm.checkpoint:read_fast_llm", target_rows="fast_llm.checkpoint:fast_llm_rows",
-        write="fast_llm.checkpoint:write_fast_llm",
+        write="fast_llm.checkpoint:write_fast_llm", source_marker="metadata.yaml",
         output=OutputLayout(marker="metadata.yaml", files=("metadata.yaml",), shards=r"model_\d+\.safetensors"),
     ),
     FormatEntry(
@@ -111,12 +114,13 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         "fla's Hugging Face models: config.json with model_type gated_deltanet (attn layers too) or kda, safetensors",
         model_types=("gated_deltanet", "kda"),
         read="fla.checkpoint:read_fla", target_rows="fla.checkpoint:fla_rows", write="fla.checkpoint:write_fla",
-        output=OutputLayout(marker="config.json", files=("config.json", *_HF_WEIGHTS), shards=_HF_SHARDS),
+        output=OutputLayout(marker="config.json", files=("config.json", *_HF_WEIGHTS), shards=_HF_SHARDS,
+                            tokenizer=True),
     ),
     FormatEntry(
         "fast_llm_distributed",
         "Fast-LLM's training-state format, single rank: metadata.yaml + rank_0.safetensors",
-        read="fast_llm.distributed:read_fast_llm_distributed",
+        read="fast_llm.distributed:read_fast_llm_distributed", source_marker="metadata.yaml",
     ),
     FormatEntry(
         "apriel2",
@@ -126,7 +130,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         write="apriel2.checkpoint:write_apriel2",
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "apriel2_text"},
-            files=("config.json", *_HF_WEIGHTS), shards=_HF_SHARDS,
+            files=("config.json", *_HF_WEIGHTS), shards=_HF_SHARDS, tokenizer=True,
         ),
     ),
     FormatEntry(
@@ -150,10 +154,36 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         write="kimi_linear.checkpoint:write_kimi_linear",
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "kimi_linear"},
-            files=("config.json", "generation_config.json", *_HF_WEIGHTS), shards=_HF_SHARDS,
+            files=("config.json", "generation_config.json", *_HF_WEIGHTS), shards=_HF_SHARDS, tokenizer=True,
         ),
     ),
 )
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def _shown(value: object, limit: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in "5GB" (decimal, as in transformers), "500MiB" (binary), "1.5G" or a plain integer; ValueError (one
+    line saying how to write it) for anything else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        size = text
+    else:
+        match = _SIZE.match(str(text))
+        if not match:
+            raise ValueError(f"cannot read size {_shown(text)}; write it like 5GB, 500MB or 2GiB.")
+        unit = (match.group(2) or "").upper().removesuffix("B")
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size {_shown(text)} must be positive.")
+    return size
 
 
 def format_size(nbytes: int) -> str:
@@ -179,4 +209,5 @@ __all__ = [
     "FormatEntry",
     "OutputLayout",
     "format_size",
+    "parse_size",
 ]

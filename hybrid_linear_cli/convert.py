@@ -1,7 +1,8 @@
 """`hybrid-linear-convert`: the command line over `hybrid_linear_models.conversion.convert_checkpoint`.
 
-The parser is built from the standard library and the torch-free catalogue of formats alone, so `--help` and argument
-errors answer at once; torch, transformers and the converters are imported only when a conversion starts.
+The parser is built from the standard library and the torch-free catalogue of formats alone, and the arguments, SRC
+and DST are checked without torch (`conversion_preflight`), so `--help` and a refused conversion answer at once;
+torch, transformers and the converters are imported only when a conversion starts.
 Expected failures (a bad checkpoint or option, a refused DST, a disk error, Ctrl-C, SIGTERM, SIGHUP) end with one
 line on stderr and a non-zero status (1, or 128 + the signal's number); anything else is a bug and keeps its
 traceback.
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from hybrid_linear_cli.conversion_catalogue import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, FORMAT_CATALOGUE, format_size
+from hybrid_linear_cli.conversion_preflight import PreflightError, preflight
 
 PROG = "hybrid-linear-convert"
 
@@ -50,9 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true",
                         help="replace an existing DST, if it is empty or holds only a checkpoint of the --to format "
                              "(and only once the new output is complete)")
+    with_tokenizer = [entry.name for entry in FORMAT_CATALOGUE if entry.output is not None and entry.output.tokenizer]
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
-                        help="tokenizer folder (what tokenizer.save_pretrained wrote) to copy into an hf DST "
-                             "(default: the tokenizer found in SRC, if any)")
+                        help="tokenizer folder (what tokenizer.save_pretrained wrote) to copy into DST, for --to "
+                             f"{', '.join(with_tokenizer)} (default: the tokenizer found in SRC, if any)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     return parser
 
@@ -75,7 +78,8 @@ def _convert(args: argparse.Namespace) -> int:
                    "(optimizer state, unused supernet mixers)") if result.skipped else ""
         print(f"Converted {result.tensors} tensors ({format_size(result.bytes)}) from {args.from_format} to "
               f"{args.to_format} in {result.seconds:.1f}s: {result.destination}{skipped}")
-        if args.to_format == "hf" and not result.tokenizer_files:
+        writer = next(entry for entry in FORMAT_CATALOGUE if entry.name == args.to_format)
+        if writer.output.tokenizer and not result.tokenizer_files:
             from hybrid_linear_models.tokenizer_loading import ADD_TOKENIZER_HINT
 
             print(f"No tokenizer was found to copy; to use the folder with AutoTokenizer, {ADD_TOKENIZER_HINT}.")
@@ -84,6 +88,13 @@ def _convert(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        # what can be refused without torch is refused before the converters are imported (seconds)
+        preflight(args.from_format, args.to_format, args.src, args.dst, force=args.force,
+                  max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
+    except PreflightError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
     try:
         return _convert(args)
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM / SIGHUP raised as `Interrupted`

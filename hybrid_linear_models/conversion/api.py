@@ -7,7 +7,6 @@ in transformers), in the progress bar as in the summary.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hybrid_linear_cli.conversion_catalogue import DEFAULT_MAX_SHARD_SIZE, DTYPE_NAMES, SIZE_BASE
+from hybrid_linear_cli.conversion_catalogue import parse_size as catalogue_parse_size
 
 from .errors import ConversionError
 from .formats import get_format
@@ -28,24 +28,15 @@ from .safety import atomic_output_dir, check_paths
 from .tokenizer_files import copy_tokenizer, tokenizer_to_copy
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes in "5GB" (decimal, as in transformers), "500MiB" (binary), "1.5G" or a plain integer."""
-    if isinstance(text, int):
-        size = text
-    else:
-        match = _SIZE.match(str(text))
-        if not match:
-            raise ConversionError(f"cannot read size {brief(text)}; write it like 5GB, 500MB or 2GiB.")
-        unit = (match.group(2) or "").upper().removesuffix("B")
-        size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ConversionError(f"size {brief(text)} must be positive.")
-    return size
+    """Bytes in "5GB" (decimal, as in transformers), "500MiB" (binary), "1.5G" or a plain integer (read by the
+    command line's torch-free catalogue, which checks it before a conversion starts)."""
+    try:
+        return catalogue_parse_size(text)
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
 
 
 @dataclass(frozen=True)
