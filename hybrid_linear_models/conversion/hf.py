@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE
 
-from ..component_registry import declared_fields
+from ..component_registry import declarations_of, declared_fields
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
 from .extra_tensors import extra_tensors_file, read_extra_tensors
@@ -76,10 +76,26 @@ def _check_before_building(fields: Fields, census: TensorCensus | None) -> None:
     dtype = fields.string("dtype", None)
     if dtype is not None and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise fields.wrong("dtype", "the name of a torch dtype (float32, bfloat16, ...)", dtype)
+    present = _named_components(fields)
     for name in _size_fields():
         if fields.has(name):
-            fields.integer(name, minimum=1, maximum=census.elements if census else None,
-                           too_large=census.elements_phrase if census else "")
+            # bounded by the stored weights only where a stored tensor has this size: a field of a mixer or MLP
+            # that no layer runs sizes nothing
+            sizes_a_tensor = present is None or name in ("vocab_size", "hidden_size") or any(
+                component in present for _, component in declarations_of(name))
+            bound = census if sizes_a_tensor else None
+            fields.integer(name, minimum=1, maximum=bound.elements if bound else None,
+                           too_large=bound.elements_phrase if bound else "")
+
+
+def _named_components(fields: Fields) -> set[str] | None:
+    """The mixers and MLPs config.json's per-layer lists name; None when it leaves either kind to the config's
+    defaults."""
+    lists = ("layer_types", "mixer_types", "mlp_types", "mlp_layer_types")
+    given = {name: fields.get(name) for name in lists if isinstance(fields.get(name), list)}
+    if not any(name in given for name in lists[:2]) or not any(name in given for name in lists[2:]):
+        return None
+    return {entry for entries in given.values() for entry in entries if isinstance(entry, str)}
 
 
 def _check_model_type(data: Any, label: str) -> None:

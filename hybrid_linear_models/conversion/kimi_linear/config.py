@@ -263,8 +263,12 @@ def kimi_to_hybrid_config(data: Any, label: str, census: TensorCensus | None = N
     kwargs: dict[str, Any] = {"layer_types": [LAYER_TYPES[t] for t in kimi_types],
                               "mlp_types": [MLP_TYPES[t] for t in kimi_mlps]}
     read = _size(fields, census)
-    for name in ("vocab_size", "hidden_size", "intermediate_size"):
+    for name in ("vocab_size", "hidden_size"):
         kwargs[name] = read(name, KIMI_DEFAULTS[name])
+    # a size is bounded by the stored weights only where a stored tensor has it: the dense MLP's width when a layer
+    # is dense, KDA's sizes when a layer is KDA (MLA's and the MoE's are read only when present)
+    kwargs["intermediate_size"] = _size(fields, census if DENSE in kwargs["mlp_types"] else None)(
+        "intermediate_size", KIMI_DEFAULTS["intermediate_size"])
     kwargs["max_position_embeddings"] = _aliased(  # no tensor's size: not bounded by the census
         fields, "model_max_length", lambda key, default: fields.integer(key, default, minimum=1),
         KIMI_DEFAULTS["model_max_length"])
@@ -279,7 +283,7 @@ def kimi_to_hybrid_config(data: Any, label: str, census: TensorCensus | None = N
     for name in ("use_cache", "tie_word_embeddings"):
         kwargs[name] = fields.boolean(name, KIMI_DEFAULTS[name])
     kwargs.update(token_ids(fields))
-    kwargs.update(_kda_settings(fields, linear, census))
+    kwargs.update(_kda_settings(fields, linear, census if KDA in kwargs["layer_types"] else None))
     kwargs.update(_mla_settings(fields, census, MLA in kwargs["layer_types"]))
     kwargs.update(_moe_settings(fields, census, KIMI_MOE in kwargs["mlp_types"]))
     layers_mtp = fields.integer("num_nextn_predict_layers", 0, minimum=0)

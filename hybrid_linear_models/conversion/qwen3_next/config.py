@@ -64,6 +64,13 @@ _SIZES = {  # Qwen3-Next name -> ours
     "linear_key_head_dim": "gdn_key_head_dim", "linear_value_head_dim": "gdn_value_head_dim",
     "linear_conv_kernel_dim": "gdn_conv_kernel_size",
 }
+# Which stored tensors have each size as a dimension: every model's (None), or the tensors of a kind of layer or MLP
+# only (a model without it loads in transformers whatever the size says). A size is bounded by the stored weights
+# only where such tensors exist; max_position_embeddings sizes no tensor (rotary angles are computed), so never.
+_SIZED_BY = {"vocab_size": None, "hidden_size": None, "intermediate_size": "dense",
+             **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "head_dim"), "full_attention"),
+             **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                              "linear_value_head_dim", "linear_conv_kernel_dim"), "gated_deltanet")}
 _ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")
 _MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts")
 _MOE_FLAGS = ("norm_topk_prob", "output_router_logits")
@@ -75,6 +82,13 @@ FIXED = {"attention_output_gate": True, "attention_qk_norm": True, "zero_centere
 def is_carried_field(name: str) -> bool:
     """Multi-token-prediction settings: recorded with the mtp.* tensors, not part of our model."""
     return name.startswith("mtp_") or name == "num_nextn_predict_layers"
+
+
+def _size(fields: Fields, name: str, census: TensorCensus | None) -> int:
+    """A positive integer (default Qwen3NextConfig's), no larger than the stored weights (`census`, when given: the
+    size of a stored tensor)."""
+    return fields.integer(name, QWEN3_NEXT_DEFAULTS[name], minimum=1, maximum=census.elements if census else None,
+                          too_large=census.elements_phrase if census else "")
 
 
 def _layer_types(fields: Fields, layers: int) -> list[str]:
@@ -102,10 +116,9 @@ def _rope_parameters(fields: Fields) -> dict:
 
 
 def _mlp_types(fields: Fields, layers: int, census: TensorCensus | None) -> tuple[list[str], dict[str, Any]]:
-    """Each layer's MLP ("dense" / "sparse_moe") by Qwen3-Next's rule, and the expert fields when a layer is sparse."""
-    experts = fields.integer("num_experts", QWEN3_NEXT_DEFAULTS["num_experts"], minimum=0,
-                             maximum=census.elements if census else None,
-                             too_large=census.elements_phrase if census else "")
+    """Each layer's MLP ("dense" / "sparse_moe") by Qwen3-Next's rule, and the expert fields when a layer is sparse
+    (only then are they sizes of stored tensors, bounded by the census)."""
+    experts = fields.integer("num_experts", QWEN3_NEXT_DEFAULTS["num_experts"], minimum=0)
     step = fields.integer("decoder_sparse_step", 1, minimum=1)
     dense_only = fields.sequence("mlp_only_layers", [], item=int) or []
     for position, index in enumerate(dense_only):
@@ -121,9 +134,7 @@ def _mlp_types(fields: Fields, layers: int, census: TensorCensus | None) -> tupl
                                   "shared-expert gate (1, hidden) on a zero-width expert, which this model would have "
                                   "to drop; only models with a shared expert convert.")
         for name in _MOE_SIZES:
-            moe[name] = fields.integer(name, QWEN3_NEXT_DEFAULTS[name], minimum=1,
-                                       maximum=census.elements if census else None,
-                                       too_large=census.elements_phrase if census else "")
+            moe[name] = _size(fields, name, census)
         for name in _MOE_FLAGS:
             moe[name] = fields.boolean(name, QWEN3_NEXT_DEFAULTS[name])
         moe["router_aux_loss_coef"] = fields.number("router_aux_loss_coef", QWEN3_NEXT_DEFAULTS["router_aux_loss_coef"])
@@ -144,11 +155,12 @@ def qwen3_next_to_hybrid_config(data: Any, label: str, census: TensorCensus | No
     check_model_type(fields, MODEL_TYPE, "qwen3_next")
     layers = layer_count(fields, QWEN3_NEXT_DEFAULTS["num_hidden_layers"], census)
     layer_types = _layer_types(fields, layers)
+    mlp_types, moe = _mlp_types(fields, layers, census)
+    kinds = {*layer_types, *mlp_types}
     kwargs: dict[str, Any] = {"layer_types": layer_types}
     for theirs, ours in _SIZES.items():
-        kwargs[ours] = fields.integer(theirs, QWEN3_NEXT_DEFAULTS[theirs], minimum=1,
-                                      maximum=census.elements if census else None,
-                                      too_large=census.elements_phrase if census else "")
+        sized = theirs in _SIZED_BY and (_SIZED_BY[theirs] is None or _SIZED_BY[theirs] in kinds)
+        kwargs[ours] = _size(fields, theirs, census if sized else None)
     kwargs["hidden_act"] = fields.string("hidden_act", "silu")
     if kwargs["hidden_act"] != "silu" and "gated_deltanet" in layer_types:
         raise ConversionError(f"{label}: hidden_act is {brief(kwargs['hidden_act'])}; Qwen3-Next also applies it "
@@ -168,7 +180,6 @@ def qwen3_next_to_hybrid_config(data: Any, label: str, census: TensorCensus | No
         raise ConversionError(f"{label}: sliding_window is {brief(fields.get('sliding_window'))}; Qwen3-Next has no "
                               "sliding-window layers, so only null converts.")
     kwargs["rope_parameters"] = _rope_parameters(fields)
-    _, moe = _mlp_types(fields, layers, census)
     kwargs.update(moe)
     kwargs.update(FIXED)
     carried = {name: fields.get(name) for name in sorted(fields.data) if is_carried_field(name)}
