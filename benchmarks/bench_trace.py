@@ -32,6 +32,10 @@ p50 / p99, for each side, and the ratios (> 1: ours better).
     python benchmarks/bench_trace.py [--device cuda] [--tiny] [--static] [--models gdn kda] [--ways single batched]
         [--sides ours transformers] [--requests 200] [--seed 0] [--batch 8] [--warmup none|generate|package]
         [--json results.json]
+    python benchmarks/bench_trace.py --combine ours.json transformers.json   # one table from separate runs' --json
+
+A run can be split (`--sides`, `--ways`, `--models`; e.g. one call per side under a time limit per call) and its
+parts' `--json` files combined into one table with the ratios.
 """
 
 from __future__ import annotations
@@ -252,6 +256,20 @@ def print_table(results: dict, pairs: list[str], ways: list[str]) -> None:
                 print(f"{way:<8} {'ratio':<13} " + " ".join(f"{r:>8.2f}x" for r in ratios))
 
 
+def saved_results(path: Path) -> list[dict]:
+    """The results a run wrote with --json, or one line saying what is wrong with the file."""
+    try:
+        results = json.loads(path.read_text())
+        for result in results:
+            missing = {"pair", "side", "way", "tok_s", "ttft", "gaps", "wall_s", "worst_ttft"} - set(result)
+            if missing:
+                raise ValueError(f"a result without {sorted(missing)}")
+    except (OSError, ValueError, TypeError) as error:
+        raise SystemExit(f"bench_trace: {path} is not a --json file of this script ({error}); pass the files that "
+                         f"runs with --json wrote") from None
+    return results
+
+
 def run_child(pair: str, side: str, way: str, argv: list[str]) -> dict | None:
     """One (pair, side, way) in a fresh process; its result, or None (its error printed) when it failed."""
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", pair, side, way]
@@ -283,8 +301,16 @@ def main() -> None:
     parser.add_argument("--warmup-length", type=int, default=512, help="--warmup generate: its prompt length")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--json", type=Path, default=None, help="also write every request's figures here")
+    parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="print one table from these runs' --json files, and nothing else")
     parser.add_argument("--child", nargs=3, metavar=("PAIR", "SIDE", "WAY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.combine:
+        combined = [r for path in args.combine for r in saved_results(path)]
+        results = {(r["pair"], r["side"], r["way"]): r for r in combined}
+        print_table(results, list(dict.fromkeys(r["pair"] for r in combined)),
+                    [way for way in WAYS if any(r["way"] == way for r in combined)])
+        return
     if args.tiny:  # the tiny trace's sizes, unless given explicitly
         given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
         for name, value in TINY.items():

@@ -4,8 +4,9 @@
 # logging to $OUT/NN-<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
 #   profile-decode, decode-gemv, kimi-linear, moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests,
-#   save-tuning (or any command, quoted: its log is named after it)
+#   trace, trace-static, save-tuning (or any command, quoted: its log is named after it)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
+# DRY_RUN=1 prints each step's command and runs nothing (no set-up either): a check of the step names, anywhere.
 # Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
 #   CUDA_VISIBLE_DEVICES=0 SKIP_SETUP=1 bash benchmarks/gpu_suite.sh A B & CUDA_VISIBLE_DEVICES=1 SKIP_SETUP=1
 #   bash benchmarks/gpu_suite.sh C; wait; SKIP_SETUP=1 bash benchmarks/gpu_suite.sh save-tuning
@@ -17,7 +18,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # Wheels go into /tmp/site (kept while the machine stays warm), ahead of the image's packages on PYTHONPATH.
 SITE=/tmp/site
-if [ -z "${SKIP_SETUP:-}" ] && [ ! -f $SITE/.installed ]; then
+if [ -z "${SKIP_SETUP:-}${DRY_RUN:-}" ] && [ ! -f $SITE/.installed ]; then
   wheels=(.wheels/*.whl)
   if [ -d /tmp/tri ]; then
     wheel=/tmp/triton-3.7.1-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl
@@ -31,11 +32,11 @@ fi
 # cache carried as the ignored ./.tuning/tuning.tgz (the `save-tuning` step's output) takes precedence.
 TUNING=benchmarks/tuning/fla-0.6.0_triton-3.7.1_h200.tgz
 [ -f .tuning/tuning.tgz ] && TUNING=.tuning/tuning.tgz
-if [ -f $TUNING ] && [ ! -d $TRITON_CACHE_DIR ]; then mkdir -p $TRITON_CACHE_DIR && tar xzf $TUNING -C $TRITON_CACHE_DIR; fi
+if [ -z "${DRY_RUN:-}" ] && [ -f $TUNING ] && [ ! -d $TRITON_CACHE_DIR ]; then mkdir -p $TRITON_CACHE_DIR && tar xzf $TUNING -C $TRITON_CACHE_DIR; fi
 export PYTHONPATH=$SITE:$PWD
 WORKERS=""
 python3 -c "import xdist" 2>/dev/null && WORKERS="-n ${TEST_WORKERS:-8}"
-python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"
+[ -n "${DRY_RUN:-}" ] || python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())"
 # DEADLINE=seconds (counted from this script's start): every step's limit is cut so that all end by then,
 # leaving a later `save-tuning` time to run inside the call's own limit.
 START=$(date +%s)
@@ -67,13 +68,17 @@ for spec in "$@"; do
     kimi-linear) cmd="python3 benchmarks/bench_kimi_linear.py --repeats 2" ;;  # Kimi-Linear's training and decoding
     moe-blocks) cmd="python3 benchmarks/bench_moe.py --size gpu --skip-model" ;;  # MoE block, routing share
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
-    save-tuning) (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;
+    trace) cmd="python3 benchmarks/bench_trace.py --device cuda" ;;  # 200 requests of distinct lengths, first calls timed
+    trace-static) cmd="python3 benchmarks/bench_trace.py --device cuda --static" ;;
+    save-tuning) [ -n "${DRY_RUN:-}" ] && { echo "=== save-tuning: pack $TRITON_CACHE_DIR/**/*.autotune.json into $OUT/tuning.tgz"; continue; }
+      (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;
     graph-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -k cuda_graph -p no:cacheprovider" ;;
     gate-test) cmd="python3 -m pytest -v -m gpu tests/test_ops_gpu.py -k fused_gate -p no:cacheprovider" ;;
     gpu-model-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -p no:cacheprovider" ;;
     *) cmd="$step" ;;
   esac
   echo "=== $step ($limit s): $cmd"
+  [ -n "${DRY_RUN:-}" ] && continue
   # a command as a step: a file name (numbered: two commands may start alike)
   STEP_NO=$(( ${STEP_NO:-0} + 1 ))
   log="$OUT/$(printf %02d-%s "$STEP_NO" "$step" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-64).log"
