@@ -11,6 +11,7 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -60,11 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrLines(logging.Handler):
+    """The converter's notices (what a run did with the output of a killed one), one line each on stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"{PROG}: {record.getMessage()}", file=sys.stderr)
+
+
 def _convert(args: argparse.Namespace) -> int:
     from hybrid_linear_models.conversion.api import convert_checkpoint
     from hybrid_linear_models.conversion.errors import ConversionError
     from hybrid_linear_models.conversion.interrupts import stop_signals_raise
 
+    notices, handler = logging.getLogger("hybrid_linear_models.conversion"), _StderrLines(logging.WARNING)
+    notices.addHandler(handler)
     try:
         with stop_signals_raise():  # SIGTERM / SIGHUP unwind like Ctrl-C; reported by main()
             result = convert_checkpoint(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
@@ -73,6 +83,8 @@ def _convert(args: argparse.Namespace) -> int:
     except ConversionError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        notices.removeHandler(handler)
     if not args.quiet:
         skipped = (f"; skipped {result.skipped} stored tensors that are not weights of the converted model "
                    "(optimizer state, unused supernet mixers)") if result.skipped else ""

@@ -249,3 +249,19 @@ def test_sigkill_between_the_renames_of_a_force_commit(tmp_path, caplog):
     (line,) = [record.getMessage() for record in caplog.records]
     assert "DST holds its new output" in line and "\n" not in line
     assert '"dtype": "bfloat16"' in (dst / "config.json").read_text() and leftovers(dst) == []
+
+
+def test_the_command_line_says_what_it_did_on_one_line(tmp_path, capsys):
+    """The recovery's line reaches stderr from the command line, before the run's own refusal."""
+    from hybrid_linear_cli.convert import main
+
+    parent = tmp_path / "out"
+    parent.mkdir()
+    (parent / ".dst.old-0a1b2c3d").mkdir()
+    write_output(parent / ".dst.old-0a1b2c3d", "old")
+    (tmp_path / "bad").mkdir()
+    assert main(["--from", "fast_llm", "--to", "hf", "--quiet", "--force", str(tmp_path / "bad"),
+                 str(parent / "dst")]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "restored DST's previous output" in lines[0] and "error:" in lines[1], lines
+    assert listing(parent / "dst") == output(tmp_path, "old") and leftovers(parent / "dst") == []
