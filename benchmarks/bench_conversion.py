@@ -145,7 +145,7 @@ def main() -> None:
         started = time.perf_counter()
         source = write_random_checkpoint(workdir / "fast_llm", config, "fast_llm", dtype=dtype)
         build_seconds = time.perf_counter() - started
-        print(f"synthetic Fast-LLM checkpoint: {layers} layers ({', '.join(sorted(set(config.layer_types)))}), "
+        print(f"synthetic Fast-LLM checkpoint: {layers} layers ({', '.join(sorted(set(config.mixer_types)))}), "
               f"hidden {config.hidden_size}, {args.dtype}, {total / 1e9:.2f} GB, largest tensor "
               f"{largest / 1e6:.0f} MB, built in {build_seconds:.1f}s")
         print(f"{'conversion':<18}{'seconds':>9}{'MB/s':>8}{'RSS after imports MB':>22}{'peak RSS MB':>13}"

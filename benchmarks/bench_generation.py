@@ -79,7 +79,7 @@ def bytes_per_step(model, batch: int, context: int) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters()  # (each tied parameter once)
                 if p is not embedding or tied)
     config, element = model.config, next(model.parameters()).element_size()
-    for i, layer_type in enumerate(config.layer_types):
+    for i, layer_type in enumerate(config.mixer_types):
         s = config.per_layer_config[i]
         if layer_type == "gated_deltanet":
             state = s.gdn_num_value_heads * s.gdn_key_head_dim * s.gdn_value_head_dim

@@ -1,8 +1,8 @@
 """Cache bytes per token of multi-head latent attention against full keys and values of the same heads.
 
 For each set of MLA shapes: the formula (`mixer_mla.cache_bytes_per_token`, `full_kv_bytes_per_token`), then what a
-one-layer model of those shapes really holds in a `StaticCache` after a prefill (`StaticLatentKVLayer`, bytes of its
-tensors per token slot and batch row) and in a `DynamicCache` (`LatentKVLayer`), on the CPU in the chosen
+one-layer model of those shapes really holds in a `StaticCache` after a prefill (transformers' `StaticLayer`, bytes of
+its tensors per token slot and batch row) and in a `DynamicCache` (`DynamicLayer`), on the CPU in the chosen
 dtype. The full-KV column is what an expanded cache (transformers' DeepSeek-V3 before its latent cache, or a GQA
 layer with one KV head per query head of these widths) would hold.
 
@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models.cache_hybrid_linear import layer_bytes_per_token
 from hybrid_linear_models.mixer_mla import cache_bytes_per_token, full_kv_bytes_per_token
 
 # (name, heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), from the released configs
@@ -39,7 +40,7 @@ def measured(heads: int, rank: int, nope: int, rope: int, v: int, dtype: torch.d
         model(input_ids, cache=static, use_cache=True)
         model(input_ids, cache=dynamic, use_cache=True)
     static_bytes = sum(t.numel() * t.element_size() for t in (static.layers[0].keys, static.layers[0].values)) // 16
-    return static_bytes, dynamic.layers[0].bytes_per_token()
+    return static_bytes, layer_bytes_per_token(dynamic.layers[0])
 
 
 def main() -> None:

@@ -1,28 +1,28 @@
-"""Generation cache of GDN/KDA and latent-attention (MLA) layers, plugged into transformers' Cache classes.
+"""Generation cache of GDN/KDA layers, on transformers' own cache layers.
 
-Attention layers use transformers' own KV layers (`DynamicLayer`, `DynamicSlidingWindowLayer`, or their static
-versions). A multi-head latent attention layer (mixer_mla.py) keeps only its compressed KV, one [B, 1, T, r + rope]
-tensor (`LatentKVLayer`, `StaticLatentKVLayer`). A GDN/KDA layer keeps, per batch row, the last K-1 inputs of its
-short convolution and its float32 recurrent state [H, dk, dv]: a fixed size, whatever the context length.
-
-A mixer's registration (mixer_registry.register) puts its cache layer in transformers' layer-type tables, so
-that `DynamicCache(config=config)` and `StaticCache(config=config, max_cache_len=...)` (what `generate` builds) hold
-the right layer for every mixer.
+transformers builds every layer's cache from `config.layer_types` (`DynamicCache(config=...)`,
+`StaticCache(config=..., max_cache_len=...)`, what `generate` builds): attention layers get its KV layers
+(`DynamicLayer`, `DynamicSlidingWindowLayer`, or their static versions; a multi-head latent attention layer keeps
+its compressed KV there, one [B, 1, T, r + rope] key tensor and an empty value, mixer_mla.py), "linear_attention"
+layers its `LinearAttentionLayer`. A GDN/KDA layer keeps, per batch row, the last K-1 inputs of its short convolution
+and its float32 recurrent state [H, dk, dv]: a fixed size, whatever the context length. It keeps them in
+`LinearStateLayer`, transformers' `LinearAttentionLayer` with the layout this package's kernels update in place; the
+model takes each empty `LinearAttentionLayer` of a cache it is given as one (`adopt_linear_layers`), before its first
+forward writes into it.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import (
-    DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
-    DynamicLayer,
+    CacheLayerMixin,
     LinearAttentionCacheLayerMixin,
-    StaticLayer,
+    LinearAttentionLayer,
 )
 
 
-class LinearStateLayer(LinearAttentionCacheLayerMixin):
+class LinearStateLayer(LinearAttentionLayer):
     """Cache of one GDN/KDA layer: conv state [B, C, K-1] and recurrent state [B, H, dk, dv] (float32).
 
     The conv state lives in the last K-1 columns of a [B, C, K] window (`conv_window`, whose first column is never
@@ -130,37 +130,35 @@ class LinearStateLayer(LinearAttentionCacheLayerMixin):
         self._select(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
 
-class _LatentKV:
-    """What the two latent KV layers add to transformers' KV layers: the layout of what they hold.
-
-    An MLA layer caches, per token, its normalised KV latent (kv_lora_rank values) and the key slice shared by all
-    heads (qk_rope_head_dim values, rotated when the layer is rotary), concatenated: `keys` [B, 1, T, r + rope]. The
-    per-head keys and values are recomputed from it (mixer_mla.py), so `values` holds nothing ([B, 1, T, 0]). Being
-    transformers' dynamic and static layers otherwise (same update, crop, reorder, masks), the static one has the
-    fixed addresses CUDA-graph decoding needs and is treated there as any full-attention layer."""
-
-    def bytes_per_token(self) -> int:
-        """Bytes this layer holds per cached token and batch row (0 before its first update)."""
-        if not self.is_initialized:
-            return 0
-        return sum(t.shape[1] * t.shape[-1] * t.element_size() for t in (self.keys, self.values))
+def layer_bytes_per_token(layer: CacheLayerMixin) -> int:
+    """Bytes a KV cache layer holds per cached token and batch row (0 before its first update): for a latent
+    attention layer, its latent and shared key slice (the values are empty)."""
+    if not layer.is_initialized:
+        return 0
+    return sum(t.shape[1] * t.shape[-1] * t.element_size() for t in (layer.keys, layer.values))
 
 
-class LatentKVLayer(_LatentKV, DynamicLayer):
-    """The dynamic cache layer of an MLA layer (see `_LatentKV`)."""
+def _is_transformers_linear_layer(layer: object) -> bool:
+    """A linear-attention cache layer of transformers' (not a hybrid one that also holds keys, nor ours)."""
+    return (isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)
+            and not isinstance(layer, LinearStateLayer))
 
 
-class StaticLatentKVLayer(_LatentKV, StaticLayer):
-    """The static cache layer of an MLA layer (see `_LatentKV`), what `generate(cache_implementation="static")` and
-    CUDA-graph decoding use."""
-
-
-# One process can hold several copies of this module (the package, and the remote code of each folder loaded with
-# trust_remote_code), while transformers' tables keep the first copy's class: every copy uses that class, or caches
-# built from the tables would fail the other copies' isinstance checks ("the cache holds LinearStateLayer there").
-LinearStateLayer = next((kept for kept in DYNAMIC_LAYER_TYPE_MAPPING.values()
-                         if kept.__name__ == LinearStateLayer.__name__
-                         and kept.__module__.rsplit(".", 1)[-1] == __name__.rsplit(".", 1)[-1]), LinearStateLayer)
+def adopt_linear_layers(cache: Cache | None) -> None:
+    """Takes each empty linear-attention layer transformers built in `cache` (its `LinearAttentionLayer`, for the
+    "linear_attention" entries of `config.layer_types`) as a `LinearStateLayer`, in place; a cache is looked at once.
+    A layer of transformers' that already holds a state is refused: its conv state has another layout."""
+    if cache is None or getattr(cache, "_linear_layers_adopted", False) or not hasattr(cache, "layers"):
+        return
+    for index, layer in enumerate(cache.layers):
+        if not _is_transformers_linear_layer(layer):
+            continue
+        if any(layer.is_conv_states_initialized.values()) or any(layer.is_recurrent_states_initialized.values()):
+            raise ValueError(
+                f"Layer {index}'s cache ({type(layer).__name__}) already holds a state written by another model; "
+                "pass a fresh cache built from this model's config: DynamicCache(config=model.config).")
+        cache.layers[index] = LinearStateLayer()
+    cache._linear_layers_adopted = True
 
 
 def past_length(cache: Cache | None) -> int:

@@ -1,15 +1,24 @@
 """Configuration of the hybrid linear-attention model family.
 
-A decoder of `num_hidden_layers` blocks, each with one token mixer picked by `layer_types`:
+A decoder of `num_hidden_layers` blocks, each with one token mixer picked by `mixer_types`:
 
 - "full_attention":       softmax attention (GQA, optional per-head q/k RMSNorm, partial rotary, optional sigmoid
                           output gate as in Qwen3-Next);
 - "sliding_attention":    the same within a window of `sliding_window` tokens;
 - "gated_deltanet":       Gated DeltaNet (Qwen3-Next's linear attention);
 - "kimi_delta_attention": Kimi Delta Attention (per-channel decay);
+- "mla_attention":        multi-head latent attention (Kimi-Linear, DeepSeek-V3);
 
 followed by an MLP picked by `mlp_types` (default: every layer "dense", the gated MLP), each sub-block pre-normed
 with RMSNorm and added to the residual stream.
+
+Beside these lists of this family's own names, config.json holds transformers' words for the same layers, which its
+generic machinery reads (the cache each layer gets, the masks, the generic config a tokenizer loads with):
+`layer_types` ("full_attention", "sliding_attention", "linear_attention": each mixer's registration declares its
+own) and `mlp_layer_types` ("dense", "sparse"). Each follows from the other list of its pair: a config may give
+either or both (they must agree). Given transformers' words alone, a layer runs the first mixer (MLP) registered for
+its type: Gated DeltaNet for "linear_attention", the sparse MoE for "sparse". A config that names mixers in
+`layer_types` (`["gated_deltanet", "full_attention"]`) loads as the same model and saves both lists.
 
 The mixers and MLPs are registered components (`mixer_registry`, `mlp_registry`), and each owns its settings: its
 spec declares every config field it reads once (`component_registry.ConfigField`: kind, default, one-line doc,
@@ -65,10 +74,10 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
 from .component_registry import ConfigField, declarations_of, declared_fields, on_change
-from .mixer_registry import MIXERS
-from .mixer_registry import layer_types as registered_layer_types
+from .mixer_registry import MIXERS, default_mixer
+from .mixer_registry import mixer_types as registered_mixer_types
 from .mixer_registry import tensor_parallel_plan as mixers_tensor_parallel_plan
-from .mlp_registry import MLPS
+from .mlp_registry import MLPS, default_mlp
 from .mlp_registry import expert_parallel_plan as mlps_expert_parallel_plan
 from .mlp_registry import tensor_parallel_plan as mlps_tensor_parallel_plan
 from .shown_values import brief, clip
@@ -91,12 +100,18 @@ def config_value(config: PreTrainedConfig, name: str, stored_as: str | None = No
 
 GATE_ACTIVATIONS = ("silu", "sigmoid")
 
-# The layer types, MLP types and the fields each one's component reads (and may set per layer) come from the
-# registrations (mixer_registry, mlp_registry; these tuples as registered at import, validation reads the registries
-# themselves); every layer also reads BLOCK_FIELDS (its block norms).
-LAYER_TYPES = registered_layer_types()
-ATTENTION_LAYER_TYPES = registered_layer_types("kv")
-LINEAR_LAYER_TYPES = registered_layer_types("recurrent")
+# The mixers, MLP types and the fields each one's component reads (and may set per layer) come from the registrations
+# (mixer_registry, mlp_registry; these tuples as registered at import, validation reads the registries themselves);
+# every layer also reads BLOCK_FIELDS (its block norms). LAYER_TYPES: transformers' layer types they declare.
+MIXER_TYPES = registered_mixer_types()
+
+
+def _registered_layer_types() -> tuple[str, ...]:
+    """transformers' layer types of the registered mixers, in registration order."""
+    return tuple(dict.fromkeys(spec.layer_type for spec in MIXERS.values()))
+
+
+LAYER_TYPES = _registered_layer_types()
 MLP_TYPES = tuple(MLPS)
 MIXER_FIELDS = {layer_type: tuple(spec.fields) for layer_type, spec in MIXERS.items()}
 MLP_FIELDS = {mlp_type: tuple(spec.fields) for mlp_type, spec in MLPS.items()}
@@ -106,7 +121,7 @@ PER_LAYER_FIELDS = tuple(dict.fromkeys(f for fields in (*MIXER_FIELDS.values(), 
 # At most this many per-layer problems are listed in one error (a hostile config could have one per layer).
 _MAX_LAYER_PROBLEMS = 4
 
-_DEFAULT_LAYER_TYPES = ["gated_deltanet", "gated_deltanet", "gated_deltanet", "full_attention"] * 2
+_DEFAULT_MIXER_TYPES = ["gated_deltanet", "gated_deltanet", "gated_deltanet", "full_attention"] * 2
 DEFAULT_MLP_TYPE = "dense"  # every layer's MLP unless mlp_types says otherwise
 
 # Generous bounds that no real model reaches, so that a hostile config fails in validate(), before any allocation.
@@ -210,6 +225,10 @@ class _Settings:
         return self._config._getattr_without_heterogeneous_validation(name)
 
 
+def _is_mixer_name(value: Any) -> bool:
+    return isinstance(value, str) and value in MIXERS
+
+
 def _layer_index(key: Any) -> int | None:
     """A per_layer_config key as a layer index: an int, or its decimal string (JSON keys are strings)."""
     if _is_int(key):
@@ -307,33 +326,61 @@ def _windowed_layers(per_layer: Any) -> set[int]:
 
 
 def _layer_types_problems(s: _Settings, windowed_layers: set[int]) -> list[str]:
-    layers, layer_types = s.num_hidden_layers, s.layer_types
-    if isinstance(layer_types, list) and len(layer_types) > MAX_LAYERS:
-        return [f"layer_types has {len(layer_types)} entries, more than the limit of {MAX_LAYERS} layers"]
+    """mixer_types (one registered mixer per layer) and layer_types (transformers' word for each, the one its mixer
+    declares)."""
+    layers, mixer_types = s.num_hidden_layers, s.mixer_types
+    if isinstance(mixer_types, list) and len(mixer_types) > MAX_LAYERS:
+        return [f"mixer_types has {len(mixer_types)} entries, more than the limit of {MAX_LAYERS} layers"]
     if layers is not None and (problem := _positive_int_problem("num_hidden_layers", layers, MAX_LAYERS)):
         return [problem]
-    if not isinstance(layer_types, list) or not layer_types:
-        return [f"layer_types must be a non-empty list of {tuple(MIXERS)}, got {brief(layer_types)}"]
-    unknown = [t for t in layer_types if not isinstance(t, str) or t not in MIXERS]
+    if not isinstance(mixer_types, list) or not mixer_types:
+        return [f"mixer_types (or layer_types) must be a non-empty list of {tuple(MIXERS)}, got {brief(mixer_types)}"]
     problems = []
-    if unknown:
-        problems.append(f"layer_types has unknown entries {brief(_distinct(unknown))}; each entry must be one of "
-                        f"{tuple(MIXERS)}")
-    if layers is not None and layers != len(layer_types):
-        problems.append(f"num_hidden_layers={layers} but layer_types has {len(layer_types)} entries; "
+    unknown = [i for i, t in enumerate(mixer_types) if not isinstance(t, str) or t not in MIXERS]
+    if unknown:  # named in the list it came from (an unknown entry of layer_types is kept in both)
+        given_as_layer_types = isinstance(s.layer_types, list) and len(s.layer_types) == len(mixer_types) and all(
+            s.layer_types[i] is mixer_types[i] for i in unknown)
+        if given_as_layer_types:
+            problems.append(f"layer_types has unknown entries {brief(_distinct([mixer_types[i] for i in unknown]))}; "
+                            f"each entry must be one of transformers' layer types {_registered_layer_types()} or a "
+                            f"mixer of "
+                            f"{tuple(MIXERS)}")
+        else:
+            problems.append(f"mixer_types has unknown entries {brief(_distinct([mixer_types[i] for i in unknown]))}; "
+                            f"each entry must be one of {tuple(MIXERS)}")
+    if layers is not None and layers != len(mixer_types):
+        problems.append(f"num_hidden_layers={layers} but layer_types has {len(mixer_types)} entries; "
                         "give one layer type per layer (or leave num_hidden_layers unset)")
-    for layer_type in dict.fromkeys(t for t in layer_types if isinstance(t, str) and t in MIXERS):
-        for name in _window_fields(layer_type):
-            if getattr(s, name) is None and any(t == layer_type and i not in windowed_layers
-                                                for i, t in enumerate(layer_types)):
-                problems.append(f"layer_types has {layer_type!r} layers, so {name} must be a positive integer, got "
-                                "None")
+    if not problems:
+        problems += _generic_names_problems(s.layer_types, mixer_types, MIXERS, "layer_types", "mixer_types",
+                                            lambda spec: spec.layer_type)
+    for mixer in dict.fromkeys(t for t in mixer_types if isinstance(t, str) and t in MIXERS):
+        for name in _window_fields(mixer):
+            if getattr(s, name) is None and any(t == mixer and i not in windowed_layers
+                                                for i, t in enumerate(mixer_types)):
+                problems.append(f"mixer_types has {mixer!r} layers, so {name} must be a positive integer, got None")
     return problems
 
 
+def _generic_names_problems(generic: Any, ours: list, registry: dict, generic_name: str, our_name: str,
+                            generic_of) -> list[str]:
+    """transformers' list (`layer_types`, `mlp_layer_types`) against ours (`mixer_types`, `mlp_types`): one entry
+    per layer, each the word our component's registration declares (`generic_of(spec)`)."""
+    if not isinstance(generic, list) or len(generic) != len(ours):
+        return [f"{generic_name} must be a list of one entry per layer ({len(ours)}, as {our_name}), got "
+                f"{brief(generic)}; leave it unset to take it from {our_name}"]
+    for index, (word, name) in enumerate(zip(generic, ours)):
+        if isinstance(name, str) and name in registry and word != generic_of(registry[name]):
+            return [f"{generic_name}[{index}]={brief(word)} but {our_name}[{index}]={name!r} is a "
+                    f"{generic_of(registry[name])!r} layer; leave {generic_name} unset to take it from {our_name}, "
+                    f"or change {our_name}[{index}]"]
+    return []
+
+
 def _mlp_types_problems(s: _Settings) -> list[str]:
-    """mlp_types: one registered MLP type per layer (checked once layer_types is sound)."""
-    mlp_types, layers = s.mlp_types, len(s.layer_types)
+    """mlp_types: one registered MLP type per layer, and mlp_layer_types (transformers' word for each) to match
+    (checked once mixer_types is sound)."""
+    mlp_types, layers = s.mlp_types, len(s.mixer_types)
     if not isinstance(mlp_types, list) or not mlp_types:
         return [f"mlp_types must be a non-empty list of {tuple(MLPS)}, one per layer, got {brief(mlp_types)}"]
     problems = []
@@ -344,6 +391,9 @@ def _mlp_types_problems(s: _Settings) -> list[str]:
     if unknown:
         problems.append(f"mlp_types has unknown entries {brief(_distinct(unknown))}; each entry must be one of "
                         f"{tuple(MLPS)}")
+    if not problems:
+        problems += _generic_names_problems(s.mlp_layer_types, mlp_types, MLPS, "mlp_layer_types", "mlp_types",
+                                            lambda spec: spec.mlp_layer_type)
     return problems
 
 
@@ -426,10 +476,15 @@ _CLASS_DOC = """
         rms_norm_eps, pad_token_id, bos_token_id, eos_token_id, use_cache:
             as in other transformers decoders. `rms_norm_eps` is the epsilon of the block, final and q/k RMSNorms (a
             layer may set its own).
-        layer_types (`list[str]`): one mixer per layer. Default: 3 Gated DeltaNet layers to 1 attention layer, 8
-            layers. Registered: {layer_types}.
-        mlp_types (`list[str]`): one MLP per layer. Default: every layer "dense". Registered: {mlp_types}.
-        num_hidden_layers (`int`, *optional*): follows from `layer_types`; if given, must match its length.
+        mixer_types (`list[str]`): one mixer per layer. Default: 3 Gated DeltaNet layers to 1 attention layer, 8
+            layers (or the default mixer of each `layer_types` entry). Registered: {mixer_types}.
+        layer_types (`list[str]`): transformers' layer type of each layer ({layer_types}), which its mixer
+            declares: follows from `mixer_types` (or gives it).
+        mlp_types (`list[str]`): one MLP per layer. Default: every layer "dense" (or the default MLP of each
+            `mlp_layer_types` entry). Registered: {mlp_types}.
+        mlp_layer_types (`list[str]`): transformers' word for each layer's MLP ("dense", "sparse"): follows from
+            `mlp_types` (or gives it).
+        num_hidden_layers (`int`, *optional*): follows from `mixer_types`; if given, must match its length.
         zero_centered_norms (`bool`): the block, final and q/k RMSNorms compute x_hat * (1 + w) with w initialised to 0
             (Qwen3-Next) instead of x_hat * w with w initialised to 1. The gated output norms of GDN/KDA are always
             x_hat * w.
@@ -459,7 +514,8 @@ def _registered_fields_doc() -> str:
 
 
 def _class_doc() -> str:
-    return _CLASS_DOC.format(layer_types=", ".join(map(repr, MIXERS)), mlp_types=", ".join(map(repr, MLPS)),
+    return _CLASS_DOC.format(mixer_types=", ".join(map(repr, MIXERS)),
+                             layer_types=", ".join(map(repr, _registered_layer_types())), mlp_types=", ".join(map(repr, MLPS)),
                              registered=_registered_fields_doc())
 
 
@@ -496,7 +552,9 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
     vocab_size: int = 32000
     hidden_size: int = 1024
     layer_types: list[str] | None = None
+    mixer_types: list[str] | None = None
     mlp_types: list[str] | None = None
+    mlp_layer_types: list[str] | None = None
     num_hidden_layers: int | None = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
@@ -529,14 +587,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
     def _resolve_defaults(self, kwargs: dict) -> frozenset[str]:
         """Fills the fields whose defaults follow from others; leaves malformed values for validate() to name.
         Returns the fields it filled from another (`default_from`), which were left unset."""
-        if self.layer_types is None and _is_int(self.num_hidden_layers, allow_none=True):
-            count = self.num_hidden_layers or len(_DEFAULT_LAYER_TYPES)
-            if count <= MAX_LAYERS:  # never build a list for a hostile layer count
-                self.layer_types = [_DEFAULT_LAYER_TYPES[i % len(_DEFAULT_LAYER_TYPES)] for i in range(count)]
-        if isinstance(self.layer_types, tuple):
-            self.layer_types = list(self.layer_types)
-        if self.num_hidden_layers is None and isinstance(self.layer_types, list) and self.layer_types:
-            self.num_hidden_layers = len(self.layer_types)
+        self._resolve_layer_lists()
         legacy = kwargs.pop("rope_scaling", None)  # transformers' older name, taken as the base class would
         if self.rope_parameters is None and legacy is not None:
             self.rope_parameters = legacy
@@ -552,11 +603,36 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
             if declared.default_from is not None and getattr(self, name) is None:
                 setattr(self, name, getattr(self, declared.default_from))
                 unset.add(name)
-        if self.mlp_types is None and isinstance(self.layer_types, list):
-            self.mlp_types = [DEFAULT_MLP_TYPE] * len(self.layer_types)
-        if isinstance(self.mlp_types, tuple):
-            self.mlp_types = list(self.mlp_types)
         return frozenset(unset)
+
+    def _resolve_layer_lists(self) -> None:
+        """Completes each pair of per-layer lists from what is given: `mixer_types` and transformers' `layer_types`,
+        `mlp_types` and transformers' `mlp_layer_types` (see the module docstring). A mixer's name in `layer_types`
+        (as configs that name no mixer elsewhere write it) is that layer's mixer. Entries that name nothing
+        registered are kept for validate() to name."""
+        for name in ("layer_types", "mixer_types", "mlp_types", "mlp_layer_types"):
+            if isinstance(getattr(self, name), tuple):
+                setattr(self, name, list(getattr(self, name)))
+        mixers, given = self.mixer_types, self.layer_types
+        if isinstance(given, list) and len(given) <= MAX_LAYERS:
+            if mixers is None:  # each layer's mixer: the one layer_types names, else the default of its layer type
+                self.mixer_types = mixers = [t if _is_mixer_name(t) else default_mixer(t) or t for t in given]
+            self.layer_types = [MIXERS[t].layer_type if _is_mixer_name(t) else t for t in given]
+        if mixers is None and _is_int(self.num_hidden_layers, allow_none=True):
+            count = self.num_hidden_layers or len(_DEFAULT_MIXER_TYPES)
+            if count <= MAX_LAYERS:  # never build a list for a hostile layer count
+                self.mixer_types = mixers = [_DEFAULT_MIXER_TYPES[i % len(_DEFAULT_MIXER_TYPES)] for i in range(count)]
+        if self.layer_types is None and isinstance(mixers, list):
+            self.layer_types = [MIXERS[t].layer_type if _is_mixer_name(t) else None for t in mixers]
+        if self.num_hidden_layers is None and isinstance(mixers, list) and mixers:
+            self.num_hidden_layers = len(mixers)
+        if self.mlp_types is None and isinstance(self.mlp_layer_types, list):
+            self.mlp_types = [(default_mlp(t) if isinstance(t, str) else None) or t for t in self.mlp_layer_types]
+        if self.mlp_types is None and isinstance(mixers, list):
+            self.mlp_types = [DEFAULT_MLP_TYPE] * len(mixers)
+        if self.mlp_layer_types is None and isinstance(self.mlp_types, list) and len(self.mlp_types) <= MAX_LAYERS:
+            self.mlp_layer_types = [MLPS[t].mlp_layer_type if isinstance(t, str) and t in MLPS else t
+                                    for t in self.mlp_types]
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
@@ -594,7 +670,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
                 break
         if not problems:
             for index, fields in sorted(overrides.items()):
-                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index],
+                problems += _layer_problems(_Settings(self, fields), index, self.mixer_types[index],
                                             self.mlp_types[index], fields)
                 if len(problems) >= _MAX_LAYER_PROBLEMS:
                     break
@@ -611,11 +687,11 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
 
     def _layer_fields(self, index: int) -> tuple[str, ...]:
         """The fields layer `index` reads (its mixer's, its MLP's, its block norms'): those it may override."""
-        layer_type, mlp_type = self.layer_types[index], self.mlp_types[index]
+        layer_type, mlp_type = self.mixer_types[index], self.mlp_types[index]
         return tuple(dict.fromkeys((*MIXERS[layer_type].fields, *MLPS[mlp_type].fields, *BLOCK_FIELDS)))
 
     def _override_name_problems(self, index: int, fields: dict) -> list[str]:
-        layer_type, mlp_type = self.layer_types[index], self.mlp_types[index]
+        layer_type, mlp_type = self.mixer_types[index], self.mlp_types[index]
         own = self._layer_fields(index)
         mixer_fields = {name for spec in MIXERS.values() for name in spec.fields}
         mlp_fields = {name for spec in MLPS.values() for name in spec.fields}
@@ -626,7 +702,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
                 continue
             if name in mixer_fields:
                 problems.append(f"{where} is not read by layer {index}, a {layer_type!r} layer (it would be "
-                                f"ignored); remove it, or change layer_types[{index}]")
+                                f"ignored); remove it, or change mixer_types[{index}]")
             elif name in mlp_fields:
                 problems.append(f"{where} is not read by layer {index}, whose MLP is {mlp_type!r} (mlp_types[{index}]"
                                 f"; it would be ignored); remove it, or change mlp_types[{index}]")
@@ -662,10 +738,10 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         if not problems:
             specs = (*MIXERS.values(), *MLPS.values())
             problems = _relation_problems(settings, "", specs) + _token_id_problems(settings)
-            problems += _size_problems(settings, "", dict.fromkeys(zip(self.layer_types, self.mlp_types)))
+            problems += _size_problems(settings, "", dict.fromkeys(zip(self.mixer_types, self.mlp_types)))
         if not problems and self.is_heterogeneous:
             for index, fields in sorted(self._heterogeneity_spec.per_layer_overrides.items()):
-                problems += _layer_problems(_Settings(self, fields), index, self.layer_types[index],
+                problems += _layer_problems(_Settings(self, fields), index, self.mixer_types[index],
                                             self.mlp_types[index], fields)
                 if len(problems) >= _MAX_LAYER_PROBLEMS:
                     break
@@ -676,7 +752,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
 
     def layers_of_type(self, *types: str) -> list[int]:
         """Indices of the layers whose mixer is one of `types`."""
-        return [i for i, t in enumerate(self.layer_types) if t in types]
+        return [i for i, t in enumerate(self.mixer_types) if t in types]
 
 
 # The config's own fields, which no registration may declare (PreTrainedConfig's and those written above).
@@ -713,4 +789,4 @@ def _sync_registered_fields() -> None:
 _sync_registered_fields()  # the docstring, and the check that no registered field clashes with the config's own
 on_change(_sync_registered_fields)
 
-__all__ = ["HybridLinearConfig", "LAYER_TYPES", "MLP_TYPES", "PER_LAYER_FIELDS"]
+__all__ = ["HybridLinearConfig", "LAYER_TYPES", "MIXER_TYPES", "MLP_TYPES", "PER_LAYER_FIELDS"]

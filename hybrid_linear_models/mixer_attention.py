@@ -381,8 +381,9 @@ for _layer_type, _title, _fields, _description in (
         ("sliding_attention", "sliding-window attention", _SLIDING_FIELDS,
          lambda s: f"{_describe(s)}, window {s.sliding_window}")):
     register(MixerSpec(
-        layer_type=_layer_type, title=_title, fields=_fields, module_class=HybridLinearAttention,
-        attribute="self_attn", state="kv", parameter_count=_parameter_count, relation_problems=_relation_problems,
+        mixer_type=_layer_type, layer_type=_layer_type, title=_title, fields=_fields,
+        module_class=HybridLinearAttention, attribute="self_attn", state="kv", parameter_count=_parameter_count,
+        relation_problems=_relation_problems,
         tensor_parallel_plan=_TENSOR_PARALLEL_PLAN, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
         describe=_description,
     ))

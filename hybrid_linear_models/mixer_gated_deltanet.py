@@ -174,7 +174,7 @@ def _init_weights(module: HybridLinearGatedDeltaNet) -> None:
 
 
 register(MixerSpec(
-    layer_type="gated_deltanet", title="Gated DeltaNet",
+    mixer_type="gated_deltanet", layer_type="linear_attention", title="Gated DeltaNet",
     fields={
         "gdn_num_key_heads": ConfigField(kind="size", default=8, doc="Gated DeltaNet key heads."),
         "gdn_num_value_heads": ConfigField(
@@ -194,7 +194,6 @@ register(MixerSpec(
     },
     module_class=HybridLinearGatedDeltaNet, attribute="linear_attn", state="recurrent",
     parameter_count=_parameter_count, relation_problems=_relation_problems, init_weights=_init_weights,
-    cache_layer=LinearStateLayer,
     # split by heads; conv kernel, dt_bias, A_log and norm weight replicated (see tensor_parallel_heads)
     tensor_parallel_plan={"in_proj_qkvz": "colwise", "in_proj_ba": "colwise", "out_proj": "rowwise"},
     lora_targets=("in_proj_qkvz", "in_proj_ba", "out_proj"),

@@ -127,7 +127,7 @@ def _init_weights(module: HybridLinearKimiDeltaAttention) -> None:
 
 
 register(MixerSpec(
-    layer_type="kimi_delta_attention", title="Kimi Delta Attention",
+    mixer_type="kimi_delta_attention", layer_type="linear_attention", title="Kimi Delta Attention",
     fields={
         "kda_num_heads": ConfigField(kind="size", default=16, doc="Kimi Delta Attention heads."),
         "kda_head_dim": ConfigField(kind="size", default=64, doc="width of each Kimi Delta Attention head."),
@@ -143,7 +143,7 @@ register(MixerSpec(
                                          "Linear's and Fast-LLM's have none)."),
     },
     module_class=HybridLinearKimiDeltaAttention, attribute="linear_attn", state="recurrent",
-    parameter_count=_parameter_count, init_weights=_init_weights, cache_layer=LinearStateLayer,
+    parameter_count=_parameter_count, init_weights=_init_weights,
     tensor_parallel_plan={"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "f_b_proj": "colwise",
                           "g_b_proj": "colwise", "b_proj": "colwise", "o_proj": "rowwise"},
     lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj"),

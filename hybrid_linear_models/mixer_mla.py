@@ -18,9 +18,9 @@ kv_b_proj, o_proj), so checkpoints map one to one; `attention_bias` puts biases 
 and DeepSeek-V3 put them, on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj, q_b_proj or kv_b_proj, so the
 absorbed form below needs none; the released Kimi-Linear has none).
 
-The cache (cache_hybrid_linear.LatentKVLayer / StaticLatentKVLayer) keeps per token only [c | kp]: r + p values
-(`cache_bytes_per_token`), against h * (n + p + v) for the full keys and values (`full_kv_bytes_per_token`; Kimi-Linear
-48B: 576 against 10240, 17.8x less).
+The cache (transformers' KV layers of a "full_attention" layer: DynamicLayer, StaticLayer) keeps per token only
+[c | kp] as its keys and nothing as its values: r + p values (`cache_bytes_per_token`), against h * (n + p + v) for the
+full keys and values (`full_kv_bytes_per_token`; Kimi-Linear 48B: 576 against 10240, 17.8x less).
 
 Two ways to attend, the same math:
 - expanded (training, prefill, any multi-token step, flash attention): every key's kn_i and v_i are computed from
@@ -46,11 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_one_query import one_query_applies, one_query_attention
-from .cache_hybrid_linear import LatentKVLayer, StaticLatentKVLayer
 from .mixer_attention import _FIELDS as ATTENTION_FIELDS
 from .mixer_attention import apply_rotary, eager_attention_forward
 from .mixer_registry import ConfigField, MixerSpec, register
@@ -217,7 +216,7 @@ def filled_slots(cache: Cache, layer_idx: int, compressed: torch.Tensor,
     or torch.compile traces (the buffer is expanded whole there); the captured one-token step is absorbed and
     expands nothing. A dynamic cache holds only written tokens: unchanged."""
     layer = cache.layers[layer_idx] if layer_idx < len(getattr(cache, "layers", ())) else None
-    if (not isinstance(layer, StaticLatentKVLayer) or torch.compiler.is_compiling()
+    if (not isinstance(layer, StaticLayer) or layer.is_sliding or torch.compiler.is_compiling()
             or (compressed.is_cuda and torch.cuda.is_current_stream_capturing())):
         return compressed, attention_mask
     filled = int(layer.cumulative_length)  # slots 0 .. filled - 1 hold tokens (after this step's update)
@@ -319,9 +318,9 @@ _FIELDS = {
 }
 
 register(MixerSpec(
-    layer_type="mla_attention", title="multi-head latent attention", fields=_FIELDS,
+    mixer_type="mla_attention", layer_type="full_attention", title="multi-head latent attention", fields=_FIELDS,
     module_class=HybridLinearMultiHeadLatentAttention, attribute="self_attn", state="kv",
-    cache_layer=LatentKVLayer, static_cache_layer=StaticLatentKVLayer, rotary_settings=_rotary_settings,
+    rotary_settings=_rotary_settings,
     parameter_count=_parameter_count, relation_problems=_relation_problems,
     # heads split as DeepSeek-V3's plan splits them; the shared key slice bypasses kv_b_proj, so its gradient is summed
     # over the ranks by transformers' "mla_kv_a_proj" style (which reads each layer's own qk_rope_head_dim through

@@ -1,14 +1,20 @@
-"""The registry of token mixers: one record per layer type, declared by the mixer's own module.
+"""The registry of token mixers: one record per mixer, declared by the mixer's own module.
 
-Adding a mixer used to touch a dozen tables (the config's layer-type tuples, fields and validation tables, the
-modeling file's dispatch and weight init, the cache's layer-type tables, the tensor-parallel plan, the LoRA targets).
-Now a mixer module declares everything about itself in one `MixerSpec` and calls `register`; the configuration (its
-dataclass fields with their defaults and docs, which fields a layer type reads, how each is checked, the relations
-between them, the weight-count bound), the modeling code (which module, how it is called, how its weights start),
-transformers' cache tables (which cache layer holds its state), the tensor-parallel plan, LoRA and the model card all
-read the registry. What mixers and MLPs share (`ConfigField`, `ComponentSpec`) is in `component_registry`; the MLPs'
-registry is `mlp_registry`. The one line that registers a new mixer module is the import at the bottom of this file:
-a relative import, so a saved model folder ships the module with its remote code.
+A mixer module declares everything about itself in one `MixerSpec` and calls `register`; the configuration (its
+dataclass fields with their defaults and docs, which fields a layer of that mixer reads, how each is checked, the
+relations between them, the weight-count bound), the modeling code (which module, how it is called, how its weights
+start), the tensor-parallel plan, LoRA and the model card all read the registry. What mixers and MLPs share
+(`ConfigField`, `ComponentSpec`) is in `component_registry`; the MLPs' registry is `mlp_registry`. The one line that
+registers a new mixer module is the import at the bottom of this file: a relative import, so a saved model folder
+ships the module with its remote code.
+
+Two names per layer, each in its own config field: `mixer_types[i]`, this family's own (which mixer runs: the key of
+this registry), and `layer_types[i]`, transformers' word for what the layer is (`full_attention`,
+`sliding_attention`, `linear_attention`: `configuration_utils.ALLOWED_ATTN_LAYER_TYPES`). transformers' own machinery
+reads the latter: `DynamicCache(config=...)` and `StaticCache(config=...)` build each layer's cache from it (a KV layer
+for attention, `LinearAttentionLayer` for a recurrent state), the mask builders and the generic config that
+`AutoTokenizer` loads check it. A mixer declares its transformers layer type, which must be one that transformers'
+cache tables know with a cache layer of the mixer's kind; the tables are read, never written.
 """
 
 from __future__ import annotations
@@ -31,84 +37,69 @@ from .component_registry import (
 
 @dataclass(frozen=True, kw_only=True)
 class MixerSpec(ComponentSpec):
-    """Everything the rest of the package needs to know about the mixer of one layer type."""
+    """Everything the rest of the package needs to know about one mixer."""
 
-    layer_type: str  # the `layer_types` entry
+    mixer_type: str  # the `mixer_types` entry (this registry's key)
+    # transformers' layer type of its layers (the `layer_types` entry): "full_attention", "sliding_attention" or
+    # "linear_attention"; transformers builds the layer's cache from it
+    layer_type: str
     attribute: str  # the decoder layer's attribute holding it ("self_attn", "linear_attn": the checkpoint names)
     state: str  # "kv": softmax attention, called (x, position_embeddings, mask, cache=...) with a KV cache layer;
-    #             "recurrent": called (x, sequence_info, cache_layer) with `cache_layer` below
-    # the transformers cache layer of its state: required for "recurrent"; for "kv", None means transformers' own
-    # table already knows the layer type (full and sliding attention), else the dynamic cache's layer class, with
-    # `static_cache_layer` the static cache's (a KV layer's two differ; unset: the same class)
-    cache_layer: type | None = None
-    static_cache_layer: type | None = None
+    #             "recurrent": called (x, sequence_info, cache_layer) with a linear-attention cache layer
     # the settings its rotary embedding is built from (head_dim * rope_parameters["partial_rotary_factor"] dims
     # rotated), from the layer's settings; None: the layer takes no position embeddings. Read for "kv" mixers only.
     rotary_settings: Callable[[Any], Any] = lambda settings: settings
 
 
-MIXERS: Registry = Registry("layer_types")
+MIXERS: Registry = Registry("mixer_types")
+
+
+def _layer_type_problem(spec: MixerSpec) -> str | None:
+    """Why `spec.layer_type` does not fit its state (None when it does): transformers must build, for that layer type,
+    a KV cache layer for a "kv" mixer and a linear-attention one for a "recurrent" mixer."""
+    from transformers.cache_utils import (
+        DYNAMIC_LAYER_TYPE_MAPPING,
+        STATIC_LAYER_TYPE_MAPPING,
+        CacheLayerMixin,
+        LinearAttentionCacheLayerMixin,
+    )
+
+    def holds_state(layer: type | None) -> bool:
+        linear, kv = (layer is not None and issubclass(layer, base)
+                      for base in (LinearAttentionCacheLayerMixin, CacheLayerMixin))
+        return (linear and not kv) if spec.state == "recurrent" else (kv and not linear)
+
+    fits = [name for name in DYNAMIC_LAYER_TYPE_MAPPING
+            if holds_state(DYNAMIC_LAYER_TYPE_MAPPING[name]) and holds_state(STATIC_LAYER_TYPE_MAPPING.get(name))]
+    if spec.layer_type not in fits:
+        return (f"layer_type must be a transformers layer type whose cache holds a {spec.state} state, one of "
+                f"{tuple(fits)}, got {spec.layer_type!r}")
+    return None
 
 
 def register(spec: MixerSpec) -> MixerSpec:
-    """Adds the mixer of `spec.layer_type` (its fields join the config); a recurrent mixer's cache layer joins
-    transformers' layer-type tables, so DynamicCache(config=...) and StaticCache(config=...) hold it for that layer
-    type."""
-    recurrent = spec.state == "recurrent"
-    if spec.state not in ("kv", "recurrent") or (recurrent and spec.cache_layer is None):
-        raise ValueError(f"MixerSpec of {spec.layer_type!r}: state must be 'kv' or 'recurrent', a recurrent one with "
-                         "a cache_layer.")
-    if spec.static_cache_layer is not None and (recurrent or spec.cache_layer is None):
-        raise ValueError(f"MixerSpec of {spec.layer_type!r}: static_cache_layer is for a 'kv' mixer that also gives "
-                         "cache_layer (its dynamic cache layer).")
-    add_spec(MIXERS, spec.layer_type, spec)
-    if spec.cache_layer is not None:
-        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING
-
-        DYNAMIC_LAYER_TYPE_MAPPING.setdefault(spec.layer_type, spec.cache_layer)
-        STATIC_LAYER_TYPE_MAPPING.setdefault(spec.layer_type, spec.static_cache_layer or spec.cache_layer)
-    _allow_in_generic_configs(spec.layer_type)
+    """Adds the mixer `spec.mixer_type` (its fields join the config)."""
+    if spec.state not in ("kv", "recurrent"):
+        raise ValueError(f"MixerSpec of {spec.mixer_type!r}: state must be 'kv' or 'recurrent', got {spec.state!r}.")
+    if problem := _layer_type_problem(spec):
+        raise ValueError(f"MixerSpec of {spec.mixer_type!r}: {problem}.")
+    add_spec(MIXERS, spec.mixer_type, spec)
     return spec
 
 
-def unregister(layer_type: str) -> MixerSpec:
-    """Undoes `register` (its fields leave the config, its cache layer transformers' tables): for tests and plugins."""
-    spec = remove_spec(MIXERS, layer_type)
-    if spec.cache_layer is not None:
-        from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING
-
-        for mapping, layer in ((DYNAMIC_LAYER_TYPE_MAPPING, spec.cache_layer),
-                               (STATIC_LAYER_TYPE_MAPPING, spec.static_cache_layer or spec.cache_layer)):
-            if mapping.get(layer_type) is layer:
-                del mapping[layer_type]
-    if layer_type in _ADDED_TO_GENERIC_CONFIGS:
-        from transformers import configuration_utils
-
-        _ADDED_TO_GENERIC_CONFIGS.discard(layer_type)
-        for table in ("ALLOWED_ATTN_LAYER_TYPES", "ALLOWED_LAYER_TYPES"):
-            kept = tuple(t for t in getattr(configuration_utils, table) if t != layer_type)
-            setattr(configuration_utils, table, kept)
-    return spec
+def unregister(mixer_type: str) -> MixerSpec:
+    """Undoes `register` (its fields leave the config): for tests and plugins."""
+    return remove_spec(MIXERS, mixer_type)
 
 
-_ADDED_TO_GENERIC_CONFIGS: set[str] = set()  # the layer types that _allow_in_generic_configs added (not theirs)
+def default_mixer(layer_type: str) -> str | None:
+    """The mixer a layer of transformers' `layer_type` runs when the config names none: the first registered for it
+    (full_attention: softmax attention; linear_attention: Gated DeltaNet, as in Qwen3-Next); None if no mixer is."""
+    return next((name for name, spec in MIXERS.items() if spec.layer_type == layer_type), None)
 
 
-def _allow_in_generic_configs(layer_type: str) -> None:
-    """Adds `layer_type` to the layer types transformers' generic `PreTrainedConfig` accepts. Its check, written for
-    transformers' own models, refuses other names, and transformers reads our config.json with that generic class in
-    places: Trainer resuming from a checkpoint (to compare versions) and AutoTokenizer's fallback when the model's own
-    config class is not at hand. Like the cache tables above, the names join transformers' table here."""
-    from transformers import configuration_utils
-
-    if layer_type not in configuration_utils.ALLOWED_ATTN_LAYER_TYPES:
-        configuration_utils.ALLOWED_ATTN_LAYER_TYPES += (layer_type,)
-        configuration_utils.ALLOWED_LAYER_TYPES += (layer_type,)
-        _ADDED_TO_GENERIC_CONFIGS.add(layer_type)
-
-
-def layer_types(state: str | None = None) -> tuple[str, ...]:
-    """The registered layer types (those whose mixer keeps `state`, if given), in registration order."""
+def mixer_types(state: str | None = None) -> tuple[str, ...]:
+    """The registered mixers (those that keep `state`, if given), in registration order."""
     return tuple(t for t, spec in MIXERS.items() if state is None or spec.state == state)
 
 
@@ -130,5 +121,5 @@ from .mixer_gated_deltanet import HybridLinearGatedDeltaNet  # noqa: E402,F401
 from .mixer_kimi_delta import HybridLinearKimiDeltaAttention  # noqa: E402,F401
 from .mixer_mla import HybridLinearMultiHeadLatentAttention  # noqa: E402,F401
 
-__all__ = ["FIELD_KINDS", "MIXERS", "ConfigField", "MixerSpec", "layer_types", "lora_targets", "register",
-           "tensor_parallel_plan", "unregister"]
+__all__ = ["FIELD_KINDS", "MIXERS", "ConfigField", "MixerSpec", "default_mixer", "lora_targets", "mixer_types",
+           "register", "tensor_parallel_plan", "unregister"]

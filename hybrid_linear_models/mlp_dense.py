@@ -67,7 +67,7 @@ def _parameter_count(s: Any) -> int:
 
 
 register(MlpSpec(
-    mlp_type="dense", title="gated MLP",
+    mlp_type="dense", mlp_layer_type="dense", title="gated MLP",
     fields={
         "intermediate_size": ConfigField(kind="size", default=3072, doc="width of the gated MLP (dense layers)."),
         "hidden_act": ConfigField(

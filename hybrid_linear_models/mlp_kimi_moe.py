@@ -181,7 +181,7 @@ def _describe(s: Any) -> str:
 _SPARSE = MLPS["sparse_moe"].fields  # the expert fields both MoE MLPs read, declared once
 
 register(MlpSpec(
-    mlp_type="kimi_moe", title="Kimi-Linear mixture of experts",
+    mlp_type="kimi_moe", mlp_layer_type="sparse", title="Kimi-Linear mixture of experts",
     fields={
         **{name: _SPARSE[name] for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                                             "norm_topk_prob")},

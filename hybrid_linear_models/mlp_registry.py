@@ -7,7 +7,8 @@ checks, the weight-count bound), the decoder layer (which module it builds as `s
 tensors `mlp.*`), the weight initialisation, the tensor- and expert-parallel plans (entries under "layers.*.mlp."),
 LoRA and the model card read this registry. The one line that registers a new MLP module is the import at the bottom
 of this file: a relative `from .module import Name` import, so a saved model folder ships the module with its remote
-code.
+code. Each MLP declares transformers' word for it (`mlp_layer_type`: "dense" or "sparse",
+`configuration_utils.ALLOWED_MLP_LAYER_TYPES`), which the config writes in `mlp_layer_types` beside `mlp_types`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class MlpSpec(ComponentSpec):
     [batch, tokens, hidden_size]."""
 
     mlp_type: str  # the `mlp_types` entry
+    mlp_layer_type: str = "dense"  # transformers' word for it (the `mlp_layer_types` entry): "sparse" with experts
     # submodule -> transformers expert-parallel style (`DistributedConfig(ep_size=...)`): for MLPs with experts
     expert_parallel_plan: dict[str, str] = field(default_factory=dict)
 
@@ -34,6 +36,11 @@ MLPS: Registry = Registry("mlp_types")
 
 def register(spec: MlpSpec) -> MlpSpec:
     """Adds the MLP of `spec.mlp_type` (its fields join the config)."""
+    from transformers.configuration_utils import ALLOWED_MLP_LAYER_TYPES
+
+    if spec.mlp_layer_type not in ALLOWED_MLP_LAYER_TYPES:
+        raise ValueError(f"MlpSpec of {spec.mlp_type!r}: mlp_layer_type must be one of transformers' "
+                         f"{ALLOWED_MLP_LAYER_TYPES}, got {spec.mlp_layer_type!r}.")
     add_spec(MLPS, spec.mlp_type, spec)
     return spec
 
@@ -41,6 +48,12 @@ def register(spec: MlpSpec) -> MlpSpec:
 def unregister(mlp_type: str) -> MlpSpec:
     """Undoes `register` (its fields leave the config): for tests and plugins."""
     return remove_spec(MLPS, mlp_type)
+
+
+def default_mlp(mlp_layer_type: str) -> str | None:
+    """The MLP a layer of transformers' `mlp_layer_type` runs when the config names none: the first registered for
+    it ("dense": the gated MLP; "sparse": the sparse MoE, as in Qwen3-Next); None if no MLP is."""
+    return next((name for name, spec in MLPS.items() if spec.mlp_layer_type == mlp_layer_type), None)
 
 
 def mlp_types() -> tuple[str, ...]:
@@ -71,5 +84,6 @@ from .mlp_dense import HybridLinearMLP  # noqa: E402,F401
 from .mlp_sparse_moe import HybridLinearSparseMoeBlock  # noqa: E402,F401
 from .mlp_kimi_moe import HybridLinearKimiMoeBlock  # noqa: E402,F401
 
-__all__ = ["MLPS", "MLP_ATTRIBUTE", "ConfigField", "MlpSpec", "expert_parallel_plan", "lora_targets", "mlp_types",
+__all__ = ["MLPS", "MLP_ATTRIBUTE", "ConfigField", "MlpSpec", "default_mlp", "expert_parallel_plan", "lora_targets",
+           "mlp_types",
            "register", "tensor_parallel_plan", "unregister"]

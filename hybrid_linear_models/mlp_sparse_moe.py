@@ -276,7 +276,7 @@ LORA_TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 # ---------------------------------------------------------------------------------------------------- registration
 
 register(MlpSpec(
-    mlp_type="sparse_moe", title="sparse mixture of experts",
+    mlp_type="sparse_moe", mlp_layer_type="sparse", title="sparse mixture of experts",
     fields={
         "num_experts": ConfigField(kind="size", default=64, doc="routed experts of each sparse MoE layer."),
         "num_experts_per_tok": ConfigField(kind="size", default=8,

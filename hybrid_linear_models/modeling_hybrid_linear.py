@@ -1,5 +1,5 @@
 """Hybrid linear-attention decoder: every layer picks its token mixer (softmax attention, sliding-window attention,
-Gated DeltaNet or Kimi Delta Attention) from `config.layer_types` and its MLP from `config.mlp_types` (the dense gated
+Gated DeltaNet or Kimi Delta Attention) from `config.mixer_types` and its MLP from `config.mlp_types` (the dense gated
 MLP by default), pre-norm residual blocks (Qwen3-Next's architecture, with the mixers freely interleaved). Both come
 from their registrations (`mixer_registry`, `mlp_registry`)."""
 
@@ -29,7 +29,7 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .block_ops import fused_causal_lm_loss
-from .cache_hybrid_linear import linear_layer_cache, past_length
+from .cache_hybrid_linear import adopt_linear_layers, linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
 from .cuda_graph_prefill import CudaGraphPrefill
@@ -108,8 +108,9 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         """config: the model's; the layer reads its own settings, config.per_layer_config[layer_idx]."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.layer_type = config.layer_types[layer_idx]
-        mixer = MIXERS[self.layer_type]  # its registration (mixer_registry)
+        self.layer_type = config.layer_types[layer_idx]  # transformers' ("linear_attention", ...)
+        self.mixer_type = config.mixer_types[layer_idx]
+        mixer = MIXERS[self.mixer_type]  # its registration (mixer_registry)
         self.mixer_attribute, self.mixer_state = mixer.attribute, mixer.state
         setattr(self, mixer.attribute, mixer.module_class(config, layer_idx))
         settings = config.per_layer_config[layer_idx]
@@ -326,8 +327,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         # registrations' rotary_settings give them), each computed once per forward; rotary_of_layer[i] picks layer
         # i's (None for GDN/KDA layers and attention without rotary)
         rotary_settings, self.rotary_of_layer = {}, []
-        for i, layer_type in enumerate(config.layer_types):
-            spec = MIXERS[layer_type]
+        for i, mixer_type in enumerate(config.mixer_types):
+            spec = MIXERS[mixer_type]
             settings = spec.rotary_settings(config.per_layer_config[i]) if spec.state == "kv" else None
             if settings is None:  # no position embeddings (a recurrent mixer, or attention without rotary)
                 self.rotary_of_layer.append(None)
@@ -370,7 +371,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         kwargs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                       position_ids=position_ids)
         built, masks = {}, []
-        for i, layer_type in enumerate(self.config.layer_types):
+        for i, layer_type in enumerate(self.config.layer_types):  # (transformers' words)
             if layer_type == "sliding_attention":
                 settings = self.config.per_layer_config[i]
                 key = settings.sliding_window
@@ -381,7 +382,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                     # has another buffer length in a static cache when the windows differ
                     built[key] = described or create_sliding_window_causal_mask(config=settings, layer_idx=i,
                                                                                 **kwargs)
-            elif MIXERS[layer_type].state == "kv":  # full attention, and every other attention over all past keys
+            elif MIXERS[self.config.mixer_types[i]].state == "kv":  # full attention, and every other attention
                 key = "full"
                 if key not in built:
                     built[key] = None if causal and not weights_wanted else create_causal_mask(config=self.config,
@@ -447,6 +448,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         **kwargs,
     ) -> MoeModelOutputWithPast:
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)
+        adopt_linear_layers(cache)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq_len = inputs_embeds.shape[:2]
@@ -470,6 +472,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             cache = None
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
+            adopt_linear_layers(cache)
 
         weights_wanted = bool(kwargs.get("output_attentions", self.config.output_attentions))
         causal = self._causal_kernel_suffices(inputs_embeds, attention_mask, cache, past, sequence_info)
@@ -583,6 +586,12 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
+    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+        # `generate` builds its 4-D masks here for a static cache, one per transformers layer type; the forward builds
+        # every layer's own (one per distinct sliding window, `_layer_masks`) and the GDN/KDA layers read the 2-D
+        # padding, so the 2-D mask is what it takes
+        return attention_mask
+
     def _sample(self, *args, **kwargs):
         # with graph decoding on, the stop check runs a step behind on CUDA (deferred_stop_check.py): the host queues
         # the next replayed step while the GPU runs this one, instead of waiting for it every token. Not where peers
@@ -635,6 +644,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                 raise ValueError(
                     f"labels must have the [batch, seq_len] shape of the inputs, {expected}, got {tuple(labels.shape)}."
                 )
+        adopt_linear_layers(cache)
         if (labels is None and self._graph_decoder is not None
                 and CudaGraphDecoder.wanted(self, input_ids, inputs_embeds, cache)):
             # (None: this step cannot be captured; the decoder said why, once, and the forward below runs)

@@ -85,7 +85,7 @@ def assert_own_experts(reference, sharded, rank: int, size: int, tensor_parallel
     """Each MoE layer holds num_experts / size whole experts, this rank's slice of the unsharded ones, bit for bit;
     under tensor parallelism the head-split projections hold their share of the rows."""
     for index, (layer, sharded_layer) in enumerate(zip(reference.model.layers, sharded.model.layers)):
-        for name in HEAD_SPLIT[layer.layer_type] if tensor_parallel else ():
+        for name in HEAD_SPLIT[layer.mixer_type] if tensor_parallel else ():
             weight = sharded_layer.get_submodule(name).weight
             assert weight.to_local().shape[0] * size == full(weight).shape[0], (index, name, weight.to_local().shape)
         if not hasattr(layer.mlp, "experts"):

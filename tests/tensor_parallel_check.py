@@ -49,7 +49,7 @@ def compare(path: str, device: torch.device, size: int) -> tuple[float, float]:
     sharded = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))
     assert sharded.device == device, (sharded.device, device)
     for index, layer in enumerate(sharded.model.layers):
-        for names in HEAD_SPLIT[layer.layer_type]:
+        for names in HEAD_SPLIT[layer.mixer_type]:
             name = next(name for name in names.split("|") if _has(layer, name))
             weight = layer.get_submodule(name).weight
             assert weight.to_local().shape[0] * size == full(weight).shape[0], (index, name, weight.to_local().shape)

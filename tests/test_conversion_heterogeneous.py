@@ -53,7 +53,7 @@ def test_blocks_that_differ_become_defaults_plus_per_layer_overrides(heterogeneo
     root, _, _ = heterogeneous
     model = HybridLinearForCausalLM.from_pretrained(root / "hf")
     config = model.config
-    assert config.layer_types == ["full_attention", "sliding_attention", "gated_deltanet", "kimi_delta_attention",
+    assert config.mixer_types == ["full_attention", "sliding_attention", "gated_deltanet", "kimi_delta_attention",
                                   "gated_deltanet", "sliding_attention"]
     layers = config.per_layer_config
     assert [layers[i].num_key_value_heads for i in (0, 1, 5)] == [2, 1, 1]

@@ -153,7 +153,7 @@ def test_fast_llm_rows_cover_every_fixture_tensor():
 
 def test_fixture_configs_map_to_hybrid_config():
     config = fast_llm_to_hybrid_config(fixture_base_model("hybrid_attn_gdn_kda"))
-    assert config.layer_types == ["full_attention", "gated_deltanet", "kimi_delta_attention", "gated_deltanet"]
+    assert config.mixer_types == ["full_attention", "gated_deltanet", "kimi_delta_attention", "gated_deltanet"]
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
     assert (config.gdn_num_key_heads, config.gdn_num_value_heads, config.gdn_key_head_dim,
             config.gdn_value_head_dim, config.gdn_conv_kernel_size) == (2, 4, 16, 16, 4)
@@ -165,7 +165,7 @@ def test_fixture_configs_map_to_hybrid_config():
     assert (config.intermediate_size, config.vocab_size, config.hidden_size) == (48, 384, 64)
     assert config.tie_word_embeddings is False
     mqa = fast_llm_to_hybrid_config(fixture_base_model("kda_attn"))
-    assert mqa.layer_types == ["kimi_delta_attention", "full_attention"] and mqa.num_key_value_heads == 1
+    assert mqa.mixer_types == ["kimi_delta_attention", "full_attention"] and mqa.num_key_value_heads == 1
 
 
 def test_config_round_trip_and_windows():

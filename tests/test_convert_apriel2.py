@@ -151,7 +151,7 @@ def apriel2_tensors(model: HybridLinearForCausalLM, mixer_prefix=lambda index: "
         index, rest = name.removeprefix("model.layers.").split(".", 1)
         layer = config.per_layer_config[int(index)]
         ratio = layer.gdn_num_value_heads // layer.gdn_num_key_heads
-        if rest == "linear_attn.in_proj_qkvz.weight" and config.layer_types[int(index)] == "gated_deltanet":
+        if rest == "linear_attn.in_proj_qkvz.weight" and config.mixer_types[int(index)] == "gated_deltanet":
             dk, dv = layer.gdn_key_head_dim, layer.gdn_value_head_dim
             tensor = flat_rows(tensor, layer.gdn_num_key_heads, [dk, dk, ratio * dv, ratio * dv])
         elif rest == "linear_attn.in_proj_ba.weight":
@@ -192,7 +192,7 @@ def assert_same_model(folder: Path, model: HybridLinearForCausalLM) -> None:
     """The converted folder is `model`: every layer's settings, every tensor bit for bit, and so the logits."""
     converted = HybridLinearForCausalLM.from_pretrained(folder).eval()
     ours, theirs = model.config, converted.config
-    assert theirs.layer_types == ours.layer_types
+    assert theirs.mixer_types == ours.mixer_types
     for index, layer_type in enumerate(ours.layer_types):
         for field in (*MIXER_FIELDS[layer_type], *BLOCK_FIELDS):
             assert getattr(theirs.per_layer_config[index], field) == getattr(ours.per_layer_config[index], field), (

@@ -113,7 +113,7 @@ def test_hub_layout_round_trip_is_bit_identical(tmp_path):
     assert tensors_of(tmp_path / "back") == source
     again, info = KimiLinearForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not any(info.values()), info
-    assert again.config.layer_types == theirs.config.layer_types
+    assert again.config.mixer_types == theirs.config.mixer_types
     assert again.config.mlp_layer_types == theirs.config.mlp_layer_types
     assert (again.config.linear_num_heads, again.config.linear_head_dim) == (2, 8)
     assert_same_logits(theirs, again.eval())
@@ -173,7 +173,7 @@ def test_defaults_are_transformers_own():
     config = kimi_to_hybrid_config({"model_type": "kimi_linear", "num_hidden_layers": 2, "first_k_dense_replace": 2,
                                     "linear_attn_config": {"kda_layers": [1, 2], "full_attn_layers": []}},
                                    "config.json")
-    assert config.layer_types == ["kimi_delta_attention"] * 2 and config.mlp_types == ["dense"] * 2
+    assert config.mixer_types == ["kimi_delta_attention"] * 2 and config.mlp_types == ["dense"] * 2
     assert (config.kda_num_heads, config.kda_head_dim, config.rms_norm_eps, config.kda_norm_eps) == (32, 128, 1e-5,
                                                                                                     1e-5)
     assert set(IRRELEVANT) >= {"architectures", "transformers_version", "dtype", "auto_map"}
@@ -308,7 +308,7 @@ def test_mla_kimi_linear_converts_with_transformers_logits_and_generation(tmp_pa
     convert_checkpoint(tmp_path / "kimi", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
     ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info
-    assert "mla_attention" in ours.config.layer_types
+    assert "mla_attention" in ours.config.mixer_types
     assert_same_norm_epsilons(theirs, ours)
     assert_same_logits(theirs, ours.eval())
     assert_same_generation(theirs, ours)
@@ -326,7 +326,7 @@ def test_mla_round_trips_are_bit_identical(tmp_path):
     assert tensors_of(tmp_path / "hf2") == tensors_of(tmp_path / "hf")
     again, info = KimiLinearForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not any(info.values()), info
-    assert again.config.q_lora_rank == 12 and again.config.layer_types == theirs.config.layer_types
+    assert again.config.q_lora_rank == 12 and again.config.mixer_types == theirs.config.mixer_types
     assert_same_logits(theirs, again.eval())
     assert_same_generation(theirs, again)
 
@@ -415,7 +415,7 @@ def test_released_checkpoint_layout_converts_with_transformers_logits(tmp_path):
     (tmp_path / "released" / "config.json").write_text(json.dumps(released_config(theirs.config)))
     convert_checkpoint(tmp_path / "released", tmp_path / "hf", from_format="kimi_linear", to_format="hf")
     ours = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert ours.config.layer_types == ["kimi_delta_attention", "mla_attention", "kimi_delta_attention"]
+    assert ours.config.mixer_types == ["kimi_delta_attention", "mla_attention", "kimi_delta_attention"]
     assert_same_logits(theirs, ours)
     assert_same_generation(theirs, ours)
     convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="kimi_linear")

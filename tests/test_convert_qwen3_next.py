@@ -139,7 +139,7 @@ def test_defaults_are_transformers_own():
     assert {name: defaults[name] for name in QWEN3_NEXT_DEFAULTS} == QWEN3_NEXT_DEFAULTS
     config, _ = qwen3_next_to_hybrid_config({"model_type": "qwen3_next", "num_hidden_layers": 8, "num_experts": 0},
                                             "config.json")
-    assert config.layer_types == ["gated_deltanet"] * 3 + ["full_attention"] + ["gated_deltanet"] * 3 + [
+    assert config.mixer_types == ["gated_deltanet"] * 3 + ["full_attention"] + ["gated_deltanet"] * 3 + [
         "full_attention"]  # full_attention_interval 4
     assert config.rope_parameters["partial_rotary_factor"] == 0.25 and config.gdn_norm_eps == config.rms_norm_eps
     assert set(IRRELEVANT) >= {"architectures", "transformers_version", "dtype"}

@@ -120,7 +120,7 @@ def test_linear_layers_cache_does_not_grow_with_the_context():
             else layer.keys.numel() + layer.values.numel()
             for layer in cache.layers
         ]
-    for layer_type, short, long in zip(model.config.layer_types, sizes[10], sizes[300]):
+    for layer_type, short, long in zip(model.config.mixer_types, sizes[10], sizes[300]):
         if layer_type in ("gated_deltanet", "kimi_delta_attention"):
             assert short == long, layer_type
         elif layer_type == "full_attention":

@@ -12,13 +12,17 @@ import torch
 from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package, tiny_config
 from torch import nn
 from transformers import configuration_utils
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, STATIC_LAYER_TYPE_MAPPING, DynamicCache
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    STATIC_LAYER_TYPE_MAPPING,
+    DynamicCache,
+    LinearAttentionLayer,
+)
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
 from hybrid_linear_models import mlp_registry
 from hybrid_linear_models.component_registry import ConfigField
-from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES
+from hybrid_linear_models.configuration_hybrid_linear import MIXER_TYPES
 from hybrid_linear_models.conversion import ConversionError
 from hybrid_linear_models.conversion.fast_llm.config import hybrid_config_to_fast_llm
 from hybrid_linear_models.conversion.model_card import render_model_card
@@ -29,12 +33,12 @@ from hybrid_linear_models.training.finetune import LORA_TARGET_MODULES
 
 
 def test_every_layer_type_is_a_registered_mixer_whose_declarations_hold():
-    assert LAYER_TYPES == tuple(MIXERS) == ("full_attention", "sliding_attention", "gated_deltanet",
+    assert MIXER_TYPES == tuple(MIXERS) == ("full_attention", "sliding_attention", "gated_deltanet",
                                             "kimi_delta_attention", "mla_attention")
-    config = tiny_config(list(LAYER_TYPES))
+    config = tiny_config(list(MIXER_TYPES))
     model = HybridLinearForCausalLM(config)
     # with q LoRA, the MLA layer holds its q_a_proj / q_b_proj instead of q_proj (the plan and LoRA name both)
-    low_rank_q = HybridLinearForCausalLM(tiny_config(list(LAYER_TYPES), q_lora_rank=8))
+    low_rank_q = HybridLinearForCausalLM(tiny_config(list(MIXER_TYPES), q_lora_rank=8))
     for index, (layer_type, spec) in enumerate(MIXERS.items()):
         for name, declared in spec.fields.items():  # its settings are config fields, with its defaults and docs
             assert HybridLinearConfig.__dataclass_fields__[name].default == declared.default
@@ -47,8 +51,9 @@ def test_every_layer_type_is_a_registered_mixer_whose_declarations_hold():
         for name, style in spec.tensor_parallel_plan.items():
             assert HybridLinearConfig.base_model_tp_plan[f"layers.*.{spec.attribute}.{name}"] == style
         assert set(spec.lora_targets) <= set(LORA_TARGET_MODULES)
-        cache_layer = DynamicCache(config=config).layers[index]
-        assert isinstance(cache_layer, LinearStateLayer) == (spec.state == "recurrent")
+        cache_layer = DynamicCache(config=config).layers[index]  # transformers' own, from its layer type
+        assert config.layer_types[index] == spec.layer_type
+        assert isinstance(cache_layer, LinearAttentionLayer) == (spec.state == "recurrent")
     # each mixer's own initialisation ran (through its registration): GDN's A in [0.01, 16], KDA's dt_bias finite
     gdn, kda = model.model.layers[2].linear_attn, model.model.layers[3].linear_attn
     assert torch.all(gdn.dt_bias == 1) and gdn.A_log.exp().min() >= 0.01 - 1e-6 and gdn.A_log.exp().max() <= 16
@@ -77,16 +82,15 @@ def toy_mixer():
         nn.init.constant_(module.scale, 0.5)
 
     spec = register(MixerSpec(
-        layer_type="cumulative_mean", fields={}, module_class=CumulativeMean, attribute="linear_attn",
-        state="recurrent", parameter_count=lambda s: s.hidden_size**2, init_weights=init_weights,
-        cache_layer=LinearStateLayer, lora_targets=("proj",),
+        mixer_type="cumulative_mean", layer_type="linear_attention", fields={}, module_class=CumulativeMean,
+        attribute="linear_attn", state="recurrent", parameter_count=lambda s: s.hidden_size**2,
+        init_weights=init_weights, lora_targets=("proj",),
     ))
     yield spec
     unregister("cumulative_mean")
     assert "cumulative_mean" not in MIXERS and "cumulative_mean" not in DYNAMIC_LAYER_TYPE_MAPPING
     assert "cumulative_mean" not in STATIC_LAYER_TYPE_MAPPING
     assert "cumulative_mean" not in configuration_utils.ALLOWED_LAYER_TYPES
-    assert "full_attention" in configuration_utils.ALLOWED_LAYER_TYPES  # transformers' own names stay
 
 
 def test_a_new_mixer_is_its_module_plus_its_registration(toy_mixer):
@@ -100,7 +104,8 @@ def test_a_new_mixer_is_its_module_plus_its_registration(toy_mixer):
     model = HybridLinearForCausalLM(config).eval()
     toy = model.model.layers[0].linear_attn
     assert isinstance(toy, CumulativeMean) and torch.all(toy.scale == 0.5)  # its own init ran
-    assert isinstance(DynamicCache(config=config).layers[0], LinearStateLayer)
+    assert config.layer_types == ["linear_attention", "full_attention"]  # transformers' words for the two layers
+    assert isinstance(DynamicCache(config=config).layers[0], LinearAttentionLayer)
     input_ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got = model.model(input_ids, use_cache=False, output_hidden_states=True).hidden_states[1]
@@ -263,8 +268,8 @@ def test_unregistering_takes_the_fields_out():
 
 @pytest.mark.parametrize("fields, message", [
     ({"num_attention_heads": ConfigField(kind="size", default=4, doc="heads.")},
-     "MlpSpec of 'bad': field 'num_attention_heads' is declared differently by layer_types 'full_attention', "
-     "layer_types 'sliding_attention', layer_types 'mla_attention': declare it once and share the declaration."),
+     "MlpSpec of 'bad': field 'num_attention_heads' is declared differently by mixer_types 'full_attention', "
+     "mixer_types 'sliding_attention', mixer_types 'mla_attention': declare it once and share the declaration."),
     ({"hidden_size": ConfigField(kind="size", default=4, doc="width.")},
      "a registered component declares a field that HybridLinearConfig owns: hidden_size (declared by bad)"),
     ({"bad_size": ConfigField(kind="length", default=[4], doc="")},

@@ -26,11 +26,12 @@ from model_helpers import (
 )
 from numerics import max_rel_err
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.cache_hybrid_linear import LatentKVLayer, StaticLatentKVLayer
+from hybrid_linear_models.cache_hybrid_linear import layer_bytes_per_token
 from hybrid_linear_models.mixer_mla import (
     HybridLinearMultiHeadLatentAttention,
     cache_bytes_per_token,
@@ -274,13 +275,13 @@ def test_cache_holds_only_the_latent_and_the_shared_key_per_layer():
     assert model.model.layers[1].self_attn.kv_b_proj.in_features == 8
     assert model.model.layers[3].self_attn.kv_b_proj.in_features == 24
     cache = DynamicCache(config=model.config)
-    assert isinstance(cache.layers[1], LatentKVLayer) and isinstance(cache.layers[3], LatentKVLayer)
+    assert type(cache.layers[1]) is DynamicLayer and type(cache.layers[3]) is DynamicLayer  # transformers' own
     with torch.no_grad():
         model(torch.randint(1, 128, (2, 5)), cache=cache, use_cache=True)
     for index, rank in ((1, 8), (3, 24)):
         settings = model.config.per_layer_config[index]
         assert cache.layers[index].keys.shape == (2, 1, 5, rank + 4) and cache.layers[index].values.numel() == 0
-        assert cache.layers[index].bytes_per_token() == cache_bytes_per_token(settings, torch.float32) == (rank + 4) * 4
+        assert layer_bytes_per_token(cache.layers[index]) == cache_bytes_per_token(settings, torch.float32) == (rank + 4) * 4
         assert full_kv_bytes_per_token(settings, torch.float32) == 4 * (8 + 4 + 6) * 4
     assert_cached_generation_equals_uncached(model, torch.randint(1, 128, (1, 6)), "static", TOLERANCE)
 
@@ -318,11 +319,11 @@ def test_static_multi_token_steps_expand_only_the_filled_slots(implementation):
     torch.testing.assert_close(logits[64][real], uncached[real], rtol=TOLERANCE, atol=TOLERANCE)
 
 
-def test_static_cache_uses_the_static_latent_layer():
+def test_static_cache_holds_transformers_static_layers_for_latent_attention():
     from transformers import StaticCache
 
     cache = StaticCache(config=mla_config(), max_cache_len=12)
-    assert [type(layer) is StaticLatentKVLayer for layer in cache.layers] == [False, True, False, True]
+    assert [type(layer) is StaticLayer for layer in cache.layers] == [False, True, False, True]
 
 
 # ------------------------------------------------------------------------------------------------ configuration

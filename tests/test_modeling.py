@@ -174,7 +174,7 @@ def test_save_and_reload_gives_the_same_logits(tmp_path):
     model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists() and not list(tmp_path.glob("*.bin"))
     config = AutoConfig.from_pretrained(tmp_path)
-    assert config.layer_types == ALL_TYPES and config.auto_map["AutoModelForCausalLM"].endswith("HybridLinearForCausalLM")
+    assert config.mixer_types == ALL_TYPES and config.auto_map["AutoModelForCausalLM"].endswith("HybridLinearForCausalLM")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert isinstance(reloaded, HybridLinearForCausalLM)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
@@ -223,7 +223,7 @@ def test_bfloat16_forward_and_backward_are_finite():
 
 def test_default_config_is_a_small_qwen3_next_like_model():
     config = HybridLinearConfig()
-    assert config.layer_types.count("gated_deltanet") == 3 * config.layer_types.count("full_attention")
+    assert config.mixer_types.count("gated_deltanet") == 3 * config.mixer_types.count("full_attention")
     assert config.num_hidden_layers == len(config.layer_types)
     assert config.attention_output_gate and config.zero_centered_norms
     assert config.rope_parameters["partial_rotary_factor"] == 0.25

@@ -148,7 +148,7 @@ def _homogeneous_layer(config: HybridLinearConfig, index: int) -> HybridLinearMo
     """Layer `index` of a heterogeneous config built alone from a homogeneous one-layer config of its settings."""
     settings = config.per_layer_config[index]
     fields = {name: getattr(settings, name) for name in PER_LAYER_FIELDS}
-    return HybridLinearModel(tiny_config([config.layer_types[index]], **fields)).double().eval()
+    return HybridLinearModel(tiny_config([config.mixer_types[index]], **fields)).double().eval()
 
 
 def test_the_forward_equals_a_composition_of_homogeneous_layers():

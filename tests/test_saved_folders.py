@@ -37,4 +37,4 @@ def test_transformers_generic_config_reads_a_saved_config():
     from transformers import PreTrainedConfig
 
     config = PreTrainedConfig.from_json_file(str(SAVED / "tiny_hybrid_v0_1" / "config.json"))
-    assert config.layer_types == ["gated_deltanet", "kimi_delta_attention", "sliding_attention", "full_attention"]
+    assert config.mixer_types == ["gated_deltanet", "kimi_delta_attention", "sliding_attention", "full_attention"]

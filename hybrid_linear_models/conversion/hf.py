@@ -60,7 +60,7 @@ def _check_before_building(fields: Fields, census: TensorCensus | None) -> None:
     """The fields HybridLinearConfig or transformers' PreTrainedConfig build from before validating (per-layer lists,
     mappings, the dtype): type-checked here, and the sizes bounded by the stored tensors."""
     layer_count(fields, None, census)
-    for name in ("layer_types", "mlp_types"):  # the per-layer lists
+    for name in ("layer_types", "mixer_types", "mlp_types", "mlp_layer_types"):  # the per-layer lists
         entries = fields.sequence(name, None, non_empty=True)
         if entries is None:
             continue

@@ -47,7 +47,7 @@ def layer_config(config: HybridLinearConfig, index: int) -> HybridLinearConfig:
 def _layer_kinds(config: HybridLinearConfig) -> list[str]:
     """Each layer's mixer type, with its MLP type when that is not the default one."""
     return [layer_type if mlp_type == DEFAULT_MLP_TYPE else f"{layer_type}+{mlp_type}"
-            for layer_type, mlp_type in zip(config.layer_types, config.mlp_types)]
+            for layer_type, mlp_type in zip(config.mixer_types, config.mlp_types)]
 
 
 def _setting(kind: str, overrides: dict[str, Any]) -> str:
@@ -90,7 +90,7 @@ def _layer_shapes(config: HybridLinearConfig, index: int) -> dict[str, Shape]:
     except AmbiguousGlobalPerLayerAttributeError:
         raise
     except RuntimeError as error:  # e.g. a size product beyond int64, which no checkpoint can hold
-        raise ValueError(f"layer {index} ({config.layer_types[index]}): its sizes make tensors this model cannot "
+        raise ValueError(f"layer {index} ({config.mixer_types[index]}): its sizes make tensors this model cannot "
                          f"build ({str(error).splitlines()[0][:200]}); fix the config's sizes.") from None
 
 
@@ -100,8 +100,9 @@ def _top_level_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
 
     one_layer = copy.copy(config)
     one_layer.__dict__.pop("_heterogeneity_spec", None)  # layer 0's overrides do not change the top-level tensors
-    one_layer.layer_types, one_layer.num_hidden_layers = list(config.layer_types[:1]), 1
-    one_layer.mlp_types = list(config.mlp_types[:1])
+    for name in ("layer_types", "mixer_types", "mlp_types", "mlp_layer_types"):  # the per-layer lists
+        setattr(one_layer, name, list(getattr(config, name)[:1]))
+    one_layer.num_hidden_layers = 1
     with torch.device("meta"):
         model = HybridLinearForCausalLM(one_layer)
     shapes = {name: shape for name, shape in _meta_shapes(model).items() if not name.startswith(_LAYERS)}

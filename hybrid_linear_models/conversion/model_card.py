@@ -67,7 +67,7 @@ def _overrides_text(config: HybridLinearConfig, index: int) -> str:
 
 
 def _layer_row(config: HybridLinearConfig, index: int, several_mlps: bool) -> str:
-    layer_type, mlp_type = config.layer_types[index], config.mlp_types[index]
+    layer_type, mlp_type = config.mixer_types[index], config.mlp_types[index]
     mlp = f", {_title(MLPS[mlp_type], mlp_type)} (`{mlp_type}`)" if several_mlps else ""
     mixer = f"{_title(MIXERS[layer_type], layer_type)} (`{layer_type}`)"
     return f"| {index} | {mixer}{mlp}{_overrides_text(config, index)} |"
@@ -82,7 +82,7 @@ def render_model_card(config: HybridLinearConfig, *, name: str, parameter_count:
         "parameter_count": _human(parameter_count),
         "parameter_count_exact": f"{parameter_count:,}",
         "num_layers": str(config.num_hidden_layers),
-        "mixer_summary": _summary(config, config.layer_types, MIXERS),
+        "mixer_summary": _summary(config, config.mixer_types, MIXERS),
         "mlp_summary": _summary(config, config.mlp_types, MLPS),
         "hidden_size": str(config.hidden_size),
         "vocab_size": str(config.vocab_size),

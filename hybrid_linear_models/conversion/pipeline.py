@@ -178,7 +178,7 @@ def _check_accounting(source: SourceCheckpoint) -> None:
     if missing:
         raise ConversionError(
             f"{where} is missing tensor(s) {_listing(missing)} that its config requires "
-            f"(layer types {brief(source.config.layer_types)}). The checkpoint is incomplete or its config does not "
+            f"(layer types {brief(source.config.mixer_types)}). The checkpoint is incomplete or its config does not "
             "match its weights; export it again."
         )
     if extra:

@@ -46,7 +46,7 @@ def unsupported_for_apriel2(config: HybridLinearConfig) -> list[str]:
         problems.append("zero_centered_norms=True (Apriel2's RMSNorm is x_hat * w)")
     final_eps = _final_eps(config)
     for index in distinct_layers(config).values():
-        layer, layer_type = layer_config(config, index), config.layer_types[index]
+        layer, layer_type = layer_config(config, index), config.mixer_types[index]
         where = f"layer {index} ({layer_type})"
         if config.mlp_types[index] != "dense":
             problems.append(f"{where}: mlp_types[{index}]={brief(config.mlp_types[index])} (this converter writes "
@@ -114,7 +114,7 @@ def hybrid_config_to_apriel2(config: HybridLinearConfig) -> dict[str, Any]:
     for setting, index in distinct_layers(config).items():
         layer = layer_config(config, index)
         blocks[names[setting]] = {
-            "mixer": _mixer(layer, config.layer_types[index]),
+            "mixer": _mixer(layer, config.mixer_types[index]),
             "mlp": {"type": "mlp", "intermediate_size": layer.intermediate_size, "gated": True,
                     "activation": layer.hidden_act, "add_linear_biases": False},
             "normalization": {"type": "rms_norm", "epsilon": eps},
@@ -140,7 +140,7 @@ def hybrid_config_to_apriel2(config: HybridLinearConfig) -> dict[str, Any]:
 
 # The model-wide fields config.json carries (and must read back unchanged); per-layer fields are compared layer by
 # layer, as for Fast-LLM's metadata (every field of the layer's mixer and block).
-CARRIED_FIELDS = ("vocab_size", "hidden_size", "layer_types", "num_hidden_layers", "rms_norm_eps",
+CARRIED_FIELDS = ("vocab_size", "hidden_size", "mixer_types", "num_hidden_layers", "rms_norm_eps",
                   "tie_word_embeddings", "zero_centered_norms", "max_position_embeddings", "bos_token_id",
                   "eos_token_id", "pad_token_id", "use_cache")
 

@@ -95,7 +95,7 @@ def build_apriel2_rows(config: HybridLinearConfig, stochastic: tuple[StochasticC
     head counts decide the Gated DeltaNet row grouping). `stochastic`: per layer, the supernet choice (None: none)."""
     choices = stochastic or (None,) * config.num_hidden_layers
     rows = instantiate(TOP[:1], config)
-    for index, layer_type in enumerate(config.layer_types):
+    for index, layer_type in enumerate(config.mixer_types):
         layer = layer_config(config, index)
         rows += instantiate(MIXERS[layer_type], layer, mixer_prefix(index, choices[index]), layer_prefix(index))
         rows += instantiate(BLOCK, layer, block_prefix(index), layer_prefix(index))

@@ -260,7 +260,7 @@ def block_path(base_model: Mapping[str, Any], index: int) -> str:
 # (token ids, initializer_range, use_cache, ...) are not part of Fast-LLM's model config and are not written.
 # Per-layer values are compared layer by layer (`fast_llm_carried_layer_fields`): every field of the layer's mixer
 # (the config's own MIXER_FIELDS, from each mixer's registration) and of its block.
-_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "layer_types", "mlp_types", "num_hidden_layers", "rms_norm_eps",
+_CARRIED_ALWAYS = ("vocab_size", "hidden_size", "mixer_types", "mlp_types", "num_hidden_layers", "rms_norm_eps",
                    "tie_word_embeddings", "zero_centered_norms")
 
 
@@ -272,7 +272,7 @@ def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
 def fast_llm_carried_layer_fields(config: HybridLinearConfig, index: int) -> tuple[str, ...]:
     """The fields of layer `index`'s resolved config that Fast-LLM's block of that layer expresses: its mixer's, its
     MLP's and its block norms' (the config's own MIXER_FIELDS, MLP_FIELDS and BLOCK_FIELDS, from the registrations)."""
-    return (tuple(MIXER_FIELDS[config.layer_types[index]]) + tuple(MLP_FIELDS[our_mlp_type(config, index)])
+    return (tuple(MIXER_FIELDS[config.mixer_types[index]]) + tuple(MLP_FIELDS[our_mlp_type(config, index)])
             + tuple(BLOCK_FIELDS))
 
 
@@ -284,7 +284,7 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
     if config.zero_centered_norms:
         problems.append("zero_centered_norms=True (Fast-LLM's RMSNorm is x_hat * w)")
     for index in distinct_layers(config).values():
-        layer, layer_type = layer_config(config, index), config.layer_types[index]
+        layer, layer_type = layer_config(config, index), config.mixer_types[index]
         mlp_type = our_mlp_type(config, index)
         where = f"layer {index} ({layer_type})"
         mixer, mlp = mixer_of_layer_type(layer_type), mlp_of_type(mlp_type)
@@ -311,7 +311,7 @@ def _block_names(config: HybridLinearConfig) -> dict[str, str]:
     names: dict[str, str] = {}
     used: dict[str, int] = {}
     for setting, index in distinct_layers(config).items():
-        layer_type = config.layer_types[index]
+        layer_type = config.mixer_types[index]
         base = mixer_of_layer_type(layer_type).block_names[layer_type]
         used[base] = used.get(base, 0) + 1
         names[setting] = base if used[base] == 1 else f"{base}_{used[base]}"
@@ -330,7 +330,7 @@ def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
         layer = layer_config(config, index)
         blocks[names[setting]] = {
             "type": "decoder",
-            "mixer": mixer_of_layer_type(config.layer_types[index]).write(layer, config.layer_types[index]),
+            "mixer": mixer_of_layer_type(config.mixer_types[index]).write(layer, config.mixer_types[index]),
             "mlp": mlp_of_type(our_mlp_type(config, index)).write(layer),
             "normalization": _norm(layer.rms_norm_eps),
         }

@@ -53,7 +53,7 @@ STAGE_PAD = 32
 
 def _check_verified(config: HybridLinearConfig, base_model: dict) -> None:
     for index in distinct_layers(config).values():
-        layer_type = config.layer_types[index]
+        layer_type = config.mixer_types[index]
         reason = mixer_of_layer_type(layer_type).distributed_unverified(layer_config(config, index))
         if reason is not None:
             raise ConversionError(f"metadata.yaml: Fast-LLM block {block_path(base_model, index)} (layer {index}): "
@@ -70,7 +70,7 @@ def _stage_order(parameters: list[Parameter], prefix: str, config: HybridLinearC
 def stage_layout(config: HybridLinearConfig) -> list[list[str]]:
     """Parameter names per stage, in buffer order; each block's flags follow that block's own settings."""
     stages = [_stage_order(list(EMBEDDINGS_PARAMETERS), "", config)]
-    for index in range(len(config.layer_types)):
+    for index in range(len(config.mixer_types)):
         stages.append(_stage_order(list(block_definition_order(config, index)), block_prefix(index),
                                    layer_config(config, index)))
     stages.append(_stage_order(list(HEAD_PARAMETERS), "", config))

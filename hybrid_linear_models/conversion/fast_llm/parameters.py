@@ -53,12 +53,12 @@ def mlp_parameters(mlp_type: str) -> tuple[Parameter, ...]:
 def block_definition_order(config: HybridLinearConfig, index: int) -> tuple[Parameter, ...]:
     """Block `index`'s parameters in Fast-LLM's definition order (norms, mixer, MLP): the distributed buffer's order
     before its stable sort."""
-    return BLOCK_NORMS + mixer_parameters(config.layer_types[index]) + mlp_parameters(our_mlp_type(config, index))
+    return BLOCK_NORMS + mixer_parameters(config.mixer_types[index]) + mlp_parameters(our_mlp_type(config, index))
 
 
 def block_name_map_order(config: HybridLinearConfig, index: int) -> tuple[Parameter, ...]:
     """Block `index`'s parameters in the order the name map lists them (mixer first; the written files' order)."""
-    return mixer_parameters(config.layer_types[index]) + BLOCK_NORMS + mlp_parameters(our_mlp_type(config, index))
+    return mixer_parameters(config.mixer_types[index]) + BLOCK_NORMS + mlp_parameters(our_mlp_type(config, index))
 
 
 def name_map_entries(parameters: tuple[Parameter, ...]) -> tuple[Entry, ...]:
@@ -73,7 +73,7 @@ def build_fast_llm_rows(config: HybridLinearConfig) -> list[MapRow]:
     """Fast-LLM parameter names <-> canonical names for `config`, layer by layer, each layer's converters bound to
     that layer's own config (its head counts decide the Gated DeltaNet row grouping)."""
     rows = instantiate(name_map_entries(EMBEDDINGS_PARAMETERS), config)
-    for index in range(len(config.layer_types)):
+    for index in range(len(config.mixer_types)):
         rows += instantiate(name_map_entries(block_name_map_order(config, index)), layer_config(config, index),
                             block_prefix(index), layer_prefix(index))
     rows += instantiate(name_map_entries(HEAD_PARAMETERS), config)

@@ -40,13 +40,13 @@ def fla_rows(config: HybridLinearConfig) -> list[MapRow]:
 
 
 _ARCHITECTURES = {"gated_deltanet": "GatedDeltaNetForCausalLM", "kda": "KDAForCausalLM"}
-_CARRIED = ("vocab_size", "hidden_size", "layer_types", "num_hidden_layers", "tie_word_embeddings",
+_CARRIED = ("vocab_size", "hidden_size", "mixer_types", "num_hidden_layers", "tie_word_embeddings",
             "zero_centered_norms", "max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
 
 
 def _layer_fields(config: HybridLinearConfig, index: int) -> tuple[str, ...]:
     """The per-layer fields fla's config.json carries: the layer's mixer's and its block's."""
-    return MIXER_FIELDS[config.layer_types[index]] + BLOCK_FIELDS
+    return MIXER_FIELDS[config.mixer_types[index]] + BLOCK_FIELDS
 
 
 def _difference(expected: HybridLinearConfig, got: HybridLinearConfig) -> str | None:

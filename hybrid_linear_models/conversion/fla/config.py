@@ -320,18 +320,18 @@ _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 def _fla_problem(config: HybridLinearConfig) -> str | None:
     """The first layer or setting of `config` that fla's gated_deltanet / kda models cannot express, or None."""
-    linear = [t for t in dict.fromkeys(config.layer_types) if t not in _ATTENTION_TYPES]
+    linear = [t for t in dict.fromkeys(config.mixer_types) if t not in _ATTENTION_TYPES]
     if not linear:
         return "it has no gated_deltanet or kimi_delta_attention layer (fla's models are GDN or KDA models)"
     if len(linear) > 1:
-        return (f"it mixes {linear[0]} and {linear[1]} layers (layer {config.layer_types.index(linear[1])}); an fla "
+        return (f"it mixes {linear[0]} and {linear[1]} layers (layer {config.mixer_types.index(linear[1])}); an fla "
                 "model has one linear mixer type")
     if config.zero_centered_norms:
         return "zero_centered_norms=True (fla's RMSNorms are x_hat * w)"
     flat_eps = config._getattr_without_heterogeneous_validation("rms_norm_eps")
-    first = config.layer_types.index(linear[0])
+    first = config.mixer_types.index(linear[0])
     reference = layer_config(config, first)
-    for index, layer_type in enumerate(config.layer_types):
+    for index, layer_type in enumerate(config.mixer_types):
         layer, where = layer_config(config, index), f"layer {index} ({layer_type})"
         if config.mlp_types[index] != "dense":
             return f"{where}: mlp_types[{index}]={brief(config.mlp_types[index])} (fla's models have dense MLPs only)"
@@ -385,11 +385,11 @@ def hybrid_config_to_fla(config: HybridLinearConfig) -> dict[str, Any]:
     problem = _fla_problem(config)
     if problem is not None:
         raise ConversionError(f"this model cannot be written as an fla model: {problem}.")
-    linear_type = next(t for t in config.layer_types if t not in _ATTENTION_TYPES)
+    linear_type = next(t for t in config.mixer_types if t not in _ATTENTION_TYPES)
     model_type = LAYER_TYPE_TO_MODEL[linear_type]
-    first = layer_config(config, config.layer_types.index(linear_type))
+    first = layer_config(config, config.mixer_types.index(linear_type))
     specs: dict[str, dict[str, Any]] = {}
-    for index, layer_type in enumerate(config.layer_types):
+    for index, layer_type in enumerate(config.mixer_types):
         if layer_type in _ATTENTION_TYPES:
             spec = _attention_spec(layer_config(config, index), layer_type)
             specs.setdefault(repr(sorted(spec.items())), {"layers": [], **spec})["layers"].append(index)

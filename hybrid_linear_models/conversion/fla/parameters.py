@@ -99,7 +99,7 @@ def block_prefix(index: int) -> str:
 def build_fla_rows(config: HybridLinearConfig) -> list[MapRow]:
     """fla's tensor names <-> canonical names for `config`, each layer's converters bound to its own config."""
     rows = instantiate(TOP[:1], config)
-    for index, layer_type in enumerate(config.layer_types):
+    for index, layer_type in enumerate(config.mixer_types):
         rows += instantiate(MIXERS[layer_type] + BLOCK, layer_config(config, index), block_prefix(index),
                             layer_prefix(index))
     rows += instantiate(TOP[1:], config)

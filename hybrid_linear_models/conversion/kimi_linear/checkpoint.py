@@ -34,7 +34,7 @@ from .config import MODEL_TYPE, hybrid_config_to_kimi, kimi_to_hybrid_config
 from .parameters import build_kimi_rows
 
 # our model-wide fields that Kimi's config.json carries
-_CARRIED = ("vocab_size", "hidden_size", "layer_types", "mlp_types", "tie_word_embeddings", "zero_centered_norms",
+_CARRIED = ("vocab_size", "hidden_size", "mixer_types", "mlp_types", "tie_word_embeddings", "zero_centered_norms",
             "max_position_embeddings", "hidden_act", "initializer_range", "use_cache", "pad_token_id",
             "bos_token_id", "eos_token_id")
 
@@ -71,7 +71,7 @@ _MEANINGLESS = ("rope_parameters",)
 
 def _layer_fields(config: HybridLinearConfig, index: int) -> tuple[str, ...]:
     """The per-layer fields Kimi's config.json carries: the layer's mixer's, MLP's and block's."""
-    fields = MIXER_FIELDS[config.layer_types[index]] + MLP_FIELDS[config.mlp_types[index]] + BLOCK_FIELDS
+    fields = MIXER_FIELDS[config.mixer_types[index]] + MLP_FIELDS[config.mlp_types[index]] + BLOCK_FIELDS
     return tuple(field for field in fields if field not in _MEANINGLESS)
 
 

@@ -325,23 +325,23 @@ def dense_first_layers(config: HybridLinearConfig) -> int:
 
 def check_fits_kimi(config: HybridLinearConfig) -> None:
     """Refuses, naming the first layer or setting, a model Kimi-Linear's architecture cannot express."""
-    for index, layer_type in enumerate(config.layer_types):
+    for index, layer_type in enumerate(config.mixer_types):
         if layer_type not in (KDA, MLA):
             raise _refuse(f"layer {index} is {layer_type!r}, and Kimi-Linear layers are Kimi Delta Attention "
                           "('kimi_delta_attention') or MLA ('mla_attention')")
-    for index in range(len(config.layer_types)):
+    for index in range(len(config.mixer_types)):
         overrides = layer_overrides(config, index)
         if overrides:
             raise _refuse(f"layer {index} has its own {', '.join(sorted(overrides))} (per_layer_config), and "
                           "Kimi-Linear has one setting for all layers")
-    fixed = {**FIXED, **(FIXED_MLA if MLA in config.layer_types else {})}
+    fixed = {**FIXED, **(FIXED_MLA if MLA in config.mixer_types else {})}
     for name, value in fixed.items():
         if getattr(config, name) != value:
             raise _refuse(f"{name} is {brief(getattr(config, name))}, and Kimi-Linear has {value!r}")
-    if KDA in config.layer_types and config.kda_norm_eps != config.rms_norm_eps:
+    if KDA in config.mixer_types and config.kda_norm_eps != config.rms_norm_eps:
         raise _refuse(f"kda_norm_eps ({config.kda_norm_eps}) differs from rms_norm_eps ({config.rms_norm_eps}), and "
                       "Kimi-Linear's gated KDA norm uses rms_norm_eps")
-    if KDA in config.layer_types and config.hidden_act != "silu":
+    if KDA in config.mixer_types and config.hidden_act != "silu":
         raise _refuse(f"hidden_act is {brief(config.hidden_act)}, and transformers' KimiLinear applies it after KDA's "
                       "short convolutions too, where this model uses silu")
     if config.tie_word_embeddings:
@@ -353,7 +353,7 @@ def check_fits_kimi(config: HybridLinearConfig) -> None:
 def hybrid_config_to_kimi(config: HybridLinearConfig) -> dict[str, Any]:
     """Our config -> Kimi-Linear's config.json fields (the hub's names), refusing what does not fit."""
     check_fits_kimi(config)
-    layers = len(config.layer_types)
+    layers = len(config.mixer_types)
     out: dict[str, Any] = {
         "model_type": MODEL_TYPE, "architectures": list(ARCHITECTURES), "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
@@ -362,13 +362,13 @@ def hybrid_config_to_kimi(config: HybridLinearConfig) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings, "model_max_length": config.max_position_embeddings,
         **{name: getattr(config, name) for name in TOKEN_FIELDS},
         "linear_attn_config": {
-            "kda_layers": [i + 1 for i, t in enumerate(config.layer_types) if t == KDA],
-            "full_attn_layers": [i + 1 for i, t in enumerate(config.layer_types) if t == MLA],
+            "kda_layers": [i + 1 for i, t in enumerate(config.mixer_types) if t == KDA],
+            "full_attn_layers": [i + 1 for i, t in enumerate(config.mixer_types) if t == MLA],
             **{theirs: getattr(config, ours) for theirs, ours in _KDA_FIELDS.items()},
         },
         "first_k_dense_replace": dense_first_layers(config), "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
     }
-    if MLA in config.layer_types:
+    if MLA in config.mixer_types:
         out.update({theirs: getattr(config, ours) for theirs, ours in _MLA_SIZES.items()})
         out.update(qk_rope_head_dim=config.qk_rope_head_dim, q_lora_rank=config.q_lora_rank or None, mla_use_nope=True,
                    attention_bias=config.attention_bias, num_key_value_heads=config.num_attention_heads,

@@ -129,7 +129,7 @@ def stored_layout(keys: Collection[str], index: int) -> StoredLayout:
 def layer_entries(config: HybridLinearConfig, index: int, layout: StoredLayout,
                   canonical: Collection[str]) -> tuple[Entry, ...]:
     """Layer `index`'s table (names relative to the layer); `canonical`: its canonical tensor names."""
-    layer_type, mlp_type = config.layer_types[index], config.mlp_types[index]
+    layer_type, mlp_type = config.mixer_types[index], config.mlp_types[index]
     entries = [Entry(f"{name}.weight", IDENTITY, f"{name}.weight")
                for name in ("input_layernorm", "post_attention_layernorm")]
     if layer_type == KDA:
@@ -153,7 +153,7 @@ def build_kimi_rows(config: HybridLinearConfig, keys: Collection[str] | None = N
     folder's tensor names), or the hub layout (None: what the writer writes)."""
     canonical = CanonicalLayout(config)
     rows = instantiate((Entry(EMBEDDINGS, IDENTITY, EMBEDDINGS),), config)
-    for index in range(len(config.layer_types)):
+    for index in range(len(config.mixer_types)):
         layout = stored_layout(keys, index) if keys is not None else HUB_LAYOUT
         prefix = layer_prefix(index)
         rows += instantiate(layer_entries(config, index, layout, canonical.layer(index)), layer_config(config, index),

@@ -40,7 +40,7 @@ MTP_PREFIX = "mtp."
 _EXPERT_TENSORS = (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
 # our config fields that Qwen3-Next's config.json carries (the rest, kda_* and training switches, it does not)
 _CARRIED_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "layer_types", "num_attention_heads", "num_key_value_heads",
+    "vocab_size", "hidden_size", "intermediate_size", "mixer_types", "num_attention_heads", "num_key_value_heads",
     "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "tie_word_embeddings",
     "initializer_range", "attention_bias", "attention_dropout", "mlp_bias", "attention_output_gate",
     "attention_qk_norm", "zero_centered_norms", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim",

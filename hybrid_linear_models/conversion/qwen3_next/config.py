@@ -200,7 +200,7 @@ def _refuse(what: str) -> ConversionError:
 
 def check_fits_qwen3_next(config: HybridLinearConfig) -> None:
     """Refuses, naming the first layer or setting, a model Qwen3-Next's architecture cannot express."""
-    for index, layer_type in enumerate(config.layer_types):
+    for index, layer_type in enumerate(config.mixer_types):
         if layer_type not in TO_QWEN3_NEXT_LAYER_TYPES:
             raise _refuse(f"layer {index} is {layer_type!r}, and Qwen3-Next layers are Gated DeltaNet "
                           "('gated_deltanet') or gated full attention ('full_attention')")
@@ -208,7 +208,7 @@ def check_fits_qwen3_next(config: HybridLinearConfig) -> None:
         if mlp_type not in ("dense", "sparse_moe"):
             raise _refuse(f"layer {index}'s MLP is {brief(mlp_type)} (mlp_types[{index}]), and Qwen3-Next's MLPs are "
                           "the gated MLP ('dense') or its sparse MoE ('sparse_moe')")
-    for index in range(len(config.layer_types)):
+    for index in range(len(config.mixer_types)):
         overrides = layer_overrides(config, index)
         if overrides:
             raise _refuse(f"layer {index} has its own {', '.join(sorted(overrides))} (per_layer_config), and "
@@ -220,7 +220,7 @@ def check_fits_qwen3_next(config: HybridLinearConfig) -> None:
         raise _refuse(f"attention_output_bias is {config.attention_output_bias} and attention_bias "
                       f"{config.attention_bias}, and Qwen3-Next's attention_bias switches the q, k, v and o_proj "
                       "biases together")
-    has_gdn = "gated_deltanet" in config.layer_types
+    has_gdn = "gated_deltanet" in config.mixer_types
     if has_gdn and config.gdn_norm_eps != config.rms_norm_eps:
         raise _refuse(f"gdn_norm_eps ({config.gdn_norm_eps}) differs from rms_norm_eps ({config.rms_norm_eps}), and "
                       "Qwen3-Next's gated norm uses rms_norm_eps")
@@ -235,8 +235,8 @@ def hybrid_config_to_qwen3_next(config: HybridLinearConfig, carried: dict[str, A
     check_fits_qwen3_next(config)
     out: dict[str, Any] = {theirs: getattr(config, ours) for theirs, ours in _SIZES.items()}
     out.update(
-        model_type=MODEL_TYPE, architectures=list(ARCHITECTURES), num_hidden_layers=len(config.layer_types),
-        layer_types=[TO_QWEN3_NEXT_LAYER_TYPES[t] for t in config.layer_types], hidden_act=config.hidden_act,
+        model_type=MODEL_TYPE, architectures=list(ARCHITECTURES), num_hidden_layers=len(config.mixer_types),
+        layer_types=[TO_QWEN3_NEXT_LAYER_TYPES[t] for t in config.mixer_types], hidden_act=config.hidden_act,
         rms_norm_eps=config.rms_norm_eps, initializer_range=config.initializer_range,
         attention_dropout=config.attention_dropout, use_cache=config.use_cache,
         tie_word_embeddings=config.tie_word_embeddings, attention_bias=config.attention_bias,
