@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         vocab_size=512, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=32, gdn_value_head_dim=32,
         kda_num_heads=4, kda_head_dim=32,
-        layer_types=["gated_deltanet", "kimi_delta_attention", "gated_deltanet", "full_attention"],
+        mixer_types=["gated_deltanet", "kimi_delta_attention", "gated_deltanet", "full_attention"],
     )
     fresh = workdir / "fresh-hf"
     torch.manual_seed(0)  # the same weights and samples on every run
