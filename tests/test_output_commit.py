@@ -171,6 +171,16 @@ def test_an_old_output_moved_aside_is_put_back_when_dst_is_absent(tmp_path, capl
     assert "restored DST's previous output" in line and "removed the unfinished output" in line
 
 
+def test_a_run_on_a_missing_source_still_recovers_first(tmp_path):
+    parent = tmp_path / "out"
+    parent.mkdir()
+    (parent / ".dst.old-0a1b2c3d").mkdir()
+    write_output(parent / ".dst.old-0a1b2c3d", "old")
+    with pytest.raises(ConversionError, match="does not exist"):
+        convert_checkpoint(tmp_path / "missing", parent / "dst", from_format="fast_llm", to_format="hf", force=True)
+    assert listing(parent / "dst") == output(tmp_path, "old") and leftovers(parent / "dst") == []
+
+
 def test_a_complete_new_output_is_put_in_place_when_dst_is_absent(tmp_path, caplog):
     parent = tmp_path / "out"
     parent.mkdir()

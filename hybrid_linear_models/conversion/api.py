@@ -24,7 +24,7 @@ from .formats import get_format
 from .interrupts import stop_signals_raise
 from .pipeline import ConversionPlan, WriteOptions, check_carried, plan_conversion, stream_tensors
 from ..shown_values import brief
-from .safety import atomic_output_dir, check_paths
+from .safety import atomic_output_dir, check_paths, check_source
 from .tokenizer_files import copy_tokenizer, tokenizer_to_copy
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -90,6 +90,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     output = check_paths(src, dst)
     # the lock is taken, a killed run's commit finished or undone and an existing DST checked before SRC is read
     with stop_signals_raise(redeliver=True), atomic_output_dir(output, writer if force else None) as staging:
+        check_source(src)
         source = reader.read(Path(src))
         check_carried(source, to_format, writer.keeps_extra_tensors)
         plan = plan_conversion(source, writer.target_rows(source.config), torch_dtype)

@@ -94,13 +94,18 @@ def check_destination(dst: str | Path) -> Path:
     return path
 
 
+def check_source(src: str | Path) -> None:
+    """SRC must exist (checked once DST's lock is held: a killed run's output is recovered even by a run that then
+    fails here)."""
+    if not (Path(src).exists() or Path(src).is_symlink()):
+        raise ConversionError(f"SRC {clip(Path(src).resolve())} does not exist; give the path of the checkpoint "
+                              "folder to convert.")
+
+
 def check_paths(src: str | Path, dst: str | Path) -> Path:
-    """`check_destination`, plus SRC must exist and not overlap DST. Returns DST as an absolute path."""
+    """`check_destination`, plus SRC must not overlap DST. Returns DST as an absolute path."""
     path = check_destination(dst)
     src_resolved, dst_resolved = Path(src).resolve(), path.resolve()
-    if not src_resolved.exists():
-        raise ConversionError(f"SRC {clip(src_resolved)} does not exist; give the path of the checkpoint folder to "
-                              "convert.")
     if dst_resolved == src_resolved or src_resolved in dst_resolved.parents or dst_resolved in src_resolved.parents:
         raise ConversionError(f"DST {clip(dst_resolved)} overlaps SRC {clip(src_resolved)}; choose an output folder "
                               "outside the checkpoint.")
@@ -484,5 +489,6 @@ __all__ = [
     "check_name_length",
     "check_paths",
     "check_replaceable",
+    "check_source",
     "recover",
 ]
