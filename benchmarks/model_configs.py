@@ -64,12 +64,39 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def kimi_linear_config(**narrow) -> HybridLinearConfig:
-    """Ours for bench_kimi_linear.py's ~1B-active Kimi-Linear model (16 layers 3:1 KDA:MLA, 64 experts top-8), through
-    the kimi_linear converter's config mapping; `narrow` overrides its sizes (keys of bench_kimi_linear.SIZES)."""
-    import json
+# bench_kimi_linear.py's Kimi-Linear models: the ~1B-active one (16 layers 3:1 KDA:MLA, 64 experts top-8) and a tiny one
+SIZES = {
+    "gpu": dict(hidden=2048, layers=16, kda_heads=16, kda_dim=128, mla_heads=16, kv_lora_rank=512, qk_nope=128,
+                qk_rope=64, v_dim=128, experts=64, top_k=8, expert_width=512, dense_width=5632, vocab=32000,
+                batch=4, seq=4096, prompt=512, new_tokens=64),
+    "tiny": dict(hidden=64, layers=4, kda_heads=2, kda_dim=16, mla_heads=2, kv_lora_rank=16, qk_nope=8, qk_rope=8,
+                 v_dim=8, experts=8, top_k=2, expert_width=16, dense_width=96, vocab=256,
+                 batch=2, seq=128, prompt=32, new_tokens=8),
+}
+ATTENTION_EVERY = 4  # Kimi-Linear's 3 KDA : 1 MLA
 
-    from bench_kimi_linear import SIZES, kimi_config
+
+def kimi_config(size: dict) -> KimiLinearConfig:
+    """transformers' config of `size`, in the released checkpoints' terms (1-indexed layer lists)."""
+    layers = size["layers"]
+    mla = [n for n in range(1, layers + 1) if n % ATTENTION_EVERY == 0]
+    return KimiLinearConfig(
+        vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["dense_width"],
+        num_hidden_layers=layers, num_attention_heads=size["mla_heads"], num_key_value_heads=size["mla_heads"],
+        kv_lora_rank=size["kv_lora_rank"], q_lora_rank=None, qk_nope_head_dim=size["qk_nope"],
+        qk_rope_head_dim=size["qk_rope"], v_head_dim=size["v_dim"], mla_use_nope=True,
+        linear_attn_config={"kda_layers": [n for n in range(1, layers + 1) if n not in mla], "full_attn_layers": mla,
+                            "num_heads": size["kda_heads"], "head_dim": size["kda_dim"], "short_conv_kernel_size": 4},
+        num_local_experts=size["experts"], num_experts_per_tok=size["top_k"],
+        moe_intermediate_size=size["expert_width"], num_shared_experts=1, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.446, norm_topk_prob=True, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def kimi_linear_config(**narrow) -> HybridLinearConfig:
+    """Ours for the ~1B-active Kimi-Linear model (SIZES["gpu"]), through the kimi_linear converter's config mapping;
+    `narrow` overrides its sizes (keys of SIZES)."""
+    import json
 
     from hybrid_linear_models.conversion.kimi_linear.config import kimi_to_hybrid_config
 

@@ -39,9 +39,9 @@ def attention_step_kernel():
 
 
 def _layout_problem(attention, hidden_states, tables, mask, layer) -> bool:
-    """True when the step's tensors are not what the kernels take (see the module docstring)."""
-    from .mixer_attention import RotaryTables
-
+    """True when the step's tensors are not what the kernels take (see the module docstring). `tables` qualifies when
+    it is `mixer_attention.RotaryTables` (told by its `rotated_dims`, which the kernels read: this module is imported by
+    mixer_attention, and importing it back would make the two depend on each other)."""
     D = attention.head_dim
     gate = 2 if attention.output_gate else 1
     keys, values = layer.keys, layer.values
@@ -52,7 +52,7 @@ def _layout_problem(attention, hidden_states, tables, mask, layer) -> bool:
             or keys.shape[:3] != (B, attention.num_key_value_heads, L) or values.shape[:3] != keys.shape[:3]
             or keys.stride(-1) != 1 or values.stride(-1) != 1
             or attention.q_proj.out_features != attention.num_heads * D * gate
-            or not isinstance(tables, RotaryTables) or tables.rotated_dims(D) % 2
+            or not callable(getattr(tables, "rotated_dims", None)) or tables.rotated_dims(D) % 2
             or not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1:3] != (1, 1)
             or mask.shape[0] not in (1, B) or mask.shape[-1] != L or not mask.dtype.is_floating_point
             or mask.stride(-1) != 1)

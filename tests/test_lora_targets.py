@@ -82,7 +82,7 @@ def test_the_readme_peft_snippet_runs_and_adapts_the_experts(mlp):
 
 @pytest.mark.slow
 def test_finetune_lora_adapts_the_routed_experts(tmp_path, capsys):
-    from hybrid_linear_models.training.finetune import main
+    from hybrid_linear_cli.finetune import main
 
     folder = tmp_path / "model"
     words = ["the", "cat", "sat", "on", "mat"]

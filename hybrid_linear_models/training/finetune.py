@@ -6,9 +6,9 @@
 Design:
 - Arguments: the script's own options (`hybrid_linear_cli.finetune.FinetuneArguments`) and every `TrainingArguments`
   field go through one `HfArgumentParser`, so any Trainer setting (schedulers, checkpointing, FSDP, ...) is a flag
-  and nothing is hard-coded. The defaults this script changes, and the `--help` that needs no torch, live in the light
-  front end `hybrid_linear_cli.finetune`; every way in (console script, `python -m`, `accelerate launch -m`) starts
-  at its `main`.
+  and nothing is hard-coded. The arguments and the defaults this script changes are plain data in
+  `hybrid_linear_cli.finetune_arguments`; the `--help` that needs no torch is the light front end
+  `hybrid_linear_cli.finetune`, where every way in (console script, `python -m`, `accelerate launch -m`) starts.
 - Data: the `datasets` library reads every format (json/jsonl, parquet, csv, text, a folder, a hub id), imported
   here lazily so that `import hybrid_linear_models` never needs it; documents are tokenized with `Dataset.map`
   (streamed through Arrow on disk, not held as Python lists).
@@ -44,17 +44,16 @@ import hybrid_linear_models  # noqa: F401  (registers the model family)
 from hybrid_linear_models.lora import lora_target_modules, lora_target_parameters
 from hybrid_linear_models.mixer_registry import lora_targets as mixer_lora_targets
 from hybrid_linear_models.mlp_registry import lora_targets as mlp_lora_targets
-from hybrid_linear_cli.finetune import (
+from hybrid_linear_cli.finetune_arguments import (
     DERIVED,
     PROG,
     TRAINING_FLAGS,
     FinetuneArguments,
     add_positionals,
     expand_old_spellings,
-    main,
 )
 
-__all__ = ["LORA_TARGET_MODULES", "FinetuneError", "load_documents", "main", "parse_arguments", "run"]
+__all__ = ["LORA_TARGET_MODULES", "FinetuneError", "load_documents", "parse_arguments", "run"]
 
 # Every linear projection of the family, as LoRA targets: attention, MLP, Gated DeltaNet and Kimi Delta Attention.
 # every mixer's and MLP's projections, as their registrations name them (mixer_registry, mlp_registry)
@@ -341,4 +340,4 @@ def finetune(paths: argparse.Namespace, options: FinetuneArguments, training: Tr
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(sys.argv[1:]))
