@@ -113,17 +113,18 @@ def test_fuzz_force_over_foreign_entries(converted, tmp_path_factory, entries):
 
 @_FEWER
 @given(old=st.booleans(), first=st.integers(0, 5), second=st.one_of(st.none(), st.integers(0, 5)),
-       last_fails=st.booleans())
-def test_fuzz_kills_inside_the_commit(tmp_path_factory, monkeypatch, old, first, second, last_fails):
+       last_fails=st.booleans(), name=st.sampled_from(["dst", "d" * 237, "d" * 250, "é" * 127]))
+def test_fuzz_kills_inside_the_commit(tmp_path_factory, monkeypatch, old, first, second, last_fails, name):
     """A commit killed at step `first`, the next run killed at step `second` of its recovery or commit (None: not
-    killed), then a last run that fails or writes a third output."""
+    killed), then a last run that fails or writes a third output; DST's name short or long enough that the names
+    beside it are shortened."""
     root = tmp_path_factory.mktemp("kills")
     expected = {}
     for label in ("old", "new", "third"):
         (root / label).mkdir()
         write_output(root / label, label)
         expected[label] = listing(root / label)
-    dst = root / "out" / "dst"
+    dst = root / "out" / name
     if old:
         run(dst, "old")
     with monkeypatch.context() as patch:
