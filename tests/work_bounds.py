@@ -2,8 +2,8 @@
 
 A refusal of hostile input must answer without first doing work proportional to what the input claims (a 10^15-entry
 list, a loop over a million layer names). Seconds measure that badly: on a loaded 2-core machine a correct refusal
-can take longer than a time bound allows, and a generous bound no longer tells a loop over 10^6 entries from none.
-So the block's work is counted instead: the Python lines it runs (`sys.settrace` line events, deterministic for a
+can take longer than a time bound allows, and a bound generous enough for it cannot tell a loop over 10^6 entries
+from none. So the block's work is counted instead: the Python lines it runs (`sys.settrace` line events, deterministic for a
 given input and code) and its peak Python allocation (`tracemalloc`). Work done in C without allocating (a regex or
 a JSON parse over a large text) counts as one line: these bounds catch the Python loops and the allocations that a
 size read from the input would drive.
