@@ -1,7 +1,38 @@
+"""What every test shares: the shared helper modules on the import path, two CPU threads, the `slow` marker on every
+property-based (hypothesis) test, and the copies of a test module's `original` checkpoint folder its tests edit.
+
+`slow` tests run in CI like any other (`python -m pytest -q tests`); `-m "not slow"` leaves them out of a quick run.
+Tests that start subprocesses (remote-code loads, two-rank training, the CLI end to end) carry the marker
+themselves; fuzzing gets it here, from hypothesis's own flag, so a new property-based test cannot miss it.
+"""
+
+import shutil
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/model_helpers.py
+sys.path.insert(0, str(Path(__file__).parent))  # tests/model_helpers.py and the other shared helpers
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def folder(tmp_path: Path, original: Path) -> Path:
+    """A writable copy, per test, of the test module's `original` checkpoint folder (a module-scoped fixture)."""
+    return Path(shutil.copytree(original, tmp_path / "model"))
+
+
+@pytest.fixture(scope="module")
+def mutable(tmp_path_factory: pytest.TempPathFactory, original: Path):
+    """One copy of the test module's `original` folder for its fuzz tests, which replace one file at a time
+    (`conversion_helpers.FuzzFolder`)."""
+    from conversion_helpers import FuzzFolder
+
+    return FuzzFolder(Path(shutil.copytree(original, tmp_path_factory.mktemp("fuzz") / "model")))

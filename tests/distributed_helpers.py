@@ -1,7 +1,32 @@
 """What the torchrun test scripts and their tests share."""
 
 import os
+import subprocess
 import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
+SUBPROCESS_TIMEOUT = 900  # ends a hang only: two ranks importing torch on a loaded 2-core machine take minutes
+
+
+def run_script(script: str, *args, ranks: int = 1, env: dict | None = None) -> str:
+    """The stdout of the test script `script` (in tests/) run with `args` in a subprocess, on one process or on 2
+    torchrun ranks (`ranks=2`: gloo on CPUs), with `env` or this checkout's package; asserts that it succeeded."""
+    command = [*(TORCHRUN if ranks == 2 else [sys.executable]), script, *map(str, args)]
+    if env is None:  # this checkout's package, whatever is installed
+        path = os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=TESTS,
+                            check=False, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def reported(out: str, key: str) -> list[str]:
+    """The fields after `key` on the first line of a script's output that starts with it ("MAX_DIFFERENCE 1e-5 2e-5":
+    ["1e-5", "2e-5"])."""
+    return next(line for line in out.splitlines() if line.startswith(key + " ")).split()[1:]
 
 
 def leave() -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from distributed_helpers import SUBPROCESS_TIMEOUT
 from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
@@ -55,6 +56,16 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def forward_backward(block: torch.nn.Module, x: torch.Tensor):
+    """A block's output, its input's gradient and its parameters' gradients, under a loss that weighs every output
+    element differently (a plain sum would hide a permutation of the outputs)."""
+    x = x.clone().requires_grad_(True)
+    block.zero_grad()
+    out = block(x)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
 def tiny_model(layer_types=None, seed: int = 0, **overrides) -> HybridLinearForCausalLM:
     torch.manual_seed(seed)
     return randomize(HybridLinearForCausalLM(tiny_config(layer_types, **overrides)), seed).eval()
@@ -90,10 +101,6 @@ except ImportError:
     spec = None
 assert spec is None, "the package is still importable"
 """
-
-# A subprocess's time limit, there to end a hang, not to time anything: on a loaded 2-core machine importing torch and
-# transformers alone can take a minute.
-SUBPROCESS_TIMEOUT = 900
 
 
 def run_without_the_package(script: Path, *args, cwd: Path) -> subprocess.CompletedProcess:

@@ -231,6 +231,7 @@ def test_dtype_cast(tmp_path, exported):
     assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+@pytest.mark.slow  # the converter's CLI in subprocesses
 def test_cli_converts_and_reports(tmp_path):
     script = Path(__file__).parents[1] / "conversion_scripts" / "convert.py"
     result = subprocess.run([sys.executable, str(script), "--from", "fast_llm", "--to", "hf",
@@ -262,6 +263,7 @@ _ISOLATED_LOAD = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 def test_loads_with_trust_remote_code_without_the_package(tmp_path, exported):
     script = tmp_path / "load.py"
     script.write_text(_ISOLATED_LOAD)

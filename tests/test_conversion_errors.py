@@ -348,6 +348,7 @@ def test_dst_inside_src_refused(fast_llm_copy):
 # --------------------------------------------------------------------------------------------- CLI boundary
 
 
+@pytest.mark.slow  # the converter's CLI in a subprocess
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hybrid_linear_models.conversion.cli", "--from", "fast_llm",
                              "--to", "hf", str(tmp_path / "missing"), str(tmp_path / "dst")],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conversion_helpers import edit_tensors, FuzzFolder, Reading, edit_config
+from conversion_helpers import edit_tensors, Reading, edit_config
 from fuzz_strategies import FUZZ_SETTINGS, mutated, safetensors_file, split_safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,11 +26,6 @@ def original(tmp_path_factory) -> Path:
     save_kimi(folder)
     as_hub_layout(folder)
     return folder
-
-
-@pytest.fixture
-def folder(tmp_path, original) -> Path:
-    return Path(shutil.copytree(original, tmp_path / "model"))
 
 
 READING = Reading("kimi_linear")
@@ -148,11 +143,6 @@ def test_existing_output_is_left_alone(folder, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- fuzzing
-
-
-@pytest.fixture(scope="module")
-def mutable(tmp_path_factory, original) -> FuzzFolder:
-    return FuzzFolder(Path(shutil.copytree(original, tmp_path_factory.mktemp("fuzz") / "model")))
 
 
 @settings(FUZZ_SETTINGS, max_examples=50)  # half the others' examples: one small folder, two files

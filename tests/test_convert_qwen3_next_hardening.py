@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conversion_helpers import edit_tensors, FuzzFolder, Reading, edit_config
+from conversion_helpers import edit_tensors, Reading, edit_config
 from fuzz_strategies import FUZZ_SETTINGS, mutated, safetensors_file, split_safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,11 +26,6 @@ def original(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("qwen3_next") / "model"
     save_qwen3_next(folder, num_experts=0)
     return folder
-
-
-@pytest.fixture
-def folder(tmp_path, original) -> Path:
-    return Path(shutil.copytree(original, tmp_path / "model"))
 
 
 READING = Reading("qwen3_next")
@@ -119,11 +114,6 @@ def test_carried_tensors_from_elsewhere_are_not_written_as_qwen3_next(folder, tm
 
 
 # --------------------------------------------------------------------------------------------- fuzzing
-
-
-@pytest.fixture(scope="module")
-def mutable(tmp_path_factory, original) -> FuzzFolder:
-    return FuzzFolder(Path(shutil.copytree(original, tmp_path_factory.mktemp("fuzz") / "model")))
 
 
 @settings(FUZZ_SETTINGS, max_examples=50)  # half the others' examples: one small folder, two files

@@ -137,6 +137,7 @@ def test_folders_ship_every_source_that_remote_code_needs(folders, name):
     assert followed | {"modeling_hybrid_linear.py"} == needed
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 def test_auto_classes_load_saved_folders_without_the_package(isolated):
     report, outputs, input_ids = isolated["report"], isolated["outputs"], isolated["input_ids"]
     assert not report["package_imported"]
@@ -153,6 +154,7 @@ def test_auto_classes_load_saved_folders_without_the_package(isolated):
         torch.testing.assert_close(outputs[f"{name}/AutoModel"], hidden, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 @pytest.mark.parametrize("name", ["lm", "base"])
 def test_a_model_loaded_as_remote_code_saves_a_loadable_folder(isolated, name):
     resaved = isolated["resaved"][name]
@@ -160,6 +162,7 @@ def test_a_model_loaded_as_remote_code_saves_a_loadable_folder(isolated, name):
     assert _sources(resaved) == {path.name for path in remote_code_files()}
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 @pytest.mark.parametrize("name", ["lm", "converted"])
 def test_auto_tokenizer_loads_saved_and_converted_folders_without_the_package(isolated, name):
     assert isolated["report"]["tokens"][name] == word_tokenizer(WORDS)(TEXT).input_ids == [2, 3, 4, 5, 2, 6]
@@ -170,6 +173,7 @@ def test_auto_tokenizer_with_the_package_needs_no_trust_remote_code(folders):
         assert AutoTokenizer.from_pretrained(folders[name])(TEXT).input_ids == [2, 3, 4, 5, 2, 6]
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 def test_a_folder_without_a_tokenizer_says_so_and_how_to_add_one(folders, isolated):
     with pytest.raises(OSError, match=r"has no tokenizer .*tokenizer\.save_pretrained.*--tokenizer"):
         AutoTokenizer.from_pretrained(folders["bare"])
@@ -214,6 +218,7 @@ def test_a_long_tokenizer_path_is_shortened_in_the_error(tmp_path):
     assert "y" * 50 in str(caught.value) and "x" * 101 not in str(caught.value) and len(str(caught.value)) < 250
 
 
+@pytest.mark.slow  # the quickstart in a subprocess
 def test_quickstart_prints_a_short_summary(tmp_path):
     """README's first command: a few lines (conversion, its error against Fast-LLM, generations, where the models
     are), no file listings or progress bars, and the models where it says."""

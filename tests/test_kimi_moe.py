@@ -18,11 +18,13 @@ from model_helpers import (
     assert_cached_generation_equals_uncached,
     assert_padded_and_packed_rows_run_alone,
     assert_same_generation,
+    forward_backward,
     greedy,
     randomize,
     replay_graphs_eagerly,
     tiny_config,
 )
+from distributed_helpers import reported, run_script
 from numerics import assert_close
 
 HIDDEN = 32
@@ -63,14 +65,6 @@ def _block_pair(implementation: str, variant: str, dtype=torch.float32):
     return ours, reference
 
 
-def _forward_backward(block, x):
-    x = x.clone().requires_grad_(True)
-    block.zero_grad()
-    out = block(x)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("implementation", EXPERTS_IMPLEMENTATIONS)
 def test_block_equals_kimi_linear_moe(implementation, variant):
@@ -86,7 +80,7 @@ def test_block_equals_kimi_linear_moe(implementation, variant):
     assert torch.equal(order.values, ref_order.values), "another choice of experts"
     assert weights.dtype == torch.float32
     assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices), 1e-6, "routing weights")
-    got, ref = _forward_backward(ours, x), _forward_backward(reference, x)
+    got, ref = forward_backward(ours, x), forward_backward(reference, x)
     assert_close(got[0], ref[0], 1e-5, f"{implementation}: output")
     assert_close(got[1], ref[1], 1e-5, f"{implementation}: input gradient")
     for name, grad in got[2].items():
@@ -411,17 +405,10 @@ def test_tensor_parallel_plan_shards_the_experts(tmp_path):
     """2 ranks over gloo (as tests/test_sparse_moe_distributed.py): transformers' plan for the kimi_moe layers (experts
     split along their width, summed by "moe_tp_experts"; shared experts colwise / rowwise; router and its bias
     replicated) reproduces the unsharded model; the check script asserts each rank holds half of every expert."""
-    import subprocess
-    import sys
-
     model = kimi_moe_model(dtype=torch.float32, mlp_types=["kimi_moe", "dense", "kimi_moe", "kimi_moe"])
     model.save_pretrained(tmp_path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "tensor_parallel_check.py", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd="tests", check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    logits, gradients = (float(x) for x in next(line for line in result.stdout.splitlines()
-                                                if line.startswith("MAX_DIFFERENCE")).split()[1:])
+    out = run_script("tensor_parallel_check.py", tmp_path, ranks=2)
+    logits, gradients = (float(x) for x in reported(out, "MAX_DIFFERENCE"))
     # float32; the experts' and MLPs' row-parallel sums are split over 2 ranks, as for the sparse MoE (measured there
     # 2.3e-5 / 5.2e-5); the routing is replicated, so no choice differs
     assert logits <= 1e-4 and gradients <= 1e-4

@@ -305,6 +305,7 @@ _REMOTE_LOAD = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 def test_a_saved_folder_ships_the_mlp_modules_and_loads_without_the_package(tmp_path):
     from safetensors.torch import save_file
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from distributed_helpers import run_script
 from model_helpers import (
     WITHOUT_THE_PACKAGE_PRELUDE,
     assert_cached_generation_equals_uncached,
@@ -379,6 +377,7 @@ _REMOTE_LOAD = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 def test_save_and_load_round_trip_with_and_without_the_package(tmp_path):
     from safetensors.torch import save_file
 
@@ -434,17 +433,11 @@ def test_layers_take_plain_rotary_tuples_as_under_torch_compile(monkeypatch):
 
 def _tensor_parallel_check(*directories, indivisible=None) -> list[str]:
     """tests/tensor_parallel_check.py on 2 gloo ranks (as tests/test_training.py's TP tests): its output lines."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "tensor_parallel_check.py", *map(str, directories)]
-    if indivisible is not None:
-        command += ["--indivisible", str(indivisible)]
-    environment = {**os.environ, "PYTHONPATH": os.getcwd()}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="tests", check=False,
-                            env=environment)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.splitlines()
+    extra = () if indivisible is None else ("--indivisible", indivisible)
+    return run_script("tensor_parallel_check.py", *directories, *extra, ranks=2).splitlines()
 
 
+@pytest.mark.slow  # two torchrun ranks
 def test_tensor_parallel_plan_shards_mla_heads(tmp_path):
     """tp_plan="auto" on 2 ranks: each MLA layer's query and kv_b_proj rows split by heads, o_proj by its columns,
     the shared key slice's gradient summed over the ranks at the layer's own width; logits, greedy decoding (the

@@ -656,6 +656,7 @@ def test_good_inputs_pass_validation():
 # ------------------------------------------------------------------------------------------ import and logging
 
 
+@pytest.mark.slow  # a fresh interpreter importing the package
 def test_import_does_not_import_triton_or_fla():
     code = ("import sys, hybrid_linear_models.ops; "
             "bad = [m for m in ('triton', 'fla') if m in sys.modules]; assert not bad, bad")

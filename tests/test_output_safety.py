@@ -235,6 +235,7 @@ def test_leftovers_of_a_killed_run_are_removed_and_only_those(tmp_path):
     assert sorted(p.name for p in parent.iterdir()) == sorted(["dst", *others])
 
 
+@pytest.mark.slow  # a conversion in a subprocess
 def test_two_processes_on_one_dst(tmp_path):
     """A run on a DST that another process is writing fails at once and leaves it alone; the writer then finishes,
     and a later run (the newest success) replaces its output. No .old-*, staging folder or lock file stays."""
@@ -319,6 +320,7 @@ def start_blocked_conversion(tmp_path: Path, mode: str, dst: Path, *flags: str) 
     ("cli", signal.SIGTERM, 128 + signal.SIGTERM),
     ("api", signal.SIGHUP, -signal.SIGHUP),  # the API cleans up, then lets the signal end the process as usual
 ])
+@pytest.mark.slow  # a conversion in a subprocess
 def test_signal_while_writing_cleans_up(tmp_path, mode, signum, status):
     parent = tmp_path / "out"
     parent.mkdir()

@@ -227,6 +227,7 @@ def test_a_saved_heterogeneous_model_loads_with_its_logits(tmp_path):
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow  # a subprocess that loads the model without the package
 def test_a_saved_heterogeneous_folder_loads_as_remote_code_without_the_package(tmp_path):
     """The folder's own sources (auto_map, trust_remote_code) run the per-layer settings where the package cannot be
     imported: the subprocess of test_first_hour.py, on this folder."""

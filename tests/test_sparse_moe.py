@@ -15,6 +15,7 @@ from hybrid_linear_models.mlp_sparse_moe import (
     graph_safe_experts_implementation,
 )
 from tests.numerics import assert_close
+from model_helpers import forward_backward
 
 
 def _config(implementation: str, **overrides) -> Qwen3NextConfig:
@@ -38,14 +39,6 @@ def _pair(implementation: str, dtype=torch.float64, **overrides):
     return ours, reference
 
 
-def _forward_backward(block, x):
-    x = x.clone().requires_grad_(True)
-    block.zero_grad()
-    out = block(x)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
-
-
 @pytest.mark.parametrize("implementation", EXPERTS_IMPLEMENTATIONS)
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_block_equals_qwen3_next(implementation, norm_topk_prob):
@@ -55,7 +48,7 @@ def test_block_equals_qwen3_next(implementation, norm_topk_prob):
     # (those are O(1e-1) errors)
     ours, reference = _pair(implementation, dtype=torch.float32, norm_topk_prob=norm_topk_prob)
     x = torch.randn(3, 7, 32)
-    got, ref = _forward_backward(ours, x), _forward_backward(reference, x)
+    got, ref = forward_backward(ours, x), forward_backward(reference, x)
     assert_close(got[0], ref[0], 1e-5, f"{implementation}: output")
     assert_close(got[1], ref[1], 1e-5, f"{implementation}: input gradient")
     for name, grad in ref[2].items():
@@ -69,7 +62,7 @@ def test_float32_and_unused_experts(implementation):
     # relative; 1e-5 bounds that with a margin
     ours, reference = _pair(implementation, dtype=torch.float32, num_experts_per_tok=2)
     x = torch.randn(1, 2, 32)
-    got, ref = _forward_backward(ours, x), _forward_backward(reference, x)
+    got, ref = forward_backward(ours, x), forward_backward(reference, x)
     assert_close(got[0], ref[0], 1e-5, f"{implementation}: output")
     used = torch.zeros(8, dtype=torch.bool)
     used[reference.gate(x.view(-1, 32))[2].flatten()] = True
@@ -135,7 +128,7 @@ def test_grouped_mm_gather_runs_float64():
     # transformers' per-expert GEMMs; the math is the same ops in another order, ~1e-16 relative, so 1e-12
     ours, reference = _pair("grouped_mm_gather", dtype=torch.float64)
     x = torch.randn(2, 9, 32, dtype=torch.float64)
-    got, ref = _forward_backward(ours, x), _forward_backward(reference, x)
+    got, ref = forward_backward(ours, x), forward_backward(reference, x)
     for a, b, what in ((got[0], ref[0], "output"), (got[1], ref[1], "input gradient"),
                        (got[2]["experts.gate_up_proj"], ref[2]["experts.gate_up_proj"], "gate_up_proj gradient"),
                        (got[2]["gate.weight"], ref[2]["gate.weight"], "router gradient")):

@@ -10,36 +10,29 @@ import copy
 import functools
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from expert_parallel_check import EXPERTS_BOUND, MODEL_BOUND, RUNS, save_models
 from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, check_expert_parallel_size
+from distributed_helpers import reported, run_script
 from model_helpers import replay_graphs_eagerly, tiny_config, tiny_model
 from numerics import assert_close
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
 MOE = dict(mlp_types=["sparse_moe", "dense", "sparse_moe", "sparse_moe"], num_experts=4, num_experts_per_tok=2,
            moe_intermediate_size=16, shared_expert_intermediate_size=24)
 
 
-def _run(command, env=None) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd="tests", check=False, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
-def _losses(command) -> list[float]:
-    line = next(line for line in _run(command).splitlines() if line.startswith("LOSSES "))
+def _losses(*args, ranks: int = 1) -> list[float]:
+    line = next(line for line in run_script(*args, ranks=ranks).splitlines() if line.startswith("LOSSES "))
     return json.loads(line.removeprefix("LOSSES "))
 
 
+@pytest.mark.slow  # two torchrun ranks
 def test_fsdp2_training_of_a_moe_model_matches_one_process():
-    single = _losses([sys.executable, "distributed_parity.py", "--batch", "8", "--moe"])
-    sharded = _losses(TORCHRUN + ["distributed_parity.py", "--batch", "4", "--moe", "--fsdp"])
+    single = _losses("distributed_parity.py", "--batch", "8", "--moe")
+    sharded = _losses("distributed_parity.py", "--batch", "4", "--moe", "--fsdp", ranks=2)
     assert len(single) == len(sharded) == 6
     # float32: the first step's loss is the same mean of the same per-token losses, summed in another order (two
     # ranks' means of 4 documents averaged, against one mean of 8): equal up to a few roundings of a float32 sum
@@ -54,12 +47,12 @@ def test_fsdp2_training_of_a_moe_model_matches_one_process():
     assert single[2] < single[0]
 
 
+@pytest.mark.slow  # two torchrun ranks
 def test_tensor_parallel_plan_shards_the_experts(tmp_path):
     tiny_model(["full_attention", "gated_deltanet", "kimi_delta_attention", "full_attention"], **MOE).save_pretrained(
         tmp_path)
-    out = _run(TORCHRUN + ["tensor_parallel_check.py", str(tmp_path)])  # asserts the experts' halves, greedy tokens
-    logits, gradients = (float(x) for x in next(line for line in out.splitlines()
-                                                if line.startswith("MAX_DIFFERENCE")).split()[1:])
+    out = run_script("tensor_parallel_check.py", tmp_path, ranks=2)  # asserts the experts' halves, greedy tokens
+    logits, gradients = (float(x) for x in reported(out, "MAX_DIFFERENCE"))
     # float32; the experts' and MLPs' row-parallel sums are split over 2 ranks (measured 2.3e-5 / 5.2e-5)
     assert logits <= 1e-4 and gradients <= 1e-4
 
@@ -179,8 +172,9 @@ def check_expert_parallel_plan(folder, runs, cuda: bool = False, env=None) -> No
     """expert_parallel_check.py's `runs` on 2 ranks (gloo CPUs, or NCCL GPUs with `cuda`), its results asserted
     against the bounds it declares (their reasons are there)."""
     model, odd = save_models(str(folder))
-    out = _run(TORCHRUN + ["expert_parallel_check.py", model, "--indivisible", odd, "--runs", *runs]
-               + (["--cuda"] if cuda else []), env=env)  # asserts each rank's experts and the greedy tokens
+    # expert_parallel_check.py asserts each rank's experts and the greedy tokens
+    out = run_script("expert_parallel_check.py", model, "--indivisible", odd, "--runs", *runs,
+                     *(["--cuda"] if cuda else []), ranks=2, env=env)
     differences = {line.split()[1]: [float(x) for x in line.split()[2:]]
                    for line in out.splitlines() if line.startswith("EP_MAX_DIFFERENCE ")}
     assert set(differences) == set(runs), out
@@ -192,6 +186,7 @@ def check_expert_parallel_plan(folder, runs, cuda: bool = False, env=None) -> No
     assert "layer 2's num_experts" in message and "num_experts=3" in message and "ep_size=2" in message, message
 
 
+@pytest.mark.slow  # two torchrun ranks
 def test_expert_parallel_plan_holds_each_ranks_experts(tmp_path):
     # "tp-all_to_all" (the all-to-all dispatch at inference, the tensor-parallel ranks sharing the batch) is left to
     # the GPU check for time: "tp-auto" trains through it and "fsdp-auto" also decodes through it

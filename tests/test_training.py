@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from distributed_helpers import HETEROGENEOUS, HETEROGENEOUS_TYPES
+from distributed_helpers import HETEROGENEOUS, HETEROGENEOUS_TYPES, SUBPROCESS_TIMEOUT, reported, run_script
 from model_helpers import tiny_model, word_tokenizer
 from transformers import (
     AutoModelForCausalLM,
@@ -81,6 +81,7 @@ def test_lora_trains_and_merges_back():
         torch.testing.assert_close(merged(probe).logits, adapted, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the fine-tuning example in a subprocess
 def test_example_script_writes_a_loadable_model(tmp_path):
     model_dir, data, output = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out"
     tiny_model().save_pretrained(model_dir)
@@ -92,7 +93,7 @@ def test_example_script_writes_a_loadable_model(tmp_path):
     command = [sys.executable, "examples/finetune.py", str(model_dir), str(data), str(output), "--max-steps", "6",
                "--batch-size", "4", "--packing", "--gradient-checkpointing", "--lora", "--merge-lora",
                "--learning-rate", "5e-3", "--logging-steps", "2"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "'loss'" in result.stdout or "loss" in result.stderr
     reloaded = AutoModelForCausalLM.from_pretrained(output)
@@ -101,22 +102,21 @@ def test_example_script_writes_a_loadable_model(tmp_path):
         assert torch.isfinite(reloaded(torch.tensor([[5, 6, 7]])).logits).all()
 
 
+@pytest.mark.slow  # the fine-tuning example in a subprocess
 def test_example_script_rejects_a_bad_dataset(tmp_path):
     model_dir, data = tmp_path / "model", tmp_path / "data.jsonl"
     tiny_model().save_pretrained(model_dir)
     word_tokenizer(WORDS).save_pretrained(model_dir)
     data.write_text('{"text": "w5 w6"}\n{"body": "w7"}\n')
     result = subprocess.run([sys.executable, "examples/finetune.py", str(model_dir), str(data), str(tmp_path / "o")],
-                            capture_output=True, text=True, timeout=300, check=False)
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].endswith("data.jsonl': row 2 has no value in column 'text'; "
                                                            "fill it or drop the row")
 
 
-def _losses(command):
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="tests", check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("LOSSES "))
+def _losses(*args, ranks: int = 1):
+    line = next(line for line in run_script(*args, ranks=ranks).splitlines() if line.startswith("LOSSES "))
     return json.loads(line.removeprefix("LOSSES "))
 
 
@@ -126,6 +126,7 @@ _PARITY_MODELS = {"tiny": [], "heterogeneous": ["--heterogeneous", "--float64"]}
 
 # The heterogeneous model under FSDP2 only, which shards each parameter of its per-layer shapes (DDP all-reduces
 # whole gradients, whatever their shapes): one more 2-process run (~10 s) and its single-process reference (~8 s).
+@pytest.mark.slow  # two torchrun ranks
 @pytest.mark.parametrize("engine, model", [("ddp", "tiny"), ("fsdp2", "tiny"), ("fsdp2", "heterogeneous")])
 def test_two_process_training_matches_one_process_of_the_same_global_batch(engine, model):
     """DDP and FSDP2 through Trainer/accelerate (gloo on CPU here; NCCL on GPUs): 2 ranks x 4 documents give the
@@ -133,11 +134,10 @@ def test_two_process_training_matches_one_process_of_the_same_global_batch(engin
     a model whose layers differ (distributed_helpers.HETEROGENEOUS: FSDP2 shards parameters of per-layer shapes)."""
     which = _PARITY_MODELS[model]
     if model not in _SINGLE_PROCESS_LOSSES:
-        _SINGLE_PROCESS_LOSSES[model] = _losses([sys.executable, "distributed_parity.py", "--batch", "8"] + which)
+        _SINGLE_PROCESS_LOSSES[model] = _losses("distributed_parity.py", "--batch", "8", *which)
     single = _SINGLE_PROCESS_LOSSES[model]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
-    distributed = _losses(torchrun + ["distributed_parity.py", "--batch", "4"] + which
-                          + (["--fsdp"] if engine == "fsdp2" else []))
+    distributed = _losses("distributed_parity.py", "--batch", "4", *which, *(["--fsdp"] if engine == "fsdp2" else []),
+                          ranks=2)
     assert len(single) == len(distributed) == 6
     # identical first step; afterwards only the order of the gradient sums differs: measured ~1e-6 for the tiny model
     # in float32. The heterogeneous model runs in float64: at this learning rate its float32 training amplifies
@@ -150,21 +150,19 @@ def test_two_process_training_matches_one_process_of_the_same_global_batch(engin
     assert single[-1] < single[0]
 
 
+@pytest.mark.slow  # two torchrun ranks
 def test_tensor_parallel_plan_shards_every_mixer_by_heads(tmp_path):
     """tp_plan="auto" on 2 ranks (gloo here): attention heads, MLP columns and GDN/KDA heads are sharded (their conv
     kernels, dt_bias, A_log and norm weights replicated, gradients summed); logits and every parameter's gradient
     are those of the unsharded model."""
     tiny_model(["full_attention", "gated_deltanet", "kimi_delta_attention", "full_attention"]).save_pretrained(tmp_path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "tensor_parallel_check.py", str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="tests", check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("MAX_DIFFERENCE"))
-    logits, gradients = (float(x) for x in line.split()[1:])
+    out = run_script("tensor_parallel_check.py", tmp_path, ranks=2)
+    logits, gradients = (float(x) for x in reported(out, "MAX_DIFFERENCE"))
     # float32; the row-parallel sums and the heads' kernels are split over 2 ranks (measured ~1.5e-5 both)
     assert logits <= 1e-4 and gradients <= 1e-4
 
 
+@pytest.mark.slow  # two torchrun ranks
 def test_tensor_parallelism_of_a_heterogeneous_model(tmp_path):
     """tp_plan="auto" on 2 ranks (gloo) of a model whose layers differ (distributed_helpers.HETEROGENEOUS): each layer
     shards its own head counts, and
@@ -173,11 +171,8 @@ def test_tensor_parallelism_of_a_heterogeneous_model(tmp_path):
     tiny_model(HETEROGENEOUS_TYPES, per_layer_config=HETEROGENEOUS).save_pretrained(tmp_path / "divisible")
     indivisible = {**HETEROGENEOUS, 1: {**HETEROGENEOUS[1], "num_key_value_heads": 1}}
     tiny_model(HETEROGENEOUS_TYPES, per_layer_config=indivisible).save_pretrained(tmp_path / "indivisible")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "tensor_parallel_check.py", str(tmp_path / "divisible"), "--indivisible", str(tmp_path / "indivisible")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd="tests", check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
+    lines = run_script("tensor_parallel_check.py", tmp_path / "divisible", "--indivisible", tmp_path / "indivisible",
+                       ranks=2).splitlines()
     line = next(line for line in lines if line.startswith("MAX_DIFFERENCE"))
     logits, gradients = (float(x) for x in line.split()[1:])
     # float32; as in the homogeneous test, only the summation order differs (row-parallel sums over 2 ranks, each
