@@ -1,6 +1,8 @@
 """The package's flat source files that an exported folder needs for `from_pretrained(..., trust_remote_code=True)`:
 the configuration and modeling modules and, recursively, every module they import relatively (`from .x import y`,
-`from . import x`). Worked out from the files themselves, so it follows the package as it changes.
+`from . import x`), inside functions too: the Triton kernel modules are imported that way by their loaders
+(`triton_loading.triton_kernel`), so they ship although nothing imports them at import time. Worked out from the
+files themselves, so it follows the package as it changes.
 
 Loading such a folder, transformers copies into its module cache the modules it finds by following `from .x import`
 lines only (not `from . import x`): a module imported only the second way would be shipped but not loaded.
