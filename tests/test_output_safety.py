@@ -198,6 +198,7 @@ def test_each_writers_output_matches_its_registration(tmp_path):
             continue
         fitting = [src for src in sources if _expresses(fmt, FORMATS[source_format.get(src, "hf")].read(src).config)]
         assert fitting, f"no test source fits the {name} writer"
+        written = set()
         for shard in ("5GB", "10kB"):
             dst = tmp_path / f"{name}-{shard}"
             convert_checkpoint(fitting[0], dst, from_format=source_format.get(fitting[0], "hf"), to_format=name,
@@ -205,8 +206,11 @@ def test_each_writers_output_matches_its_registration(tmp_path):
             unexpected = [p.name for p in dst.iterdir() if not fmt.output.writes(p.name) or p.is_dir()]
             assert not unexpected, (name, unexpected)
             assert (dst / fmt.output.marker).is_file()
+            written |= {p.name for p in dst.iterdir()}
             if shard == "10kB":
                 assert len(list(dst.glob("*.safetensors"))) > 1, name  # the sharded layout was exercised
+        # and the layout names nothing these writers never write (the carried tensors' file needs carried tensors)
+        assert set(fmt.output.files) - written <= {"extra_tensors.safetensors"}, name
 
 
 def _expresses(fmt, config) -> bool:
