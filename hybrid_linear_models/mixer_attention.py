@@ -242,6 +242,10 @@ class HybridLinearAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self._qkv = FusedProjections()  # q_proj, k_proj and v_proj, at decoding time
 
+    def cache_values_per_token(self) -> int:
+        """Values its KV cache layer holds per token and batch row: a key and a value per KV head."""
+        return 2 * self.num_key_value_heads * self.head_dim
+
     def _project(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]):
         """query [B, heads, T, hd], key and value [B, kv_heads, T, hd] (normed and rotated), gate [B, T, heads, hd]
         or None."""

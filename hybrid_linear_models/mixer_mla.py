@@ -132,6 +132,10 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=bias)
 
+    def cache_values_per_token(self) -> int:
+        """Values its KV cache layer holds per token and batch row: the latent and the shared key slice."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank:
             return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

@@ -29,6 +29,8 @@ from transformers.utils.generic import can_return_tuple, merge_with_config_defau
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .block_ops import fused_causal_lm_loss
+from .cache_checks import check_cache, check_static_cache_size
+from .checkpoint_dtypes import check_checkpoint_dtypes
 from .cache_hybrid_linear import adopt_linear_layers, linear_layer_cache, past_length
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
@@ -40,6 +42,7 @@ from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (defined with its registration in mlp_dense; importable here too)
 from .mlp_registry import MLPS
+from .model_inputs import check_inputs, token_indices
 from .mlp_sparse_moe import (
     EXPERTS_IMPLEMENTATIONS,
     HybridLinearTopKRouter,
@@ -189,6 +192,15 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         check_expert_parallel_size(self.config, distributed_config.ep_size)
         return super()._resolve_parallel_plans(distributed_config)
 
+    @staticmethod
+    def _load_pretrained_model(model: PreTrainedModel, state_dict: dict | None, checkpoint_files: list[str] | None,
+                               load_config, *args, **kwargs):
+        # transformers casts each checkpoint tensor to its parameter's dtype: a tensor of another kind (int8 into a
+        # float weight) is refused first, naming it (checkpoint_dtypes)
+        check_checkpoint_dtypes(model, state_dict, checkpoint_files, load_config)
+        return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
+                                                      **kwargs)
+
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with config.json's `auto_map` naming every Auto class of the family.
 
@@ -224,74 +236,16 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
                     break
 
 
-def _check_inputs(config: HybridLinearConfig, input_ids, inputs_embeds, attention_mask, position_ids) -> None:
-    """Clear errors for malformed inputs, before they reach a kernel: every mixer (attention, GDN, KDA) would otherwise
-    fail later with a reshape or indexing error that names none of the inputs."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("Pass exactly one of input_ids [batch, seq_len] or inputs_embeds [batch, seq_len, hidden].")
-    if input_ids is not None:
-        _check_input_ids(config, input_ids)
-        batch, seq_len = input_ids.shape
-    else:
-        _check_inputs_embeds(config, inputs_embeds)
-        batch, seq_len = inputs_embeds.shape[:2]
-    if batch == 0 or seq_len == 0:
-        name = "input_ids" if input_ids is not None else "inputs_embeds"
-        raise ValueError(
-            f"{name} of shape [batch, seq_len] = [{batch}, {seq_len}] holds no tokens; give at least one row of at "
-            "least one token (to generate() from nothing, start the prompt with the BOS token: [[bos_token_id]])."
-        )
-    if attention_mask is not None and not isinstance(attention_mask, dict):
-        _check_attention_mask(attention_mask, batch, seq_len)
-    if position_ids is not None:
-        _check_position_ids(position_ids, batch, seq_len)
-
-
-def _check_input_ids(config: HybridLinearConfig, input_ids: torch.Tensor) -> None:
-    if input_ids.dim() == 1 and not input_ids.dtype.is_floating_point:
-        raise ValueError(
-            f"input_ids must be a 2-D tensor [batch, seq_len], got a 1-D tensor of shape {tuple(input_ids.shape)}; "
-            "add the batch dimension: input_ids.unsqueeze(0)."
-        )
-    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise ValueError(
-            f"input_ids must be a 2-D tensor of integer token ids [batch, seq_len], got dtype {input_ids.dtype} "
-            f"and shape {tuple(input_ids.shape)}."
-        )
-    if input_ids.numel() and not torch.compiler.is_compiling() and input_ids.device.type != "cuda":
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= config.vocab_size:
-            raise ValueError(f"input_ids must lie in [0, {config.vocab_size}), got values in [{low}, {high}].")
-
-
-def _check_inputs_embeds(config: HybridLinearConfig, inputs_embeds: torch.Tensor) -> None:
-    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-        fix = " (add the batch dimension: inputs_embeds.unsqueeze(0))" if inputs_embeds.dim() == 2 else ""
-        raise ValueError(
-            f"inputs_embeds must be [batch, seq_len, {config.hidden_size}] (hidden_size), got "
-            f"{tuple(inputs_embeds.shape)}{fix}."
-        )
-    if not inputs_embeds.dtype.is_floating_point:
-        raise ValueError(f"inputs_embeds must be a floating-point tensor, got dtype {inputs_embeds.dtype}.")
-
-
-def _check_attention_mask(attention_mask: torch.Tensor, batch: int, seq_len: int) -> None:
-    if attention_mask.dim() == 2 and (attention_mask.shape[0] != batch or attention_mask.shape[1] < seq_len):
-        raise ValueError(
-            f"attention_mask must be [batch, past + seq_len] = [{batch}, >= {seq_len}] for inputs of shape "
-            f"[{batch}, {seq_len}], got {tuple(attention_mask.shape)}."
-        )
-    if attention_mask.dim() not in (2, 4):
-        raise ValueError(f"attention_mask must be 2-D [batch, length] or 4-D, got {tuple(attention_mask.shape)}.")
-
-
-def _check_position_ids(position_ids: torch.Tensor, batch: int, seq_len: int) -> None:
-    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len or position_ids.shape[0] not in (1, batch):
-        raise ValueError(
-            f"position_ids must be [batch or 1, seq_len] = [{batch}, {seq_len}], got {tuple(position_ids.shape)}."
-        )
-    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
-        raise ValueError(f"position_ids must be integer positions, got dtype {position_ids.dtype}.")
+def _check_forward_inputs(model: "HybridLinearModel", input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                          kwargs: dict, labels=None) -> None:
+    """The inputs' and the cache's checks (model_inputs, cache_checks), before any work and before any shape is read:
+    one clear line instead of an error deep in a mixer that names none of the inputs."""
+    config = model.config
+    batch, seq_len = check_inputs(
+        config.vocab_size, config.hidden_size, input_ids, inputs_embeds, attention_mask, position_ids,
+        embedding_dtype=model.embed_tokens.weight.dtype, labels=labels,
+        cu_seq_lens={name: kwargs.get(name) for name in ("cu_seq_lens_q", "cu_seq_lens_k")})
+    check_cache(model, cache, batch, seq_len)
 
 
 def _is_padded(attention_mask) -> bool:
@@ -447,10 +401,10 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         use_cache: bool | None = None,
         **kwargs,
     ) -> MoeModelOutputWithPast:
-        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)
+        _check_forward_inputs(self, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs)
         adopt_linear_layers(cache)
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_tokens(token_indices(input_ids))
         batch, seq_len = inputs_embeds.shape[:2]
         past = past_length(cache)
         if position_ids is None and kwargs.get("cu_seq_lens_q") is not None:
@@ -586,6 +540,22 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
+    def _prepare_static_cache(self, *args, **kwargs) -> Cache:
+        # `generate`'s static cache is refused before its buffers are allocated when they pass the model's positions
+        # or the memory (cache_checks); transformers' size memory (`_previous_max_cache_length`, the size later calls
+        # reuse) is left as it was, so one refused call does not size every later cache.
+        previous = self.__dict__.get("_previous_max_cache_length")
+        cache = super()._prepare_static_cache(*args, **kwargs)
+        try:
+            check_static_cache_size(self.model, cache, kwargs.get("batch_size", args[1] if len(args) > 1 else 1))
+        except ValueError:
+            if previous is None:
+                self.__dict__.pop("_previous_max_cache_length", None)
+            else:
+                self._previous_max_cache_length = previous
+            raise
+        return cache
+
     def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
         # `generate` builds its 4-D masks here for a static cache, one per transformers layer type; the forward builds
         # every layer's own (one per distinct sliding window, `_layer_masks`) and the GDN/KDA layers read the 2-D
@@ -637,13 +607,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask) of the
         softmax-routed ("sparse_moe") layers, added to `loss` times config.router_aux_loss_coef when labels are given,
         as Qwen3-Next does ("kimi_moe" layers balance by their bias: recorded, not counted)."""
-        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids)  # before any shape is read
-        if labels is not None:
-            expected = tuple((input_ids if input_ids is not None else inputs_embeds).shape[:2])
-            if tuple(labels.shape) != expected:
-                raise ValueError(
-                    f"labels must have the [batch, seq_len] shape of the inputs, {expected}, got {tuple(labels.shape)}."
-                )
+        _check_forward_inputs(self.model, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs, labels)
+        input_ids, labels = token_indices(input_ids), token_indices(labels)  # (any integer dtype, taken exactly)
         adopt_linear_layers(cache)
         if (labels is None and self._graph_decoder is not None
                 and CudaGraphDecoder.wanted(self, input_ids, inputs_embeds, cache)):

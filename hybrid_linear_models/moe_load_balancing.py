@@ -11,6 +11,7 @@ attention mask is given):
 Qwen3-Next pools the layers before the product (f and P are averaged over the layers, not the per-layer losses),
 which this keeps. Layers may differ in E or k here (per_layer_config); the layers of each (E, k) are pooled as above
 and the groups' losses averaged weighted by their layer counts, which is Qwen3-Next's loss when there is one group.
+A batch with no counted token (every row padding) contributes nothing: its loss is 0 (Qwen3-Next's divides 0 by 0).
 Everything stays on the device (histograms by scatter_add, no bincount): no host synchronisation.
 """
 
@@ -33,6 +34,7 @@ def _pooled_loss(layers: list[torch.Tensor], top_k: int, mask: torch.Tensor | No
         assignments = assignments.scatter_add(0, selected.reshape(-1), weight.repeat_interleave(top_k))
         probability_sum = probability_sum + (probabilities * weight[:, None]).sum(0)
         rows = rows + weight.sum()
+    rows = rows.clamp(min=1.0)  # no counted token (all padding): f = P = 0, so the loss is 0, not 0/0
     return num_experts * torch.sum((assignments / rows) * (probability_sum / rows))
 
 

@@ -34,6 +34,35 @@ class SequenceInfo:
         return x.reshape(self.batch_size, self.seq_len, *x.shape[2:])
 
 
+def check_cu_seq_lens(name: str, cu_seq_lens: object, batch_size: int, seq_len: int) -> None:
+    """Refuses packed-sequence boundaries that do not describe the row's tokens: a 1-D integer tensor [N + 1] starting
+    at 0, rising strictly (every document holds a token) and ending at seq_len, for a batch of one row. Its values are
+    read on the host (one synchronisation, skipped under torch.compile: the kernels read them there anyway)."""
+    if not isinstance(cu_seq_lens, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer tensor of document boundaries, got "
+                        f"{type(cu_seq_lens).__name__}.")
+    if batch_size != 1:
+        raise ValueError(
+            f"{name} describes documents packed in one row, so the batch size must be 1, got {batch_size}."
+        )
+    integer = not (cu_seq_lens.dtype.is_floating_point or cu_seq_lens.dtype.is_complex
+                   or cu_seq_lens.dtype == torch.bool)
+    if cu_seq_lens.dim() != 1 or cu_seq_lens.shape[0] < 2 or not integer:
+        raise ValueError(f"{name} must be a 1-D integer tensor [documents + 1] of boundaries (0, ..., {seq_len}), "
+                         f"got dtype {cu_seq_lens.dtype} and shape {tuple(cu_seq_lens.shape)}.")
+    if torch.compiler.is_compiling():
+        return
+    bounds = cu_seq_lens.to("cpu", torch.float64)  # (float64: the unsigned dtypes torch cannot reduce; exact here)
+    first, last = int(bounds[0]), int(bounds[-1])
+    if first != 0 or last != seq_len or not bool((bounds[1:] > bounds[:-1]).all()):
+        shown = bounds[:8].long().tolist()
+        raise ValueError(
+            f"{name} must start at 0, rise strictly (no empty document) and end at the row's {seq_len} tokens, got "
+            f"{shown}{' ...' if bounds.shape[0] > 8 else ''} (ending at {last}); build it from the documents' "
+            "lengths: [0, *lengths.cumsum(0)]."
+        )
+
+
 def _cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
     """starts: [B, T] bool, True where a document begins (every row begins one) -> cu_seqlens over B * T tokens."""
     flat = starts.reshape(-1)
@@ -51,11 +80,7 @@ def build_sequence_info(
 ) -> SequenceInfo:
     """Works out packing and padding for one forward pass (see the module docstring)."""
     info = SequenceInfo(batch_size, seq_len)
-    if cu_seq_lens is not None:
-        if batch_size != 1:
-            raise ValueError(
-                f"cu_seq_lens_q describes documents packed in one row, so the batch size must be 1, got {batch_size}."
-            )
+    if cu_seq_lens is not None:  # (boundaries `check_cu_seq_lens` accepted)
         info.cu_seqlens = cu_seq_lens.to(torch.int32)
         return info
     if attention_mask is not None and attention_mask.dim() == 2:
