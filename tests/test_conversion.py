@@ -17,6 +17,7 @@ from conversion_helpers import FAST_LLM_FIXTURES as FIXTURES
 from conversion_helpers import FIXTURE_LOGITS_TOLERANCE as TOLERANCE
 from conversion_helpers import FIXTURE_NAMES, load_tensors
 import torch
+from distributed_helpers import SUBPROCESS_TIMEOUT
 from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package
 import yaml
 from safetensors import safe_open
@@ -236,11 +237,11 @@ def test_cli_converts_and_reports(tmp_path):
     script = Path(__file__).parents[1] / "conversion_scripts" / "convert.py"
     result = subprocess.run([sys.executable, str(script), "--from", "fast_llm", "--to", "hf",
                              str(FIXTURES / "kda_attn" / "fast_llm"), str(tmp_path / "out"), "--quiet"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and (tmp_path / "out" / "model.safetensors").is_file()
     help_text = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
-                               timeout=300).stdout
+                               timeout=SUBPROCESS_TIMEOUT).stdout
     for name in ("fast_llm", "fast_llm_distributed", "hf", "--max-shard-size", "--dtype", "--force"):
         assert name in help_text
 

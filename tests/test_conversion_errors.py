@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from distributed_helpers import SUBPROCESS_TIMEOUT
 from safetensors.torch import load_file, save_file
 
 from hybrid_linear_models import HybridLinearConfig
@@ -352,7 +353,7 @@ def test_dst_inside_src_refused(fast_llm_copy):
 def test_cli_error_is_one_line_without_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "hybrid_linear_models.conversion.cli", "--from", "fast_llm",
                              "--to", "hf", str(tmp_path / "missing"), str(tmp_path / "dst")],
-                            check=False, capture_output=True, text=True, timeout=300)
+                            check=False, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

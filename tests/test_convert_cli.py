@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed_helpers import SUBPROCESS_TIMEOUT
 
 from hybrid_linear_cli import convert as front_end
 from hybrid_linear_cli.conversion_catalogue import DTYPE_NAMES, FORMAT_CATALOGUE, SIZE_BASE, format_size
@@ -28,8 +29,8 @@ HEAVY_MODULES = ("torch", "transformers", "hybrid_linear_models", "safetensors",
 
 def run_python(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT, check=False)
 
 
 # --------------------------------------------------------------------------------------------- a light front end

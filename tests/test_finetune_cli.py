@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed_helpers import SUBPROCESS_TIMEOUT
 from model_helpers import tiny_model, word_tokenizer
 from safetensors.torch import load_file
 from transformers import TrainingArguments
@@ -66,8 +67,8 @@ def data(tmp_path) -> Path:
 
 
 def run_in_subprocess(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, **env}, check=False)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+                          cwd=REPO, env={**os.environ, **env}, check=False)
 
 
 # ---------------------------------------------------------------- --help and the arguments

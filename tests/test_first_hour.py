@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed_helpers import SUBPROCESS_TIMEOUT
 from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package, tiny_model, word_tokenizer
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
@@ -226,7 +227,7 @@ def test_quickstart_prints_a_short_summary(tmp_path):
     environment = {**os.environ, "PYTHONPATH": str(root)}  # this checkout's package, whatever is installed
     result = subprocess.run([sys.executable, str(root / "examples" / "quickstart.py"), "--output", str(tmp_path)],
                             check=False, cwd=tmp_path, env=environment, stdin=subprocess.DEVNULL, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) <= 5, result.stdout

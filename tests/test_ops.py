@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybrid_linear_models import fla_backend, kernels_delta_rule, ops
+from distributed_helpers import SUBPROCESS_TIMEOUT
 from numerics import assert_close
 
 F32_TOL = 1e-5
@@ -660,7 +661,7 @@ def test_good_inputs_pass_validation():
 def test_import_does_not_import_triton_or_fla():
     code = ("import sys, hybrid_linear_models.ops; "
             "bad = [m for m in ('triton', 'fla') if m in sys.modules]; assert not bad, bad")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert result.returncode == 0, result.stderr
 
 
