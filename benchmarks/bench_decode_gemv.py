@@ -12,7 +12,7 @@ GDN's decoding input projection with its outputs regrouped (a permutation): F.li
 kernel reading the weight rows in that order (`kernels_gemv.linear_rows`); the "with SwiGLU" row is the MLP's gate
 and up projections with their activation: F.linear then SwiGLU's kernel (fla's where installed), against the kernel
 reading the rows in (gate, up) pairs and storing silu(gate) * up (`kernels_gemv.linear_swiglu`). (Asking cuBLAS for
-the transposed product, (W @ x^T)^T, was measured too: the same kernels, the same times.)
+the transposed product, (W @ x^T)^T, gives the same kernels and the same times.)
 
 Without CUDA it says so and exits; `--tiny` then runs its forms on the CPU instead (each shape 16 times narrower,
 float32, timed by the host clock; the Triton form only where triton imports): a smoke test of this script, whose
