@@ -80,6 +80,7 @@ from .mixer_registry import tensor_parallel_plan as mixers_tensor_parallel_plan
 from .mlp_registry import MLPS, default_mlp
 from .mlp_registry import expert_parallel_plan as mlps_expert_parallel_plan
 from .mlp_registry import tensor_parallel_plan as mlps_tensor_parallel_plan
+from .registered_components import HybridLinearAttention  # noqa: F401  (fills the registries)
 from .shown_values import brief, clip
 
 

@@ -5,8 +5,8 @@ dataclass fields with their defaults and docs, which fields a layer of that mixe
 relations between them, the weight-count bound), the modeling code (which module, how it is called, how its weights
 start), the tensor-parallel plan, LoRA and the model card all read the registry. What mixers and MLPs share
 (`ConfigField`, `ComponentSpec`) is in `component_registry`; the MLPs' registry is `mlp_registry`. The one line that
-registers a new mixer module is the import at the bottom of this file: a relative import, so a saved model folder
-ships the module with its remote code.
+registers a new mixer module is its import in `registered_components` (a relative import, so a saved model folder
+ships the module with its remote code); this registry imports none of its mixers, which import it.
 
 Two names per layer, each in its own config field: `mixer_types[i]`, this family's own (which mixer runs: the key of
 this registry), and `layer_types[i]`, transformers' word for what the layer is (`full_attention`,
@@ -112,14 +112,6 @@ def lora_targets() -> tuple[str, ...]:
     """The projection names LoRA adapts in every mixer."""
     return lora_targets_of(MIXERS)
 
-
-# The registrations: one import per mixer module (each calls `register` when imported). Last, so that the modules
-# find MixerSpec and register defined; `from .module import name` lines, the form transformers follows when it
-# copies a saved folder's remote code (it does not follow `from . import module`).
-from .mixer_attention import HybridLinearAttention  # noqa: E402,F401
-from .mixer_gated_deltanet import HybridLinearGatedDeltaNet  # noqa: E402,F401
-from .mixer_kimi_delta import HybridLinearKimiDeltaAttention  # noqa: E402,F401
-from .mixer_mla import HybridLinearMultiHeadLatentAttention  # noqa: E402,F401
 
 __all__ = ["FIELD_KINDS", "MIXERS", "ConfigField", "MixerSpec", "default_mixer", "lora_targets", "mixer_types",
            "register", "tensor_parallel_plan", "unregister"]

@@ -5,9 +5,9 @@ Each decoder layer's MLP is a per-layer choice, `config.mlp_types[i]` (default: 
 `mlp_dense`). The configuration (its fields with their defaults and docs, which fields a layer of that MLP reads, their
 checks, the weight-count bound), the decoder layer (which module it builds as `self.mlp`, so checkpoints name its
 tensors `mlp.*`), the weight initialisation, the tensor- and expert-parallel plans (entries under "layers.*.mlp."),
-LoRA and the model card read this registry. The one line that registers a new MLP module is the import at the bottom
-of this file: a relative `from .module import Name` import, so a saved model folder ships the module with its remote
-code. Each MLP declares transformers' word for it (`mlp_layer_type`: "dense" or "sparse",
+LoRA and the model card read this registry. The one line that registers a new MLP module is its import in
+`registered_components` (a relative `from .module import Name` import, so a saved model folder ships the module with
+its remote code); this registry imports none of its MLPs, which import it. Each MLP declares transformers' word for it (`mlp_layer_type`: "dense" or "sparse",
 `configuration_utils.ALLOWED_MLP_LAYER_TYPES`), which the config writes in `mlp_layer_types` beside `mlp_types`.
 """
 
@@ -77,12 +77,6 @@ def lora_targets() -> tuple[str, ...]:
     """The projection names LoRA adapts in every MLP."""
     return lora_targets_of(MLPS)
 
-
-# The registrations: one import per MLP module (each calls `register` when imported), last, in the form transformers
-# follows when it copies a saved folder's remote code (see mixer_registry).
-from .mlp_dense import HybridLinearMLP  # noqa: E402,F401
-from .mlp_sparse_moe import HybridLinearSparseMoeBlock  # noqa: E402,F401
-from .mlp_kimi_moe import HybridLinearKimiMoeBlock  # noqa: E402,F401
 
 __all__ = ["MLPS", "MLP_ATTRIBUTE", "ConfigField", "MlpSpec", "default_mlp", "expert_parallel_plan", "lora_targets",
            "mlp_types",

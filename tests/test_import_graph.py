@@ -2,9 +2,10 @@
 command line and the benchmarks, counting imports made inside functions too (a deferred import still makes two
 modules depend on each other), but not those under `if TYPE_CHECKING:` (never run).
 
-The one shape of cycle allowed is a registry's registration: a registry module (`mixer_registry`, `mlp_registry`,
-and the Fast-LLM converter's `mixers` and `mlps` tables) ends with one `from .x import ...` line per component
-module, each of which calls the registry's `register(...)` when imported. The registry is thereby complete wherever
+The one shape of cycle allowed is a registry's registration: a registry module (the Fast-LLM converter's `mixers`
+and `mlps` tables) ends with one `from .x import ...` line per component module, each of which calls the registry's
+`register(...)` when imported. (The model's own registries, `mixer_registry` and `mlp_registry`, import none of
+their components: `registered_components` imports them all.) The registry is thereby complete wherever
 it is imported (the config validates layer types against it, the converters build their tables from it), and the
 component modules are named by the `from .x import` lines that transformers follows when it copies a saved folder's
 remote code. Those lines are the registry's last, after everything a component takes from the registry is defined,
@@ -23,8 +24,6 @@ BENCHMARKS = "benchmarks"  # scripts that import each other by bare name (their 
 
 # registry module -> the prefix of the component modules its last lines import (see the module docstring)
 REGISTRATIONS = {
-    "hybrid_linear_models.mixer_registry": "hybrid_linear_models.mixer_",
-    "hybrid_linear_models.mlp_registry": "hybrid_linear_models.mlp_",
     "hybrid_linear_models.conversion.fast_llm.mixers": "hybrid_linear_models.conversion.fast_llm.mixer_",
     "hybrid_linear_models.conversion.fast_llm.mlps": "hybrid_linear_models.conversion.fast_llm.mlp_",
 }
