@@ -66,6 +66,22 @@ def forward_backward(block: torch.nn.Module, x: torch.Tensor):
     return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
+def experts_implementations_run(monkeypatch) -> list[str]:
+    """The experts implementation of every routed-experts forward from here on, in order (a spy on
+    `HybridLinearExperts.forward`, undone with the test's monkeypatch)."""
+    from hybrid_linear_models.mlp_sparse_moe import HybridLinearExperts
+
+    run: list[str] = []
+    original = HybridLinearExperts.forward
+
+    def spy(self, *args, **kwargs):
+        run.append(self.config._experts_implementation)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridLinearExperts, "forward", spy)
+    return run
+
+
 def tiny_model(layer_types=None, seed: int = 0, **overrides) -> HybridLinearForCausalLM:
     torch.manual_seed(seed)
     return randomize(HybridLinearForCausalLM(tiny_config(layer_types, **overrides)), seed).eval()

@@ -13,11 +13,12 @@ from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_lo
 
 from hybrid_linear_models import HybridLinearForCausalLM
 from hybrid_linear_models.mlp_kimi_moe import HybridLinearKimiMoeBlock
-from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearExperts
+from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS
 from model_helpers import (
     assert_cached_generation_equals_uncached,
     assert_padded_and_packed_rows_run_alone,
     assert_same_generation,
+    experts_implementations_run,
     forward_backward,
     greedy,
     randomize,
@@ -221,14 +222,7 @@ def test_graph_decoding_routes_every_token_without_host_sync(monkeypatch):
     model configured with the eager experts loop runs grouped_mm_gather (no host sync) and equals uncached decoding:
     the replayed step routes each new token afresh."""
     captured = replay_graphs_eagerly(monkeypatch)
-    inside = []
-    original = HybridLinearExperts.forward
-
-    def spy(self, *args, **kwargs):
-        inside.append(self.config._experts_implementation)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(HybridLinearExperts, "forward", spy)
+    inside = experts_implementations_run(monkeypatch)
     model = kimi_moe_model()
     model.set_experts_implementation("eager")
     input_ids = torch.randint(2, 128, (2, 4), generator=torch.Generator().manual_seed(7))

@@ -10,9 +10,10 @@ from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.mlp_sparse_moe import HybridLinearExperts, HybridLinearSparseMoeBlock
+from hybrid_linear_models.mlp_sparse_moe import HybridLinearSparseMoeBlock
 from model_helpers import assert_cached_generation_equals_uncached, assert_padded_and_packed_rows_run_alone
-from model_helpers import assert_same_generation, greedy, randomize, replay_graphs_eagerly, tiny_config
+from model_helpers import assert_same_generation, experts_implementations_run, greedy, randomize, replay_graphs_eagerly
+from model_helpers import tiny_config
 
 LAYERS = ["gated_deltanet", "full_attention", "gated_deltanet", "gated_deltanet"]
 MLPS = ["sparse_moe", "sparse_moe", "dense", "sparse_moe"]
@@ -124,14 +125,7 @@ def test_graph_decoding_runs_a_sync_free_experts_implementation(monkeypatch):
     model configured with the eager experts loop runs grouped_mm_gather inside (no host sync), and equals uncached
     decoding; outside the step the model's own choice is back."""
     replay_graphs_eagerly(monkeypatch)
-    inside = []
-    original = HybridLinearExperts.forward
-
-    def spy(self, *args, **kwargs):
-        inside.append(self.config._experts_implementation)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(HybridLinearExperts, "forward", spy)
+    inside = experts_implementations_run(monkeypatch)
     model = moe_model()
     model.set_experts_implementation("eager")
     input_ids = torch.randint(2, 128, (2, 4), generator=torch.Generator().manual_seed(6))
