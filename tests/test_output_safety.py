@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from distributed_helpers import SUBPROCESS_TIMEOUT
 
 from hybrid_linear_cli.conversion_catalogue import TOKENIZER_FILES
 from hybrid_linear_cli.convert import main
@@ -24,7 +25,7 @@ from hybrid_linear_models.conversion.interrupts import Interrupted, signals_defe
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "tests" / "fixtures" / "fast_llm" / "hybrid_attn_gdn_kda" / "fast_llm"
-STARTUP_TIMEOUT = 180  # seconds for a subprocess to import torch and reach the writer, on a loaded 2-core machine
+STARTUP_TIMEOUT = SUBPROCESS_TIMEOUT  # for a subprocess to import torch and reach the writer: ends a hang only
 
 
 def convert(dst, force: bool = True, to_format: str = "hf", src: Path = SRC, **options):
