@@ -106,7 +106,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # the captured step stood in by a replay that does nothing: only the host work around it is timed
     CudaGraphDecoder.device_types = ("cuda", "cpu")
-    CudaGraphDecoder._record = staticmethod(lambda run, device: (SimpleNamespace(replay=lambda: None), run()))
+    CudaGraphDecoder._record = staticmethod(lambda run, device, reset: (SimpleNamespace(replay=lambda: None), run()))
     for name in args.models:
         measure(name, args.tokens)
 

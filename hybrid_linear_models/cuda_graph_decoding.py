@@ -256,14 +256,19 @@ def capture_obstacle(model, attention_mask) -> str | None:
     return None
 
 
-def record_graph(run: Callable[[], torch.Tensor], device: torch.device,
-                 pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=None,
+                 reset: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """A CUDA graph of run() and the output buffer each replay refills, after two warm-up runs on a side stream
-    (autotuning, lazy handles). pool: a memory pool shared with other graphs replayed one at a time."""
+    (autotuning, lazy handles). pool: a memory pool shared with other graphs replayed one at a time. reset: called
+    before the second warm-up run, so that both start from the same state (a decoding step writes its token at the
+    cache's counter and moves it on: a second run from where the first left off would write one slot further, past
+    the buffer when the step's token has the cache's last slot)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for _ in range(2):
+        for warm_up in range(2):
+            if warm_up and reset is not None:
+                reset()
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -431,8 +436,8 @@ class CudaGraphDecoder:
         return self._logits.clone()
 
     @staticmethod
-    def _record(run, device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        return record_graph(run, device)  # (tests stand in an eager replay here)
+    def _record(run, device, reset) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        return record_graph(run, device, reset=reset)  # (tests stand in an eager replay here)
 
     def _capture(self, model, cache, batch, max_len, device, key) -> None:
         self._graph = None  # release the previous graph's memory pool first
@@ -461,13 +466,16 @@ class CudaGraphDecoder:
                 self._step_cache.advance()
                 return model.lm_head(hidden)
 
-        try:
-            self._graph, self._logits = self._record(run, device)
-        finally:  # the warm-up steps advanced the cache (also when the capture failed): undo them
+        def restore():  # the cache as the warm-up steps found it
             for tensor, value in zip(cache_tensors(cache), saved):
                 tensor.copy_(value)
             for layer, count in zip(linear_layers, seen):
                 layer.seen_tokens = count
+
+        try:
+            self._graph, self._logits = self._record(run, device, restore)
+        finally:  # the warm-up steps advanced the cache (also when the capture failed): undo them
+            restore()
         tensors = cache_tensors(cache)
         self._buffers = [t.detach() for t in tensors]  # (views: the storage stays while the graph is kept)
         self._bound = [weakref.ref(t) for t in tensors]

@@ -189,8 +189,10 @@ def replay_graphs_eagerly(monkeypatch) -> list[EagerReplay]:
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
     captured: list[EagerReplay] = []
 
-    def record(run, device):
-        out = run()  # a warm-up step, undone by the caller as on the GPU
+    def record(run, device, reset):
+        run()  # the two warm-up steps of record_graph, each from the same cache, undone by the caller as on the GPU
+        reset()
+        out = run()
         captured.append(EagerReplay(run, out))
         return captured[-1], out
 

@@ -183,7 +183,7 @@ def test_sliding_layers_decode_through_the_captured_step_like_uncached(monkeypat
     recorded = []
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
 
-    def record(run, device):
+    def record(run, device, reset):
         out = run()  # a warm-up step, undone by the caller as on the GPU
         recorded.append(FrozenReplay(run, out, cache))
         return recorded[-1], out
@@ -224,7 +224,7 @@ def test_a_failed_capture_falls_back_to_the_uncaptured_step_with_one_warning(mon
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
     attempts = []
 
-    def failing_record(run, device):
+    def failing_record(run, device, reset):
         attempts.append(1)
         run()  # a warm-up step advanced the cache before the capture failed
         raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
@@ -371,3 +371,20 @@ def test_one_capture_serves_each_new_cache_and_beam_search_reorders_into_its_sto
     _assert_same(second, eager_second)
     for value, tensor in zip(kept, cache_tensors(first.past_key_values)):
         assert torch.equal(value, tensor)
+
+
+@pytest.mark.parametrize("new_tokens", [2, 3])
+def test_capture_with_few_slots_left_writes_inside_the_cache(eager_graphs, new_tokens):
+    """generate sizes a static cache to the prompt plus the new tokens, so the first decoding step's token may have
+    one of the last slots. The capture's two warm-up steps both start from the cache as the step found it (on a GPU a
+    second step one slot further would write past the buffer: a device-side assertion or a corrupted neighbour)."""
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(3))
+    generation = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                      output_scores=True, return_dict_in_generate=True, cache_implementation="static")
+    with torch.no_grad():
+        graphed = model.generate(input_ids, **generation)
+        assert len(eager_graphs) == 1 and model._graph_decoder._graph is not None  # captured, no failed attempt
+        model.set_cuda_graph_decoding(False)
+        eager = model.generate(input_ids, **generation)
+    _assert_same(graphed, eager)
