@@ -135,6 +135,8 @@ def _rows_of(layer: Any) -> int | None:
 
 def _host_token_count(cache: Cache) -> int | None:
     """The tokens the cache holds, read without a device synchronisation (None where only the device knows)."""
+    if torch.compiler.is_compiling():  # (a host read of a count would be a guard on it)
+        return None
     for layer in cache.layers:
         if isinstance(layer, LinearStateLayer):
             return layer.seen_tokens

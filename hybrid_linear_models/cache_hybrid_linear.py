@@ -28,14 +28,31 @@ class LinearStateLayer(LinearAttentionLayer):
     The conv state lives in the last K-1 columns of a [B, C, K] window (`conv_window`, whose first column is never
     read: fla's layout, so a decoding step shifts the new input in, in place, in one kernel). Updates copy into the
     existing buffers (fixed addresses, so a captured CUDA graph or a compiled decode step can reuse them). A recurrent
-    state cannot be rolled back, so `crop` refuses."""
+    state cannot be rolled back, so `crop` refuses.
+
+    The tokens it has seen are counted on the host in eager mode (`seen_tokens`, read without a synchronisation) and
+    in a tensor on the states' device while torch.compile traces: a Python int that a compiled step updated would be
+    a guard on its value, failing at the next step (one recompilation per token until dynamo makes it dynamic)."""
 
     is_compileable = True
     is_sliding = False
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=1)
-        self.seen_tokens = 0
+        self._host_count = 0  # tokens stored in eager mode
+        self._device_count: torch.Tensor | None = None  # tokens stored under torch.compile ([] int64)
+        self._counted_on_device = False  # whether _device_count may be nonzero (set under compile, read in eager)
+
+    @property
+    def seen_tokens(self) -> int:
+        """Tokens stored so far (a host read; one synchronisation only after compiled steps stored some)."""
+        return self._host_count + (int(self._device_count) if self._counted_on_device else 0)
+
+    @seen_tokens.setter
+    def seen_tokens(self, count: int) -> None:
+        self._host_count, self._counted_on_device = count, False
+        if self._device_count is not None:
+            self._device_count.zero_()
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -65,7 +82,13 @@ class LinearStateLayer(LinearAttentionLayer):
             self.update_conv_state(conv_state)
         self.update_recurrent_state(recurrent_state)
         self.has_previous_state[0] = True
-        self.seen_tokens += new_tokens
+        if self._device_count is None:  # (made by the first store, before any compiled step reads it)
+            self._device_count = torch.zeros((), dtype=torch.int64, device=recurrent_state.device)
+        if torch.compiler.is_compiling():
+            self._device_count.add_(new_tokens)
+            self._counted_on_device = True  # (written, never read, under compile: no guard)
+        else:
+            self._host_count += new_tokens
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0) -> None:
         if conv_states is not None:  # [B, C, K-1] -> a zeroed [B, C, K] window
@@ -99,7 +122,13 @@ class LinearStateLayer(LinearAttentionLayer):
 
     # ------------------------------------------------------------------------------------------ cache API
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        """`seen_tokens`; while torch.compile traces, a tensor (as transformers' static layers count), read without
+        a guard on the host count that compiled steps leave as it was."""
+        if torch.compiler.is_compiling():
+            count = torch.as_tensor(self._host_count, device=self._device_count.device) if (
+                self._device_count is not None) else torch.tensor(self._host_count)
+            return count + self._device_count if self._device_count is not None else count
         return self.seen_tokens
 
     def reset(self) -> None:

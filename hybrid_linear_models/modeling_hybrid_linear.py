@@ -50,7 +50,7 @@ from .mlp_sparse_moe import (
 )
 from .moe_load_balancing import load_balancing_loss
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
-from .sequence_info import SequenceInfo, build_sequence_info
+from .sequence_info import SequenceInfo, build_sequence_info, may_hold_padding
 from .short_convolution import ShortConvolution
 
 
@@ -172,6 +172,9 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = False
     _is_stateful = True
+    # as transformers' Qwen3-Next declares it: the forward traces as one graph (no data-dependent branch under
+    # torch.compile: sequence_info.may_hold_padding; the linear layers' token counts are tensors there)
+    _can_compile_fullgraph = True
     # router_logits: each sparse MoE layer's router logits [tokens, experts] (output_router_logits)
     # attentions: the weights of every softmax-attention mixer ("kv" registrations: attention, latent attention)
     _can_record_outputs = {"hidden_states": HybridLinearDecoderLayer,
@@ -249,7 +252,7 @@ def _check_forward_inputs(model: "HybridLinearModel", input_ids, inputs_embeds, 
 
 
 def _is_padded(attention_mask) -> bool:
-    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all())
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and may_hold_padding(attention_mask)
 
 
 def _additive_mask(visible: torch.Tensor, dtype: torch.dtype, masked: float) -> torch.Tensor:
@@ -534,9 +537,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self._graph_prefill = CudaGraphPrefill() if enabled else None
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
-        # `generate` would torch.compile the forward for a static cache; our captured decoding step serves that case
-        # (compiling around it would capture a graph inside a graph). Disable it to get transformers' compilation.
-        if self._graph_decoder is not None:
+        # `generate` would torch.compile the forward for a static cache; on CUDA, our captured decoding step serves
+        # that case (compiling around it would capture a graph inside a graph: switch graph decoding off to get
+        # transformers' compilation). Elsewhere graph decoding does not apply and transformers' criteria decide.
+        if self._graph_decoder is not None and self.device.type == "cuda":
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 

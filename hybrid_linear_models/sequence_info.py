@@ -5,7 +5,10 @@ Attention layers get this from their masks; GDN/KDA layers (convolution + recurr
   `DataCollatorWithFlattening`): the rows are flattened into one and `cu_seqlens` marks every document start, so the
   convolution and the recurrence restart at each boundary;
 - padded rows (a 2D attention mask with zeros): `padding_mask` marks the real tokens; the mixers zero the inputs of
-  pads and neutralise their decay and beta, so pads leave the state as it was.
+  pads and neutralise their decay and beta, so pads leave the state as it was. Whether a mask holds a zero is read on
+  the host in eager mode (an unpadded batch then skips the masking); under torch.compile it is not read
+  (`may_hold_padding`), so the graph has no branch on a tensor's values: every 2D mask is applied, and applying a
+  mask of ones (masked_fill / where on no position) changes no value.
 """
 
 from __future__ import annotations
@@ -63,6 +66,12 @@ def check_cu_seq_lens(name: str, cu_seq_lens: object, batch_size: int, seq_len: 
         )
 
 
+def may_hold_padding(mask: torch.Tensor) -> bool:
+    """Whether a 2D attention mask (1: token, 0: pad) may mark a pad: read on the host in eager mode; always True while
+    torch.compile traces (see the module docstring)."""
+    return torch.compiler.is_compiling() or not bool(mask.all())
+
+
 def _cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
     """starts: [B, T] bool, True where a document begins (every row begins one) -> cu_seqlens over B * T tokens."""
     flat = starts.reshape(-1)
@@ -85,10 +94,10 @@ def build_sequence_info(
         return info
     if attention_mask is not None and attention_mask.dim() == 2:
         mask = attention_mask[:, -seq_len:].bool()
-        if not bool(mask.all()):
+        if may_hold_padding(mask):
             info.padding_mask = mask
         return info
-    if position_ids is not None and not has_past and seq_len > 1:
+    if position_ids is not None and seq_len > 1 and not has_past:  # (a one-token step never reads has_past)
         position_ids = position_ids.expand(batch_size, -1)
         restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
         if bool(restarts.any()):
