@@ -234,7 +234,7 @@ def test_a_failed_capture_leaves_an_empty_cache_for_the_plain_forward(monkeypatc
 def test_a_prompt_longer_than_the_static_cache_is_refused_with_both_sizes(captured):
     model = tiny_model(LAYERS).double().eval()
     ids = torch.randint(1, 100, (1, 12), generator=torch.Generator().manual_seed(11))
-    with torch.no_grad(), pytest.raises(ValueError, match="holds 10 tokens per row and the prompt has 12"):
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 10 tokens per row, 0 of them written, and this forward adds 12"):
         model(ids, cache=StaticCache(config=model.config, max_cache_len=10), logits_to_keep=1)
 
 
