@@ -113,7 +113,7 @@ def test_hub_layout_round_trip_is_bit_identical(tmp_path):
     assert tensors_of(tmp_path / "back") == source
     again, info = KimiLinearForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not any(info.values()), info
-    assert again.config.mixer_types == theirs.config.mixer_types
+    assert again.config.layer_types == theirs.config.layer_types
     assert again.config.mlp_layer_types == theirs.config.mlp_layer_types
     assert (again.config.linear_num_heads, again.config.linear_head_dim) == (2, 8)
     assert_same_logits(theirs, again.eval())
@@ -326,7 +326,7 @@ def test_mla_round_trips_are_bit_identical(tmp_path):
     assert tensors_of(tmp_path / "hf2") == tensors_of(tmp_path / "hf")
     again, info = KimiLinearForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not any(info.values()), info
-    assert again.config.q_lora_rank == 12 and again.config.mixer_types == theirs.config.mixer_types
+    assert again.config.q_lora_rank == 12 and again.config.layer_types == theirs.config.layer_types
     assert_same_logits(theirs, again.eval())
     assert_same_generation(theirs, again)
 
