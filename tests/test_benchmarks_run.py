@@ -1,0 +1,159 @@
+"""Every benchmark script runs: each in a subprocess of its own with its tiny CPU configuration, exits 0 and prints its
+table, so a changed signature in the package breaks CI instead of the next GPU run. The shell scripts parse, and
+gpu_suite.sh's dry run names only scripts that exist; two_gpu_moe_parallel.sh's dry run (2 gloo CPU ranks) passes.
+
+CUDA is hidden from the runs: these are the CPU smoke configurations whatever the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+
+# (script, the arguments of its tiny CPU configuration, texts its output holds: its tables, or its line that the part
+# needs CUDA)
+RUNS = [
+    ("bench_conversion.py", ["--tiny"], ["fast_llm -> hf", "hf -> fast_llm", "HF output: 1 safetensors file"]),
+    ("bench_conversion.py", ["--planning"], ["build_fast_llm_rows:", "whole model on meta"]),
+    ("bench_decode_gemv.py", ["--tiny", "--batches", "1"],
+     ["the Triton GEMV: skipped", "gdn in_proj, gathered", "mlp gate+up, with SwiGLU"]),
+    ("bench_delta_rule.py", ["--tiny"], ["theirs/ours", "GDN Hk=4 Hv=8 d=64", "KDA H=8 d=64"]),
+    ("bench_generation.py", ["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "1"],
+     ["GDN vs Qwen3-Next", "KDA vs Kimi-Linear", "prefill, batch 1"]),
+    ("bench_kimi_linear.py", ["--size", "tiny", "--decode", "1", "--repeats", "1"],
+     ["same weights:", "ratio ours / transformers", "ours' static cache (batch 1"]),
+    ("bench_memory.py", ["--lengths", "64"], ["| gated_deltanet |", "| kimi_delta_attention |"]),
+    ("bench_mla_cache.py", [], ["| Kimi-Linear 48B-A3B |"]),
+    ("bench_mla_static_prefill.py", ["--prompt", "16", "--slots", "16", "64", "--repeats", "1"],
+     ["max_cache_len     64"]),
+    ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4"],
+     ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
+    ("bench_trace.py", ["--tiny", "--static", "--requests", "8"], ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
+    ("bench_training.py", ["--tiny"],
+     ["GDN vs Qwen3-Next: ours/transformers tokens/s", "KDA vs Kimi-Linear: ours/transformers tokens/s"]),
+    ("count_decode_ops.py", [], ["kernels in the captured decoding step", "around the replay"]),
+    ("count_decode_ops.py", ["--model", "kimi", "--eager"], ["kernels per eager decoding step"]),
+    ("diagnose_first_calls.py", ["--tiny"], ["pkg capture s", "forward      40 |"]),
+    ("decode_host_overhead.py", ["--tokens", "4", "--models", "gdn"], ["of host time per token around the replay"]),
+    ("profile_decode_step.py", [], ["skipped, it profiles replays of captured CUDA graphs and needs a CUDA device"]),
+    ("profile_gpu.py", ["--tiny"], ["ours training step", "transformers eager decoding step",
+                                    "graph decoding: skipped, a CUDA-graph replay needs a CUDA device"]),
+]
+# model_configs.py is the others' module, not a script; make_finetune_example.py writes the data of
+# two_gpu_finetune.sh (a 109 MB model), not a benchmark
+NOT_RUN = {"model_configs.py", "make_finetune_example.py"}
+
+
+def run(command: list[str], timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    """`command` from the repository root, CUDA hidden, the repository's package first on the path."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    environment = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path, **env)
+    return subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_benchmark_script_has_a_tiny_run():
+    scripts = {path.name for path in BENCHMARKS.glob("*.py")}
+    assert scripts - NOT_RUN == {script for script, _, _ in RUNS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, arguments, expected", RUNS,
+                         ids=[" ".join([script, *arguments]) for script, arguments, _ in RUNS])
+def test_benchmark_runs_its_tiny_cpu_configuration(script, arguments, expected):
+    start = time.perf_counter()
+    done = run([sys.executable, str(BENCHMARKS / script), *arguments])
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, f"exit {done.returncode} after {seconds:.0f} s:\n{done.stdout[-3000:]}\n" \
+                                 f"{done.stderr[-3000:]}"
+    missing = [text for text in expected if text not in done.stdout]
+    assert not missing, f"{missing} not printed:\n{done.stdout[-3000:]}"
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in BENCHMARKS.glob("*.sh")))
+def test_shell_script_parses(script):
+    done = run(["bash", "-n", str(BENCHMARKS / script)])
+    assert done.returncode == 0, done.stderr
+
+
+def test_gpu_suite_dry_run_names_scripts_that_exist(tmp_path):
+    suite = (BENCHMARKS / "gpu_suite.sh").read_text()
+    assert 'DRY_RUN:-' in suite  # (without its dry run, the call below would run the suite)
+    steps = re.findall(r"^\s+([a-z0-9-]+)\) ", suite, flags=re.MULTILINE)
+    assert "generation" in steps and "trace" in steps
+    done = run(["bash", str(BENCHMARKS / "gpu_suite.sh"), *steps], timeout=60, DRY_RUN="1", OUT=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    for step in steps:
+        assert f"=== {step}" in done.stdout, f"step {step} not printed:\n{done.stdout}"
+    named = re.findall(r"((?:benchmarks|tests)/[\w/]+\.(?:py|sh))", done.stdout)
+    assert named and all((REPO / path).is_file() for path in named), named
+    assert list(tmp_path.iterdir()) == []  # nothing ran
+
+
+@pytest.mark.slow
+def test_two_gpu_moe_parallel_dry_run_on_gloo(tmp_path):
+    done = run(["bash", str(BENCHMARKS / "two_gpu_moe_parallel.sh"), str(tmp_path)], GLOO="1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "TP_CHECK PASS" in done.stdout, done.stdout[-3000:]
+    assert "EP_CHECK PASS" in done.stdout, done.stdout[-3000:]
+
+
+def bench_trace():
+    """benchmarks/bench_trace.py as a module (its helpers; the runs themselves are the subprocess tests above)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_trace
+
+    return bench_trace
+
+
+def test_trace_has_distinct_log_uniform_prompt_lengths_and_repeats_from_its_seed():
+    trace = bench_trace().make_trace(200, 16, 16384, 16, 512, seed=0)
+    lengths = [request.prompt_length for request in trace]
+    assert len(set(lengths)) == 200 and min(lengths) >= 16 and max(lengths) <= 16384
+    assert all(16 <= request.new_tokens <= 512 for request in trace)
+    assert trace == bench_trace().make_trace(200, 16, 16384, 16, 512, seed=0)
+    # log-uniform: half of the draws below the geometric middle, 512 (binomial, sd 7 of 200; uniform draws would
+    # put 3% there), and the shortest factor-2 band, [16, 32), holds some (a tenth of the draws; 16 lengths at most)
+    assert 70 <= sum(length < 512 for length in lengths) <= 130
+    assert sum(length < 32 for length in lengths) >= 5
+
+
+def test_trace_refuses_more_requests_than_distinct_lengths():
+    with pytest.raises(SystemExit, match=r"100 distinct prompt lengths do not fit in \[16, 50\]; ask for at most 35"):
+        bench_trace().make_trace(100, 16, 50, 16, 512, seed=0)
+
+
+def test_trace_left_pads_a_batch():
+    ids, mask = bench_trace().left_padded([torch.tensor([5, 6, 7]), torch.tensor([9])])
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def _result(side: str, tok_s: float, ttft: list[float]) -> dict:
+    return {"pair": "gdn", "side": side, "way": "single", "tok_s": tok_s, "ttft": ttft, "gaps": [0.01, 0.02],
+            "wall_s": 1.0, "worst_ttft": [max(ttft), 99]}
+
+
+def test_trace_combines_separate_runs_into_one_table_with_ratios(tmp_path, monkeypatch, capsys):
+    (tmp_path / "ours.json").write_text(json.dumps([_result("ours", 200.0, [0.1, 0.2])]))
+    (tmp_path / "theirs.json").write_text(json.dumps([_result("transformers", 50.0, [0.3, 0.4])]))
+    monkeypatch.setattr(sys, "argv", ["bench_trace.py", "--combine", str(tmp_path / "ours.json"),
+                                      str(tmp_path / "theirs.json")])
+    bench_trace().main()
+    ratio_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("single   ratio"))
+    assert ratio_row.split()[2:6] == ["4.00x", "3.00x", "2.00x", "2.00x"]  # tok/s, then TTFT p50 / p90 / p99
+
+
+def test_trace_refuses_a_file_it_did_not_write_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "other.json").write_text(json.dumps([{"pair": "gdn"}]))
+    monkeypatch.setattr(sys, "argv", ["bench_trace.py", "--combine", str(tmp_path / "other.json")])
+    with pytest.raises(SystemExit, match=r"other.json is not a --json file of this script \(a result without"):
+        bench_trace().main()
