@@ -127,7 +127,7 @@ BLOCKS = "decoder.blocks"
     (setter(f"{BLOCKS}.attn.mixer.heads", 3), ("HybridLinearConfig rejects", "Apriel2 block")),
     (setter(f"{BLOCKS}.gdn.mixer.value_heads", -4), ("decoder.blocks.gdn.mixer.value_heads should be an integer",)),
     (setter(f"{BLOCKS}.attn.mixer.rotary.theta", "1e4"), ("rotary.theta should be a positive number",)),
-    (setter("head.normalization.epsilon", float("nan")), ("head.normalization.epsilon should be a positive number",)),
+    (setter("head.normalization.epsilon", float("nan")), ("head.normalization.epsilon is nan; JSON has no NaN",)),
     (setter("eos_token_id", "</s>"), ("eos_token_id should be a non-negative integer or null",)),
     (setter("tie_word_embeddings", "false"), ("tie_word_embeddings should be true or false",)),
     (setter("decoder", [1, 2]), ("config.json: decoder should be a mapping",)),

@@ -383,7 +383,7 @@ UNSUPPORTED = [
     ("gated_deltanet", dict(num_hidden_layers=10**6), "num_hidden_layers is 1000000"),
     ("gated_deltanet", dict(hidden_size=10**12), "hidden_size is 1000000000000, more than"),
     ("gated_deltanet", dict(head_dim="8"), "head_dim should be an integer"),
-    ("gated_deltanet", dict(expand_v=float("inf")), "expand_v should be a positive number"),
+    ("gated_deltanet", dict(expand_v=float("inf")), "config.json: expand_v is inf; JSON has no NaN or infinity"),
     ("kda", dict(num_v_heads=2), "num_v_heads = 2 is not supported"),
     ("kda", dict(expand_v=2.0), "expand_v = 2.0 is not supported"),
     ("kda", dict(safe_gate=True, lower_bound=-5.0), "safe_gate = True"),

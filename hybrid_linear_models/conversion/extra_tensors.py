@@ -21,6 +21,7 @@ from pathlib import Path
 from .errors import ConversionError
 from .pipeline import CarriedTensors, ConversionPlan
 from .safetensors_io import FilePlan, SafetensorsFile
+from .source_files import is_source_file
 from .untrusted import Fields, brief, clip, parse_json
 
 EXTRA_TENSORS_FILE = "extra_tensors.safetensors"
@@ -30,7 +31,7 @@ _ORIGIN_KEY, _FIELDS_KEY = "carried_from", "carried_fields"
 def read_extra_tensors(path: Path) -> tuple[SafetensorsFile, CarriedTensors] | None:
     """The folder's extra tensors file and what it carries; None when it has none."""
     file_path = Path(path) / EXTRA_TENSORS_FILE
-    if not file_path.exists():
+    if not is_source_file(file_path):  # a FIFO or a folder of that name is refused, not taken for "none"
         return None
     opened = SafetensorsFile(file_path)
     origin = opened.metadata.get(_ORIGIN_KEY)

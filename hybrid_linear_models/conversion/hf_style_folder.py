@@ -28,6 +28,7 @@ from .errors import ConversionError
 from .name_maps import MapRow
 from .pipeline import CarriedTensors, ConversionPlan, SourceCheckpoint, TensorCensus, WriteOptions, check_tensor_sizes
 from .safetensors_io import FilePlan, SafetensorsFile, SafetensorsTensors, plan_files, write_files
+from .source_files import is_source_file
 from .untrusted import REQUIRED, Fields, brief, clip, describe, parse_json, plain_file_name, read_text
 
 CONFIG_FILE = "config.json"
@@ -103,7 +104,7 @@ def read_config_json(path: Path, checkpoint: str) -> tuple[Any, str]:
     if not path.is_dir():
         raise ConversionError(f"SRC {path} is not a folder; {checkpoint} is a folder with {CONFIG_FILE}.")
     config_path = path / CONFIG_FILE
-    if not config_path.is_file():
+    if not is_source_file(config_path):
         hint = _FAST_LLM_HINT if (path / "metadata.yaml").exists() else ""
         raise ConversionError(f"SRC {path} is not {checkpoint}: it has no {CONFIG_FILE}.{hint}")
     label = str(config_path)
@@ -135,9 +136,9 @@ def _add_files(files: dict[str, SafetensorsFile], opened: SafetensorsFile, keys:
 def open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str] | None]:
     """The folder's safetensors files, headers only: {tensor name: its file}, and the index's weight map (None for a
     single file)."""
-    if (path / INDEX_FILE).is_file():
+    if is_source_file(path / INDEX_FILE):
         weight_map = _weight_map(path)
-    elif (path / SINGLE_FILE).is_file():
+    elif is_source_file(path / SINGLE_FILE):
         weight_map = None
     else:
         pickled = [name for name in _PICKLE_FILES if (path / name).exists()]
@@ -147,7 +148,7 @@ def open_weights(path: Path) -> tuple[dict[str, SafetensorsFile], dict[str, str]
     file_names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
     files: dict[str, SafetensorsFile] = {}
     for name in file_names:
-        if not (path / name).is_file():
+        if not is_source_file(path / name):
             raise ConversionError(f"{path / INDEX_FILE} lists {clip(name, 100)}, which is missing; the checkpoint is "
                                   "incomplete.")
         opened = SafetensorsFile(path / name)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
+from .source_files import open_source_file
 from .untrusted import brief, describe, parse_json
 
 DTYPES: dict[str, torch.dtype] = {
@@ -75,8 +76,8 @@ class SafetensorsFile:
     def __init__(self, path: Path | str):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as file:
+            with open_source_file(self.path) as file:
+                size = os.fstat(file.fileno()).st_size
                 prefix = file.read(8)
                 if len(prefix) < 8:
                     raise _corrupt(self.path, f"it has {size} bytes, fewer than the 8-byte header length")
@@ -170,7 +171,7 @@ def read_bytes_as_tensor(path: Path, offset: int, nbytes: int, dtype: torch.dtyp
         return torch.empty(shape, dtype=dtype)
     buffer = bytearray(nbytes)
     try:
-        with open(path, "rb", buffering=0) as file:
+        with open_source_file(path, buffering=0) as file:
             file.seek(offset)
             view = memoryview(buffer)
             done = 0

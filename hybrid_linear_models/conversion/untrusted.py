@@ -5,7 +5,9 @@ A checkpoint may come from anywhere (a download, a colleague's disk), so its tex
 real file never reaches and a hostile one always does: a size cap before reading, a nesting-depth cap checked on the
 token or event stream before any object is built (deep nesting would otherwise end in a RecursionError), a cap on the
 number of YAML nodes after alias expansion ("billion laughs": the loader itself shares aliased objects, but every
-consumer that walks them would pay for the expansion), and no duplicate JSON keys (which value wins is ambiguous).
+consumer that walks them would pay for the expansion), no duplicate JSON keys (which value wins is ambiguous), and
+no NaN or infinity in JSON, written as such or as transformers writes them ({"__float__": "NaN"}): Python's parser
+accepts them, and a writer would carry them on. Only regular files are read (`source_files`).
 
 Values are then read through `Fields`, one typed getter per kind of value, so that a wrong type gives one line naming
 the file, the dotted key, what the value should be and what it is. `brief` is the only way a user-supplied value
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -26,6 +29,7 @@ import yaml
 
 from ..shown_values import BRIEF_CHARS, brief, clip  # noqa: F401  (re-exported for the readers)
 from .errors import ConversionError
+from .source_files import open_source_file
 
 MAX_TEXT_BYTES = 64 * 2**20  # metadata.yaml / config.json / index files: real ones are kilobytes
 MAX_DEPTH = 64  # real files nest at most ~10 levels
@@ -49,14 +53,18 @@ def describe(value: Any) -> str:
 # ------------------------------------------------------------------------------------------------ parsing
 
 
-def read_text(path: Path, kind: str = "metadata") -> str:
-    """The text of a small file (`kind`: what it is, for the message), refusing one too large to be that."""
+def read_text(path: Path, kind: str = "metadata", max_bytes: int | None = None) -> str:
+    """The text of a small file (`kind`: what it is, for the message), refusing one of more than `max_bytes` (default
+    MAX_TEXT_BYTES), too large to be that, and anything but a regular file (`source_files`)."""
+    max_bytes = MAX_TEXT_BYTES if max_bytes is None else max_bytes
     try:
-        size = path.stat().st_size
-        if size > MAX_TEXT_BYTES:
-            raise ConversionError(f"{path} has {size} bytes, more than the {MAX_TEXT_BYTES} a {kind} file can "
-                                  "reasonably have; it is not the file this reader expects.")
-        return path.read_bytes().decode("utf-8")
+        with open_source_file(path) as file:
+            size = os.fstat(file.fileno()).st_size
+            data = file.read(size + 1) if size <= max_bytes else b""  # + 1: a file growing while read shows
+            if size > max_bytes or len(data) > max_bytes:
+                raise ConversionError(f"{path} has {max(size, len(data))} bytes, more than the {max_bytes} a {kind} "
+                                      "file can reasonably have; it is not the file this reader expects.")
+            return data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ConversionError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); the file is "
                               "corrupt.") from None
@@ -90,29 +98,77 @@ def json_depth(text: str) -> int:
     return int(torch.cumsum(steps, 0, dtype=torch.int64).max())
 
 
-def _refuse_duplicates(label: str):
-    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+# transformers' config files write a non-finite float as {"__float__": "NaN"} and read it back as one
+_FLOAT_TAG = "__float__"
+_NON_FINITE_TAGS = ("NaN", "Infinity", "-Infinity")
+
+
+class _Hooks:
+    """json.loads' hooks for an untrusted file: objects refuse a key given twice, and every NaN or infinity (a
+    literal, a number beyond a float's range, transformers' tag) is noted, so that only a file holding one is walked
+    to name where (`_non_finite`)."""
+
+    def __init__(self, label: str):
+        self.label, self.non_finite = label, False
+
+    def object(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         result = dict(pairs)
         if len(result) != len(pairs):
             seen: set[str] = set()
             duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
-            raise ConversionError(f"{label}: key {brief(duplicate)} appears twice in one object, so which value "
-                                  "holds is ambiguous; the file is corrupt.")
+            raise ConversionError(f"{self.label}: key {brief(duplicate)} appears twice in one object, so which "
+                                  "value holds is ambiguous; the file is corrupt.")
+        if len(pairs) == 1 and pairs[0][0] == _FLOAT_TAG:
+            self.non_finite = self.non_finite or pairs[0][1] in _NON_FINITE_TAGS
         return result
-    return build
+
+    def constant(self, name: str) -> float:  # NaN, Infinity, -Infinity
+        self.non_finite = True
+        return float(name)
+
+    def number(self, text: str) -> float:
+        value = float(text)
+        self.non_finite = self.non_finite or not math.isfinite(value)
+        return value
+
+
+def _non_finite(document: Any) -> tuple[str, str] | None:
+    """The first NaN or infinity in a parsed JSON document (Python's parser reads `NaN` and `Infinity`, and rounds
+    `1e999` to infinity), also as transformers writes one: (where, what), or None."""
+    pending = [("", document)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "the top level", repr(value)
+        if isinstance(value, dict):
+            if len(value) == 1 and value.get(_FLOAT_TAG) in _NON_FINITE_TAGS:
+                return where or "the top level", f"{brief(value)} (transformers' writing of {value[_FLOAT_TAG]})"
+            pending += [(f"{where}.{clip(str(key), 60)}" if where else clip(str(key), 60), item)
+                        for key, item in reversed(value.items())]
+        elif isinstance(value, list):
+            pending += [(f"{where}[{index}]", item) for index, item in reversed(list(enumerate(value)))]
+    return None
 
 
 def parse_json(text: str, label: str) -> Any:
     """JSON from an untrusted file; any problem is a ConversionError naming `label`."""
     if json_depth(text) > MAX_DEPTH:
         raise _too_deep(label)
+    hooks = _Hooks(label)
     try:
-        return json.loads(text, object_pairs_hook=_refuse_duplicates(label))
+        document = json.loads(text, object_pairs_hook=hooks.object, parse_constant=hooks.constant,
+                              parse_float=hooks.number)
     except json.JSONDecodeError as error:
         raise ConversionError(f"{label} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); "
                               "the file is corrupt.") from None
     except ValueError as error:  # e.g. an integer beyond Python's 4300-digit limit
         raise ConversionError(f"{label} is not valid JSON ({brief(str(error))}); the file is corrupt.") from None
+    found = _non_finite(document) if hooks.non_finite else None
+    if found is not None:
+        raise ConversionError(f"{label}: {found[0]} is {found[1]}; JSON has no NaN or infinity (a number beyond a "
+                              "float's range, like 1e999, reads as infinite) and no checkpoint value is either, so "
+                              "the file is corrupt.")
+    return document
 
 
 def _check_yaml_events(text: str, label: str) -> None:

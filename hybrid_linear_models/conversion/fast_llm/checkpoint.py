@@ -24,6 +24,7 @@ from ..pipeline import (
 )
 from ..read_back import check_reads_back, layer_difference
 from ..safetensors_io import SafetensorsFile, SafetensorsTensors, plan_files, write_files
+from ..source_files import is_source_file
 from ..untrusted import (
     Fields,
     brief,
@@ -64,7 +65,7 @@ def load_metadata(path: Path, expected_format: str, reader_name: str) -> dict[st
     if not path.is_dir():
         raise ConversionError(f"SRC {path} is not a folder; a Fast-LLM checkpoint is a folder with {METADATA_FILE}.")
     metadata_path = path / METADATA_FILE
-    if not metadata_path.is_file():
+    if not is_source_file(metadata_path):
         raise ConversionError(f"SRC {path} is not a Fast-LLM checkpoint: it has no {METADATA_FILE}."
                               + _hint_other_format(path))
     metadata = parse_yaml(read_text(metadata_path), str(metadata_path))
@@ -122,7 +123,7 @@ def read_fast_llm(path: Path) -> SourceCheckpoint:
     files: dict[str, SafetensorsFile] = {}
     for name in file_names:
         file_path = path / name
-        if not file_path.is_file():
+        if not is_source_file(file_path):
             raise ConversionError(f"{path / METADATA_FILE} lists {clip(name, 100)}, which is missing from {path}; the "
                                   "checkpoint is incomplete.")
         opened = SafetensorsFile(file_path)
