@@ -193,7 +193,7 @@ def assert_same_model(folder: Path, model: HybridLinearForCausalLM) -> None:
     converted = HybridLinearForCausalLM.from_pretrained(folder).eval()
     ours, theirs = model.config, converted.config
     assert theirs.mixer_types == ours.mixer_types
-    for index, layer_type in enumerate(ours.layer_types):
+    for index, layer_type in enumerate(ours.mixer_types):
         for field in (*MIXER_FIELDS[layer_type], *BLOCK_FIELDS):
             assert getattr(theirs.per_layer_config[index], field) == getattr(ours.per_layer_config[index], field), (
                 index, field)

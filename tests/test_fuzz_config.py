@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from model_helpers import tiny_config
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
-from hybrid_linear_models.configuration_hybrid_linear import LAYER_TYPES, PER_LAYER_FIELDS, ROPE_REQUIRED_KEYS
+from hybrid_linear_models.configuration_hybrid_linear import MIXER_TYPES, PER_LAYER_FIELDS, ROPE_REQUIRED_KEYS
 
 FUZZ = settings(max_examples=1000, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 MODELS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -75,8 +75,8 @@ rope_values = st.one_of(
     ),
 )
 layer_types_values = st.one_of(
-    st.lists(st.sampled_from([*LAYER_TYPES, "mamba", "attention", ""]), max_size=6),
-    st.lists(st.sampled_from(LAYER_TYPES), min_size=1, max_size=6),
+    st.lists(st.sampled_from([*MIXER_TYPES, "mamba", "attention", ""]), max_size=6),
+    st.lists(st.sampled_from(MIXER_TYPES), min_size=1, max_size=6),
     st.text(max_size=12), st.none(), st.lists(st.integers(), max_size=3),
 )
 
@@ -199,7 +199,7 @@ def tiny_valid_kwargs(draw) -> dict:
     rope = {key: value for key, value in rope.items()
             if key in ("rope_type", "partial_rotary_factor") or key in ROPE_REQUIRED_KEYS[rope_type]}
     vocab = draw(st.integers(8, 64))
-    layer_types = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=1, max_size=3))
+    layer_types = draw(st.lists(st.sampled_from(MIXER_TYPES), min_size=1, max_size=3))
     per_layer = {}  # some layers with settings of their own, valid for their mixer
     for index, layer_type in enumerate(layer_types):
         options = {"intermediate_size": st.integers(1, 24), "rms_norm_eps": st.floats(1e-8, 1e-2),
