@@ -434,6 +434,19 @@ def _relation_problems(s: _Settings, p: str, specs) -> list[str]:
     return [problem for check in checks for problem in check(s, p)]
 
 
+def _dtype_problems(dtype: Any) -> list[str]:
+    """`dtype` is None, a torch dtype or the name of one: transformers' base config looks a name up in torch (an
+    AttributeError for any other name) and loading uses the dtype as it stands."""
+    if dtype is None:
+        return []
+    import torch  # here only: this module imports no torch at import time
+
+    if isinstance(dtype, torch.dtype) or (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None),
+                                                                               torch.dtype)):
+        return []
+    return [f"dtype must be the name of a torch dtype (float32, bfloat16, float16, ...), got {brief(dtype)}"]
+
+
 def _token_id_problems(s: _Settings) -> list[str]:
     problems = []
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -733,7 +746,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         settings = _Settings(self)
         if windowed_layers is None and self.is_heterogeneous:
             windowed_layers = _windowed_layers(self._heterogeneity_spec.per_layer_overrides)
-        problems = _field_problems(settings, "", tuple(_field_kinds()))
+        problems = _field_problems(settings, "", tuple(_field_kinds())) + _dtype_problems(self.dtype)
         layer_types_problems = _layer_types_problems(settings, windowed_layers or set())
         problems += layer_types_problems or _mlp_types_problems(settings)
         if not problems:

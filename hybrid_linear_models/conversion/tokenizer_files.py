@@ -18,7 +18,6 @@ write anywhere else.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -30,6 +29,7 @@ from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE, TOKENIZER_F
 from ..shown_values import clip
 from ..tokenizer_loading import ADD_TOKENIZER_HINT, VOCABULARY_FILES
 from .errors import ConversionError
+from .untrusted import Fields, brief, describe, parse_json, read_text
 
 if TYPE_CHECKING:
     from hybrid_linear_cli.conversion_catalogue import FormatEntry
@@ -89,18 +89,42 @@ def find_tokenizer(source: Path, tokenizer: Path | None) -> list[Path]:
     return files
 
 
+MAX_TOKENIZER_BYTES = 512 * 2**20  # the largest real tokenizer.json files (250k-token vocabularies) are ~35 MB
+
+
 def largest_token_id(tokenizer_json: Path) -> int | None:
-    """The largest id in a tokenizer.json (its model's vocabulary and its added tokens), None if it has none."""
-    try:
-        data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-        vocab = data["model"].get("vocab") or {}
-        # WordLevel, BPE and WordPiece map token -> id; Unigram lists [token, score] pairs, ids by position
-        ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1] if vocab else []
-        ids += [token["id"] for token in data.get("added_tokens") or []]
-        return max(int(i) for i in ids) if ids else None
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
-        raise ConversionError(f"{clip(tokenizer_json)} is not a readable tokenizer.json "
-                              f"({type(error).__name__}); re-save the tokenizer with save_pretrained.") from None
+    """The largest id in a tokenizer.json (its model's vocabulary and its added tokens), None if it has none. The
+    file is untrusted input (`untrusted`: bounded size and depth, no NaN or infinity), and every id must be an integer
+    >= 0: anything else is one line naming where it is."""
+    label = str(tokenizer_json)
+    data = Fields(parse_json(read_text(tokenizer_json, "tokenizer.json", MAX_TOKENIZER_BYTES), label), "", label,
+                  missing_is_empty=False)
+    if not data.has("model"):
+        raise data.missing("model", " (the tokenizer's vocabulary); re-save the tokenizer with save_pretrained")
+    model = data.mapping("model")
+    vocab = model.get("vocab") or {}
+    # WordLevel, BPE and WordPiece map token -> id; Unigram lists [token, score] pairs, ids by position
+    if isinstance(vocab, dict):
+        ids = [_token_id(label, value, "model.vocab", token) for token, value in vocab.items()]
+    elif isinstance(vocab, list):
+        ids = [len(vocab) - 1] if vocab else []
+    else:
+        raise model.wrong("vocab", "a mapping of tokens to ids or a list of [token, score] pairs", vocab,
+                          "; re-save the tokenizer with save_pretrained")
+    for index, token in enumerate(data.sequence("added_tokens", None, item=dict) or []):
+        if "id" not in token:
+            raise data.missing(f"added_tokens[{index}].id", "; re-save the tokenizer with save_pretrained")
+        ids.append(_token_id(label, token["id"], f"added_tokens[{index}].id"))
+    return max(ids) if ids else None
+
+
+def _token_id(label: str, value: object, where: str, token: object = None) -> int:
+    """`value`, an id of tokenizer.json at `where` (of `token`, in a vocabulary), if it is an integer >= 0."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    where += "" if token is None else f"[{brief(token)}]"
+    raise ConversionError(f"{label}: {where} should be a token id (an integer >= 0), got {describe(value)}; the file "
+                          "is corrupt, re-save the tokenizer with save_pretrained.")
 
 
 def check_fits_vocabulary(files: list[Path], vocab_size: int) -> None:

@@ -33,7 +33,7 @@ from ..name_maps import MapRow, build_hf_rows
 from ..pipeline import CarriedTensors, ConversionPlan, SourceCheckpoint, WriteOptions, config_difference
 from ..read_back import check_reads_back
 from ..safetensors_io import SafetensorsFile
-from ..untrusted import clip
+from ..untrusted import clip, parse_json
 from .config import MODEL_TYPE, hybrid_config_to_qwen3_next, is_carried_field, qwen3_next_to_hybrid_config
 
 MTP_PREFIX = "mtp."
@@ -121,7 +121,7 @@ def check_config_reads_back(config: HybridLinearConfig, text: str) -> None:
     carries; otherwise the folder would hold another model."""
     fields = _CARRIED_FIELDS + (_MOE_FIELDS if _sparse_layers(config) else ())
     check_reads_back(config, text, file=CONFIG_FILE,
-                     read=lambda text: qwen3_next_to_hybrid_config(json.loads(text), CONFIG_FILE)[0],
+                     read=lambda text: qwen3_next_to_hybrid_config(parse_json(text, CONFIG_FILE), CONFIG_FILE)[0],
                      difference=lambda expected, got: config_difference(expected, got, fields),
                      does_not_survive="Qwen3-Next's config.json; convert to the hf format instead.")
 
