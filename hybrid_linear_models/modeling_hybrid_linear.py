@@ -3,10 +3,9 @@ Gated DeltaNet or Kimi Delta Attention) from `config.mixer_types` and its MLP fr
 MLP by default), pre-norm residual blocks (Qwen3-Next's architecture, with the mixers freely interleaved). Both come
 from their registrations (`mixer_registry`, `mlp_registry`)."""
 
-from __future__ import annotations
-
 import math
 import os
+import re
 
 import torch
 from torch import nn
@@ -162,6 +161,13 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         return self.mlp(hidden_states), residual
 
 
+def plan_entries_naming(plan: dict[str, str], names: list[str]) -> dict[str, str]:
+    """The entries of a parallel plan whose pattern ("layers.*.mlp.gate_proj": `*` one name component, a layer's
+    index) names one of `names`, in the plan's order."""
+    patterns = {key: re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*"))) for key in plan}
+    return {key: style for key, style in plan.items() if any(patterns[key].fullmatch(name) for name in names)}
+
+
 class HybridLinearPreTrainedModel(PreTrainedModel):
     config: HybridLinearConfig
     config_class = HybridLinearConfig
@@ -187,6 +193,16 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         # `experts_implementation=` and `set_experts_implementation` apply to them. Unset, they run this package's
         # grouped_mm_gather (benchmarks/bench_moe.py: faster than transformers' default grouped_mm, in the same run).
         return super().get_correct_experts_implementation(requested_experts or EXPERTS_IMPLEMENTATIONS[0])
+
+    def init_parallel_plans(self) -> None:
+        # The config's tensor- and expert-parallel plans hold every registered mixer's and MLP's entries; a config
+        # builds only some of those modules (its mixers and MLPs, a shared expert or not, MLA's q_proj or q_b_proj).
+        # The base model keeps the entries that name one of its modules or parameters (the heads take its plans).
+        super().init_parallel_plans()
+        if self.base_model is self:
+            names = [name for name, _ in self.named_modules()] + [name for name, _ in self.named_parameters()]
+            self._tp_plan = plan_entries_naming(self._tp_plan, names)
+            self._ep_plan = plan_entries_naming(self._ep_plan, names)
 
     def _resolve_parallel_plans(
             self, distributed_config: DistributedConfig) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
