@@ -7,8 +7,11 @@ vendored in tests/transformers_common/) on this family, written the way transfor
 - every layer type: GDN, sliding-window attention, KDA, multi-head latent attention and full attention, with sparse
   MoE and Kimi MoE MLPs beside a dense one.
 
-Skips are those of transformers' Qwen3-Next test (the quantized cache, data parallel) plus the ones argued beside
-them. The state shapes the generation mixin checks come from the config, as Qwen3-Next's test gives them.
+Explicit skips are those of transformers' Qwen3-Next test (the quantized cache, data parallel); the rest skip by
+transformers' own decorators (GPU, flash attention, kernels, Hub checkpoints). The overrides, each argued where it
+stands: attention outputs counted on the attention layers (as Qwen3-Next's), the linear layers' state shapes from
+the config (as Qwen3-Next's), the cache shapes of each layer's mixer, this family's cache-layer class in the
+generation helpers' exact-class checks, and this family's names in transformers' model name tables.
 """
 
 from __future__ import annotations
