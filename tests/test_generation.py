@@ -202,17 +202,14 @@ def test_a_static_cache_can_be_reset_and_reused():
         assert torch.equal(reused, model.generate(input_ids, max_new_tokens=6, do_sample=False)), seed
 
 
-def test_generate_does_not_compile_around_cuda_graph_decoding():
-    """With a static cache `generate` would torch.compile the forward (on accelerators); our CUDA-graph decoding serves
-    that case, so auto-compilation is off unless graph decoding is disabled."""
+def test_generate_does_not_compile_around_cuda_graph_decoding(monkeypatch):
+    """With a static cache on CUDA `generate` would torch.compile the forward; our CUDA-graph decoding serves that
+    case, so auto-compilation is off there unless graph decoding is disabled (off CUDA: tests/test_compile.py)."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import CompileConfig
 
     model = tiny_model(["gated_deltanet", "full_attention"])
-    compile_config = CompileConfig()
-    compile_config._compile_all_devices = True  # what transformers does on GPUs, here on the CPU
-    generation_config = GenerationConfig(compile_config=compile_config)
     kwargs = {"cache": StaticCache(config=model.config, max_cache_len=16)}
-    assert not model._valid_auto_compile_criteria(kwargs, generation_config)
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))  # (only its type is read)
+    assert not model._valid_auto_compile_criteria(kwargs, GenerationConfig())
     model.set_cuda_graph_decoding(False)
-    assert model._valid_auto_compile_criteria(kwargs, generation_config)
+    assert model._valid_auto_compile_criteria(kwargs, GenerationConfig())
