@@ -5,8 +5,8 @@ is the host's share: generate's loop, logits processing, synchronisation).
 
     python benchmarks/profile_gpu.py [--kda] [--tiny] [--rows 30] [--what training prefill decode graph]
 
-Without CUDA (a smoke test, with --tiny): the CPU profiles of the training step (B=2, T=64), the prefill and the
-eager decoding step, float32; the graph replay needs CUDA and is skipped with a line saying so.
+Without CUDA (a smoke test, with --tiny): the CPU profiles of the training step (B=2, T=64), the prefill (T=64) and
+the eager decoding step, float32; the graph replay needs CUDA and is skipped with a line saying so.
 
 Each table lists the top CUDA kernels by total GPU time, then the totals: GPU busy time against wall time shows
 whether a phase is bound by the GPU or by launching kernels from Python.
@@ -119,13 +119,13 @@ def main() -> None:
             ids = torch.randint(0, vocab, (4, 4096) if device.type == "cuda" else (2, 64), device=device)
             profiled(f"{name} training step B={ids.shape[0]} T={ids.shape[1]}", lambda: training_step(model, ids),
                      args.rows)
-        ids = torch.randint(0, vocab, (1, 1024), device=device)
+        ids = torch.randint(0, vocab, (1, 1024 if device.type == "cuda" else 64), device=device)
         if "prefill" in args.what:
             def run_prefill():
-                cache = (StaticCache(config=model.config, max_cache_len=1152) if name == "ours"
+                cache = (StaticCache(config=model.config, max_cache_len=ids.shape[1] + 128) if name == "ours"
                          else DynamicCache(config=model.config))
                 prefill(model, ids, cache)
-            profiled(f"{name} prefill B=1 T=1024", run_prefill, args.rows, cpu_rows=20)
+            profiled(f"{name} prefill B=1 T={ids.shape[1]}", run_prefill, args.rows, cpu_rows=20)
         if "decode" in args.what:
             cache = DynamicCache(config=model.config)
             prefill(model, ids, cache)
