@@ -368,13 +368,13 @@ def _generic_names_problems(generic: Any, ours: list, registry: dict, generic_na
     """transformers' list (`layer_types`, `mlp_layer_types`) against ours (`mixer_types`, `mlp_types`): one entry
     per layer, each the word our component's registration declares (`generic_of(spec)`)."""
     if not isinstance(generic, list) or len(generic) != len(ours):
-        return [f"{generic_name} must be a list of one entry per layer ({len(ours)}, as {our_name}), got "
-                f"{brief(generic)}; leave it unset to take it from {our_name}"]
+        return [(f"{generic_name} must be a list of one entry per layer ({len(ours)}, as {our_name}), got "
+                 f"{brief(generic)}; leave it unset to take it from {our_name}")]
     for index, (word, name) in enumerate(zip(generic, ours)):
         if isinstance(name, str) and name in registry and word != generic_of(registry[name]):
-            return [f"{generic_name}[{index}]={brief(word)} but {our_name}[{index}]={name!r} is a "
-                    f"{generic_of(registry[name])!r} layer; leave {generic_name} unset to take it from {our_name}, "
-                    f"or change {our_name}[{index}]"]
+            return [(f"{generic_name}[{index}]={brief(word)} but {our_name}[{index}]={name!r} is a "
+                     f"{generic_of(registry[name])!r} layer; leave {generic_name} unset to take it from {our_name}, "
+                     f"or change {our_name}[{index}]")]
     return []
 
 

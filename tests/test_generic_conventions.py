@@ -12,7 +12,12 @@ import warnings
 
 import pytest
 import torch
-from model_helpers import WITHOUT_THE_PACKAGE_PRELUDE, run_without_the_package, tiny_config, word_tokenizer
+from model_helpers import (
+    WITHOUT_THE_PACKAGE_PRELUDE,
+    run_without_the_package,
+    tiny_config,
+    word_tokenizer,
+)
 from torch import nn
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import (
@@ -22,7 +27,10 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
-from transformers.configuration_utils import ALLOWED_ATTN_LAYER_TYPES, ALLOWED_MLP_LAYER_TYPES
+from transformers.configuration_utils import (
+    ALLOWED_ATTN_LAYER_TYPES,
+    ALLOWED_MLP_LAYER_TYPES,
+)
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
