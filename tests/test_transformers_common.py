@@ -238,3 +238,8 @@ class EveryLayerTypeTester(_HybridLinearTester):
 @require_torch
 class EveryLayerTypeTest(_HybridLinearModelTest, unittest.TestCase):
     model_tester_class = EveryLayerTypeTester
+
+    @unittest.skip("Five layers by design: one of each mixer (GDN, sliding, KDA, MLA, full attention); transformers' "
+                   "cap of two layers keeps its own testers fast and cannot hold every layer type of this family.")
+    def test_num_layers_is_small(self):
+        pass
