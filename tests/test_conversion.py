@@ -189,7 +189,8 @@ def test_hf_output_folder(exported):
                          "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 1.0}}.items():
         assert config[field] == value, field
-    assert config["layer_types"] == ["full_attention", "gated_deltanet", "kimi_delta_attention", "gated_deltanet"]
+    assert config["mixer_types"] == ["full_attention", "gated_deltanet", "kimi_delta_attention", "gated_deltanet"]
+    assert config["layer_types"] == ["full_attention", "linear_attention", "linear_attention", "linear_attention"]
     assert (folder / "generation_config.json").is_file()
     for name in ("configuration_hybrid_linear.py", "modeling_hybrid_linear.py"):
         assert (folder / name).is_file()

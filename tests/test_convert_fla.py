@@ -331,7 +331,8 @@ def test_mapping_is_a_permutation_of_flas_tensors(tmp_path):
 def test_config_mapping(tmp_path):
     config, _, out = _convert(tmp_path, *CASES["gdn_attn_gva_expand"])
     hf = json.loads((out / "config.json").read_text())
-    assert hf["layer_types"] == ["gated_deltanet", "full_attention", "gated_deltanet", "sliding_attention"]
+    assert hf["mixer_types"] == ["gated_deltanet", "full_attention", "gated_deltanet", "sliding_attention"]
+    assert hf["layer_types"] == ["linear_attention", "full_attention", "linear_attention", "sliding_attention"]
     assert (hf["gdn_num_key_heads"], hf["gdn_num_value_heads"], hf["gdn_key_head_dim"], hf["gdn_value_head_dim"]) == (
         2, 4, 8, 12)
     assert (hf["attention_output_gate"], hf["attention_qk_norm"], hf["zero_centered_norms"]) == (False, False, False)

@@ -127,18 +127,13 @@ def test_fuzz_kills_inside_the_commit(tmp_path_factory, monkeypatch, old, first,
     dst = root / "out" / name
     if old:
         run(dst, "old")
-    with monkeypatch.context() as patch:
-        KillPoints(patch, first)
-        try:
-            run(dst, "new")
-        except Killed:
-            pass
-    with monkeypatch.context() as patch:
-        KillPoints(patch, second)
-        try:
-            run(dst, "new")
-        except Killed:
-            pass
+    for point in (first, second):
+        with monkeypatch.context() as patch:
+            KillPoints(patch, point)
+            try:
+                run(dst, "new")
+            except Killed:
+                pass
     completed = ["old", "new"] if old else ["new"]
     try:
         run(dst, "third", fails=last_fails)

@@ -48,5 +48,5 @@ def test_every_other_file_in_a_package_is_package_data():
 def test_readme_gives_the_test_command_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     commands = re.findall(r"^(python -m pytest[^\n]*)$", ci, flags=re.MULTILINE)
-    assert commands == ["python -m pytest -q tests"], commands
+    assert len(commands) == 1, commands
     assert commands[0] in (ROOT / "README.md").read_text(encoding="utf-8")

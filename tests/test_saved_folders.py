@@ -31,10 +31,13 @@ def test_a_folder_saved_by_an_earlier_version_loads_with_its_logits(folder, tmp_
     assert saved == loaded
 
 
-def test_transformers_generic_config_reads_a_saved_config():
+def test_transformers_generic_config_reads_an_earlier_folder_once_saved_again(tmp_path):
     """Trainer reads a checkpoint's config.json with the generic PreTrainedConfig when it resumes (and AutoTokenizer
-    falls back to it): our layer types must pass its layer_types check once the package is imported."""
+    falls back to it). A folder saved by an earlier version names its mixers in layer_types, which that config's
+    check refuses; this package loads it, and saves it in transformers' words, which the generic config reads."""
     from transformers import PreTrainedConfig
 
-    config = PreTrainedConfig.from_json_file(str(SAVED / "tiny_hybrid_v0_1" / "config.json"))
+    HybridLinearConfig.from_pretrained(SAVED / "tiny_hybrid_v0_1").save_pretrained(tmp_path)
+    config = PreTrainedConfig.from_json_file(str(tmp_path / "config.json"))
+    assert config.layer_types == ["linear_attention", "linear_attention", "sliding_attention", "full_attention"]
     assert config.mixer_types == ["gated_deltanet", "kimi_delta_attention", "sliding_attention", "full_attention"]
