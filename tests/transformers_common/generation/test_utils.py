@@ -13,7 +13,8 @@
 # limitations under the License.
 #
 # Vendored from transformers v5.15.0 (the git tag; the v5.24.0 source distribution does not hold it), tests/generation/test_utils.py.
-# Changes: `from tests.exporters.test_export import ...` is `from ..exporters.test_export import ...`.
+# Changes: `from tests.exporters.test_export import ...` is `from ..exporters.test_export import ...`; `@is_flaky` is
+# `@is_flaky()` (transformers v5.24.0's is_flaky takes arguments: used bare, it returned the test unrun).
 
 
 import collections
@@ -746,7 +747,7 @@ class GenerationTesterMixin(ExportGenerateTesterMixin):
                 self._check_generate_outputs(output, model.config, use_cache=True)
 
     @pytest.mark.generate
-    @is_flaky
+    @is_flaky()
     def test_prompt_lookup_decoding_matches_greedy_search(self):
         # This test ensures that the prompt lookup generation does not introduce output changes over greedy search.
         # This test is mostly a copy of test_assisted_decoding_matches_greedy_search
