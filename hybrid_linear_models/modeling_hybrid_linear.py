@@ -647,6 +647,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                 return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         if self._graph_decoder is not None:
             self._graph_decoder.ran_uncaptured()
+        if output_router_logits is None:  # resolved here: the base model records the routers only when asked
+            output_router_logits = getattr(self.config, "output_router_logits", False)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -668,8 +670,6 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             if labels is not None:
                 loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         aux_loss = None
-        if output_router_logits is None:
-            output_router_logits = getattr(self.config, "output_router_logits", False)
         if output_router_logits:
             # the routers balanced by the loss (softmax top-k); Kimi's bias-balanced routers are recorded, not counted
             balanced = [(logits, router.top_k) for logits, router in zip(outputs.router_logits or (), self._routers())

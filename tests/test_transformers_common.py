@@ -205,13 +205,6 @@ class _HybridLinearModelTest(CausalLMModelTest):
             self.assertEqual(len(outputs.attentions), expected)
 
 
-    # Known failures of this family, each a model fix still to make
-    @unittest.skip("Known failure, a model fix to make: the base model ignores config.output_router_logits=True "
-                   "(transformers' output capturing does not record the routers' logits by default from it)")
-    def test_output_router_logits_from_config(self):
-        pass
-
-
 # Tests of the whole model's compile and training paths cost 40-160 s each on a 2-core CPU; the GDN configuration
 # runs them, the other two configurations skip them (they exercise no mixer-specific code beyond what the GDN class
 # and this package's own compile and training tests cover)
