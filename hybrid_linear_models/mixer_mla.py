@@ -170,10 +170,15 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
                 and type(self.kv_b_proj) is nn.Linear):
             output, weights = self._absorbed(attention, query, compressed, attention_mask, settings)
         else:
+            slots = compressed.shape[2]
             if cache is not None:
                 compressed, attention_mask = filled_slots(cache, self.layer_idx, compressed, attention_mask)
             output, weights = self._expanded(attention, query, compressed, attention_mask, settings,
                                              pad_value="flash" in implementation)
+            if weights is not None and weights.shape[-1] < slots:
+                # weights over every slot of the cache, as attention over the whole buffer returns them: the slots
+                # left out are masked for every query, so their weights are zero
+                weights = nn.functional.pad(weights, [0, slots - weights.shape[-1]])
         return self.o_proj(output.reshape(B, T, -1)), weights
 
     def _expanded(self, attention: Callable, query: torch.Tensor, compressed: torch.Tensor, attention_mask,
@@ -218,7 +223,8 @@ def filled_slots(cache: Cache, layer_idx: int, compressed: torch.Tensor,
     the step sees a later slot (the mask hides it), so expanding it through kv_b_proj would be wasted work and memory,
     max_cache_len / filled times the step's own. The count is read on the host, so not while a CUDA graph is captured
     or torch.compile traces (the buffer is expanded whole there); the captured one-token step is absorbed and
-    expands nothing. A dynamic cache holds only written tokens: unchanged."""
+    expands nothing. A dynamic cache holds only written tokens: unchanged. The attention weights the layer returns
+    still span every slot (zero on the unfilled ones), as they do where the buffer is expanded whole."""
     layer = cache.layers[layer_idx] if layer_idx < len(getattr(cache, "layers", ())) else None
     if (not isinstance(layer, StaticLayer) or layer.is_sliding or torch.compiler.is_compiling()
             or (compressed.is_cuda and torch.cuda.is_current_stream_capturing())):

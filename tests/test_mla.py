@@ -317,6 +317,27 @@ def test_static_multi_token_steps_expand_only_the_filled_slots(implementation):
     torch.testing.assert_close(logits[64][real], uncached[real], rtol=TOLERANCE, atol=TOLERANCE)
 
 
+def test_static_prefill_returns_weights_over_every_slot():
+    """An eager prefill against a static cache of 16 slots expands only the 7 filled ones, and still returns attention
+    weights over all 16 slots, as transformers' attention over the whole buffer does (the same shape as the
+    full-attention layer's): the filled slots' weights those of a dynamic cache, zero on the unfilled slots."""
+    from transformers import StaticCache
+
+    model = mla_model(["mla_attention", "full_attention", "mla_attention"],
+                      per_layer_config={2: {"mla_use_nope": False, "q_lora_rank": 12}})
+    model.config._attn_implementation = "eager"
+    input_ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        static = model(input_ids, cache=StaticCache(config=model.config, max_cache_len=16), use_cache=True,
+                       output_attentions=True).attentions
+        dynamic = model(input_ids, cache=DynamicCache(config=model.config), use_cache=True,
+                        output_attentions=True).attentions
+    assert [tuple(weights.shape) for weights in static] == [(2, 4, 7, 16)] * 3
+    for over_slots, over_tokens in zip(static, dynamic):
+        torch.testing.assert_close(over_slots[..., :7], over_tokens, rtol=0, atol=1e-6)  # the same keys and math
+        assert not over_slots[..., 7:].any()
+
+
 def test_static_cache_holds_transformers_static_layers_for_latent_attention():
     from transformers import StaticCache
 
