@@ -337,10 +337,12 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
     def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool,
                      causal: bool = False) -> list:
         """The attention mask of every layer (None for GDN/KDA layers): one for all full (and latent) attention,
-        one per distinct sliding window, each built once. A dict given by the caller maps layer types to masks.
+        one per distinct sliding window, each built once. A dict given by the caller maps layer indices
+        (`create_masks_for_generate`'s) or layer types (transformers') to masks.
         `causal`: sdpa's own causal mask is the full-attention one (`_causal_kernel_suffices`), None is passed."""
         if isinstance(attention_mask, dict):
-            return [attention_mask.get(t) for t in self.config.layer_types]
+            return [attention_mask[i] if i in attention_mask else attention_mask.get(t)
+                    for i, t in enumerate(self.config.layer_types)]
         kwargs = dict(inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                       position_ids=position_ids)
         built, masks = {}, []
@@ -576,11 +578,24 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             raise
         return cache
 
-    def create_masks_for_generate(self, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-        # `generate` builds its 4-D masks here for a static cache, one per transformers layer type; the forward builds
-        # every layer's own (one per distinct sliding window, `_layer_masks`) and the GDN/KDA layers read the 2-D
-        # padding, so the 2-D mask is what it takes
-        return attention_mask
+    def create_masks_for_generate(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                  cache: Cache | None = None, position_ids: torch.Tensor | None = None,
+                                  **kwargs) -> torch.Tensor | dict[int, torch.Tensor | None] | None:
+        """`generate`'s masks for a step against a static cache (transformers builds one per layer type there).
+
+        A one-token step gets every layer's mask as the forward builds it (`_layer_masks`, one per distinct sliding
+        window), keyed by layer index: shaped by the cache's slots, so the compiled decoding step sees inputs of one
+        shape at every step, where the 2-D mask grows by a column a step (a recompilation each step). The step's
+        token is never padding, so the GDN/KDA layers need no 2-D mask. A prompt (several tokens) keeps the 2-D
+        mask, from which the forward takes the GDN/KDA layers' padding and sdpa's causal kernel; so does a step that
+        graph decoding may capture (it reads the 2-D padding: `_valid_auto_compile_criteria` compiles nothing
+        there)."""
+        if (inputs_embeds.shape[1] != 1 or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+                or (self._graph_decoder is not None
+                    and inputs_embeds.device.type in CudaGraphDecoder.device_types)):
+            return attention_mask
+        masks = self.model._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted=False)
+        return dict(enumerate(masks))
 
     def _sample(self, *args, **kwargs):
         # with graph decoding on, the stop check runs a step behind on CUDA (deferred_stop_check.py): the host queues

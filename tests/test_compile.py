@@ -72,6 +72,28 @@ def test_compiled_decoding_steps_do_not_recompile():
     assert [layer.seen_tokens for layer in linear] == [10, 10]  # the compiled steps' tokens counted too
 
 
+def test_compiled_generate_with_a_padded_mask_does_not_recompile():
+    """generate's compiled decoding steps, compiled as transformers' common test compiles them (fullgraph, no dynamic
+    shapes), with a left-padded 2-D mask that generate grows by a column a step: the steps take masks shaped by the
+    cache's slots (create_masks_for_generate), so no step after the first recompiles, and the tokens are those of
+    the uncompiled generate."""
+    model = tiny_model(["gated_deltanet", "full_attention"])
+    input_ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    compile_config = CompileConfig(backend="eager", fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # transformers' switch for compiling off CUDA
+    settings = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                    cache_implementation="static", compile_config=compile_config)
+    with torch.no_grad():
+        with torch.compiler.set_stance("force_eager"):
+            expected = model.generate(input_ids, **settings)
+        with torch._dynamo.config.patch(error_on_recompile=True):  # a guard failing at a later step raises
+            got = model.generate(input_ids, **settings)
+    assert hasattr(model, "_compiled_call")  # generate compiled its steps
+    assert torch.equal(got, expected)
+
+
 def test_generate_compiles_where_transformers_would_with_graph_decoding_on_or_off():
     model = tiny_model(["gated_deltanet", "full_attention"])
     cache = StaticCache(config=model.config, max_cache_len=16)
