@@ -10,11 +10,15 @@ output to the input of o_proj (`attention_step.py` says when they run; its torch
    share a KV head are the rows of one `tl.dot` tile (padded to 16), scores in float32 plus the additive mask, an
    online softmax over its slots, probabilities rounded to the value dtype for the P V product (as fused attention
    kernels do), the partial sums kept in float32. Slots past the step's own are never written yet (masked anyway):
-   their blocks are skipped. A tile's values are loaded with its keys (one memory round trip a tile).
+   their blocks are skipped. A tile's values are loaded with its keys (one memory round trip a tile). The cache's
+   slot count, tiles per split and split count are runtime arguments (`tiles` tiles of `BLOCK_SLOTS` a split,
+   `splits` splits covering the slots, at most `MAX_SPLITS`), none specialised: one compiled kernel per head layout
+   serves a static cache of any length (generation makes one of prompt plus new tokens per call).
 3. `_combine_kernel`, one program per (row, query head): the splits' partial sums merged by their maxima, divided by
    the softmax's sum, rounded, then the output gate sigmoid(gate) (rounded, and the product rounded, as torch's ops).
-   The splits are loaded together (up to `COMBINED_ELEMENTS` partial sums at once, the online rescale kept between
-   such chunks), not one after another, which would make the merge a chain of dependent L2 reads, one per split.
+   The splits are loaded together, `CHUNK` of them at once (fixed per head width D: min(MAX_SPLITS,
+   COMBINED_ELEMENTS // D), a power of two, those past `splits` masked; the online rescale kept between such chunks),
+   not one after another, which would make the merge a chain of dependent L2 reads, one per split.
 
 All three are launched with programmatic dependent launch where it is on (`kernels_launch_triton`): each waits for
 the kernel ahead first (everything they read, the cache's counter included, a kernel of the step writes), and lets
@@ -96,11 +100,13 @@ def _prepare_kernel(qkv_ptr, stride_qkv, query_ptr, keys_ptr, values_ptr, slot_p
                  value.to(values_ptr.dtype.element_ty))
 
 
-@triton.jit
+# the cache length's arguments are not specialised (by value 1 or divisibility by 16), so that no length compiles a
+# kernel of its own; the cache's strides scale with it too but stay multiples of D >= 16
+@triton.jit(do_not_specialize=["stride_mask", "slots", "tiles", "splits"])
 def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_ptr, acc_ptr, max_ptr, sum_ptr,
-                   stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, scale, slots,
+                   stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, scale, slots, tiles, splits,
                    H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                   BLOCK: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
     bj = tl.program_id(0)
     split = tl.program_id(1)
@@ -113,8 +119,9 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_
     running_max = tl.full([G_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for tile in range(TILES):
-        start = (split * TILES + tile) * BLOCK
+    tile = 0
+    while tile < tiles:  # (while, not range: triton's interpreter takes no runtime range bound under numpy >= 2.4)
+        start = (split * tiles + tile) * BLOCK
         if start <= last:
             s_idx = start + tl.arange(0, BLOCK)
             seen = (s_idx < slots) & (s_idx <= last)
@@ -134,29 +141,31 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask, slot_
             running_sum = running_sum * kept + tl.sum(probs, axis=1)
             acc = acc * kept[:, None] + tl.dot(probs.to(values.dtype), values)
             running_max = new_max
-    part = (bj * SPLITS + split) * G_PAD + g
+        tile += 1
+    part = (bj * splits + split) * G_PAD + g
     tl.store(max_ptr + part, running_max)
     tl.store(sum_ptr + part, running_sum)
     tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
 
 
-@triton.jit
-def _combine_kernel(acc_ptr, max_ptr, sum_ptr, qkv_ptr, stride_qkv, out_ptr, H: tl.constexpr, HKV: tl.constexpr,
-                    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                    CHUNK: tl.constexpr, GATE: tl.constexpr, PDL: tl.constexpr = False):
+@triton.jit(do_not_specialize=["splits"])
+def _combine_kernel(acc_ptr, max_ptr, sum_ptr, qkv_ptr, stride_qkv, out_ptr, splits, H: tl.constexpr,
+                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                    GATE: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     j = h // G
     d = tl.arange(0, D)
-    first = (b * HKV + j) * SPLITS * G_PAD + h % G  # split 0 of this head's row
+    first = (b * HKV + j) * splits * G_PAD + h % G  # split 0 of this head's row
     overall = tl.max(tl.full([CHUNK], float("-inf"), tl.float32), axis=0)
     total = tl.sum(tl.zeros([CHUNK], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
-    for start in range(0, SPLITS, CHUNK):  # CHUNK splits loaded at once: one memory round trip for them
+    start = 0
+    while start < splits:  # CHUNK splits loaded at once: one memory round trip for them
         split = start + tl.arange(0, CHUNK)
-        inside = split < SPLITS
+        inside = split < splits
         parts = first + split * G_PAD
         maxima = tl.load(max_ptr + parts, mask=inside, other=float("-inf"))
         sums = tl.load(sum_ptr + parts, mask=inside, other=0.0)
@@ -167,12 +176,19 @@ def _combine_kernel(acc_ptr, max_ptr, sum_ptr, qkv_ptr, stride_qkv, out_ptr, H: 
         total = total * kept + tl.sum(sums * taken, axis=0)
         acc = acc * kept + tl.sum(partial * taken[:, None], axis=0)
         overall = new_max
+        start += CHUNK
     out = (acc / total).to(out_ptr.dtype.element_ty)
     if GATE:
         gate = tl.load(qkv_ptr + b * stride_qkv + h * 2 * D + D + d).to(tl.float32)
         opened = tl.sigmoid(gate).to(out.dtype)
         out = (out.to(tl.float32) * opened.to(tl.float32)).to(out.dtype)
     tl.store(out_ptr + bh * D + d, out)
+
+
+def combined_splits(head_dim: int) -> int:
+    """The splits `_combine_kernel` loads at once for heads of width `head_dim` (a power of two): as many as
+    `COMBINED_ELEMENTS` partial sums hold, at most `MAX_SPLITS`; a power of two, whatever the cache's length."""
+    return max(min(MAX_SPLITS, COMBINED_ELEMENTS // head_dim), 1)
 
 
 def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor,
@@ -188,7 +204,7 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     HKV, slots, D = keys.shape[1], keys.shape[2], keys.shape[3]
     G = heads // HKV
     G_PAD = max(16, triton.next_power_of_2(G))
-    tiles = triton.cdiv(triton.cdiv(slots, BLOCK_SLOTS), MAX_SPLITS)
+    tiles = triton.cdiv(triton.cdiv(slots, BLOCK_SLOTS), MAX_SPLITS)  # tiles a split: the splits <= MAX_SPLITS
     splits = triton.cdiv(slots, BLOCK_SLOTS * tiles)
     query = qkv.new_empty(B, heads, D)
     norm = q_scale is not None
@@ -204,10 +220,8 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     mask_stride = mask.stride(0) if mask.shape[0] > 1 else 0
     _attend_kernel[(B * HKV, splits)](
         query, keys, values, mask, mask_stride, slot, acc, maxima, sums, *keys.stride()[:3], *values.stride()[:3],
-        scale, slots, H=heads, HKV=HKV, G=G, G_PAD=G_PAD, D=D, BLOCK=BLOCK_SLOTS, TILES=tiles, SPLITS=splits,
-        **launch)
+        scale, slots, tiles, splits, H=heads, HKV=HKV, G=G, G_PAD=G_PAD, D=D, BLOCK=BLOCK_SLOTS, **launch)
     out = qkv.new_empty(B, heads * D)
-    chunk = min(triton.next_power_of_2(splits), max(COMBINED_ELEMENTS // D, 1))
-    _combine_kernel[(B * heads,)](acc, maxima, sums, qkv, qkv.stride(0), out, H=heads, HKV=HKV, G=G, G_PAD=G_PAD,
-                                  D=D, SPLITS=splits, CHUNK=chunk, GATE=gate, **launch)
+    _combine_kernel[(B * heads,)](acc, maxima, sums, qkv, qkv.stride(0), out, splits, H=heads, HKV=HKV, G=G,
+                                  G_PAD=G_PAD, D=D, CHUNK=combined_splits(D), GATE=gate, **launch)
     return out

@@ -56,24 +56,33 @@ def _step(model, cache: StaticCache, hidden: torch.Tensor, key_mask: torch.Tenso
         launches.append(1)
         return kernel(*args, **kwargs)
 
+    failed = {}
     with pytest.MonkeyPatch.context() as patch, torch.no_grad():
         patch.setattr(attention_step, "STEP_DEVICE_TYPES", (hidden.device.type,) if fused else ())
         patch.setattr(attention_step, "attention_step_kernel", lambda: counted)
+        patch.setattr(attention_step, "_FAILED", failed)
         out = inner.layers[0].self_attn(hidden, tables, mask, StepCache(cache, None))[0]
     assert len(launches) == (1 if fused else 0)  # the path asked for ran
+    assert not failed, failed  # and its kernels did (a failure falls back to the torch path, with a warning)
     return out
 
 
 def _filled_cache(model, batch: int, slots: int, prompt: int) -> tuple[StaticCache, torch.Tensor]:
-    """A static cache of `slots` slots after a prompt of `prompt` tokens (the last row left-padded by 3), and the key
-    mask of the next step (real prompt tokens and the step's own slot)."""
+    """A static cache of `slots` slots after a prompt of `prompt` tokens (the last row left-padded by 3; none: an empty
+    cache), and the key mask of the next step (real prompt tokens and the step's own slot)."""
     device = model.device
     ids = torch.randint(1, 100, (batch, prompt), generator=torch.Generator().manual_seed(1)).to(device)
     padding = torch.ones(batch, prompt, dtype=torch.long, device=device)
     padding[-1, :3] = 0
     cache = StaticCache(config=model.config, max_cache_len=slots)
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=padding, cache=cache, use_cache=True)
+    if prompt:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=padding, cache=cache, use_cache=True)
+    else:  # no prompt: the layer's buffers allocated, the step writes slot 0
+        attention = model.model.layers[0].self_attn
+        empty = torch.empty(batch, attention.num_key_value_heads, 0, attention.head_dim, device=device,
+                            dtype=model.dtype)
+        cache.layers[0].lazy_initialization(empty, empty)
     key_mask = torch.zeros(batch, slots, dtype=torch.bool, device=device)
     key_mask[:, :prompt] = padding.bool()
     key_mask[:, prompt] = True
@@ -90,13 +99,37 @@ def test_fused_step_against_the_torch_path_and_float64(layout, dtype):
     step's slot and nothing else; its output is no further from the float64 step than twice the torch path's, plus
     one rounding of the output (the attention's sums are ordered differently, and its probabilities rounded before
     normalisation)."""
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and (dtype == torch.bfloat16 or layout not in INTERPRETED):
+    if not torch.cuda.is_available() and (dtype == torch.bfloat16 or layout not in INTERPRETED):
         pytest.skip("triton's interpreter: fp16 (no bfloat16 arithmetic), the small layouts")
-    device = "cuda" if on_gpu else "cpu"
-    batch, slots = LAYOUTS[layout][6:]
+    slots = LAYOUTS[layout][7]
+    _check_fused_step(layout, dtype, slots, min(slots - 8, 100))
+
+
+# (cache slots, the step's slot): one slot, around a tile of 64, splits past the step's slot skipped (1000 slots: 16
+# splits of one tile), two tiles a split (4097: 33 splits) with the step in the last split's first slot or in the first
+# tile of a split whose second is skipped
+CACHE_LENGTHS = [(1, 0), (15, 14), (16, 15), (17, 16), (63, 40), (64, 63), (65, 64), (1000, 700), (4097, 4096),
+                 (4097, 2100)]
+
+
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("slots", "prompt"), CACHE_LENGTHS)
+def test_fused_step_at_every_cache_length(slots, prompt, dtype):
+    """The step of any static cache's length (odd, a multiple of 16, a single slot) as exact as at the layouts' own
+    lengths (the checks of the test above), the last row left-padded."""
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter: fp16 (no bfloat16 arithmetic)")
+    _check_fused_step("gqa2_partial", dtype, slots, prompt)
+
+
+def _check_fused_step(layout: str, dtype: torch.dtype, slots: int, prompt: int) -> None:
+    """The fused step after `prompt` tokens in a static cache of `slots` slots against the torch path and the float64
+    step (see test_fused_step_against_the_torch_path_and_float64)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch = LAYOUTS[layout][6]
     model = _model(layout, dtype, device)
-    prompt = min(slots - 8, 100)
     cache, key_mask = _filled_cache(model, batch, slots, prompt)
     hidden = torch.randn(batch, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(device,
                                                                                                            dtype)
@@ -136,7 +169,7 @@ def test_fused_step_is_taken_only_where_its_conditions_hold(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(attention_step, "STEP_DEVICE_TYPES", (device,))
     model = _model("gqa2_partial", torch.float16, device)
-    cache, key_mask = _filled_cache(model, 2, 80, 20)
+    cache, _ = _filled_cache(model, 2, 80, 20)
     hidden = torch.randn(2, 1, model.config.hidden_size, device=device, dtype=torch.float16)
     inner = model.model
     positions = torch.full((2, 1), 20, device=device)
