@@ -11,9 +11,10 @@ output to the input of o_proj (`attention_step.py` says when they run; its torch
    online softmax over its slots, probabilities rounded to the value dtype for the P V product (as fused attention
    kernels do), the partial sums kept in float32. Slots past the step's own are never written yet (masked anyway):
    their blocks are skipped. A tile's values are loaded with its keys (one memory round trip a tile). The cache's
-   slot count, tiles per split and split count are runtime arguments (`tiles` tiles of `BLOCK_SLOTS` a split,
-   `splits` splits covering the slots, at most `MAX_SPLITS`), none specialised: one compiled kernel per head layout
-   serves a static cache of any length (generation makes one of prompt plus new tokens per call).
+   slot count, the mask's row stride, the tiles per split and the split count are runtime arguments (`tiles` tiles of
+   `BLOCK_SLOTS` a split, `splits` splits covering the slots, at most `MAX_SPLITS`), none specialised: one compiled
+   kernel per head layout serves a static cache of any length (generation makes one of prompt plus new tokens per
+   call).
 3. `_combine_kernel`, one program per (row, query head): the splits' partial sums merged by their maxima, divided by
    the softmax's sum, rounded, then the output gate sigmoid(gate) (rounded, and the product rounded, as torch's ops).
    The splits are loaded together, `CHUNK` of them at once (fixed per head width D: min(MAX_SPLITS,
