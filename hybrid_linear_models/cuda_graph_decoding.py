@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 from .cache_hybrid_linear import LinearStateLayer
 from .configuration_hybrid_linear import config_value
 from .derived_weights import ChangeWatch, derived_weights
+from .graph_cache_storage import CacheStorage, CacheStorages, cache_tensors
 from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
 
@@ -146,16 +148,6 @@ class StepCache:
             torch._foreach_add_([layer.cumulative_length for layer in self._full], 1)
 
 
-def cache_tensors(cache: StaticCache) -> list[torch.Tensor]:
-    tensors = []
-    for layer in cache.layers:
-        if isinstance(layer, LinearStateLayer):
-            tensors += [layer.conv_states[0], layer.recurrent_states[0]]
-        else:
-            tensors += [layer.keys, layer.values, layer.cumulative_length]
-    return tensors
-
-
 def _is_full(layer) -> bool:
     return isinstance(layer, StaticLayer) and not isinstance(layer, StaticSlidingWindowLayer)
 
@@ -217,31 +209,6 @@ def _full_length(cache: StaticCache) -> int:
     return max([layer.get_max_length() for layer in cache.layers if _is_full(layer)] + [1])
 
 
-def bind_to_storage(tensors: list[torch.Tensor], buffers: list[torch.Tensor],
-                    bound: list[weakref.ref]) -> list[weakref.ref] | None:
-    """Points a cache's `tensors` (`cache_tensors`) at `buffers`, the storage a captured graph reads and writes:
-    each tensor elsewhere has its values copied in and is set to that storage, and the tensors `bound` to it before
-    (an earlier cache, a user's reference) that are still alive and not among `tensors` keep their values in storage
-    of their own. Returns the new bound references; None when the tensors do not fit the buffers (another layout)."""
-    if len(tensors) != len(buffers) or any(
-            t.shape != b.shape or t.stride() != b.stride() or t.dtype != b.dtype or t.device != b.device
-            for t, b in zip(tensors, buffers)):
-        return None
-    current = {id(t) for t in tensors}
-    try:
-        for ref, buffer in zip(bound, buffers):
-            earlier = ref()
-            if earlier is not None and id(earlier) not in current and earlier.data_ptr() == buffer.data_ptr():
-                earlier.set_(earlier.clone())
-        for tensor, buffer in zip(tensors, buffers):
-            if tensor.data_ptr() != buffer.data_ptr():
-                buffer.copy_(tensor)
-                tensor.set_(buffer)
-    except RuntimeError:  # (e.g. inference tensors outside inference mode) a capture binds it instead
-        return None
-    return [weakref.ref(t) for t in tensors]
-
-
 def capture_obstacle(model, attention_mask) -> str | None:
     """What keeps any forward of `model` from being captured, a step or a prompt (None when nothing does): one line,
     with the fix."""
@@ -277,44 +244,88 @@ def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=Non
     return graph, out
 
 
-class CudaGraphDecoder:
-    """Captures `model.model.decode_step` + the LM head for one batch size and cache layout, and replays it.
+KEPT_STEP_GRAPHS = 8  # captured steps kept per model (batch sizes and cache sizes), the least recently replayed dropped
 
-    The graph reads and writes the storage of the cache tensors it was captured with (`_buffers`). Before each replay
-    the cache of the step is bound to that storage (`_bind`): a cache whose tensors are not there (another cache of
-    the same layout, as `generate(..., cache_implementation="static")` makes one per call, or tensors that beam
-    search's `reorder_cache` replaced with reordered copies) has its values moved into it and its tensors pointed at
-    it, and tensors bound before that are still held elsewhere (an earlier cache, a user's reference) keep their
-    values in storage of their own. So no replay reads memory the cache has let go of, and a new cache costs a copy
-    of its values, not a capture. The weights the graph reads are checked the same way, in two depths (`step`): per
-    step, the in-place updates that change a kept derived value; where a run of steps starts (after an uncaptured
-    forward, a newly bound cache), also every parameter's and buffer's identity and address, so a weight given new
-    storage between two generations is captured again rather than read from the storage it let go of. The host
-    work before a replay is what the GPU waits for at batch 1 wherever transformers reads each step's tokens on the
-    host before the next step (a stop check not deferred: deferred_stop_check), so the per-step checks read
-    memoised layouts (`CacheLayout`) and plain config values (`config_value`)."""
+
+class StepGraph:
+    """One captured step: the graph, its input buffers (refilled before each replay), the logits buffer it refills,
+    the cache storage it reads and writes, and the weights it read at capture."""
+
+    def __init__(self, cache: StaticCache, layout: "CacheLayout", batch: int, max_len: int, device: torch.device):
+        self.has_attention, self.has_full = bool(layout.attention), layout.has_full
+        sliding = any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers)
+        self.windows = WindowSteps(cache, batch, device) if sliding else None
+        self.step_cache = StepCache(cache, self.windows)
+        self.cache: weakref.ref = weakref.ref(cache)  # the cache served last (not kept alive)
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.slot_numbers = torch.arange(max_len, device=device)
+        self.mask_length = 0
+        self.graph = self.logits = None
+        self.storage: CacheStorage | None = None
+        self.watch: ChangeWatch | None = None  # the kept tensors the graph reads (norms' 1 + w, stacked weights)
+        self.weights: list = []  # every parameter and buffer at capture (`weights_of`), and their addresses
+        self.addresses: list[int] = []
+
+    def serve(self, cache: StaticCache) -> bool:
+        """Points the step's Python-side helpers at `cache` (bound to the storage already); True for a cache other
+        than the one served last (a run of steps starts)."""
+        if self.cache() is cache:
+            return False
+        self.cache = weakref.ref(cache)
+        self.step_cache = StepCache(cache, self.windows)
+        if self.windows is not None:
+            self.windows.bind(cache)
+        return True
+
+    def stale(self, check_addresses: bool) -> bool:
+        """Whether a weight the graph reads changed: a kept derived value updated in place (per step), or (where a run
+        of steps starts) a parameter or buffer replaced or given new storage."""
+        return self.watch.changed(addresses=check_addresses) or (
+            check_addresses and weights_moved(self.weights, self.addresses))
+
+
+class CudaGraphDecoder:
+    """Captures `model.model.decode_step` + the LM head per (batch size, cache key slots, device), and replays it.
+
+    Each captured step (`StepGraph`) reads and writes the storage of its cache shape (`graph_cache_storage`), shared
+    with the prompt graphs of that shape. Before each replay the cache of the step is bound to that storage: a cache
+    whose tensors are not there (another cache of the same shape, as `generate(..., cache_implementation="static")`
+    makes one per call, or tensors that beam search's `reorder_cache` replaced with reordered copies) has its values
+    moved into it and its tensors pointed at it, and tensors bound before that are still held elsewhere (an earlier
+    cache, a user's reference) keep their values in storage of their own. So no replay reads memory the cache has let
+    go of, and a new cache costs a copy of its values, not a capture. The weights the graph reads are checked the same
+    way, in two depths (`step`): per step, the in-place updates that change a kept derived value; where a run of
+    steps starts (after an uncaptured forward, another cache or another captured step), also every parameter's and
+    buffer's identity and address, so a weight given new storage between two generations is captured again rather
+    than read from the storage it let go of. The KEPT_STEP_GRAPHS most recently replayed steps are kept; `generate`
+    sizes static caches in few buckets (static_cache_slots), so a process meets few keys. The host work before a
+    replay is what the GPU waits for at batch 1 wherever transformers reads each step's tokens on the host before the
+    next step (a stop check not deferred: deferred_stop_check), so the per-step checks read memoised layouts
+    (`CacheLayout`) and plain config values (`config_value`)."""
 
     device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
 
-    def __init__(self):
-        self._key = None
-        self._graph = None
-        self._buffers: list[torch.Tensor] = []  # views of the cache storage the graph reads and writes
-        self._bound: list[weakref.ref] = []  # the cache tensors viewing that storage, as bound for the last step
-        self._step_cache: StepCache | None = None
-        self._watch: ChangeWatch | None = None  # the kept tensors the graph reads (norms' 1 + w, stacked weights)
-        self._weights: list = []  # every parameter and buffer at capture (`weights_of`), and their addresses
-        self._addresses: list[int] = []
+    def __init__(self, storages: CacheStorages | None = None):
+        self.storages = storages if storages is not None else CacheStorages()
+        self._graphs: OrderedDict[tuple, StepGraph] = OrderedDict()  # least recently replayed first
+        self._last_key = None
         self._new_run = True  # the next step starts a run of steps: the weights' addresses are checked too
         self._layout: CacheLayout | None = None  # of the last cache asked about
-        self._windows: WindowSteps | None = None
         self._failed: dict = {}  # capture keys whose capture failed -> the error (not tried again)
         self._warned: set[str] = set()
+        self._pool = None  # one memory pool for the captured steps (replayed one at a time)
 
     def __reduce__(self):
         """Copies (copy.deepcopy of the model, pickling) start with nothing captured: a CUDA graph cannot be copied,
         and it reads the original's weights and cache buffers, not the copy's."""
         return CudaGraphDecoder, ()
+
+    @property
+    def captured_keys(self) -> list[tuple]:
+        """The (batch, key slots, device) of each kept captured step, least recently replayed first."""
+        return list(self._graphs)
 
     @staticmethod
     def wanted(model, input_ids, inputs_embeds, cache) -> bool:
@@ -361,7 +372,7 @@ class CudaGraphDecoder:
         reason = self.obstacle(model, cache, attention_mask, kwargs)
         if reason is None:
             layout = self.layout(cache)
-            key = (input_ids.shape[0], layout.full_length, input_ids.device)  # (the cache is bound: `_bind`)
+            key = storage_key(input_ids.shape[0], layout, input_ids.device)
             _check_room(layout)
             if key not in self._failed:
                 logits = self.step(model, input_ids, position_ids, attention_mask, cache, key)
@@ -371,87 +382,70 @@ class CudaGraphDecoder:
         self.warn_once(reason)
         return None
 
-    def _bind(self, cache: StaticCache) -> bool:
-        """Points the cache's tensors at the graph's storage (see the class docstring); False when they do not fit
-        it (another layout: a capture is needed)."""
-        tensors = cache_tensors(cache)
-        if len(tensors) == len(self._bound) and all(ref() is t for ref, t in zip(self._bound, tensors)):
-            return True  # the tensors bound for the last step
-        bound = bind_to_storage(tensors, self._buffers, self._bound)
-        if bound is None:
-            return False
-        self._bound = bound
-        self._step_cache = StepCache(cache, self._windows)
-        if self._windows is not None:
-            self._windows.bind(cache)
-        self._new_run = True
-        return True
-
     def step(self, model, input_ids, position_ids, attention_mask, cache: StaticCache,
              key: tuple) -> torch.Tensor | None:
-        """The logits of the step replayed from the graph (captured first if needed); None if the capture failed
-        (the error is kept in `_failed` under the step's `key`, and the cache is left as it was)."""
-        batch, max_len = input_ids.shape[0], key[1]
-        # Per step: the derived weights' in-place updates (the graph reads the kept values). At the start of a run of
-        # steps (after an uncaptured forward, a new cache bound): also the address of every weight, which new data
-        # (`module.to`, `.data = `, a replaced parameter) changes: a graph would read the storage it let go of.
-        if (key != self._key or not self._bind(cache) or self._watch.changed(addresses=self._new_run)
-                or (self._new_run and weights_moved(self._weights, self._addresses))):
+        """The logits of the step replayed from the graph of `key` (captured first if needed); None if the capture
+        failed (the error is kept in `_failed` under `key`, and the cache is left as it was)."""
+        graph = self._graphs.get(key)
+        bound = graph is not None and self.storages.bind(cache, key) is graph.storage is not None
+        if bound:
+            fresh = graph.serve(cache) or self._new_run or key != self._last_key
+        if not bound or graph.stale(check_addresses=fresh):
+            self._graphs.pop(key, None)
             try:
-                self._capture(model, cache, batch, max_len, input_ids.device, key)
+                graph = self._capture(model, cache, key)
             except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
-                self._graph, self._key = None, None
                 first_line = (str(error).strip().splitlines() or [""])[0][:200]
                 self._failed[key] = (f"capturing the step failed ({type(error).__name__}: {first_line}); "
                                      "model.set_cuda_graph_decoding(False) skips the attempt")
                 return None
-        self._new_run = False
-        self._ids.copy_(input_ids)
-        past = cache.get_seq_length() if self._has_attention else None  # a device tensor: no synchronisation
+            self._graphs[key] = graph
+            while len(self._graphs) > KEPT_STEP_GRAPHS:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        self._new_run, self._last_key = False, key
+        return self._replay(graph, input_ids, position_ids, attention_mask, cache)
+
+    def _replay(self, graph: StepGraph, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
+        batch, max_len = input_ids.shape[0], graph.key_mask.shape[1]
+        graph.ids.copy_(input_ids)
+        past = cache.get_seq_length() if graph.has_attention else None  # a device tensor: no synchronisation
         if position_ids is not None:
-            self._positions.copy_(position_ids)
+            graph.positions.copy_(position_ids)
         elif past is not None:
-            self._positions.copy_(past.view(1, 1).expand(batch, 1))
-        if self._windows is not None:
-            self._windows.prepare(past, attention_mask)
-        if past is not None and self._has_full:  # cache slots holding real tokens once this step's token is written
+            graph.positions.copy_(past.view(1, 1).expand(batch, 1))
+        if graph.windows is not None:
+            graph.windows.prepare(past, attention_mask)
+        if past is not None and graph.has_full:  # cache slots holding real tokens once this step's token is written
             if attention_mask is None:
                 # one kernel (the slot numbers kept; comparing into the buffer): not arange, compare, copy
                 own_slot = past.view(1, 1) if isinstance(past, torch.Tensor) else past  # (a device counter, or an int)
-                torch.le(self._slot_numbers.expand(batch, -1), own_slot, out=self._key_mask)
-                self._mask_length = max_len
+                torch.le(graph.slot_numbers.expand(batch, -1), own_slot, out=graph.key_mask)
+                graph.mask_length = max_len
             else:  # slots past the mask stay False: zeroed at capture, and again where a longer mask wrote
                 length = attention_mask.shape[1]
-                self._key_mask[:, :length].copy_(attention_mask)
-                if length < self._mask_length:
-                    self._key_mask[:, length : self._mask_length].zero_()
-                self._mask_length = length
+                graph.key_mask[:, :length].copy_(attention_mask)
+                if length < graph.mask_length:
+                    graph.key_mask[:, length : graph.mask_length].zero_()
+                graph.mask_length = length
         linear = self.layout(cache).linear
         written = [layer.seen_tokens for layer in linear]
-        self._graph.replay()
+        graph.graph.replay()
         for layer, count in zip(linear, written):  # set, not added to: a stand-in replay that runs the step's Python
             layer.seen_tokens = count + 1          # (the CPU tests') counts it once as well
-        if self._windows is not None:
-            self._windows.advance()
-        return self._logits.clone()
+        if graph.windows is not None:
+            graph.windows.advance()
+        return graph.logits.clone()
 
     @staticmethod
-    def _record(run, device, reset) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        return record_graph(run, device, reset=reset)  # (tests stand in an eager replay here)
+    def _record(run, device, reset, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        return record_graph(run, device, pool, reset=reset)  # (tests stand in an eager replay here)
 
-    def _capture(self, model, cache, batch, max_len, device, key) -> None:
-        self._graph = None  # release the previous graph's memory pool first
-        self._buffers, self._bound = [], []
+    def _capture(self, model, cache, key) -> StepGraph:
+        batch, _, device = key
         layout = self.layout(cache)
-        self._has_attention, self._has_full = bool(layout.attention), layout.has_full
-        sliding = any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers)
-        self._windows = WindowSteps(cache, batch, device) if sliding else None
-        self._step_cache = StepCache(cache, self._windows)
-        self._ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self._positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self._key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
-        self._slot_numbers = torch.arange(max_len, device=device)
-        self._mask_length = 0
+        graph = StepGraph(cache, layout, batch, layout.full_length, device)
+        graph.storage = self.storages.storage_for(cache, key)  # (the cache's tensors are that storage from here)
         linear_layers = layout.linear
         seen = [layer.seen_tokens for layer in linear_layers]
         saved = [t.clone() for t in cache_tensors(cache)]
@@ -461,9 +455,9 @@ class CudaGraphDecoder:
             # (the LM head's too) through this package's Triton kernel (kernels_gemv)
             with decode_gemv_mode(device):
                 with graph_safe_experts(model.config, model.lm_head.weight.dtype, device.type):
-                    hidden = model.model.decode_step(self._ids, self._positions, self._key_mask, self._step_cache,
-                                                    self._windows)
-                self._step_cache.advance()
+                    hidden = model.model.decode_step(graph.ids, graph.positions, graph.key_mask, graph.step_cache,
+                                                    graph.windows)
+                graph.step_cache.advance()
                 return model.lm_head(hidden)
 
         def restore():  # the cache as the warm-up steps found it
@@ -472,14 +466,19 @@ class CudaGraphDecoder:
             for layer, count in zip(linear_layers, seen):
                 layer.seen_tokens = count
 
+        if self._pool is None and device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
         try:
-            self._graph, self._logits = self._record(run, device, restore)
+            graph.graph, graph.logits = self._record(run, device, restore, self._pool)
         finally:  # the warm-up steps advanced the cache (also when the capture failed): undo them
             restore()
-        tensors = cache_tensors(cache)
-        self._buffers = [t.detach() for t in tensors]  # (views: the storage stays while the graph is kept)
-        self._bound = [weakref.ref(t) for t in tensors]
-        self._key = key
-        self._watch = ChangeWatch(derived_weights(model))
-        self._weights = weights_of(model)
-        self._addresses = [tensor.data_ptr() for _, _, tensor in self._weights]
+        graph.watch = ChangeWatch(derived_weights(model))
+        graph.weights = weights_of(model)
+        graph.addresses = [tensor.data_ptr() for _, _, tensor in graph.weights]
+        return graph
+
+
+def storage_key(batch: int, layout: CacheLayout, device: torch.device) -> tuple:
+    """The key of a cache's captured graphs and their storage: (batch, the full-attention layers' key slots, or None
+    without any, device)."""
+    return batch, layout.full_length if layout.has_full else None, device

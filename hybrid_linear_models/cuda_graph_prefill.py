@@ -6,7 +6,7 @@ microseconds on a GPU server's host, so the wall time is several times the kerne
 graph launches them all at once.
 
 A graph holds fixed shapes, so a prompt of L tokens is padded on the right to its length bucket P (`prefill_length`:
-a multiple of max(64, an eighth of the largest power of two <= L): fewer than max(64, L / 8) pads, 8 buckets per
+a multiple of max(64, a quarter of the largest power of two <= L): fewer than max(64, L / 4) pads, 4 buckets per
 doubling), and the padding is exact for everything the prefill leaves behind:
 - the model is causal: no real token sees a pad (attention masks later keys, convolution and recurrence run forward);
 - GDN/KDA layers see the pads as padding (`SequenceInfo.padding_mask`): beta and log decay 0, so the recurrent state
@@ -22,11 +22,14 @@ docs/performance.md (`benchmarks/bench_generation.py --device cuda`).
 
 Used by `HybridLinearForCausalLM.forward` for a prompt (more than one token) on CUDA, without gradients, into an empty
 `StaticCache` (`generate(..., cache_implementation="static")`), with graph decoding on (`set_cuda_graph_decoding`,
-one switch for both). A bucket is captured the second time a prompt falls in it: a one-off prompt runs the plain
-forward and does not pay for a capture (two warm-up runs and the recording, about three plain prefills). A prefill
+one switch for both), for prompts of up to LARGEST_CAPTURED_TOKENS tokens in all (past it the plain forward runs:
+the GPU's work, not the launches, then sets the time). A bucket is captured the second time a prompt falls in it: a
+one-off prompt runs the plain forward and does not pay for a capture (two warm-up runs and the recording, about three
+plain prefills); `HybridLinearForCausalLM.warm_up` captures every bucket up front (`captured_buckets`). A prefill
 that cannot be captured (sliding-window layers, whose buffers would keep the pads' keys; a cache already holding
 tokens; all the logits asked for; what graph decoding refuses too) runs the plain forward, and a one-line warning says
-why, once per model and reason. The cache is bound to the graph's storage as for decoding (`bind_to_storage`).
+why, once per model and reason. The cache is bound to the storage of its shape, which the decoding step's graph
+shares (graph_cache_storage): a replayed prompt leaves the cache where the step reads it.
 """
 
 from __future__ import annotations
@@ -38,25 +41,42 @@ from collections import Counter, OrderedDict
 import torch
 from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 
-from .cache_hybrid_linear import LinearStateLayer
-from .cuda_graph_decoding import (CacheLayout, bind_to_storage, cache_tensors, capture_obstacle, record_graph,
-                                  weights_moved, weights_of)
+from .cuda_graph_decoding import CacheLayout, capture_obstacle, record_graph, storage_key, weights_moved, weights_of
 from .derived_weights import ChangeWatch, derived_weights
+from .graph_cache_storage import CacheStorage, CacheStorages, allocated
 from .mlp_sparse_moe import graph_safe_experts, graph_safe_experts_implementation
 
 logger = logging.getLogger(__name__)
 
 SMALLEST_BUCKET = 64  # fla's chunk length: a shorter pad saves no chunk
-KEPT_GRAPHS = 8  # captured buckets kept per model, the least recently replayed dropped first
+BUCKETS_PER_DOUBLING = 4  # fewer than a quarter of the length padded; 20 buckets from 64 to 4,096 tokens
+# Prompts of up to this many tokens in all (batch x bucket) are captured. Past it the GPU's work, not the host's
+# launches, sets a prefill's time (a 1.2B model's 4k-token prefill keeps an H200 busy longer than its ~600 launches
+# take), so the plain forward runs, and no capture, and no graph memory, is spent on a length bucket that gains little.
+LARGEST_CAPTURED_TOKENS = 4096
+KEPT_GRAPHS = 64  # captured buckets kept per model (they share one memory pool and their cache shape's storage)
 
 
 def prefill_length(length: int, slots: int | None = None) -> int:
-    """The bucket a prompt of `length` tokens is padded to: the next multiple of max(64, an eighth of the largest
-    power of two <= length), so fewer than 64 or length / 8 pads and 8 buckets per doubling; at most `slots` (the
+    """The bucket a prompt of `length` tokens is padded to: the next multiple of max(64, a quarter of the largest
+    power of two <= length), so fewer than 64 or length / 4 pads and 4 buckets per doubling; at most `slots` (the
     static cache's key slots; None for a cache without attention layers)."""
-    step = max(SMALLEST_BUCKET, (1 << (length.bit_length() - 1)) // 8)
+    step = max(SMALLEST_BUCKET, (1 << (length.bit_length() - 1)) // BUCKETS_PER_DOUBLING)
     padded = -(-length // step) * step
     return padded if slots is None else max(min(padded, slots), length)
+
+
+def captured_buckets(batch: int, slots: int | None) -> list[int]:
+    """Every bucket a prompt of `batch` rows is captured at (`LARGEST_CAPTURED_TOKENS`), for a cache of `slots` key
+    slots: the lengths the warm-up captures."""
+    buckets, length = [], 2
+    while batch * (padded := prefill_length(length, slots)) <= LARGEST_CAPTURED_TOKENS:
+        if padded not in buckets:
+            buckets.append(padded)
+        if slots is not None and padded >= slots:
+            break
+        length = padded + 1
+    return buckets
 
 
 class PrefillGraph:
@@ -72,8 +92,7 @@ class PrefillGraph:
         self._arange = torch.arange(padded, device=device).expand(batch, padded)
         self.graph = self.logits = None
         self.cache: weakref.ref | None = None  # the cache bound last (not kept alive)
-        self.buffers: list[torch.Tensor] = []
-        self.bound: list = []
+        self.storage: CacheStorage | None = None  # shared with the other graphs of its cache shape
         self.watch: ChangeWatch | None = None
         self.weights: list = []
         self.addresses: list[int] = []
@@ -94,12 +113,12 @@ class PrefillGraph:
         self.length.fill_(length)
         self.last.fill_(length - 1)
 
-    def bind(self, cache: StaticCache) -> bool:
-        _initialize_like(cache, self.buffers)
-        bound = bind_to_storage(cache_tensors(cache), self.buffers, self.bound)
-        if bound is None:
+    def bind(self, cache: StaticCache, storages: CacheStorages, key: tuple) -> bool:
+        """Points `cache` at the graph's storage; False where it does not fit, or the storage of its shape is now
+        another one (the graph is then captured again)."""
+        if self.storage is None or storages.bind(cache, key) is not self.storage:
             return False
-        self.bound, self.cache = bound, weakref.ref(cache)
+        self.cache = weakref.ref(cache)
         return True
 
     def stale(self) -> bool:
@@ -107,32 +126,17 @@ class PrefillGraph:
         return self.watch.changed(addresses=True) or weights_moved(self.weights, self.addresses)
 
 
-def _initialize_like(cache: StaticCache, buffers: list[torch.Tensor]) -> None:
-    """Gives the layers of a new cache that have not allocated their tensors yet (transformers' static layers and
-    ours allocate on their first update) tensors shaped as `buffers` (`cache_tensors` order), so they can be bound."""
-    if len(buffers) != sum(2 if isinstance(layer, LinearStateLayer) else 3 for layer in cache.layers):
-        return  # another layout: the binding fails, and the prefill is captured for this cache
-    tensors = iter(buffers)
-    for layer in cache.layers:
-        if isinstance(layer, LinearStateLayer):
-            conv, recurrent = next(tensors), next(tensors)
-            if not _allocated(layer):
-                layer.lazy_initialization(conv_states=conv[..., 1:], recurrent_states=recurrent)
-        else:
-            keys, values, _ = next(tensors), next(tensors), next(tensors)
-            if not _allocated(layer):
-                layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
-
-
 class CudaGraphPrefill:
     """Captures `model.model.prefill_step` + the LM head on the last real token, per (batch, length bucket, cache
     slots, device, whether a row is left-padded: the attention mask then holds the padding), and replays it (see the
-    module docstring). The graphs share one memory pool (they run one at a time); the KEPT_GRAPHS most recently
-    replayed are kept (each also holds the storage of the cache it was captured with)."""
+    module docstring). The graphs share one memory pool (they run one at a time) and the storage of their cache shape;
+    the KEPT_GRAPHS most recently replayed are kept."""
 
     device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
 
-    def __init__(self):
+    def __init__(self, storages: CacheStorages | None = None):
+        self.storages = storages if storages is not None else CacheStorages()
+        self.capture_first_use = False  # (set by the warm-up: a bucket is captured at its first prompt)
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()  # least recently replayed first
         self._uses: Counter = Counter()
         self._failed: dict[tuple, str] = {}
@@ -197,11 +201,13 @@ class CudaGraphPrefill:
                     "the StaticCache with a larger max_cache_len (at least the prompt length plus max_new_tokens), or "
                     "let generate size it (cache_implementation=\"static\" without a cache of your own).")
             padded = prefill_length(input_ids.shape[1], slots)
+            if input_ids.shape[0] * padded > LARGEST_CAPTURED_TOKENS:
+                return None  # (the GPU's work sets this prefill's time: the plain forward, silently)
             rows_padded = attention_mask is not None and not bool(attention_mask.all())  # (one sync, not per token)
             key = (input_ids.shape[0], padded, slots, input_ids.device, rows_padded)
             if key not in self._failed:
                 self._uses[key] += 1
-                if key not in self._graphs and self._uses[key] < 2:
+                if key not in self._graphs and self._uses[key] < 2 and not self.capture_first_use:
                     return None
                 logits = self._replay(model, input_ids, position_ids, attention_mask, cache, layout, key)
                 if logits is not None:
@@ -214,7 +220,7 @@ class CudaGraphPrefill:
         graph = self._graphs.get(key)
         if graph is not None:
             graph.fill(input_ids, position_ids, attention_mask)
-        if graph is None or not graph.bind(cache) or graph.stale():
+        if graph is None or not graph.bind(cache, self.storages, (key[0], key[2], key[3])) or graph.stale():
             self._graphs.pop(key, None)
             try:
                 graph = self._capture(model, cache, layout, key, input_ids, position_ids, attention_mask)
@@ -255,25 +261,17 @@ class CudaGraphPrefill:
                 layer.cumulative_length.copy_(graph.length)
             return model.lm_head(hidden.index_select(1, graph.last))
 
-        if not all(_allocated(layer) for layer in cache.layers):
+        storage = self.storages.bind(cache, storage_key(batch, layout, device))
+        if storage is None and not all(allocated(layer) for layer in cache.layers):
             run()  # allocates the cache's tensors (on first update) outside the graph's memory pool
         if self._pool is None and device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         graph.graph, graph.logits = self._record(run, device, self._pool)
-        tensors = cache_tensors(cache)
-        graph.buffers = [t.detach() for t in tensors]
-        graph.bound = bind_to_storage(tensors, graph.buffers, [])
+        graph.storage = storage or self.storages.adopt(cache, storage_key(batch, layout, device))
         graph.watch = ChangeWatch(derived_weights(model))
         graph.weights = weights_of(model)
         graph.addresses = [tensor.data_ptr() for _, _, tensor in graph.weights]
         return graph
-
-
-def _allocated(layer) -> bool:
-    """Whether a cache layer holds its tensors (transformers' static layers and ours allocate on the first update)."""
-    if isinstance(layer, LinearStateLayer):
-        return layer.is_conv_states_initialized[0] and layer.is_recurrent_states_initialized[0]
-    return layer.is_initialized
 
 
 def _empty(layout: CacheLayout) -> None:

@@ -34,6 +34,9 @@ from .cache_hybrid_linear import adopt_linear_layers, linear_layer_cache, past_l
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
 from .cuda_graph_prefill import CudaGraphPrefill
+from .graph_cache_storage import CacheStorages
+from .static_cache_slots import static_cache_slots
+from .warm_up import WarmUpReport, warm_up
 from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
@@ -544,15 +547,24 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self.model = HybridLinearModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._graph_decoder: CudaGraphDecoder | None = CudaGraphDecoder()
-        self._graph_prefill: CudaGraphPrefill | None = CudaGraphPrefill()
+        self.set_cuda_graph_decoding(True)
         self.post_init()
 
     def set_cuda_graph_decoding(self, enabled: bool) -> None:
         """One-token steps and prompts (cuda_graph_prefill) on CUDA against a StaticCache replay captured CUDA graphs,
         and `generate`'s stop check runs a step behind on CUDA (deferred_stop_check) (all on by default)."""
-        self._graph_decoder = CudaGraphDecoder() if enabled else None
-        self._graph_prefill = CudaGraphPrefill() if enabled else None
+        storages = CacheStorages()  # one cache storage per shape, shared by the step's graphs and the prompts'
+        self._graph_decoder = CudaGraphDecoder(storages) if enabled else None
+        self._graph_prefill = CudaGraphPrefill(storages) if enabled else None
+
+    def warm_up(self, max_batch_size: int = 1, max_length: int | None = None, batch_sizes: list[int] | None = None,
+                verbose: bool = True) -> WarmUpReport:
+        """Compiles, tunes and captures what `generate` will need for requests of up to `max_batch_size` rows and
+        `max_length` tokens (prompt plus new; the model's positions by default), so that no later request of that
+        size pays for it at its first token; prints what it did and its time (warm_up.py). Call it once, after
+        loading the model onto its device and dtype."""
+        return warm_up(self, max_batch_size=max_batch_size, max_length=max_length, batch_sizes=batch_sizes,
+                       verbose=verbose)
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         # `generate` would torch.compile the forward for a static cache; on CUDA, our captured decoding step serves
@@ -563,20 +575,27 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def _prepare_static_cache(self, *args, **kwargs) -> Cache:
-        # `generate`'s static cache is refused before its buffers are allocated when they pass the model's positions
-        # or the memory (cache_checks); transformers' size memory (`_previous_max_cache_length`, the size later calls
-        # reuse) is left as it was, so one refused call does not size every later cache.
+        # `generate`'s static cache: its key slots rounded up to one of few sizes (static_cache_slots), so what is
+        # captured per cache size is captured for few; the exact size where the rounded one would not fit in memory.
+        # A cache is refused before its buffers are allocated when it passes the model's positions or the memory
+        # (cache_checks); transformers' size memory (`_previous_max_cache_length`, the size later calls reuse) is then
+        # left as it was, so one refused call does not size every later cache.
+        kwargs.update(zip(("cache_implementation", "batch_size", "max_cache_len", "prefill_chunk_size",
+                           "model_kwargs"), args))
+        tokens = kwargs["max_cache_len"]
         previous = self.__dict__.get("_previous_max_cache_length")
-        cache = super()._prepare_static_cache(*args, **kwargs)
-        try:
-            check_static_cache_size(self.model, cache, kwargs.get("batch_size", args[1] if len(args) > 1 else 1))
-        except ValueError:
-            if previous is None:
-                self.__dict__.pop("_previous_max_cache_length", None)
-            else:
-                self._previous_max_cache_length = previous
-            raise
-        return cache
+        for slots in dict.fromkeys((static_cache_slots(tokens, self.config.max_position_embeddings), tokens)):
+            cache = super()._prepare_static_cache(**{**kwargs, "max_cache_len": slots})
+            try:
+                check_static_cache_size(self.model, cache, kwargs["batch_size"])
+                return cache
+            except ValueError:
+                if previous is None:
+                    self.__dict__.pop("_previous_max_cache_length", None)
+                else:
+                    self._previous_max_cache_length = previous
+                if slots == tokens:
+                    raise
 
     def create_masks_for_generate(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                   cache: Cache | None = None, position_ids: torch.Tensor | None = None,

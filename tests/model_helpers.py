@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
+from hybrid_linear_models.cuda_graph_prefill import CudaGraphPrefill
 
 ALL_TYPES = ["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"]
 
@@ -189,7 +190,7 @@ def replay_graphs_eagerly(monkeypatch) -> list[EagerReplay]:
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
     captured: list[EagerReplay] = []
 
-    def record(run, device, reset):
+    def record(run, device, reset, pool=None):
         run()  # the two warm-up steps of record_graph, each from the same cache, undone by the caller as on the GPU
         reset()
         out = run()
@@ -197,6 +198,21 @@ def replay_graphs_eagerly(monkeypatch) -> list[EagerReplay]:
         return captured[-1], out
 
     monkeypatch.setattr(CudaGraphDecoder, "_record", staticmethod(record))
+    return captured
+
+
+def replay_prefills_eagerly(monkeypatch) -> list[EagerReplay]:
+    """The CUDA-graph prefill path on the CPU, each captured prompt bucket stood in by an EagerReplay of the same
+    run. Returns the captured prefills, in capture order."""
+    monkeypatch.setattr(CudaGraphPrefill, "device_types", ("cuda", "cpu"))
+    captured: list[EagerReplay] = []
+
+    def record(run, device, pool):
+        out = run()
+        captured.append(EagerReplay(run, out))
+        return captured[-1], out
+
+    monkeypatch.setattr(CudaGraphPrefill, "_record", staticmethod(record))
     return captured
 
 

@@ -228,8 +228,8 @@ PREFILL_MODELS = {  # (MoE in float32 through batched_mm: the graph-safe experts
 def test_cuda_graph_prefill_matches_the_plain_prefill(layout, padded):
     """The captured prefill (cuda_graph_prefill.py) on a GPU: three generations of one prompt (40 tokens; a row
     left-padded, whose keys the attention mask then holds, or none: sdpa's causal flash kernel), each into a new
-    static cache: the bucket's first prompt runs the plain forward, the second captures it (padded to the cache's 59
-    slots inside the graph), the third replays it. Each gives the tokens and scores of generation with the graphs
+    static cache (generate rounds its 59 tokens up to 256 slots: static_cache_slots): the bucket's first prompt runs
+    the plain forward, the second captures it (padded to its 64-token bucket inside the graph), the third replays it. Each gives the tokens and scores of generation with the graphs
     off."""
     model = PREFILL_MODELS[layout]().cuda()
     if layout == "latent_and_moe":
@@ -240,7 +240,7 @@ def test_cuda_graph_prefill_matches_the_plain_prefill(layout, padded):
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
                   pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
     runs = [model.generate(input_ids, **kwargs) for _ in range(3)]
-    assert list(model._graph_prefill._graphs) == [(3, 59, 59, input_ids.device, padded)]  # captured (59 slots)
+    assert list(model._graph_prefill._graphs) == [(3, 64, 256, input_ids.device, padded)]  # captured
     model.set_cuda_graph_decoding(False)
     eager = model.generate(input_ids, **kwargs)
     for run in runs:

@@ -13,8 +13,9 @@ from transformers import DynamicCache, StaticCache
 
 from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
 from hybrid_linear_models import cuda_graph_prefill
-from hybrid_linear_models.cuda_graph_prefill import CudaGraphPrefill, prefill_length
-from model_helpers import EagerReplay, tiny_model
+from hybrid_linear_models.cuda_graph_prefill import (LARGEST_CAPTURED_TOKENS, CudaGraphPrefill, captured_buckets,
+                                                     prefill_length)
+from model_helpers import EagerReplay, replay_prefills_eagerly, tiny_model
 
 LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"]
 LAYOUTS = {
@@ -33,16 +34,7 @@ TOLERANCE = 1e-12
 @pytest.fixture
 def captured(monkeypatch) -> list[EagerReplay]:
     """The prefill graphs captured (each replayed eagerly), in capture order."""
-    monkeypatch.setattr(CudaGraphPrefill, "device_types", ("cuda", "cpu"))
-    graphs: list[EagerReplay] = []
-
-    def record(run, device, pool):
-        out = run()
-        graphs.append(EagerReplay(run, out))
-        return graphs[-1], out
-
-    monkeypatch.setattr(CudaGraphPrefill, "_record", staticmethod(record))
-    return graphs
+    return replay_prefills_eagerly(monkeypatch)
 
 
 def _generate(model, input_ids, cache=None, **kwargs):
@@ -61,12 +53,26 @@ def _assert_same(a, b):
         torch.testing.assert_close(x, y, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-def test_buckets_pad_by_fewer_than_64_or_an_eighth_and_stay_within_the_cache():
+def test_buckets_pad_by_fewer_than_64_or_a_quarter_and_stay_within_the_cache():
     assert [prefill_length(n) for n in (2, 64, 65, 100, 128, 129, 1000, 1024, 1025, 8191, 8192)] == \
-           [64, 64, 128, 128, 128, 192, 1024, 1024, 1152, 8192, 8192]
+           [64, 64, 128, 128, 128, 192, 1024, 1024, 1280, 8192, 8192]
     for n in range(2, 20000, 7):
-        assert n <= prefill_length(n) < n + max(64, n / 8)
+        assert n <= prefill_length(n) < n + max(64, n / 4)
     assert prefill_length(1000, slots=1010) == 1010 and prefill_length(50, slots=50) == 50
+
+
+def test_the_captured_buckets_are_few_and_cover_every_captured_length():
+    """What the warm-up captures: 4 buckets per doubling up to LARGEST_CAPTURED_TOKENS in all, every prompt length
+    of a captured size falling in one of them, none past the cache's slots."""
+    for batch, slots in ((1, None), (1, 1000), (3, 384), (16, None), (64, None), (65, None)):
+        buckets = captured_buckets(batch, slots)
+        assert buckets == sorted(set(buckets)) and all(batch * b <= LARGEST_CAPTURED_TOKENS for b in buckets)
+        largest = min(LARGEST_CAPTURED_TOKENS // batch, slots or LARGEST_CAPTURED_TOKENS)
+        for n in range(2, largest + 1):
+            if batch * prefill_length(n, slots) <= LARGEST_CAPTURED_TOKENS:
+                assert prefill_length(n, slots) in buckets
+    assert len(captured_buckets(1, None)) == 20 and captured_buckets(1, 1000)[-1] == 1000
+    assert captured_buckets(65, None) == []  # (64 tokens a row is the smallest bucket: 65 rows pass the limit)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

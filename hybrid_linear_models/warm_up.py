@@ -1,0 +1,155 @@
+"""`HybridLinearForCausalLM.warm_up`: what generation will need, compiled, tuned and captured at process start.
+
+A process's first call of a kind pays for work later calls of that kind do not: Triton kernels compiled and autotuned
+for their first shapes (fla's, this package's), and with `cache_implementation="static"` on CUDA the decoding step's
+graph per batch size and cache size, and the prompts' graphs per length bucket. None of it is keyed on the exact
+prompt length (static caches come in few sizes: static_cache_slots; prompt graphs in 4 buckets per doubling up to
+cuda_graph_prefill.LARGEST_CAPTURED_TOKENS; the kernels' compile and tuning keys hold widths, batch sizes and flags,
+not token counts), so one call up front takes all of it for the requests it covers:
+
+- static caches (CUDA, graph decoding on): `max_length` (prompt plus new tokens) fixes the size of every later static
+  cache of up to that many tokens (transformers keeps the largest size asked: `_previous_max_cache_length`); for each
+  batch size, a short generate per prompt bucket captures that bucket's graph (rows left-padded too, above batch 1),
+  and the first one also the decoding step's;
+- the default cache: a prompt of each divisibility Triton specialises an integer argument on (a multiple of 16, and
+  not), for each batch size, left-padded too above batch 1 (fla's variable-length kernels), each with decoding steps.
+
+It refuses, in one line and before allocating anything, a length past the model's positions or a static cache that
+would not fit in memory, and prints what it did and the seconds it took.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import StaticCache
+
+from .cache_checks import check_static_cache_size
+from .cuda_graph_decoding import CudaGraphDecoder
+from .cuda_graph_prefill import captured_buckets
+from .static_cache_slots import static_cache_slots
+
+NEW_TOKENS = 2  # per warm-up generate: the prefill, then a decoding step (the first replayed or run uncaptured)
+DEFAULT_CACHE_LENGTHS = (64, 65)  # a multiple of 16 and not: the two specialisations of a length argument
+
+
+@dataclass
+class WarmUpReport:
+    """What `warm_up` did: the batch sizes, the static caches' key slots (None: static caches not warmed), the graphs
+    captured (decoding steps and prompt buckets), the generate calls it made and the seconds it took."""
+
+    batch_sizes: tuple[int, ...]
+    static_cache_slots: int | None
+    captured_steps: int
+    captured_prompts: int
+    generate_calls: int
+    seconds: float
+
+    def __str__(self) -> str:
+        static = ("static caches not warmed (graphs need CUDA and set_cuda_graph_decoding(True))"
+                  if self.static_cache_slots is None else
+                  f"static caches of {self.static_cache_slots} slots: {self.captured_steps} decoding step(s) and "
+                  f"{self.captured_prompts} prompt bucket(s) captured")
+        return (f"warm_up: batch sizes {list(self.batch_sizes)}, {static}; {self.generate_calls} generate calls in "
+                f"{self.seconds:.1f} s")
+
+
+def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch_sizes: list[int] | None = None,
+            verbose: bool = True) -> WarmUpReport:
+    """See the module docstring. max_length: the most tokens (prompt plus new) a request will hold, the model's
+    positions by default; batch_sizes: those to warm (1 and max_batch_size by default; others warm at first use)."""
+    positions = model.config.max_position_embeddings
+    max_length = positions if max_length is None else max_length
+    sizes = tuple(sorted(set(batch_sizes if batch_sizes is not None else (1, max_batch_size))))
+    _check_arguments(max_batch_size, max_length, sizes, positions)
+    device = next(model.parameters()).device
+    graphs = model._graph_decoder is not None and device.type in CudaGraphDecoder.device_types
+    # (a larger size an earlier call fixed stays: transformers never shrinks it)
+    slots = max(static_cache_slots(max_length, positions), getattr(model, "_previous_max_cache_length", 0) or 0) \
+        if graphs else None
+    if graphs:
+        for batch in sizes:  # the memory of every static cache asked for, before any allocation
+            _check_static_cache(model, batch, slots, max_length)
+    start = time.perf_counter()
+    steps_before = len(model._graph_decoder.captured_keys) if graphs else 0
+    prompts_before = len(model._graph_prefill._graphs) if graphs else 0
+    calls = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            # the default cache first: its decoding steps stack projection weights into shared storage once
+            # (fused_projections), which graphs captured before would read as moved weights and capture again
+            for batch in sizes:
+                for padded in (False, True) if batch > 1 else (False,):
+                    for length in DEFAULT_CACHE_LENGTHS:
+                        _generate(model, batch, min(length, max_length - NEW_TOKENS), padded, device, None)
+                        calls += 1
+            if graphs:
+                model._previous_max_cache_length = slots
+                # a first static generate captures a decoding step, whose kept weights (the stacked projections its
+                # GEMVs read: derived_weights) prompt graphs captured before it would find changed
+                _generate(model, sizes[0], min(64, slots - NEW_TOKENS), False, device, "static")
+                calls += 1
+                model._graph_prefill.capture_first_use = True
+                try:
+                    for batch in sizes:
+                        for padded in (False, True) if batch > 1 else (False,):
+                            for bucket in captured_buckets(batch, slots) or [min(64, slots - NEW_TOKENS)]:
+                                _generate(model, batch, min(bucket, slots - NEW_TOKENS), padded, device, "static")
+                                calls += 1
+                finally:
+                    model._graph_prefill.capture_first_use = False
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    finally:
+        model.train(was_training)
+    report = WarmUpReport(
+        batch_sizes=sizes, static_cache_slots=slots,
+        captured_steps=(len(model._graph_decoder.captured_keys) - steps_before) if graphs else 0,
+        captured_prompts=(len(model._graph_prefill._graphs) - prompts_before) if graphs else 0,
+        generate_calls=calls, seconds=time.perf_counter() - start)
+    if verbose:
+        print(report, flush=True)
+    return report
+
+
+def _check_arguments(max_batch_size, max_length, sizes, positions) -> None:
+    for name, value in (("max_batch_size", max_batch_size), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"warm_up: {name} must be a positive integer, got {value!r}.")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"warm_up: batch_sizes must be positive integers, got {list(sizes)!r}.")
+    if max_length > positions:
+        raise ValueError(f"warm_up: max_length={max_length} passes the model's {positions} positions "
+                         f"(max_position_embeddings): ask for at most {positions} tokens.")
+    if max_length <= NEW_TOKENS:
+        raise ValueError(f"warm_up: max_length={max_length} leaves no room for a prompt and {NEW_TOKENS} new tokens: "
+                         f"ask for at least {NEW_TOKENS + 1}.")
+
+
+def _check_static_cache(model, batch: int, slots: int, max_length: int) -> None:
+    """The static cache of `batch` rows the warm-up would allocate, checked for memory before it is (no buffer is
+    allocated here: transformers' static layers allocate on their first update)."""
+    cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=slots)
+    try:
+        check_static_cache_size(model.model, cache, batch)
+    except ValueError as error:
+        raise ValueError(f"warm_up(max_batch_size={batch}, max_length={max_length}), a static cache of {slots} "
+                         f"slots: {error}") from None
+
+
+def _generate(model, batch: int, length: int, padded: bool, device: torch.device, cache: str | None) -> None:
+    """One short generate of random tokens: `batch` rows of `length`, the rows after the first left-padded by up to
+    half when `padded`."""
+    generator = torch.Generator().manual_seed(length)
+    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=generator).to(device)
+    mask = torch.ones_like(ids)
+    if padded:
+        for row in range(1, batch):
+            mask[row, : row * length // (2 * batch)] = 0
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                   pad_token_id=pad, cache_implementation=cache)
