@@ -1,13 +1,20 @@
 """Every Hugging Face style writer (a folder with config.json: hf, qwen3_next, kimi_linear, fla, apriel2) copies the
 tokenizer the same way: the folder `--tokenizer` names, else the one found beside SRC; `AutoTokenizer` then loads the
-output and encodes as the original does. Only Fast-LLM's own format, which keeps its tokenizer apart, refuses one."""
+output and encodes as the original does, also where this package is not installed. Only Fast-LLM's own format, which
+keeps its tokenizer apart, refuses one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from model_helpers import tiny_model, word_tokenizer
+from model_helpers import (
+    WITHOUT_THE_PACKAGE_PRELUDE,
+    run_without_the_package,
+    tiny_model,
+    word_tokenizer,
+)
 from transformers import AutoTokenizer
 
 from hybrid_linear_cli.conversion_catalogue import FORMAT_CATALOGUE
@@ -63,6 +70,49 @@ def test_the_writer_copies_the_tokenizer_and_auto_tokenizer_loads_it(tmp_path, f
         assert (tmp_path / "out" / name).read_bytes() == ((named or source) / name).read_bytes()
     loaded = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert loaded(TEXT).input_ids == tokenizer(TEXT).input_ids
+
+
+# One process loads every folder in turn, its output (stdout and stderr as one stream) cut at a line per folder.
+AUTO_TOKENIZER_WITHOUT_THE_PACKAGE = WITHOUT_THE_PACKAGE_PRELUDE + """
+import os
+os.dup2(1, 2)  # transformers' warnings and questions in the one stream, in order
+sys.stdout.reconfigure(line_buffering=True)
+from transformers import AutoTokenizer
+
+text, folders = sys.argv[1], sys.argv[2:]
+ids = {}
+for folder in folders:
+    print(f"== {Path(folder).name}")
+    ids[Path(folder).name] = AutoTokenizer.from_pretrained(folder)(text).input_ids
+assert "hybrid_linear_models" not in sys.modules
+print("== ids " + json.dumps(ids))
+"""
+
+# The formats whose model type transformers knows. transformers 5.24's AutoTokenizer reads config.json through
+# AutoConfig before it reads tokenizer_config.json, whatever the latter names: a folder whose model type it does not
+# know (fla's without fla installed) is read with its generic config after a warning, and one that carries remote code
+# (hf's auto_map, for loading with trust_remote_code; apriel2's, Fast-LLM's) is asked transformers' remote-code
+# question first (answered no when stdin is closed or after its 15 s timeout). Nothing in the folder's tokenizer files
+# changes that order.
+SILENT_WITHOUT_THE_PACKAGE = ("qwen3_next", "kimi_linear")
+
+
+@pytest.mark.slow  # a subprocess that imports transformers' tokenizers
+def test_auto_tokenizer_loads_every_writer_output_without_the_package(tmp_path):
+    tokenizer = word_tokenizer(WORDS)
+    for fmt in MODELS:
+        source = _hf_source(fmt, tmp_path / "src" / fmt)
+        tokenizer.save_pretrained(source)
+        convert_checkpoint(source, tmp_path / fmt, from_format="hf", to_format=fmt)
+    script = tmp_path / "auto_tokenizer.py"
+    script.write_text(AUTO_TOKENIZER_WITHOUT_THE_PACKAGE)
+    result = run_without_the_package(script, TEXT, *(tmp_path / fmt for fmt in MODELS), cwd=tmp_path)  # stdin closed
+    output, _, ids = result.stdout.rpartition("== ids ")
+    assert json.loads(ids) == {fmt: tokenizer(TEXT).input_ids for fmt in MODELS}
+    sections = dict(section.partition("\n")[::2] for section in output.split("== ")[1:])  # {folder: its output}
+    assert list(sections) == list(MODELS) and not result.stderr
+    for fmt in SILENT_WITHOUT_THE_PACKAGE:
+        assert sections[fmt] == "", (fmt, sections[fmt])  # no question, no warning
 
 
 def test_fast_llm_refuses_a_tokenizer_in_one_line(tmp_path):
