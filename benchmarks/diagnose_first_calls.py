@@ -11,7 +11,10 @@ at that length), and counts what ran during the call:
 The difference between first and warm is the stall; the counts say what it is made of.
 
     python benchmarks/diagnose_first_calls.py [--device cuda] [--model gdn|kda] [--lengths 1000 1537 3000 ...]
-        [--caches default static] [--new-tokens 2] [--tiny]
+        [--caches default static] [--new-tokens 2] [--batch 1] [--package-warm-up MAX_LENGTH] [--tiny]
+
+`--package-warm-up MAX_LENGTH` calls `model.warm_up(max_batch_size=--batch, max_length=MAX_LENGTH)` first: the rows
+then say what a first call still pays after it.
 
 `--tiny` (CPU, a tiny model, a few short lengths) is the configuration CI runs.
 """
@@ -133,6 +136,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=2)
     parser.add_argument("--warmup-length", type=int, default=512,
                         help="one generate at this length first, as the issue's user does (0: none)")
+    parser.add_argument("--package-warm-up", type=int, default=0, metavar="MAX_LENGTH",
+                        help="call model.warm_up(max_batch_size=--batch, max_length=MAX_LENGTH) first (0: not)")
+    parser.add_argument("--batch", type=int, default=1, help="rows per request")
     parser.add_argument("--forward-lengths", type=int, nargs="*", default=[],
                         help="also time model(ids, use_cache=True, logits_to_keep=1) alone at these lengths")
     parser.add_argument("--no-counters", action="store_true", help="time only (no capture counting hooks)")
@@ -142,6 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.device, args.lengths, args.warmup_length, args.forward_lengths = "cpu", [5, 17, 33], 8, [40]
+        args.package_warm_up = args.package_warm_up and 64
     if "TRITON_CACHE_DIR" not in os.environ:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cache-")
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
@@ -160,16 +167,19 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
 
     def generate(length: int, cache: str) -> None:
-        ids = torch.randint(1, vocab, (1, length), generator=generator).to(device)
+        ids = torch.randint(1, vocab, (args.batch, length), generator=generator).to(device)
         kwargs = {"cache_implementation": "static"} if cache == "static" else {}
         with torch.no_grad():
             model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                            pad_token_id=0, **kwargs)
 
+    if args.package_warm_up:
+        model.warm_up(max_batch_size=args.batch, max_length=args.package_warm_up)
     if args.warmup_length:
         for cache in args.caches:
             generate(args.warmup_length, cache)
-    print(f"model {args.model}, {args.device}, {dtype}, {args.new_tokens} new tokens; Triton cache {cache_dir}")
+    print(f"model {args.model}, {args.device}, {dtype}, batch {args.batch}, {args.new_tokens} new tokens; Triton "
+          f"cache {cache_dir}")
     print(f"{'cache':>8} {'prompt':>7} | {'first s':>8} {'warm s':>7} {'ratio':>6} | {'compiled':>8} {'tuned':>5} "
           f"{'captures':>8} {'capture s':>9} {'pkg capture s':>13}")
     for length in args.lengths:
