@@ -122,3 +122,15 @@ def test_warm_up_refuses_what_does_not_fit_in_one_line(monkeypatch):
                                          r"fit") as error:
         model.warm_up(max_length=300)
     assert "\n" not in str(error.value)
+
+
+def test_a_rounded_cache_that_does_not_fit_gives_way_to_the_exact_size(monkeypatch):
+    """generate's static cache takes the exact size where the rounded one's buffers would not fit in memory, and is
+    refused (one line, before allocating) only where the exact size does not fit either."""
+    model = tiny_model(LAYERS).double().eval()
+    per_slot = sum(mixer.cache_values_per_token() * 8 for mixer in cache_checks._kv_mixers(model.model) if mixer)
+    monkeypatch.setattr(cache_checks, "available_memory", lambda device: per_slot * 100)  # 100 slots a row fit
+    result = _generate(model, *_ids(1, 40, 0))
+    assert result.past_key_values.layers[1].max_cache_len == 40 + 3 - 1  # (the last new token is not cached)
+    with pytest.raises(ValueError, match="at most 100 slots per row fit"):
+        _generate(model, *_ids(1, 120, 0))
