@@ -602,14 +602,15 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                                   **kwargs) -> torch.Tensor | dict[int, torch.Tensor | None] | None:
         """`generate`'s masks for a step against a static cache (transformers builds one per layer type there).
 
-        A one-token step gets every layer's mask as the forward builds it (`_layer_masks`, one per distinct sliding
-        window), keyed by layer index: shaped by the cache's slots, so the compiled decoding step sees inputs of one
-        shape at every step, where the 2-D mask grows by a column a step (a recompilation each step). The step's
-        token is never padding, so the GDN/KDA layers need no 2-D mask. A prompt (several tokens) keeps the 2-D
-        mask, from which the forward takes the GDN/KDA layers' padding and sdpa's causal kernel; so does a step that
-        graph decoding may capture (it reads the 2-D padding: `_valid_auto_compile_criteria` compiles nothing
-        there)."""
-        if (inputs_embeds.shape[1] != 1 or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
+        A one-token decoding step gets every layer's mask as the forward builds it (`_layer_masks`, one per distinct
+        sliding window), keyed by layer index: shaped by the cache's slots, so the compiled decoding step sees inputs
+        of one shape at every step, where the 2-D mask grows by a column a step (a recompilation each step). A
+        generated token is never padding, so the GDN/KDA layers need no 2-D mask. The prompt (the first iteration,
+        or any step of several tokens) keeps the 2-D mask, from which the forward takes the GDN/KDA layers' padding
+        and sdpa's causal kernel; so does a step that graph decoding may capture (it reads the 2-D padding:
+        `_valid_auto_compile_criteria` compiles nothing there)."""
+        if (inputs_embeds.shape[1] != 1 or kwargs.get("is_first_iteration")
+                or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
                 or (self._graph_decoder is not None
                     and inputs_embeds.device.type in CudaGraphDecoder.device_types)):
             return attention_mask
