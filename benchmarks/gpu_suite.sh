@@ -70,6 +70,8 @@ for spec in "$@"; do
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
     trace) cmd="python3 benchmarks/bench_trace.py --device cuda" ;;  # 200 requests of distinct lengths, first calls timed
     trace-static) cmd="python3 benchmarks/bench_trace.py --device cuda --static" ;;
+    long-context) cmd="python3 benchmarks/bench_long_context.py --models gdn" ;;  # 32k..1M prompts: prefill, memory, decoding
+    long-context-kda) cmd="python3 benchmarks/bench_long_context.py --models kda" ;;
     save-tuning) [ -n "${DRY_RUN:-}" ] && { echo "=== save-tuning: pack $TRITON_CACHE_DIR/**/*.autotune.json into $OUT/tuning.tgz"; continue; }
       (cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf "$OUT/tuning.tgz" -T -); ls -la "$OUT/tuning.tgz"; continue ;;
     graph-tests) cmd="python3 -m pytest -v -m gpu tests/test_gpu_model.py -k cuda_graph -p no:cacheprovider" ;;

@@ -5,7 +5,8 @@ process's CUDA context unusable) or an allocation of tens of gigabytes.
 - The cache is a transformers `Cache`: the legacy tuple of (key, value) pairs holds no GDN/KDA state.
 - A cache that holds rows holds as many as the inputs have (its buffers and states are per row).
 - A static cache's key slots, allocated at its first forward as [batch, kv heads, max_cache_len, head dim] per
-  attention layer, are refused up front when they pass the model's positions (`max_position_embeddings`) or the memory
+  attention layer, are refused up front when they pass the model's positions (`position_limit`: max_position_embeddings,
+  extended by the rope scaling; no limit without a rotary full-attention layer) or the memory
   available on the layer's device: `generate(cache_implementation="static", max_new_tokens=10**9)` would otherwise
   try to allocate them. Each full-attention mixer says what it caches per token (`cache_values_per_token`); a sliding
   layer holds at most its window.
@@ -26,6 +27,7 @@ from torch import nn
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
 from .cache_hybrid_linear import LinearStateLayer
+from .position_limit import model_position_limit
 
 _GIB = 2**30
 
@@ -58,12 +60,14 @@ def check_static_cache_size(model: nn.Module, cache: Cache, batch: int) -> None:
     if not full:
         return
     slots = max(layer.max_cache_len for layer in full)
-    positions = model.config.max_position_embeddings
-    if slots > positions:
+    reach = model_position_limit(model)  # (None: no full-attention layer takes positions)
+    if reach is not None and slots > reach[0]:
+        positions, made_up = reach
         raise ValueError(
             f"the static cache has {slots} key slots per row (max_cache_len; generate sizes it as the prompt plus "
-            f"max_new_tokens), more than the model's {positions} positions (max_position_embeddings): ask for at most "
-            f"{positions} tokens in all (prompt plus max_new_tokens), or use the dynamic cache."
+            f"max_new_tokens), more than the model's {positions} positions ({made_up}): ask for at most "
+            f"{positions} tokens in all (prompt plus max_new_tokens), extend the positions (rope_parameters with "
+            "rope_type 'yarn' and a factor), or use the dynamic cache."
         )
     needed: dict[torch.device, int] = defaultdict(int)
     per_slot: dict[torch.device, int] = defaultdict(int)

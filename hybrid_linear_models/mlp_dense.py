@@ -4,9 +4,10 @@
 
 act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient)
 runs gate_proj and up_proj as one GEMM (`fused_projections`), with SwiGLU as `linear_swiglu` (in a captured step, one
-GEMV kernel that reads the stacked weight's rows in (gate, up) pairs and stores their SwiGLU: `kernels_gemv`). The
-module (`GatedMLP`) is also the MoE blocks' shared experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same
-way.
+GEMV kernel that reads the stacked weight's rows in (gate, up) pairs and stores their SwiGLU: `kernels_gemv`). A long
+prompt without gradients runs a chunk of tokens at a time (`token_chunks`: gate, up and their product, 3 x T x width
+values, are held for one chunk, not for the prompt). The module (`GatedMLP`) is also the MoE blocks' shared experts
+(mlp_sparse_moe, mlp_kimi_moe), which so decode the same way.
 Tensor names `mlp.gate_proj`, `mlp.up_proj`, `mlp.down_proj` (each Linear stores (out_features, in_features)), as every
 checkpoint of this family has them.
 """
@@ -22,6 +23,7 @@ from transformers.activations import ACT2FN
 from .block_ops import silu_and_mul
 from .fused_projections import FusedProjections
 from .mlp_registry import ConfigField, MlpSpec, register
+from .token_chunks import chunks_apply, token_chunked
 
 if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
@@ -46,8 +48,13 @@ class GatedMLP(nn.Module):
             if self.swiglu:  # (gate and up have one width: `width`)
                 return self.down_proj(self._gate_up.swiglu(x, projections))
             gate, up = self._gate_up(x, projections).split([self.gate_proj.out_features, self.up_proj.out_features], -1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
+        if chunks_apply(x.numel() // x.shape[-1]):  # a long prompt without gradients: a chunk of tokens at a time
+            return token_chunked(self._gated, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return self._gated(x)
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
 
 

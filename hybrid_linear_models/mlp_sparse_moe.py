@@ -14,6 +14,10 @@ Weights as transformers stores them: `experts.gate_up_proj` (E, 2I, H), the gate
 `experts.down_proj` (E, H, I); `shared_expert.{gate,up,down}_proj` and `shared_expert_gate` (1, H) are Linear layers.
 The router's probabilities are rounded to the hidden dtype after the top-k (Qwen3-Next's rounding point), and the
 router logits are the first output of `HybridLinearTopKRouter`, which the model records (`output_router_logits`).
+A long prompt without gradients is routed once, whole, then runs its experts and shared part a chunk of tokens at a
+time with each chunk's routes (`token_chunks`): their intermediates (k x T x 2I values for the experts) are held for
+one chunk, and every token goes to the experts it goes to unchunked. Both MoE MLPs (this one and Kimi's) do so
+through `RoutedMoeBlock`.
 
 The experts run through transformers' experts machinery (`use_experts_implementation`), chosen by the model config's
 `_experts_implementation` (`from_pretrained(..., experts_implementation=...)`, `model.set_experts_implementation`):
@@ -58,6 +62,7 @@ from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .mlp_dense import GatedMLP
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .shown_values import brief
+from .token_chunks import chunks_apply, token_chunked
 
 # The experts implementations this module offers (transformers' names and ours); the first is the model's default.
 EXPERTS_IMPLEMENTATIONS = (GROUPED_MM_GATHER, "grouped_mm", "batched_mm", "eager")
@@ -202,9 +207,18 @@ class RoutedMoeBlock(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         _, routing_weights, selected_experts = self.gate(x)
+        if chunks_apply(x.shape[0]):
+            # a long prompt without gradients: routed once, its experts and shared part a chunk of tokens at a time
+            # (token_chunks), each chunk with its tokens' routes
+            return token_chunked(self._experts_and_shared, x, selected_experts, routing_weights).reshape(shape)
+        return self._experts_and_shared(x, selected_experts, routing_weights, hidden_states).reshape(shape)
+
+    def _experts_and_shared(self, x: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor,
+                            hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' output plus the shared part's, [tokens, H], for the rows x and their routes."""
         out = self.experts(x, selected_experts, routing_weights)
-        shared = self.shared_output(x, hidden_states)
-        return (out if shared is None else out + shared).reshape(shape)
+        shared = self.shared_output(x, x if hidden_states is None else hidden_states)
+        return out if shared is None else out + shared
 
 
 class HybridLinearSparseMoeBlock(RoutedMoeBlock):

@@ -45,6 +45,7 @@ from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (defined with its registration in mlp_dense; importable here too)
 from .mlp_registry import MLPS
 from .model_inputs import check_inputs, token_indices
+from .position_limit import warn_if_input_past_positions, warn_past_positions
 from .mlp_sparse_moe import (
     EXPERTS_IMPLEMENTATIONS,
     HybridLinearTopKRouter,
@@ -437,6 +438,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             # as `generate` does: positions count the real tokens only, so a padded row sees what it would alone
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
         given_positions = position_ids  # positions made here never restart: no packing to look for (no sync)
+        warn_if_input_past_positions(self, past, seq_len, given_positions)  # (once per model: position_limit)
         if position_ids is None:
             position_ids = (torch.arange(seq_len, device=inputs_embeds.device) + past).unsqueeze(0)
         sequence_info = build_sequence_info(
@@ -565,6 +567,13 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         loading the model onto its device and dtype."""
         return warm_up(self, max_batch_size=max_batch_size, max_length=max_length, batch_sizes=batch_sizes,
                        verbose=verbose)
+
+    def _validate_generated_length(self, generation_config, input_ids_length: int, has_default_max_length: bool):
+        # transformers' checks, then one warning, before the cache is allocated, where the prompt plus the new tokens
+        # pass the model's positions (position_limit: transformers generates there, and warns once it is past)
+        super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
+        if generation_config.max_length is not None:
+            warn_past_positions(self.model, generation_config.max_length, "the prompt plus max_new_tokens")
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         # `generate` would torch.compile the forward for a static cache; on CUDA, our captured decoding step serves

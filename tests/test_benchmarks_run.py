@@ -32,6 +32,8 @@ RUNS = [
      ["GDN vs Qwen3-Next", "KDA vs Kimi-Linear", "prefill, batch 1"]),
     ("bench_kimi_linear.py", ["--size", "tiny", "--decode", "1", "--repeats", "1"],
      ["same weights:", "ratio ours / transformers", "ours' static cache (batch 1"]),
+    ("bench_long_context.py", ["--tiny"], ["gdn vs Qwen3-Next: batch 1", "kda vs Kimi-Linear: batch 1", "warm ratio",
+                                           "YaRN factor 4"]),
     ("bench_memory.py", ["--lengths", "64"], ["| gated_deltanet |", "| kimi_delta_attention |"]),
     ("bench_mla_cache.py", [], ["| Kimi-Linear 48B-A3B |"]),
     ("bench_mla_static_prefill.py", ["--prompt", "16", "--slots", "16", "64", "--repeats", "1"],
