@@ -45,7 +45,7 @@ from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (defined with its registration in mlp_dense; importable here too)
 from .mlp_registry import MLPS
 from .model_inputs import check_inputs, token_indices
-from .position_limit import warn_if_input_past_positions, warn_past_positions
+from .position_limit import model_position_limit, warn_if_input_past_positions, warn_past_positions
 from .mlp_sparse_moe import (
     EXPERTS_IMPLEMENTATIONS,
     HybridLinearTopKRouter,
@@ -593,7 +593,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                            "model_kwargs"), args))
         tokens = kwargs["max_cache_len"]
         previous = self.__dict__.get("_previous_max_cache_length")
-        for slots in dict.fromkeys((static_cache_slots(tokens, self.config.max_position_embeddings), tokens)):
+        reach = model_position_limit(self.model)  # (the rounding stays within the model's positions)
+        for slots in dict.fromkeys((static_cache_slots(tokens, reach[0] if reach is not None else None), tokens)):
             cache = super()._prepare_static_cache(**{**kwargs, "max_cache_len": slots})
             try:
                 check_static_cache_size(self.model, cache, kwargs["batch_size"])

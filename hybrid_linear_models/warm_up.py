@@ -29,6 +29,7 @@ from transformers import StaticCache
 from .cache_checks import check_static_cache_size
 from .cuda_graph_decoding import CudaGraphDecoder
 from .cuda_graph_prefill import captured_buckets
+from .position_limit import model_position_limit
 from .static_cache_slots import static_cache_slots
 
 NEW_TOKENS = 2  # per warm-up generate: the prefill, then a decoding step (the first replayed or run uncaptured)
@@ -60,10 +61,11 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             verbose: bool = True) -> WarmUpReport:
     """See the module docstring. max_length: the most tokens (prompt plus new) a request will hold, the model's
     positions by default; batch_sizes: those to warm (1 and max_batch_size by default; others warm at first use)."""
-    positions = model.config.max_position_embeddings
-    max_length = positions if max_length is None else max_length
+    reach = model_position_limit(model.model)  # (None: no limit; max_position_embeddings is then the default)
+    positions = reach[0] if reach is not None else None
+    max_length = (positions or model.config.max_position_embeddings) if max_length is None else max_length
     sizes = tuple(sorted(set(batch_sizes if batch_sizes is not None else (1, max_batch_size))))
-    _check_arguments(max_batch_size, max_length, sizes, positions)
+    _check_arguments(max_batch_size, max_length, sizes, reach)
     device = next(model.parameters()).device
     graphs = model._graph_decoder is not None and device.type in CudaGraphDecoder.device_types
     # (a larger size an earlier call fixed stays: transformers never shrinks it)
@@ -116,15 +118,15 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
     return report
 
 
-def _check_arguments(max_batch_size, max_length, sizes, positions) -> None:
+def _check_arguments(max_batch_size, max_length, sizes, reach: tuple[int, str] | None) -> None:
     for name, value in (("max_batch_size", max_batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"warm_up: {name} must be a positive integer, got {value!r}.")
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
         raise ValueError(f"warm_up: batch_sizes must be positive integers, got {list(sizes)!r}.")
-    if max_length > positions:
-        raise ValueError(f"warm_up: max_length={max_length} passes the model's {positions} positions "
-                         f"(max_position_embeddings): ask for at most {positions} tokens.")
+    if reach is not None and max_length > reach[0]:
+        raise ValueError(f"warm_up: max_length={max_length} passes the model's {reach[0]} positions "
+                         f"({reach[1]}): ask for at most {reach[0]} tokens.")
     if max_length <= NEW_TOKENS:
         raise ValueError(f"warm_up: max_length={max_length} leaves no room for a prompt and {NEW_TOKENS} new tokens: "
                          f"ask for at least {NEW_TOKENS + 1}.")

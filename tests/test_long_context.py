@@ -236,3 +236,12 @@ def test_yarn_matches_transformers_qwen3_next_past_the_trained_length_and_surviv
     assert again.model.rotary_emb.attention_scaling == reference.model.rotary_emb.attention_scaling != 1.0
     with torch.no_grad():
         assert torch.equal(again(tokens).logits, ours(tokens).logits)
+
+
+def test_warm_up_takes_the_positions_yarn_extends_and_refuses_past_them():
+    model = tiny_model(LAYERS["gdn"], max_position_embeddings=64, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match=r"max_length=257 passes the model's 256 positions \(max_position_embeddings "
+                                         r"64 x rope factor 4, yarn\)"):
+        model.warm_up(max_length=257)
+    report = model.warm_up(max_length=256, verbose=False)
+    assert report.generate_calls > 0
