@@ -19,11 +19,11 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   kernels in turn (A B A B), wall ms per step of each, in one run: `gemv` (the linear layers on cuBLAS, or on the
   Triton GEMV: kernels_gemv), `attention` (the full-attention layers on the torch path, or the fused attention step:
   attention_step), `in_place` (the GDN/KDA state copied after fla's recurrent kernel, or updated in place by it:
-  recurrent_in_place), `norm` (the block RMSNorms on fla's kernel, or on this package's: decode_norm), `pdl`
+  recurrent_in_place), `norm` (the block RMSNorms on fla's kernel, or on this package's: inference_norm), `pdl`
   (this package's decoding kernels launched plainly, or with programmatic dependent launch: kernels_launch_triton),
   `conv` (GDN/KDA's short convolution on fla's kernel after the input projection's GEMV, or in that GEMV's epilogue:
   kernels_gemv.linear_conv_step), `gated_norm` (the GDN/KDA output norm on fla's kernel, or on this package's,
-  launched dependently: decode_norm);
+  launched dependently: inference_norm);
 - with `--generate N`, instead, batch-1 generate of N new tokens against the step alone, with generate's stop check
   synchronous (a cache of one's own: transformers' loop reads each step's tokens on the host, and the GPU waits for
   the host's work before the next replay) and deferred (`cache_implementation="static"`: deferred_stop_check): ms
@@ -163,10 +163,10 @@ SWITCHES = {
     "gemv": ("kernels_gemv", "GEMV_DEVICE_TYPES", "cuBLAS", "Triton GEMV"),
     "attention": ("attention_step", "STEP_DEVICE_TYPES", "torch attention", "fused attention step"),
     "in_place": ("recurrent_in_place", "IN_PLACE_DEVICE_TYPES", "state copied", "state in place"),
-    "norm": ("decode_norm", "NORM_DEVICE_TYPES", "fla's RMSNorm", "RMSNorm kernel"),
+    "norm": ("inference_norm", "NORM_DEVICE_TYPES", "fla's RMSNorm", "RMSNorm kernel"),
     "pdl": ("kernels_launch_triton", "PDL_DEVICE_TYPES", "plain launches", "dependent launches"),
     "conv": ("kernels_gemv", "CONV_STEP_DEVICE_TYPES", "convolution's kernel", "convolution in the GEMV"),
-    "gated_norm": ("decode_norm", "GATED_NORM_DEVICE_TYPES", "fla's gated RMSNorm", "gated RMSNorm kernel"),
+    "gated_norm": ("inference_norm", "GATED_NORM_DEVICE_TYPES", "fla's gated RMSNorm", "gated RMSNorm kernel"),
 }
 
 

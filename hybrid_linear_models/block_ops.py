@@ -2,7 +2,8 @@
 
 For CUDA tensors with fla importable: fla's Triton RMSNorm (with the residual add), SwiGLU and fused linear +
 cross-entropy (the loss without keeping the [tokens, vocab] logits for the backward). Otherwise plain torch with the
-same math (float32 inside).
+same math (float32 inside). The RMSNorm of inference (no gradient wanted) on CUDA runs as this package's Triton kernel
+(`inference_norm`: fla's forward is compiled and tuned again for every new bucket of row counts).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import fla_backend
+from .inference_norm import inference_rms_norm
 from .kernels_delta_rule import compute_dtype
 
 IGNORE_INDEX = -100
@@ -21,10 +23,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32 (float64 for float64 x), returned
     in x's dtype. With `residual`, normalises s = x + residual instead and returns (normed, s) (the pre-norm block's
-    residual add, fused into the norm's kernel on CUDA). Takes part in `__torch_function__` dispatch, so a captured
-    decoding step's mode may route it (`decode_norm`)."""
+    residual add, fused into the norm's kernel on CUDA). On CUDA: this package's Triton kernel where no gradient is
+    wanted (`inference_norm`), else fla's. Takes part in `__torch_function__` dispatch."""
     if has_torch_function_variadic(x, weight, residual):
         return handle_torch_function(rms_norm, (x, weight, residual), x, weight, eps, residual=residual)
+    out = inference_rms_norm(x, weight, eps, residual)
+    if out is not None:
+        return out
     kernel = fla_backend.fla_kernel("rms_norm", x, weight)
     if kernel is not None:
         if residual is None:

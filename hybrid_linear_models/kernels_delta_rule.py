@@ -41,11 +41,11 @@ _FACTOR_RANGE_LIMIT = 80.0
 _MIN_FACTOR_BLOCK = 8
 # Chunks are processed in groups whose [C, C] temporaries hold about this many floats (256 KiB: cache sized).
 _GROUP_FLOATS = 1 << 16
-# Added to the squared norm of q and k before the L2 normalisation.
-_L2_EPS = 1e-6
+# Added to the squared norm of q and k before the L2 normalisation (fla's l2norm default, which its chunked kernels take).
+L2_NORM_EPS = 1e-6
 
 
-def l2_normalize(x: torch.Tensor, eps: float = _L2_EPS) -> torch.Tensor:
+def l2_normalize(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim, as fla and transformers' Qwen3-Next define it."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
@@ -466,7 +466,7 @@ class _ScaledL2Norm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        inv_norm = torch.rsqrt(_rowdot(x, x).unsqueeze(-1) + _L2_EPS)
+        inv_norm = torch.rsqrt(_rowdot(x, x).unsqueeze(-1) + L2_NORM_EPS)
         ctx.save_for_backward(x, inv_norm)
         ctx.scale = scale
         return x * (inv_norm * scale)

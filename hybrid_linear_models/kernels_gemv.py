@@ -31,7 +31,8 @@ as torch's own functions do, so the mode sees them:
   KW - 1 inputs, the product rounded to the dtype shifted in, float32 taps, silu, one rounding; the window written
   back whole), and the convolution's kernel disappears. Where the epilogue does not apply the GEMV runs alone and the
   convolution's kernel after it.
-The mode also sends `block_ops.rms_norm` and `ops.gated_rms_norm` to `decode_norm` (this package's RMSNorm kernels).
+The step's norms need no routing here: with no gradient wanted `block_ops.rms_norm` and `ops.gated_rms_norm` run as
+this package's Triton kernels wherever they are called (`inference_norm`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
-from .block_ops import rms_norm, silu_and_mul
-from .decode_norm import decode_gated_rms_norm, decode_rms_norm
-from .ops import causal_conv1d_step, gated_rms_norm
+from .block_ops import silu_and_mul
+from .ops import causal_conv1d_step
 from .tensor_parallel_heads import device_mesh
 from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_kernel
 
@@ -247,8 +247,7 @@ def linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 class DecodeGemvMode(TorchFunctionMode):
     """Sends the F.linear, `linear_rows` and `linear_swiglu` calls made while it is active through `decode_linear`,
-    `linear_conv_step` through `decode_linear_conv_step`, `block_ops.rms_norm` and `ops.gated_rms_norm` through
-    `decode_norm`'s kernels."""
+    `linear_conv_step` through `decode_linear_conv_step`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -258,10 +257,6 @@ class DecodeGemvMode(TorchFunctionMode):
             return decode_linear_conv_step(*args, **kwargs)
         if func is linear_swiglu:
             return decode_linear(*args, **kwargs, paired=True)
-        if func is rms_norm:
-            return decode_rms_norm(*args, **kwargs)
-        if func is gated_rms_norm:
-            return decode_gated_rms_norm(*args, **kwargs)
         return func(*args, **kwargs)
 
 

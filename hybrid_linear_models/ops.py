@@ -17,8 +17,14 @@ from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from . import fla_backend
 from .fla_backend import fla_available_for, note_torch_path  # noqa: F401  (fla_available_for: public)
+from .inference_norm import inference_gated_rms_norm, inference_l2_normalize
 from .kernels_conv import causal_conv1d_torch
-from .kernels_delta_rule import chunk_delta_rule, compute_dtype, recurrent_delta_rule
+from .kernels_delta_rule import (
+    L2_NORM_EPS,
+    chunk_delta_rule,
+    compute_dtype,
+    recurrent_delta_rule,
+)
 from .recurrent_in_place import step_in_place
 
 # Up to this many tokens per sequence (and no packing) the token-by-token form is faster than the chunked one.
@@ -137,6 +143,10 @@ def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initia
         if out is not None:
             return out, initial_state
     if kernel is not None:
+        if use_qk_l2norm and not decoding:  # fla's in-kernel L2 norm is tuned per bucket of lengths (inference_norm)
+            normed = inference_l2_normalize(L2_NORM_EPS, q, k)
+            if normed is not None:
+                (q, k), use_qk_l2norm = normed, False
         options = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
         if beta_logits:
             options["use_beta_sigmoid_in_kernel"] = True
@@ -331,8 +341,8 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """RMSNorm over the last dim, times `weight`, times act(gate): x / sqrt(mean(x^2) + eps) * w * act(gate),
     computed in float32 (float64 for float64 x) and returned in x's dtype. act is "silu" (Qwen3-Next, Fast-LLM) or
-    "sigmoid" (Kimi). Takes part in `__torch_function__` dispatch, so a captured decoding step's mode may route it
-    (`decode_norm`)."""
+    "sigmoid" (Kimi). On CUDA: this package's Triton kernel where no gradient is wanted (`inference_norm`), else
+    fla's. Takes part in `__torch_function__` dispatch."""
     if has_torch_function_variadic(x, gate, weight):
         return handle_torch_function(gated_rms_norm, (x, gate, weight), x, gate, weight, eps=eps,
                                      activation=activation)
@@ -343,6 +353,9 @@ def gated_rms_norm(
             f"gated_rms_norm: gate must have the shape of x {_shape(x)} and weight [{x.shape[-1]}], got gate "
             f"{_shape(gate)} and weight {_shape(weight)}."
         )
+    out = inference_gated_rms_norm(x, gate, weight, eps, activation)
+    if out is not None:
+        return out
     kernel = fla_backend.fla_kernel("rms_norm_gated", x)
     if kernel is not None:
         return kernel(x, gate, weight, None, activation=activation, eps=eps)
