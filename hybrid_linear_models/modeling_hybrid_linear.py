@@ -31,6 +31,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_checks import check_cache, check_static_cache_size
 from .checkpoint_dtypes import check_checkpoint_dtypes
 from .cache_hybrid_linear import adopt_linear_layers, linear_layer_cache, past_length
+from .chunked_recurrence import recur_in_token_chunks, recurrence_chunks_apply
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
 from .cuda_graph_prefill import CudaGraphPrefill
@@ -148,7 +149,10 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         mixer = getattr(self, self.mixer_attribute)
         if self.mixer_state == "kv":
             return mixer(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)[0]
-        return mixer(hidden_states, sequence_info, linear_layer_cache(cache, self.layer_idx))
+        layer_cache = linear_layer_cache(cache, self.layer_idx)
+        if recurrence_chunks_apply(hidden_states, sequence_info):  # a long prompt, no gradients: chunked_recurrence
+            return recur_in_token_chunks(mixer, hidden_states, sequence_info, layer_cache)
+        return mixer(hidden_states, sequence_info, layer_cache)
 
     def decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, position_embeddings,
                attention_mask: torch.Tensor | None, sequence_info: SequenceInfo,

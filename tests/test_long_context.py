@@ -1,5 +1,5 @@
-"""Long prompts: the MLPs run a chunk of tokens at a time without gradients (token_chunks), cached decoding after a
-chunked prefill stays exact, positions past the model's limit are named (position_limit), and YaRN runs as
+"""Long prompts: the MLPs and the GDN/KDA layers run a chunk of tokens at a time without gradients (token_chunks,
+chunked_recurrence), cached decoding after a chunked prefill stays exact, positions past the model's limit are named (position_limit), and YaRN runs as
 transformers' Qwen3-Next runs it.
 
 The chunk length (token_chunks.TOKENS_PER_CHUNK, 8192) is patched to 64 so prompts of a few hundred tokens cross
@@ -10,8 +10,9 @@ Tolerances:
   are bit-identical on the CPU here, the routed experts' grouped GEMMs get other row counts per expert (float32
   summation order, measured <= 4e-6 on logits up to ~10). 1e-4 is that bound with margin, and a misplaced chunk or a
   route given to another token moves logits by 1e-1 or more.
-- cached decoding against the uncached forward, float64: the chunked delta rule against its one-token recurrence and
-  cached attention against the full one differ by summation order only (~1e-13); 1e-9 as tests/test_kimi_moe.py.
+- cached decoding against the uncached forward, and GDN/KDA layers in chunks against whole, float64: the chunked
+  delta rule against its one-token recurrence (or its state carried between pieces) and cached attention against the
+  full one differ by summation order only (~1e-13; the pieces measured identical); 1e-9 as tests/test_kimi_moe.py.
 - against transformers' Qwen3-Next, float32: 1e-4, tests/test_convert_qwen3_next.py's bound and reasons.
 """
 
@@ -113,6 +114,28 @@ def test_chunked_moe_sends_every_token_to_the_experts_it_goes_to_whole(mlp, monk
     assert len(routes) == len(token_chunks.chunk_bounds(300)) - 1 > 1
     assert torch.equal(torch.cat(routes), whole_routes)
     torch.testing.assert_close(chunked, whole, rtol=0, atol=CHUNKED_TOLERANCE)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+def test_long_prompt_runs_its_gdn_and_kda_layers_in_chunks_with_the_whole_prompts_logits(padded, monkeypatch):
+    """Each GDN/KDA layer takes the prompt a chunk of tokens at a time, its state carried (chunked_recurrence): the
+    logits of the whole forward, a left-padded row's included (its pads fall in the first chunks)."""
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention"]).double()
+    tokens = torch.cat([prompt(300), prompt(300, seed=1)])
+    mask = torch.ones_like(tokens)
+    mask[1, :150] = 0
+    kwargs = {"attention_mask": mask} if padded else {}
+    with torch.no_grad():
+        whole = model(tokens, **kwargs).logits
+    seen: list[int] = []
+    for layer in model.model.layers:
+        if layer.mixer_state == "recurrent":
+            layer.linear_attn.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    monkeypatch.setattr(token_chunks, "TOKENS_PER_CHUNK", CHUNK)
+    with torch.no_grad():
+        chunked = model(tokens, **kwargs).logits
+    assert max(seen) <= CHUNK * 3 // 2 and sum(seen) == 2 * 300, seen
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=CACHED_TOLERANCE)
 
 
 def test_training_runs_the_mlp_whole(monkeypatch):
