@@ -8,8 +8,8 @@ The pairs (benchmarks/model_configs.py; TINY_* with `--tiny`):
   (`kda_pair`: the KDA layers identical in shape, the attention layers MLA; its own random weights).
 Both sides' full-attention layers reach every asked length through YaRN: where the longest length passes
 max_position_embeddings (32,768), both configs get rope_parameters {"rope_type": "yarn", "factor": F,
-"original_max_position_embeddings": 32768}, F the smallest power of two that covers it (Kimi-Linear's MLA takes no
-positions).
+"original_max_position_embeddings": 32768}, F the smallest power of two that covers it and the decoding steps after it
+(Kimi-Linear's MLA takes no positions).
 
 For each length of `--lengths` (32k, 128k, 256k, 1M), ascending, in one process per (pair, side) so an out-of-memory
 or a failing kernel on one side leaves the other's figures:
@@ -63,6 +63,11 @@ def yarn_factor(longest: int, trained: int) -> float | None:
     if longest <= trained:
         return None
     return float(2 ** math.ceil(math.log2(longest / trained)))
+
+
+def reach(args) -> int:
+    """The positions the run needs: its longest prompt and the decoding steps after it (with the capture's)."""
+    return max(args.lengths) + args.decode_steps + 2
 
 
 def build(model: str, side: str, tiny: bool, longest: int, device: torch.device, dtype: torch.dtype):
@@ -171,7 +176,7 @@ def child(args) -> None:
         results.append(row)
         Path(args.out).write_text(json.dumps(results))
 
-    model = build(args.models[0], args.sides[0], args.tiny, max(args.lengths), device, dtype)
+    model = build(args.models[0], args.sides[0], args.tiny, reach(args), device, dtype)
     limit_of = None
     if args.sides[0] == "ours":
         from bench_generation import bytes_per_step
@@ -281,10 +286,10 @@ def main() -> None:
         child(args)
         return
     print("command: python " + " ".join(sys.argv))
-    longest = max(args.lengths)
-    factor = yarn_factor(longest, TRAINED_POSITIONS[args.tiny])
+    factor = yarn_factor(reach(args), TRAINED_POSITIONS[args.tiny])
     print(f"positions: max_position_embeddings {TRAINED_POSITIONS[args.tiny]}"
-          + (f", YaRN factor {factor:g} (to {longest} tokens)" if factor else ""))
+          + (f", YaRN factor {factor:g} (to {reach(args)} tokens: the longest prompt and its decoding steps)"
+             if factor else ""))
     for model in args.models:
         results = {side: run_side(model, side, args) for side in args.sides}
         print_table(model, results, args)
