@@ -138,6 +138,35 @@ def test_long_prompt_runs_its_gdn_and_kda_layers_in_chunks_with_the_whole_prompt
     torch.testing.assert_close(chunked, whole, rtol=0, atol=CACHED_TOLERANCE)
 
 
+@pytest.mark.parametrize("how", ["no cache", "dynamic cache", "static cache", "generate", "generate static"])
+def test_an_unpadded_prompt_attends_through_sdpas_causal_kernel_with_no_mask(how, monkeypatch):
+    """No [T, T] mask is built for a prompt without padding (2-D mask of ones or none): sdpa gets is_causal and no
+    mask, so its flash or memory-efficient kernel runs in O(T) memory."""
+    model = tiny_model(LAYERS["gdn"])
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, is_causal=False, **kwargs):
+        calls.append((query.shape[2], attn_mask, is_causal))
+        return sdpa(query, key, value, attn_mask, *args, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    tokens = prompt(300)
+    ones = torch.ones_like(tokens)
+    with torch.no_grad():
+        if how == "no cache":
+            model(tokens, attention_mask=ones)
+        elif how.endswith("cache"):
+            cache = (DynamicCache(config=model.config) if how == "dynamic cache"
+                     else StaticCache(config=model.config, max_cache_len=320))
+            model(tokens, attention_mask=ones, cache=cache, use_cache=True, logits_to_keep=1)
+        else:
+            model.generate(tokens, attention_mask=ones, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                           **({"cache_implementation": "static"} if how.endswith("static") else {}))
+    [prompt_call] = [call for call in calls if call[0] == 300]
+    assert prompt_call[1] is None and prompt_call[2] is True
+
+
 def test_training_runs_the_mlp_whole(monkeypatch):
     model = tiny_model(LAYERS["gdn"]).train()
     rows = rows_through(monkeypatch)
