@@ -588,8 +588,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
 
     def _prepare_static_cache(self, *args, **kwargs) -> Cache:
-        # `generate`'s static cache: its key slots rounded up to one of few sizes (static_cache_slots), so what is
-        # captured per cache size is captured for few; the exact size where the rounded one would not fit in memory.
+        # `generate`'s static cache: where graph decoding captures (CUDA, graphs on), its key slots rounded up to one
+        # of few sizes (static_cache_slots), so what is captured per cache size is captured for few; the exact size
+        # elsewhere (nothing is captured per size there, and transformers' own static caches hold exactly the prompt
+        # plus the new tokens), and where the rounded one would not fit in memory.
         # A cache is refused before its buffers are allocated when it passes the model's positions or the memory
         # (cache_checks); transformers' size memory (`_previous_max_cache_length`, the size later calls reuse) is then
         # left as it was, so one refused call does not size every later cache.
@@ -598,7 +600,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         tokens = kwargs["max_cache_len"]
         previous = self.__dict__.get("_previous_max_cache_length")
         reach = model_position_limit(self.model)  # (the rounding stays within the model's positions)
-        for slots in dict.fromkeys((static_cache_slots(tokens, reach[0] if reach is not None else None), tokens)):
+        captured = self._graph_decoder is not None and self.device.type in CudaGraphDecoder.device_types
+        rounded = static_cache_slots(tokens, reach[0] if reach is not None else None) if captured else tokens
+        for slots in dict.fromkeys((rounded, tokens)):
             cache = super()._prepare_static_cache(**{**kwargs, "max_cache_len": slots})
             try:
                 check_static_cache_size(self.model, cache, kwargs["batch_size"])
