@@ -47,8 +47,8 @@ def chunk_bounds(tokens: int) -> list[int]:
 
 def chunks_apply(tokens: int) -> bool:
     """Whether a token-wise op over `tokens` rows runs in chunks here: more rows than a chunk, no gradient, not
-    traced by torch.compile."""
-    return tokens > TOKENS_PER_CHUNK and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    traced by torch.compile (asked first: a traced comparison of the token count would be a guard on it)."""
+    return not torch.compiler.is_compiling() and not torch.is_grad_enabled() and tokens > TOKENS_PER_CHUNK
 
 
 def token_chunked(op: Callable[..., torch.Tensor], rows: torch.Tensor, *row_aligned: torch.Tensor) -> torch.Tensor:
