@@ -85,7 +85,9 @@ def build(model: str, side: str, tiny: bool, longest: int, device: torch.device,
         ours_config, theirs_config = kda_pair(**(TINY_KDA if tiny else GPU_KDA))
     # the configs again from their fields, with the positions of the run (each config resolves its layers' rotary
     # settings when built)
-    yarn = {} if factor is None else {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": trained}
+    yarn = {}
+    if factor is not None:
+        yarn = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": trained}
     ours_config = type(ours_config).from_dict({**ours_config.to_dict(), "max_position_embeddings": trained,
                                                "rope_parameters": {**ours_config.rope_parameters, **yarn}})
     theirs_fields = {**theirs_config.to_dict(), "max_position_embeddings": trained}

@@ -1,6 +1,6 @@
 """Long prompts: the MLPs and the GDN/KDA layers run a chunk of tokens at a time without gradients (token_chunks,
-chunked_recurrence), cached decoding after a chunked prefill stays exact, positions past the model's limit are named (position_limit), and YaRN runs as
-transformers' Qwen3-Next runs it.
+chunked_recurrence), cached decoding after a chunked prefill stays exact, positions past the model's limit are named
+(position_limit), and YaRN runs as transformers' Qwen3-Next runs it.
 
 The chunk length (token_chunks.TOKENS_PER_CHUNK, 8192) is patched to 64 so prompts of a few hundred tokens cross
 several chunks.
