@@ -5,9 +5,10 @@ rules' q/k L2 norm (`ops._delta_rule` before fla's chunked kernels). The one pla
 Why: fla's forward kernels for narrow rows take NB, a bucket of the row count (cdiv(rows, 2048) for the block norm of
 up to 512 elements, cdiv(rows, 65536) for the gated norm and the L2 norm, rows = tokens x heads), as a constexpr that
 is also an autotuning key. Each prompt length in a new bucket compiles and benchmarks every configuration again,
-seconds at a time (a 16k-token prompt's first forward took 6.9 s instead of 0.19 s on an H200), and the buckets have
-no bound (a million-token prompt has hundreds). This package's kernels are compiled per width, dtypes and flags: the
-row count is a runtime argument, nothing is tuned, and a prompt of a new length compiles nothing.
+seconds at a time (on an H200 4 to 12 s per norm and bucket: docs/performance.md), and the buckets have no bound (a
+million-token prompt has hundreds). This package's kernels are compiled per width, dtypes and flags: the row count is
+a runtime argument, nothing is tuned, and a prompt of a new length compiles nothing
+(`tests/test_prompt_lengths_compile_nothing.py`).
 
 A norm runs as the kernel when no gradient is wanted (`torch.no_grad()`, or no input that requires one) and:
 - `rms_norm`: x CUDA bf16/fp16/fp32, the weight a vector of its width on its device (bf16/fp16/fp32), the residual
