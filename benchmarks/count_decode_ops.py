@@ -192,7 +192,7 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
     previous = fla_backend.fla_for, CudaGraphDecoder.device_types, CudaGraphDecoder._record
     step_previous = attention_step.STEP_DEVICE_TYPES, attention_step.attention_step_kernel
 
-    def record(run, device, reset):  # the capture: a warm-up run (as on the GPU: kept tensors built), then one counted
+    def record(run, device, reset, pool=None):  # the capture: a warm-up run (as on the GPU: kept tensors built), then one counted
         global COUNTER
         run()
         reset()

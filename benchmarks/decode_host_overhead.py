@@ -46,7 +46,7 @@ def _timed_replays(model, ids, settings) -> tuple[float, float]:
     """Median host seconds from the stop check to the next replay, and from a replay to the next stop check."""
     marks: list[tuple[str, float]] = []
     decoder = model._graph_decoder
-    decoder._graph.replay = lambda: marks.append(("replay", time.perf_counter()))
+    decoder.last_graph.replay = lambda: marks.append(("replay", time.perf_counter()))
     check = gen_utils.StopCheck.__call__
 
     def timed_check(self, *args):
@@ -80,7 +80,8 @@ def measure(name: str, tokens: int) -> None:
         model.generate(ids, **dict(settings, max_new_tokens=1, min_new_tokens=1))
         prompt = time.perf_counter() - start
         waited, overlapped = _timed_replays(model, ids, settings)
-    watch = model._graph_decoder._watch
+    decoder = model._graph_decoder
+    watch = decoder._graphs[decoder._last_key].watch
     checks = 2000
     timings = []
     for check in (lambda: watch.changed(), lambda: watch.changed(addresses=True),
@@ -106,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(1)
     # the captured step stood in by a replay that does nothing: only the host work around it is timed
     CudaGraphDecoder.device_types = ("cuda", "cpu")
-    CudaGraphDecoder._record = staticmethod(lambda run, device, reset: (SimpleNamespace(replay=lambda: None), run()))
+    CudaGraphDecoder._record = staticmethod(lambda run, device, reset, pool=None: (SimpleNamespace(replay=lambda: None), run()))
     for name in args.models:
         measure(name, args.tokens)
 

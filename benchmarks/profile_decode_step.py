@@ -251,7 +251,7 @@ def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | No
     with torch.no_grad():
         model(input_ids=input_ids, cache=cache, use_cache=True)
         model(input_ids=token, cache=cache, use_cache=True)  # captured here
-        assert model._graph_decoder._graph is not None, "the step was not captured"
+        assert model._graph_decoder.last_graph is not None, "the step was not captured"
         for _ in range(3):
             model(input_ids=token, cache=cache, use_cache=True)
         wall_ms = step_ms(model, cache, token, steps)

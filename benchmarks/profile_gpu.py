@@ -85,7 +85,7 @@ def time_graph_decoding(model, ids, new_tokens: int = 128) -> None:
             _sync()
             times.append(time.perf_counter() - start)
         per_token = (times[1] - times[0]) / (new_tokens - 1)
-        graph = model._graph_decoder._graph
+        graph = model._graph_decoder.last_graph
         _sync()
         start = time.perf_counter()
         for _ in range(replays):

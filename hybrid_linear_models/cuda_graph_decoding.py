@@ -327,6 +327,12 @@ class CudaGraphDecoder:
         """The (batch, key slots, device) of each kept captured step, least recently replayed first."""
         return list(self._graphs)
 
+    @property
+    def last_graph(self):
+        """The CUDA graph of the step replayed last (None before any): what profiling replays on its own."""
+        step = self._graphs.get(self._last_key)
+        return step.graph if step is not None else None
+
     @staticmethod
     def wanted(model, input_ids, inputs_embeds, cache) -> bool:
         """Whether this forward is a step graph decoding serves: one token per row on a graph device, no gradient,

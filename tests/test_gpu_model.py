@@ -207,7 +207,7 @@ def test_cuda_graph_decoding_matches_eager_decoding():
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
                   pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
     graphed = model.generate(input_ids, **kwargs)
-    assert model._graph_decoder._graph is not None  # the graph path ran
+    assert model._graph_decoder.last_graph is not None  # the graph path ran
     model.set_cuda_graph_decoding(False)
     eager = model.generate(input_ids, **kwargs)
     assert_same_generation(graphed, eager, graphed.scores, eager.scores)
@@ -293,7 +293,7 @@ def test_cuda_graph_decoding_with_sliding_layers_matches_eager_decoding(prompt_l
                   pad_token_id=0, output_logits=True, return_dict_in_generate=True, cache_implementation="static")
     with torch.no_grad():
         graphed = model.generate(input_ids, **kwargs)
-        assert model._graph_decoder._graph is not None  # the steps were captured
+        assert model._graph_decoder.last_graph is not None  # the steps were captured
         model.set_cuda_graph_decoding(False)
         eager = model.generate(input_ids, **kwargs)
     assert_same_generation(graphed, eager, graphed.logits, eager.logits)
@@ -311,7 +311,7 @@ def test_per_layer_model_decodes_with_cuda_graphs_as_without_cache(monkeypatch):
                   return_dict_in_generate=True, cache_implementation="static")
     with torch.no_grad():
         graphed = model.generate(input_ids, **kwargs)
-        assert model._graph_decoder._graph is not None  # the steps were captured
+        assert model._graph_decoder.last_graph is not None  # the steps were captured
         model.set_cuda_graph_decoding(False)
         eager = model.generate(input_ids, **kwargs)
         _without_fla(monkeypatch)

@@ -447,7 +447,7 @@ def test_cuda_graph_decoding_matches_eager_decoding(implementation):
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
                   pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
     graphed = model.generate(input_ids, **kwargs)
-    assert model._graph_decoder._graph is not None  # the graph path ran
+    assert model._graph_decoder.last_graph is not None  # the graph path ran
     assert model.config._experts_implementation == implementation  # restored after the capture
     model.set_cuda_graph_decoding(False)
     eager = model.generate(input_ids, **kwargs)

@@ -71,7 +71,7 @@ def test_cuda_graph_decoding_with_mla_layers_matches_eager_decoding(implementati
     model.set_attn_implementation(implementation)
     input_ids, attention_mask = _left_padded(3, 20)
     graphed = _generate(model, input_ids, attention_mask, cache_implementation="static")
-    assert model._graph_decoder._graph is not None  # the steps were captured, MLA layers included
+    assert model._graph_decoder.last_graph is not None  # the steps were captured, MLA layers included
     model.set_cuda_graph_decoding(False)
     eager = _generate(model, input_ids, attention_mask, cache_implementation="static")
     assert_same_generation(graphed, eager, graphed.logits, eager.logits)

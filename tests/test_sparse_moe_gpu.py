@@ -55,7 +55,7 @@ def test_cuda_graph_decoding_of_a_moe_model_matches_eager_decoding(dtype, implem
                   pad_token_id=0, cache_implementation="static", output_scores=True, output_logits=True,
                   return_dict_in_generate=True)
     graphed = model.generate(input_ids, **kwargs)
-    assert model._graph_decoder._graph is not None  # the graph path ran
+    assert model._graph_decoder.last_graph is not None  # the graph path ran
     assert model.config._experts_implementation == implementation  # restored after the capture
     model.set_cuda_graph_decoding(False)
     if dtype == torch.float32:
