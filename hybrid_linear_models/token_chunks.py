@@ -45,6 +45,12 @@ def chunk_bounds(tokens: int) -> list[int]:
     return bounds
 
 
+def shortest_chunked_length() -> int:
+    """The fewest rows `chunk_bounds` splits in more than one piece (a chunk and a last piece of half of one)."""
+    size = -(-TOKENS_PER_CHUNK // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    return size + -(-size // 2)
+
+
 def chunks_apply(tokens: int) -> bool:
     """Whether a token-wise op over `tokens` rows runs in chunks here: more rows than a chunk, no gradient, not
     traced by torch.compile (asked first: a traced comparison of the token count would be a guard on it)."""

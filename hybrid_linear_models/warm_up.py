@@ -12,7 +12,9 @@ not token counts), so one call up front takes all of it for the requests it cove
   batch size, a short generate per prompt bucket captures that bucket's graph (rows left-padded too, above batch 1),
   and the first one also the decoding step's;
 - the default cache: a prompt of each divisibility Triton specialises an integer argument on (a multiple of 16, and
-  not), for each batch size, left-padded too above batch 1 (fla's variable-length kernels), each with decoding steps.
+  not), for each batch size, left-padded too above batch 1 (fla's variable-length kernels), each with decoding steps;
+  where `max_length` allows, also the shortest prompts that run in pieces of tokens (token_chunks; fla's kernels then
+  take the state carried from the piece before, a tuning key of theirs), their last piece of each divisibility.
 
 It refuses, in one line and before allocating anything, a length past the model's positions or a static cache that
 would not fit in memory, and prints what it did and the seconds it took.
@@ -31,6 +33,7 @@ from .cuda_graph_decoding import CudaGraphDecoder
 from .cuda_graph_prefill import captured_buckets
 from .position_limit import model_position_limit
 from .static_cache_slots import static_cache_slots
+from .token_chunks import shortest_chunked_length
 
 NEW_TOKENS = 2  # per warm-up generate: the prefill, then a decoding step (the first replayed or run uncaptured)
 DEFAULT_CACHE_LENGTHS = (64, 65)  # a multiple of 16 and not: the two specialisations of a length argument
@@ -86,8 +89,8 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             # (fused_projections), which graphs captured before would read as moved weights and capture again
             for batch in sizes:
                 for padded in (False, True) if batch > 1 else (False,):
-                    for length in DEFAULT_CACHE_LENGTHS:
-                        _generate(model, batch, min(length, max_length - NEW_TOKENS), padded, device, None)
+                    for length in _default_cache_lengths(max_length):
+                        _generate(model, batch, length, padded, device, None)
                         calls += 1
             if graphs:
                 model._previous_max_cache_length = slots
@@ -116,6 +119,15 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
     if verbose:
         print(report, flush=True)
     return report
+
+
+def _default_cache_lengths(max_length: int) -> list[int]:
+    """The prompt lengths of the default cache's warm-up (see the module docstring) that fit in `max_length`."""
+    lengths = list(DEFAULT_CACHE_LENGTHS)
+    chunked = shortest_chunked_length()
+    if chunked + 1 + NEW_TOKENS <= max_length:
+        lengths += [chunked, chunked + 1]
+    return list(dict.fromkeys(min(n, max_length - NEW_TOKENS) for n in lengths))
 
 
 def _check_arguments(max_batch_size, max_length, sizes, reach: tuple[int, str] | None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid_linear_models import cache_checks
+from hybrid_linear_models import cache_checks, token_chunks, warm_up
 from hybrid_linear_models.graph_cache_storage import cache_tensors
 from hybrid_linear_models.static_cache_slots import static_cache_slots
 from model_helpers import replay_graphs_eagerly, replay_prefills_eagerly, tiny_model
@@ -134,3 +134,15 @@ def test_a_rounded_cache_that_does_not_fit_gives_way_to_the_exact_size(monkeypat
     assert result.past_key_values.layers[1].max_cache_len == 40 + 3 - 1  # (the last new token is not cached)
     with pytest.raises(ValueError, match="at most 100 slots per row fit"):
         _generate(model, *_ids(1, 120, 0))
+
+
+def test_the_default_cache_warm_up_covers_prompts_run_in_pieces(monkeypatch):
+    """Where max_length allows, the warm-up's default-cache prompts include ones run in pieces of tokens
+    (token_chunks), their last piece of each divisibility by 16 (a Triton specialisation); none past max_length."""
+    monkeypatch.setattr(token_chunks, "TOKENS_PER_CHUNK", 128)
+    pieces = {n: token_chunks.chunk_bounds(n) for n in warm_up._default_cache_lengths(1000)}
+    last = {(bounds[-1] - bounds[-2]) % 16 == 0 for bounds in pieces.values() if len(bounds) > 2}
+    assert last == {True, False}
+    for max_length in (100, 194):
+        assert all(len(token_chunks.chunk_bounds(n)) == 2 and n <= max_length - warm_up.NEW_TOKENS
+                   for n in warm_up._default_cache_lengths(max_length))
