@@ -8,7 +8,8 @@ layers its `LinearAttentionLayer`. A GDN/KDA layer keeps, per batch row, the las
 and its float32 recurrent state [H, dk, dv]: a fixed size, whatever the context length. It keeps them in
 `LinearStateLayer`, transformers' `LinearAttentionLayer` with the layout this package's kernels update in place; the
 model takes each empty `LinearAttentionLayer` of a cache it is given as one (`adopt_linear_layers`), before its first
-forward writes into it.
+forward writes into it. `crop` restores the layer to one of its last tokens from what its forwards kept
+(state_rollback.py), for assisted/speculative decoding.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from .state_rollback import (
+    MAX_ROLLBACK_TOKENS,
+    RollbackWindow,
+    crop_error,
+    keeps_window,
+)
+
 
 class LinearStateLayer(LinearAttentionLayer):
     """Cache of one GDN/KDA layer: conv state [B, C, K-1] and recurrent state [B, H, dk, dv] (float32).
@@ -28,7 +36,8 @@ class LinearStateLayer(LinearAttentionLayer):
     The conv state lives in the last K-1 columns of a [B, C, K] window (`conv_window`, whose first column is never
     read: fla's layout, so a decoding step shifts the new input in, in place, in one kernel). Updates copy into the
     existing buffers (fixed addresses, so a captured CUDA graph or a compiled decode step can reuse them). A recurrent
-    state cannot be rolled back, so `crop` refuses.
+    state cannot be cut back, only restored: `crop(-n)` restores the layer n tokens back from the window its last
+    forwards kept (`rollback`, state_rollback.py), and refuses, in one line, a token it did not keep.
 
     The tokens it has seen are counted on the host in eager mode (`seen_tokens`, read without a synchronisation) and
     in a tensor on the states' device while torch.compile traces: a Python int that a compiled step updated would be
@@ -42,6 +51,7 @@ class LinearStateLayer(LinearAttentionLayer):
         self._host_count = 0  # tokens stored in eager mode
         self._device_count: torch.Tensor | None = None  # tokens stored under torch.compile ([] int64)
         self._counted_on_device = False  # whether _device_count may be nonzero (set under compile, read in eager)
+        self.rollback: RollbackWindow | None = None  # what restores the last tokens (state_rollback.py)
 
     @property
     def seen_tokens(self) -> int:
@@ -134,16 +144,68 @@ class LinearStateLayer(LinearAttentionLayer):
     def reset(self) -> None:
         super().reset()
         self.seen_tokens = 0
+        self.rollback = None
+
+    # ------------------------------------------------------------------------------------------------ rollback
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can put the layer back as it was: while it records its past (transformers asks after the
+        prefill of assisted decoding, having called `activate_past_recording`)."""
+        return self.record_past
+
+    def window_plan(self, tokens: int, packed: bool) -> str | None:
+        """How a forward of `tokens` onto this layer keeps its tokens (state_rollback.py): None (not at all; a window
+        kept before is dropped), "new" (a window from the state before it), "append" (onto the window, which it
+        continues) or "split" (more than MAX_ROLLBACK_TOKENS: a window of its last ones)."""
+        if torch.compiler.is_compiling():
+            return None
+        held = self.seen_tokens
+        if not keeps_window(self.record_past, held, tokens, torch.is_grad_enabled(), packed):
+            self.rollback = None
+            return None
+        if tokens > MAX_ROLLBACK_TOKENS:
+            return "split"
+        window = self.rollback
+        return "new" if window is None or window.restart or window.end != held else "append"
+
+    def keep_window(self, window: RollbackWindow, plan: str) -> None:
+        """Keeps the window of the forward just stored, planned by `window_plan`; it ends at the layer's count."""
+        window.start = self.seen_tokens - window.tokens
+        if plan == "append":
+            self.rollback.append(window)
+        else:
+            self.rollback = window
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove:
+        """Removes the last -tokens_to_remove tokens (a negative count, as transformers' layers take it): the conv
+        window and the recurrent state restored from the kept window. crop(0) removes nothing."""
+        if tokens_to_remove > 0:
             raise ValueError(
-                "A GDN/KDA layer's recurrent state cannot be rolled back to an earlier token, so this cache cannot be "
-                "cropped (assisted/speculative decoding and cache cropping need a rollback). Re-run the prompt "
-                "instead, or keep a copy of the cache (copy.deepcopy) from before the tokens you want to drop."
-            )
+                f"crop({tokens_to_remove}): pass the negative count of tokens to remove (crop(-2) drops the last 2), as "
+                "transformers' cache layers take it.")
+        window = self.rollback
+        if tokens_to_remove == 0:
+            if window is not None:
+                window.restart = True
+            return
+        held = self.seen_tokens
+        target = held + tokens_to_remove
+        if window is None or window.end != held or target < window.start:
+            raise ValueError(crop_error(held, window, tokens_to_remove))
+        kept = target - window.start
+        state = window.state_after(kept)
+        if state is None:
+            self.recurrent_states[0].zero_()
+        else:
+            self.recurrent_states[0].copy_(state)
+        self.conv_states[0][..., 1:].copy_(window.conv_state_after(kept))
+        window.keep_first(kept)
+        window.restart = True
+        self.seen_tokens = target
 
     def _select(self, fn) -> None:
+        self.rollback = None  # (kept for the rows in their old order)
         for states, initialized in ((self.conv_states, self.is_conv_states_initialized),
                                     (self.recurrent_states, self.is_recurrent_states_initialized)):
             if initialized[0]:
@@ -187,6 +249,7 @@ def adopt_linear_layers(cache: Cache | None) -> None:
                 f"Layer {index}'s cache ({type(layer).__name__}) already holds a state written by another model; "
                 "pass a fresh cache built from this model's config: DynamicCache(config=model.config).")
         cache.layers[index] = LinearStateLayer()
+        cache.layers[index].record_past = layer.record_past  # (activate_past_recording may come first)
     cache._linear_layers_adopted = True
 
 

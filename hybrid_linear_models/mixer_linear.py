@@ -12,6 +12,7 @@ from .cache_hybrid_linear import LinearStateLayer
 from .fused_projections import FusedProjections
 from .ops import causal_conv1d, causal_conv1d_step, gate_log_decay
 from .sequence_info import SequenceInfo
+from .state_rollback import MAX_ROLLBACK_TOKENS, RollbackWindow
 
 
 @dataclass
@@ -83,7 +84,8 @@ def convolve_and_recur(
     mixed [B, T, C]; conv_weight None: mixed is the convolution's output already, the cache's window stepped
     (`project_for_convolution`); beta [B, T, H] (its logits with `beta_logits`: the sigmoid then runs in the rule's
     kernel where it can). Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
-    start from zero; a cache provides the initial conv/recurrent states and keeps the final ones. Returns the
+    start from zero; a cache provides the initial conv/recurrent states and keeps the final ones, and what
+    restores them to each of the tokens where a crop can follow (`LinearStateLayer.window_plan`). Returns the
     delta-rule output [B, T, H, dv].
     """
     g, gate_args = gate.raw, {"A_log": gate.A_log, "dt_bias": gate.dt_bias}
@@ -99,6 +101,8 @@ def convolve_and_recur(
             g = g.masked_fill(pad, -math.inf)  # evaluated inside the rule's kernels
     mixed, g, beta = info.flatten(mixed), info.flatten(g), info.flatten(beta)
     recurrent_state = cache.recurrent_state if cache is not None else None
+    plan = cache.window_plan(mixed.shape[1], info.cu_seqlens is not None) if cache is not None else None
+    base = recurrent_state.clone() if plan == "new" and recurrent_state is not None else None  # (updated in place)
     if conv_weight is None:  # convolved with its projection
         conv_state = None
     elif steps_conv_window(cache, info, mixed.shape[1]):
@@ -109,13 +113,33 @@ def convolve_and_recur(
                                           output_final_state=cache is not None, cu_seqlens=info.cu_seqlens)
         if conv_state is not None and info.padding_mask is not None:  # rows padded on the right too
             conv_state = conv_state_at_last_real(inputs, info.padding_mask, conv_state.shape[-1], initial)
+    if plan is not None:  # the K-1 conv inputs before the tokens, then theirs
+        conv_inputs = (cache.conv_window.clone() if conv_state is None  # a step: [the K-1 before | its input]
+                       else torch.cat([initial if initial is not None else inputs.new_zeros(conv_state.shape),
+                                       inputs.transpose(1, 2)], dim=-1))
     q, k, v = split(mixed)
-    out, recurrent_state = rule(
-        q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
-        cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **gate_args, **({"beta_logits": True} if beta_logits else {}),
-        # a decoding step may update the cache's state in place (no copy of it afterwards: recurrent_in_place.py)
-        state_in_place=cache is not None and mixed.shape[1] == 1,
-    )
+    tokens = q.shape[1]
+    options = {**gate_args, **({"beta_logits": True} if beta_logits else {})}
+    if plan == "split":  # the rule up to the window, whose start state is kept, then over it
+        cut = tokens - MAX_ROLLBACK_TOKENS
+        head, base = rule(q[:, :cut], k[:, :cut], v[:, :cut], g[:, :cut], beta[:, :cut],
+                          initial_state=recurrent_state, output_final_state=True, use_qk_l2norm=True, **options)
+        tail, recurrent_state = rule(q[:, cut:], k[:, cut:], v[:, cut:], g[:, cut:], beta[:, cut:],
+                                     initial_state=base, output_final_state=True, use_qk_l2norm=True, **options)
+        out = torch.cat([head, tail], dim=1)
+    else:
+        out, recurrent_state = rule(
+            q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
+            cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **options,
+            # a decoding step may update the cache's state in place (no copy of it afterwards: recurrent_in_place.py)
+            state_in_place=cache is not None and mixed.shape[1] == 1,
+        )
     if cache is not None:  # (a decoding step updated the conv window in place: conv_state None)
         cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])
+    if plan is not None:
+        kept = slice(tokens - min(tokens, MAX_ROLLBACK_TOKENS), None)
+        cache.keep_window(RollbackWindow(
+            rule, gate_args, base, conv_inputs[..., kept].clone(), q[:, kept].clone(), k[:, kept].clone(),
+            v[:, kept].clone(), g[:, kept].clone(), (beta.sigmoid() if beta_logits else beta)[:, kept].clone(),
+            start=0), plan)
     return info.unflatten(out)

@@ -185,7 +185,10 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = False
-    _is_stateful = True
+    # transformers' refusal of assisted generation (prompt_lookup_num_tokens=, assistant_model=) for models whose
+    # cache cannot be cut back after a rejected draft: this family's can, its GDN/KDA layers restored exactly by `crop`
+    # (state_rollback.py)
+    _is_stateful = False
     # as transformers' Qwen3-Next declares it: the forward traces as one graph (no data-dependent branch under
     # torch.compile: sequence_info.may_hold_padding; the linear layers' token counts are tensors there)
     _can_compile_fullgraph = True

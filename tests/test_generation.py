@@ -145,16 +145,15 @@ def test_cache_reorder_and_batch_selection_follow_the_rows():
     torch.testing.assert_close(got, expected[[2, 0, 1]], atol=1e-5, rtol=1e-5)  # row order changes BLAS blocking
 
 
-def test_crop_and_assisted_decoding_raise_clear_errors():
+def test_crop_of_a_prompt_raises_a_clear_error():
+    """A prompt keeps nothing to restore (assisted decoding, which crops, records: test_speculative_rollback.py)."""
     model = tiny_model()
     input_ids = _ids((1, 8), 8)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids, cache=cache, use_cache=True)
-    with pytest.raises(ValueError, match="cannot be rolled back"):
-        cache.crop(5)
-    with pytest.raises(ValueError, match="not supported with stateful models"):
-        model.generate(input_ids, max_new_tokens=3, assistant_model=tiny_model(seed=1))
+    with pytest.raises(ValueError, match="can be restored to none of them"):
+        cache.layers[0].crop(-5)
 
 
 def test_a_cache_built_for_another_model_is_refused():

@@ -1,0 +1,138 @@
+"""Restoring a GDN/KDA layer to an earlier token: what a forward keeps so that a cache `crop` is exact.
+
+Speculative (assisted) decoding runs k drafted tokens through the model at once, then keeps the accepted prefix:
+transformers' `_assisted_decoding` calls `cache.crop(-rejected)` after every verify forward (and the assistant
+model's cache is cropped the same way, after several one-token steps). An attention layer drops the rejected keys. A
+GDN/KDA layer's conv window and recurrent state S after the forward hold every token of it and cannot be cut back,
+only restored.
+
+What is kept, a `RollbackWindow`: the recurrent state at the window's start (the base), the K-1 convolution inputs
+before it, and per token of the window the convolution's input and the delta rule's inputs (q, k, v, the raw gate,
+beta). Restoring to m tokens into the window runs the delta rule over its first m tokens from the base (the same
+function, hence the same kernels, a forward of those tokens runs) and takes the last K-1 convolution inputs up to
+there. Exact: the restored state is the state a forward of the kept prefix computes, to the summation order of the
+kernel (tests/test_speculative_rollback.py).
+
+Why not each position's state, written by the verify forward: that writes T states for T tokens (T x S, S = Hv x dk x
+dv float32, 2 MiB per row for 32 heads of 128 x 128), where the window writes one (the base, a copy of the state
+before the forward) plus the inputs, about 2C values a token (C the q | k | v channels: 8K channels, 32 KiB a token in
+bf16, a sixtieth of S); a crop then reads the base and runs at most T steps of the recurrence with the state held in
+registers, and a fully accepted draft (`crop(0)`) recomputes nothing. The verify forward keeps its own kernels (fla's
+chunked and recurrent kernels return only the final state).
+
+When a forward keeps a window (`plan`): no gradient, not traced or captured, no packed documents, and either the
+cache records its past (`cache.activate_past_recording()`, which transformers calls before assisted decoding: every
+forward then, the prefill included, since the first verify forward is the prompt plus the first draft), or the forward
+continues a non-empty cache by 2 to MAX_ROLLBACK_TOKENS tokens (a verify step run by hand). A one-token decoding step
+of a cache that does not record keeps nothing, nor does a long prompt: plain decoding pays nothing. A forward
+appends to the window when it continues it, so a crop can reach back over several forwards (the assistant's steps);
+after a crop, the next forward starts a new window from the state it finds (transformers never crops below an
+earlier crop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+# The tokens a GDN/KDA layer can always be cut back by (a window holds up to twice as many: past that, its oldest
+# tokens are folded into its base, recomputed once each). transformers' drafters propose 10 tokens
+# (prompt_lookup_num_tokens' usual value), 20 (num_assistant_tokens' default) or a draft its heuristic schedule
+# lengthens by 2 a round; 64 covers them, while a window's inputs stay within about one recurrent state per layer
+# (128 tokens x 2C values: 8 MiB per row for 8K channels in bf16, against the state's 2 MiB float32 and the
+# attention layers' keys). A crop past what was kept is refused with a clear error.
+MAX_ROLLBACK_TOKENS = 64
+
+
+@dataclass
+class RollbackWindow:
+    """The last tokens of a GDN/KDA layer, kept so its state can be restored to any of them.
+
+    base: the recurrent state before the window's first token ([B, Hv, dk, dv]; None: zeros, an empty cache);
+    conv_inputs: [B, C, K-1+n], the K-1 convolution inputs before the window then the n tokens' own; q, k, v, g, beta:
+    the delta rule's inputs of the n tokens ([B, n, ...]; g raw, taken with `gate_args`; beta a probability);
+    start: the layer's token count at the window's start."""
+
+    rule: Callable
+    gate_args: dict
+    base: torch.Tensor | None
+    conv_inputs: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    start: int
+    restart: bool = field(default=False)  # set by a crop: the next forward starts a new window
+
+    @property
+    def tokens(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+    def state_after(self, m: int) -> torch.Tensor | None:
+        """The recurrent state after the window's first m tokens (None: zeros)."""
+        if m == 0:
+            return self.base
+        _, state = self.rule(self.q[:, :m], self.k[:, :m], self.v[:, :m], self.g[:, :m], self.beta[:, :m],
+                             initial_state=self.base, output_final_state=True, use_qk_l2norm=True, **self.gate_args)
+        return state
+
+    def conv_state_after(self, m: int) -> torch.Tensor:
+        """The last K-1 convolution inputs after the window's first m tokens, [B, C, K-1]."""
+        keep = self.conv_inputs.shape[-1] - self.tokens
+        return self.conv_inputs[..., m: m + keep]
+
+    def keep_first(self, m: int) -> None:
+        """Drops the tokens after the first m."""
+        keep = self.conv_inputs.shape[-1] - self.tokens
+        self.q, self.k, self.v, self.g, self.beta = (t[:, :m] for t in (self.q, self.k, self.v, self.g, self.beta))
+        self.conv_inputs = self.conv_inputs[..., : m + keep]
+
+    def drop_first(self, d: int) -> None:
+        """Folds the first d tokens into the base (their recurrence run once more)."""
+        self.base = self.state_after(d)
+        self.q, self.k, self.v, self.g, self.beta = (t[:, d:] for t in (self.q, self.k, self.v, self.g, self.beta))
+        self.conv_inputs = self.conv_inputs[..., d:]
+        self.start += d
+
+    def append(self, other: RollbackWindow) -> None:
+        """The tokens of `other`, which starts where this one ends."""
+        keep = other.conv_inputs.shape[-1] - other.tokens
+        self.q, self.k, self.v, self.g, self.beta = (
+            torch.cat([a, b], dim=1) for a, b in zip((self.q, self.k, self.v, self.g, self.beta),
+                                                    (other.q, other.k, other.v, other.g, other.beta)))
+        self.conv_inputs = torch.cat([self.conv_inputs, other.conv_inputs[..., keep:]], dim=-1)
+        if self.tokens > 2 * MAX_ROLLBACK_TOKENS:
+            self.drop_first(self.tokens - MAX_ROLLBACK_TOKENS)
+
+
+def keeps_window(recording: bool, held: int, tokens: int, grad: bool, packed: bool) -> bool:
+    """Whether a forward of `tokens` onto a layer holding `held` keeps a window (see the module docstring)."""
+    if grad or packed or tokens == 0 or torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return recording or (held > 0 and 1 < tokens <= MAX_ROLLBACK_TOKENS)
+
+
+def crop_error(held: int, window: RollbackWindow | None, tokens_to_remove: int) -> str:
+    """The one line a crop to a token that was not kept raises."""
+    if window is None or window.end != held or window.tokens == 0:
+        can = "none of them (its last forward kept nothing)"
+    else:
+        can = f"{window.start} to {held} tokens"
+    return (f"crop({tokens_to_remove}): a GDN/KDA layer's recurrent state cannot be cut back, only restored to a "
+            f"token it kept; it holds {held} tokens and can be restored to {can}. A forward keeps what restores "
+            f"its last tokens (up to {MAX_ROLLBACK_TOKENS}) when the cache records its past "
+            "(cache.activate_past_recording(), as assisted generate does) or continues a cache by 2 to "
+            f"{MAX_ROLLBACK_TOKENS} tokens without gradients; else re-run the prompt, or copy the cache "
+            "(copy.deepcopy) before the tokens to drop.")
+
+
+__all__ = ["MAX_ROLLBACK_TOKENS", "RollbackWindow", "crop_error", "keeps_window"]
