@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
+    DynamicCache,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
 )
@@ -261,6 +262,29 @@ def past_length(cache: Cache | None) -> int:
     if any(not isinstance(layer, LinearStateLayer) for layer in cache.layers):
         return cache.get_seq_length()
     return cache.layers[0].get_seq_length() if len(cache.layers) else 0
+
+
+class LinearOnlyDynamicCache(DynamicCache):
+    """`generate`'s dynamic cache for a model of GDN/KDA layers alone, whose length its linear layers give:
+    transformers' `Cache.get_seq_length` reads attention layers and refuses a cache without one, which assisted
+    generation asks of its assistant model's cache (to crop it after each round)."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx == 0 and len(self.layers) and all(self.is_linear):
+            first = self.layers[0]  # (transformers' own layer until the model's first forward: nothing yet)
+            return first.get_seq_length() if isinstance(first, LinearStateLayer) else 0
+        return super().get_seq_length(layer_idx)
+
+
+def generation_cache(cache: Cache | None) -> Cache | None:
+    """The cache `generate` built, as a `LinearOnlyDynamicCache` where it is a plain dynamic cache of linear layers
+    alone (its offloading and past recording kept); any other cache as it is."""
+    if type(cache) is not DynamicCache or not len(cache.layers) or not all(cache.is_linear):
+        return cache
+    linear_only = LinearOnlyDynamicCache(offloading=cache.offloading,
+                                         offload_only_non_sliding=getattr(cache, "only_non_sliding", True))
+    linear_only.layers, linear_only.layer_class_to_replicate = cache.layers, cache.layer_class_to_replicate
+    return linear_only
 
 
 def linear_layer_cache(cache: Cache | None, layer_idx: int) -> LinearStateLayer | None:

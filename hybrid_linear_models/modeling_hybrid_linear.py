@@ -30,7 +30,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .block_ops import fused_causal_lm_loss
 from .cache_checks import check_cache, check_static_cache_size
 from .checkpoint_dtypes import check_checkpoint_dtypes
-from .cache_hybrid_linear import adopt_linear_layers, linear_layer_cache, past_length
+from .cache_hybrid_linear import adopt_linear_layers, generation_cache, linear_layer_cache, past_length
 from .chunked_recurrence import recur_in_token_chunks, recurrence_chunks_apply
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
@@ -589,6 +589,14 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         if self._graph_decoder is not None and self.device.type == "cuda":
             return False
         return super()._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        # a model of GDN/KDA layers alone gets a dynamic cache whose length those layers give (transformers' asks
+        # attention layers only, and assisted generation asks it of the assistant's cache: generation_cache)
+        prepared = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if "cache" in model_kwargs:
+            model_kwargs["cache"] = generation_cache(model_kwargs["cache"])
+        return prepared
 
     def _prepare_static_cache(self, *args, **kwargs) -> Cache:
         # `generate`'s static cache: where graph decoding captures (CUDA, graphs on), its key slots rounded up to one

@@ -154,6 +154,17 @@ def test_transformers_assistant_model_equals_plain_greedy(name):
     _assert_same_as_plain(model, input_ids, 12, assistant_model=copy.deepcopy(model))
 
 
+@pytest.mark.parametrize("layer_types", [["gated_deltanet"], ["kimi_delta_attention", "gated_deltanet"]])
+def test_models_of_linear_layers_alone_draft_and_verify(layer_types):
+    """Without an attention layer, as the model and as its assistant (transformers asks the assistant's cache its
+    length, which only attention layers tell it: `generate` builds a LinearOnlyDynamicCache for such a model)."""
+    model = _model(layer_types)
+    input_ids = torch.tensor([[7, 8, 9, 10, 7, 8, 9, 11, 7, 8]])
+    _assert_same_as_plain(model, input_ids, 10, prompt_lookup_num_tokens=3)
+    _assert_same_as_plain(model, input_ids, 10, assistant_model=_model(["gated_deltanet"], seed=4))
+    _assert_same_as_plain(_model(MODELS["gdn+attention"]), input_ids, 10, assistant_model=model)
+
+
 def _layer_states(cache):
     states = []
     for layer in cache.layers:
