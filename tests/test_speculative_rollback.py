@@ -211,6 +211,11 @@ def test_crop_then_continuation_equals_a_forward_of_the_prefix(name):
             got = model(more, cache=cache, use_cache=True).logits
             want = model(more, cache=expected, use_cache=True).logits
         torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+    if name != "sliding":  # (transformers' sliding layer keeps only its window after a crop)
+        cache = _prefix_cache(model, prompt, draft)
+        cache.crop(-1)
+        cache.crop(-2)  # a second crop before any forward
+        _assert_same_states(_layer_states(cache), _layer_states(_prefix_cache(model, prompt, draft[:, :2])))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
