@@ -15,16 +15,18 @@ kernel (tests/test_speculative_rollback.py).
 
 Why not each position's state, written by the verify forward: that writes T states for T tokens (T x S, S = Hv x dk x
 dv float32, 2 MiB per row for 32 heads of 128 x 128), where the window writes one (the base, a copy of the state
-before the forward) plus the inputs, about 2C values a token (C the q | k | v channels: 8K channels, 32 KiB a token in
-bf16, a sixtieth of S); a crop then reads the base and runs at most T steps of the recurrence with the state held in
+before the forward) plus the inputs, about 2C values a token (C the q | k | v channels: for 8K channels 32 KiB a token
+in bf16, S / 64); a crop then reads the base and runs at most T steps of the recurrence with the state held in
 registers, and a fully accepted draft (`crop(0)`) recomputes nothing. The verify forward keeps its own kernels (fla's
 chunked and recurrent kernels return only the final state).
 
-When a forward keeps a window (`plan`): no gradient, not traced or captured, no packed documents, and either the
-cache records its past (`cache.activate_past_recording()`, which transformers calls before assisted decoding: every
-forward then, the prefill included, since the first verify forward is the prompt plus the first draft), or the forward
-continues a non-empty cache by 2 to MAX_ROLLBACK_TOKENS tokens (a verify step run by hand). A one-token decoding step
-of a cache that does not record keeps nothing, nor does a long prompt: plain decoding pays nothing. A forward
+When a forward keeps a window (`keeps_window`, `LinearStateLayer.window_plan`): no gradient, not traced or captured,
+no packed documents, and either the cache records its past (`cache.activate_past_recording()`, which transformers
+calls before assisted decoding: every forward then, the prefill included, since the first verify forward is the
+prompt plus the first draft), or the forward continues a non-empty cache by 2 to MAX_ROLLBACK_TOKENS tokens (a verify
+step run by hand). A forward longer than MAX_ROLLBACK_TOKENS keeps its last ones: its delta rule runs in two calls,
+the state between them the window's base. A one-token decoding step of a cache that does not record keeps nothing,
+nor does a prompt: plain decoding pays nothing. A forward
 appends to the window when it continues it, so a crop can reach back over several forwards (the assistant's steps);
 after a crop, the next forward starts a new window from the state it finds (transformers never crops below an
 earlier crop).
@@ -38,11 +40,11 @@ from dataclasses import dataclass, field
 import torch
 
 # The tokens a GDN/KDA layer can always be cut back by (a window holds up to twice as many: past that, its oldest
-# tokens are folded into its base, recomputed once each). transformers' drafters propose 10 tokens
-# (prompt_lookup_num_tokens' usual value), 20 (num_assistant_tokens' default) or a draft its heuristic schedule
-# lengthens by 2 a round; 64 covers them, while a window's inputs stay within about one recurrent state per layer
-# (128 tokens x 2C values: 8 MiB per row for 8K channels in bf16, against the state's 2 MiB float32 and the
-# attention layers' keys). A crop past what was kept is refused with a clear error.
+# tokens are folded into its base, their recurrence run once more). transformers' drafters propose 10 tokens
+# (prompt_lookup_num_tokens' usual value), 20 (num_assistant_tokens' default), or a draft its heuristic schedule
+# lengthens by 2 a round; 64 covers them, while a window's inputs stay within two recurrent states per layer and row
+# (128 tokens x about 2C values: 4 MiB for C = 8K channels in bf16, against a state's 2 MiB in float32). A crop past
+# what was kept is refused with a clear error.
 MAX_ROLLBACK_TOKENS = 64
 
 
