@@ -34,8 +34,9 @@ from .state_rollback import (
 class LinearStateLayer(LinearAttentionLayer):
     """Cache of one GDN/KDA layer: conv state [B, C, K-1] and recurrent state [B, H, dk, dv] (float32).
 
-    The conv state lives in the last K-1 columns of a [B, C, K] window (`conv_window`, whose first column is never
-    read: fla's layout, so a decoding step shifts the new input in, in place, in one kernel). Updates copy into the
+    The conv state lives in the last K-1 columns of a [B, C, K] window (`conv_window`, whose first column no kernel
+    reads: fla's layout, so a decoding step shifts the new input in, in place, in one kernel; after a step the window
+    holds the K-1 inputs before it, then its own, which state_rollback keeps). Updates copy into the
     existing buffers (fixed addresses, so a captured CUDA graph or a compiled decode step can reuse them). A recurrent
     state cannot be cut back, only restored: `crop(-n)` restores the layer n tokens back from the window its last
     forwards kept (`rollback`, state_rollback.py), and refuses, in one line, a token it did not keep.

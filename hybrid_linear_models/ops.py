@@ -285,8 +285,9 @@ def causal_conv1d_step(
 ) -> torch.Tensor:
     """One decoding step of `causal_conv1d` for every row: x [B, 1, C]; `window` [B, C, K] holds the row's last K
     inputs in its last K-1 columns (the first is never read: fla's layout, which lets fla update it in place in one
-    kernel) and is updated in place, x shifted in. Returns the output [B, 1, C]; same math as `causal_conv1d` with
-    initial_state = window[..., 1:]."""
+    kernel) and is updated in place, x shifted in: the whole window, as fla's kernel shifts it, so that afterwards it
+    holds the K-1 inputs before x, then x (what state_rollback keeps of a step). Returns the output [B, 1, C]; same
+    math as `causal_conv1d` with initial_state = window[..., 1:]."""
     name = "causal_conv1d_step"
     if x.dim() != 3 or x.shape[1] != 1:
         raise ValueError(f"{name}: x must be one token per row, [B, 1, C], got shape {_shape(x)}.")
@@ -299,6 +300,7 @@ def causal_conv1d_step(
     if kernel is not None and window.is_contiguous():
         return kernel(x, window, weight=weight, activation=activation)[0]
     out, final = causal_conv1d_torch(x, weight, activation, window[..., 1:], True)
+    window[..., 0].copy_(window[..., 1])
     window[..., 1:].copy_(final)
     return out
 

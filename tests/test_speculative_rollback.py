@@ -237,6 +237,22 @@ def test_recorded_crops_reach_over_several_forwards_and_long_prompts(name):
         _assert_same_states(_layer_states(cache), _layer_states(_prefix_cache(model, *expected)))
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_one_token_step_after_a_crop_is_undone(name):
+    """After a crop the next forward starts a window; a one-token step (assisted decoding's round without a draft)
+    keeps the convolution inputs before it, so crop(-1) undoes it."""
+    model = _model(MODELS[name])
+    prompt, step = _ids((1, 10), 15), _ids((1, 1), 16)
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    with torch.no_grad():
+        model(prompt, cache=cache, use_cache=True)
+        cache.crop(0)
+        model(step, cache=cache, use_cache=True)
+    cache.crop(-1)
+    _assert_same_states(_layer_states(cache), _layer_states(_prefix_cache(model, prompt)))
+
+
 def test_a_window_keeps_its_last_tokens_past_its_bound(monkeypatch):
     """Past twice the bound, a window's oldest tokens are folded into its start state; the last MAX_ROLLBACK_TOKENS
     stay restorable, and a crop further back is refused."""
