@@ -393,7 +393,7 @@ class CudaGraphDecoder:
         """The logits of the step replayed from the graph of `key` (captured first if needed); None if the capture
         failed (the error is kept in `_failed` under `key`, and the cache is left as it was)."""
         graph = self._graphs.get(key)
-        bound = graph is not None and self.storages.bind(cache, key) is graph.storage is not None
+        bound = graph is not None and self.storages.bind(cache, key) is graph.storage  # (None: it did not fit)
         if bound:
             fresh = graph.serve(cache) or self._new_run or key != self._last_key
         if not bound or graph.stale(check_addresses=fresh):
