@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="tokenizer folder (what tokenizer.save_pretrained wrote) to copy into DST, for --to "
                              f"{', '.join(with_tokenizer)} (default: the tokenizer found in SRC, if any)")
+    parser.add_argument("--dequantize-fp8", action="store_true",
+                        help="read an FP8 checkpoint (block-scaled, quantization_config quant_method fp8) with its "
+                             "weights dequantized to bfloat16")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     return parser
 
@@ -79,7 +82,8 @@ def _convert(args: argparse.Namespace) -> int:
         with stop_signals_raise():  # SIGTERM / SIGHUP unwind like Ctrl-C; reported by main()
             result = convert_checkpoint(args.src, args.dst, from_format=args.from_format, to_format=args.to_format,
                                         dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
-                                        quiet=args.quiet, tokenizer=args.tokenizer)
+                                        quiet=args.quiet, tokenizer=args.tokenizer,
+                                        dequantize_fp8=args.dequantize_fp8)
     except ConversionError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1

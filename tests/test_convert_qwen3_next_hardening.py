@@ -67,7 +67,9 @@ def test_truncated_file_is_refused(folder):
     ("layer_types", "linear_attention", ("layer_types should be a non-empty list of strings",)),
     ("use_sliding_window", True, ("use_sliding_window is True",)),
     ("sliding_window", 128, ("sliding_window is 128",)),
-    ("quantization_config", {"quant_method": "fp8"}, ("quantization_config", "refuses rather than guess")),
+    ("quantization_config", {"quant_method": "fp8"}, ("quantization_config.weight_block_size is None",
+                                                      "a weight_block_size of two positive integers")),
+    ("quantization_config", {"quant_method": "gptq", "bits": 4}, ("quantization_config.quant_method is 'gptq'",)),
     ("num_hidden_layers", 10**9, ("num_hidden_layers is 1000000000 but the checkpoint holds tensors for 4 blocks",)),
     ("hidden_size", 10**12, ("hidden_size is 1000000000000, more than the",)),
     ("linear_value_head_dim", 16, ("model.layers.0.linear_attn.in_proj_qkvz.weight has shape [96, 32], but the "

@@ -71,7 +71,7 @@ def _torch_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to_format: str,
                        dtype: str | torch.dtype | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                        force: bool = False, quiet: bool = True,
-                       tokenizer: str | Path | None = None) -> ConversionResult:
+                       tokenizer: str | Path | None = None, dequantize_fp8: bool = False) -> ConversionResult:
     """Converts the checkpoint at `src` (format `from_format`) into a new folder `dst` (format `to_format`).
 
     Tensors keep their dtype unless `dtype` ("float32", "bfloat16", "float16") is given. `dst` appears only when
@@ -81,7 +81,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     explanation for bad inputs. Called in the main thread, SIGTERM and SIGHUP first remove the partial output, then
     end the process as they would have (the previous handlers are restored). A Hugging Face output also gets the
     tokenizer files of the folder `tokenizer` (what `tokenizer.save_pretrained` wrote), else those found beside the
-    source.
+    source. A source of FP8 weights (`fp8_blocks`) converts only with `dequantize_fp8`, to bfloat16 weights.
     """
     started = time.perf_counter()
     torch_dtype = _torch_dtype(dtype)
@@ -92,6 +92,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     with stop_signals_raise(redeliver=True), atomic_output_dir(output, writer if force else None) as staging:
         check_source(src)
         source = reader.read(Path(src))
+        if source.quantization == "fp8" and not dequantize_fp8:
+            raise ConversionError(f"{src} holds FP8 weights, which convert only dequantized to bfloat16; pass "
+                                  "--dequantize-fp8.")
         check_carried(source, to_format, writer.keeps_extra_tensors)
         plan = plan_conversion(source, writer.target_rows(source.config), torch_dtype)
         tokenizer_copied = tokenizer_to_copy(writer, Path(src), tokenizer, source.config.vocab_size)

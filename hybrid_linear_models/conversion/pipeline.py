@@ -138,6 +138,7 @@ class SourceCheckpoint:
     skipped: list[str] = field(default_factory=list)  # stored tensors deliberately not converted (optimizer state,
     # the mixers of a supernet that inference does not use)
     carried: CarriedTensors | None = None  # stored tensors kept untouched beside the model's
+    quantization: str | None = None  # "fp8": `tensors` reads the stored FP8 weights dequantized (`fp8_blocks`)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,12 @@ def _check_floating_point(source: SourceCheckpoint) -> None:
                 raise ConversionError(
                     f"{source.path}: tensor {brief(key)} has dtype {str(dtype).removeprefix('torch.')}, but model "
                     "weights are floating point; the checkpoint is corrupt or is not a model checkpoint."
+                )
+            if dtype.itemsize == 1:  # FP8 converts only with its block scales, dequantized (`fp8_blocks`)
+                raise ConversionError(
+                    f"{source.path}: tensor {brief(key)} is {str(dtype).removeprefix('torch.')}, which converts only "
+                    "as a block-scaled FP8 weight of a qwen3_next folder whose config.json has a quantization_config "
+                    "(with --dequantize-fp8)."
                 )
 
 

@@ -16,6 +16,7 @@ that keep them (`extra_tensors`), and written back here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,10 +28,13 @@ from transformers import GenerationConfig
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..converters import StackedExperts
 from ..errors import ConversionError
+from ..fp8_blocks import (QUANTIZATION_KEY, BlockFp8Config, DequantizedTensors, check_block_scales,
+                          check_scale_values, read_block_fp8_config, scale_name)
 from ..hf_layout import layer_prefix
 from ..hf_style_folder import CONFIG_FILE, FolderContents, read_hf_style_folder, write_hf_style_folder
 from ..name_maps import MapRow, build_hf_rows
-from ..pipeline import CarriedTensors, ConversionPlan, SourceCheckpoint, WriteOptions, config_difference
+from ..pipeline import (CarriedTensors, ConversionPlan, SourceCheckpoint, TensorCensus, WriteOptions,
+                        config_difference)
 from ..read_back import check_reads_back
 from ..safetensors_io import SafetensorsFile
 from ..untrusted import clip, parse_json
@@ -90,10 +94,31 @@ def _contents(parsed: tuple[HybridLinearConfig, dict[str, Any]], files: Mapping[
 
 
 def read_qwen3_next(path: Path) -> SourceCheckpoint:
+    """The folder at `path`; an FP8 one (`quantization_config`) has its scales checked against its FP8 weights and
+    reads them dequantized to bfloat16, marked `quantization="fp8"`."""
+    quantization: list[BlockFp8Config | None] = []
+
+    def build_config(data: Any, label: str, census: TensorCensus) -> tuple[HybridLinearConfig, dict[str, Any]]:
+        quantization.append(read_block_fp8_config(data, label))
+        return qwen3_next_to_hybrid_config({k: v for k, v in data.items() if k != QUANTIZATION_KEY}, label, census)
+
     # the mtp.* tensors, which the config does not describe, stay out of the census and are carried
-    return read_hf_style_folder(path, fmt=MODEL_TYPE, checkpoint="a Qwen3-Next checkpoint",
-                                check_model_type=_check_model_type, build_config=qwen3_next_to_hybrid_config,
-                                config_of=lambda parsed: parsed[0], contents=_contents, outside_census=MTP_PREFIX)
+    source = read_hf_style_folder(path, fmt=MODEL_TYPE, checkpoint="a Qwen3-Next checkpoint",
+                                  check_model_type=_check_model_type, build_config=build_config,
+                                  config_of=lambda parsed: parsed[0], contents=_contents, outside_census=MTP_PREFIX)
+    fp8 = quantization[0]
+    if fp8 is None:
+        return source
+    infos = {key: source.tensors.info(key) for key in source.tensors.keys()}
+    quantized = check_block_scales(infos, fp8, str(source.path))
+    for name in quantized:  # the scales are small (one per block): all checked before anything is written
+        check_scale_values(scale_name(name), source.tensors.load(scale_name(name)))
+    carried = source.carried
+    if carried is not None:  # an FP8 mtp.* weight travels dequantized; its scale is consumed
+        scales = {scale_name(name) for name in quantized}
+        carried = dataclasses.replace(carried, keys=tuple(key for key in carried.keys if key not in scales))
+    return dataclasses.replace(source, quantization="fp8", carried=carried,
+                               tensors=DequantizedTensors(source.tensors, quantized, fp8.block, torch.bfloat16))
 
 
 def _carried_fields(plan: ConversionPlan) -> dict[str, Any]:

@@ -1,0 +1,213 @@
+"""Block-scaled FP8 checkpoints in Qwen3-Next's released layout: dequantization against a float64 reference built
+here by indexing (not by the code's broadcast), a tiny FP8 Qwen3-Next folder converting with --dequantize-fp8 to the
+same tensors (bit for bit) and logits as a bf16 folder dequantized in the test, and every bad input refused with one
+line and no output.
+
+Exactness: an e4m3 value (4 significant bits) times a float32 scale (24 bits) is exact in float64, so the reference
+rounds once, float64 -> target dtype, and the code must agree bit for bit. Logits: both models run the same bf16
+weights in float32, so they differ by summation order only; LOGITS_TOLERANCE (1e-4) is the qwen3_next suite's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_convert_qwen3_next import assert_same_predictions, save_qwen3_next, tensors_of
+from transformers import Qwen3NextForCausalLM
+
+from hybrid_linear_models import HybridLinearForCausalLM
+from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
+from hybrid_linear_models.conversion.extra_tensors import EXTRA_TENSORS_FILE
+from hybrid_linear_models.conversion.fp8_blocks import dequantize_block_fp8
+from hybrid_linear_models.conversion.safetensors_io import SafetensorsFile
+from hybrid_linear_cli.convert import main as cli_main
+
+FP8 = torch.float8_e4m3fn
+# kept in bf16 in the released build: embeddings, lm_head, norms, router, shared expert gate, GDN's small tensors
+KEPT = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_expert_gate", "A_log", "dt_bias", "conv1d",
+        "in_proj_ba")
+TINY_MOE = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=12, shared_expert_intermediate_size=20,
+                decoder_sparse_step=1, intermediate_size=40)
+
+
+def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float64 real weight: each element times the scale of the block its (row, column) falls in."""
+    rows = torch.arange(weight.shape[-2]) // block[0]
+    cols = torch.arange(weight.shape[-1]) // block[1]
+    return weight.to(torch.float64) * scale.to(torch.float64)[..., rows[:, None], cols[None, :]]
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weight and float32 scales, one per block (amax / 448, as the released build makes them)."""
+    out, inp = weight.shape
+    grid = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
+    scale = torch.empty(grid, dtype=torch.float32)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = part.abs().max().clamp(min=1e-12) / 448
+    full = scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
+    return (weight.float() / full).to(FP8), scale
+
+
+BLOCKS = [(16, 16), (12, 20), (128, 128)]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("shape", [(40, 32), (33, 50), (128, 256), (3, 17, 29)])
+def test_dequantize_matches_float64_reference(block, shape):
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(shape, generator=generator) * 100).to(FP8)
+    grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+    scale = torch.rand(grid, generator=generator) * 1e-2 + 1e-4
+    expected = reference_dequantize(weight, scale, block)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_block_fp8(weight, scale, block, dtype)
+        assert got.dtype == dtype and got.shape == weight.shape
+        assert torch.equal(got, expected.to(dtype))  # one rounding of the exact product
+
+
+def tensors_of_file(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]:
+    file = SafetensorsFile(path)
+    return {key: (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            for key, t in ((key, file.read(key)) for key in file.keys())}
+
+
+def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCausalLM:
+    """tmp_path/fp8: a Qwen3-Next folder in the released FP8 layout; tmp_path/reference: the same model with the FP8
+    weights dequantized here (float64, rounded once to bf16) and everything else the same bf16 tensors."""
+    theirs = save_qwen3_next(tmp_path / "saved", **TINY_MOE)
+    fp8, reference = {}, {}
+    stored = SafetensorsFile(tmp_path / "saved" / "model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    mtp = {"mtp.fc.weight": torch.randn(32, 64, generator=generator),  # the hub's mtp.*: FP8 too, carried
+           "mtp.norm.weight": torch.randn(32, generator=generator)}
+    for name, tensor in [*((name, stored.read(name)) for name in stored.keys()), *mtp.items()]:
+        if tensor.dim() == 2 and not any(part in name for part in KEPT):
+            weight, scale = quantize(tensor, block)
+            fp8[name], fp8[name + "_scale_inv"] = weight, scale
+            reference[name] = reference_dequantize(weight, scale, block).to(torch.bfloat16)
+        else:
+            fp8[name] = reference[name] = tensor.to(torch.bfloat16)
+    assert any(key.endswith("experts.0.down_proj.weight_scale_inv") for key in fp8)
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    for folder, tensors in (("fp8", fp8), ("reference", reference)):
+        (tmp_path / folder).mkdir()
+        save_file(tensors, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
+        fields = {**config, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+        if folder == "fp8":
+            fields["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+                                             "activation_scheme": "dynamic",
+                                             "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+        (tmp_path / folder / "config.json").write_text(json.dumps(fields))
+    return theirs
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_fp8_folder_converts_dequantized(tmp_path, block):
+    write_fp8_folders(tmp_path, block)
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="hf",
+                       dequantize_fp8=True)
+    convert_checkpoint(tmp_path / "reference", tmp_path / "reference-hf", from_format="qwen3_next", to_format="hf")
+    converted = tensors_of(tmp_path / "hf")
+    assert converted == tensors_of(tmp_path / "reference-hf")
+    assert not any(key.endswith("_scale_inv") for key in converted)
+    extra = tensors_of_file(tmp_path / "hf" / EXTRA_TENSORS_FILE)
+    assert extra == tensors_of_file(tmp_path / "reference-hf" / EXTRA_TENSORS_FILE)
+    assert set(extra) == {"mtp.fc.weight", "mtp.norm.weight"}
+    assert {dtype for dtype, _, _ in converted.values()} == {torch.bfloat16}
+    theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
+    ours = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert_same_predictions(theirs, ours, theirs.config.vocab_size)
+
+
+def edit_folder(folder: Path, change_tensors=None, change_config=None) -> None:
+    from safetensors.torch import load_file
+
+    if change_tensors is not None:
+        tensors = load_file(folder / "model.safetensors")
+        change_tensors(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    if change_config is not None:
+        config = json.loads((folder / "config.json").read_text())
+        change_config(config["quantization_config"])
+        (folder / "config.json").write_text(json.dumps(config))
+
+
+WEIGHT = "model.layers.0.mlp.experts.1.up_proj.weight"
+BAD_INPUTS = {
+    "missing scale": (dict(change_tensors=lambda t: t.pop(WEIGHT + "_scale_inv")),
+                      [WEIGHT + "_scale_inv", "no scale", "[1, 2]"]),
+    "wrong scale shape": (dict(change_tensors=lambda t: t.update({WEIGHT + "_scale_inv": torch.ones(2, 2)})),
+                          [WEIGHT + "_scale_inv", "[2, 2]", "[1, 2]"]),
+    "stray scale beside a bf16 weight": (
+        dict(change_tensors=lambda t: t.update({"model.layers.0.mlp.gate.weight_scale_inv": torch.ones(1, 2)})),
+        ["model.layers.0.mlp.gate.weight_scale_inv", "stray"]),
+    "stray scale without a weight": (
+        dict(change_tensors=lambda t: t.update({"model.layers.0.mlp.extra.weight_scale_inv": torch.ones(1, 1)})),
+        ["model.layers.0.mlp.extra.weight_scale_inv", "not stored"]),
+    "zero scale": (dict(change_tensors=lambda t: t[WEIGHT + "_scale_inv"].zero_()),
+                   [WEIGHT + "_scale_inv", "finite and positive"]),
+    "another quant_method": (dict(change_config=lambda q: q.update(quant_method="bitsandbytes")),
+                             ["quant_method", "bitsandbytes"]),
+    "another fmt": (dict(change_config=lambda q: q.update(fmt="e5m2")), ["fmt", "e5m2"]),
+    "one-number block": (dict(change_config=lambda q: q.update(weight_block_size=[16])), ["weight_block_size"]),
+    "static activations": (dict(change_config=lambda q: q.update(activation_scheme="static")),
+                           ["activation_scheme", "static"]),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fp8")
+    write_fp8_folders(root, (16, 16))
+    return root / "fp8"
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_fp8_input_is_one_line_and_no_output(tmp_path, fp8_folder, case):
+    changes, fragments = BAD_INPUTS[case]
+    shutil.copytree(fp8_folder, tmp_path / "src")
+    edit_folder(tmp_path / "src", **changes)
+    with pytest.raises(ConversionError) as raised:
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", from_format="qwen3_next", to_format="hf",
+                           dequantize_fp8=True)
+    message = str(raised.value)
+    assert "\n" not in message and all(fragment in message for fragment in fragments), message
+    assert not (tmp_path / "out").exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+
+
+def test_fp8_without_the_flag_is_refused_on_the_command_line(tmp_path, fp8_folder, capsys):
+    status = cli_main(["--from", "qwen3_next", "--to", "hf", str(fp8_folder), str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 1 and err.count("\n") == 1 and "--dequantize-fp8" in err, err
+    assert not (tmp_path / "out").exists()
+    assert cli_main(["--from", "qwen3_next", "--to", "hf", str(fp8_folder), str(tmp_path / "out"), "--quiet",
+                     "--dequantize-fp8"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_fp8_weights_without_quantization_config_are_refused(tmp_path, fp8_folder):
+    """Stored FP8 values without their scales are not the weights: refused by name, never cast as they are."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(fp8_folder, tmp_path / "src")
+    tensors = {k: v for k, v in load_file(tmp_path / "src" / "model.safetensors").items()
+               if not k.endswith("_scale_inv")}
+    save_file(tensors, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    for dequantize in (False, True):
+        with pytest.raises(ConversionError, match="float8_e4m3fn, which converts only as a block-scaled") as raised:
+            convert_checkpoint(tmp_path / "src", tmp_path / "out", from_format="qwen3_next", to_format="hf",
+                               dtype="bfloat16", dequantize_fp8=dequantize)
+        assert "\n" not in str(raised.value)
+        assert not (tmp_path / "out").exists()
