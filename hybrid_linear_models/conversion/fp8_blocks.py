@@ -1,18 +1,21 @@
 """Fine-grained (block-scaled) FP8 checkpoints, as Qwen3-Next's released FP8 build stores them.
 
 config.json's `quantization_config` is `{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [bn, bk],
-"activation_scheme": "dynamic", "modules_to_not_convert": [...]}`. A quantized linear weight W (out, in) is stored as
-`<name>.weight` in float8_e4m3fn beside `<name>.weight_scale_inv`, float32 of shape [ceil(out/bn), ceil(in/bk)]:
-one scale per bn x bk block (the last row and column of blocks may be partial). The real weight is
+"activation_scheme": "dynamic", "modules_to_not_convert": [...]}`. A quantized linear weight W (..., out, in) is
+stored as `<name>.weight` in float8_e4m3fn beside `<name>.weight_scale_inv` of shape [..., ceil(out/bn), ceil(in/bk)]
+(float32 as released; bfloat16 and float16 read too): one scale per bn x bk block, the last row and column of blocks
+possibly partial. The real weight is
 
-    W[r, c] = float32(W_fp8[r, c]) * scale_inv[r // bn, c // bk]
+    W[r, c] = W_fp8[r, c] * scale_inv[r // bn, c // bk]
 
 (transformers' finegrained FP8 integration reads the same layout and formula). An e4m3 value has 4 significant bits
-and a float32 scale 24, so their product has at most 28 and is exact in float64: `dequantize_block_fp8` multiplies
-in float64 and rounds once, to the target dtype (multiplying in float32 would round twice on the way to bfloat16). Weights the config leaves out
-(embeddings, norms, routers, GDN's small tensors) are stored in bf16 without a scale: a scale is checked against the
-FP8 weight it belongs to, and an FP8 weight without its scale, a scale without an FP8 weight, or a scale of the wrong
-shape or with a value that is not finite and positive is refused before anything is written.
+and a float32 scale 24, so their product has at most 28 and is exact in float64: `dequantize_block_fp8` multiplies in
+float64 and rounds once, to the target dtype (a float32 product would round twice on the way to bfloat16).
+
+Weights the config leaves out (embeddings, norms, routers, GDN's small tensors) are stored in bf16 without a scale. A
+scale is checked against the FP8 weight it belongs to: an FP8 weight without its scale, a scale without an FP8
+weight, a scale of the wrong shape, or one whose values are not all finite and positive is refused before anything
+is written.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from .untrusted import Fields, brief
 QUANTIZATION_KEY = "quantization_config"
 SCALE_SUFFIX = "_scale_inv"  # `<name>.weight_scale_inv` beside `<name>.weight`
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn}
+# float32 as released; bfloat16 and float16 scales (some exports) are exact in float64 as well
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _RUNS = 'quant_method "fp8", fmt "e4m3", a weight_block_size of two positive integers, activation_scheme "dynamic"'
 
 
@@ -108,7 +113,7 @@ def check_block_scales(infos: Mapping[str, TensorInfo], config: BlockFp8Config, 
         if scale is None:
             raise ConversionError(f"{where}: FP8 tensor {brief(name)} has no scale {brief(scale_name(name))} "
                                   f"(float32, shape {list(expected)}); the checkpoint is incomplete.")
-        if tuple(scale.shape) != expected or scale.dtype != torch.float32:
+        if tuple(scale.shape) != expected or scale.dtype not in SCALE_DTYPES:
             raise ConversionError(
                 f"{where}: scale {brief(scale_name(name))} is {_name(scale.dtype)} of shape {list(scale.shape)}, but "
                 f"FP8 weight {list(info.shape)} in {list(config.block)} blocks needs float32 of shape "
