@@ -211,3 +211,41 @@ def test_fp8_weights_without_quantization_config_are_refused(tmp_path, fp8_folde
                                dtype="bfloat16", dequantize_fp8=dequantize)
         assert "\n" not in str(raised.value)
         assert not (tmp_path / "out").exists()
+
+
+def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):
+    """transformers' fused FP8 experts (`experts.gate_up_proj` (E, 2I, H) with `experts.gate_up_proj_scale_inv`
+    (E, ceil(2I/bn), ceil(H/bk)), `experts.down_proj` likewise) convert to the same tensors as the per-expert layout.
+    Block rows = I, so the gate and up scales stack without a block straddling both."""
+    from safetensors.torch import load_file
+
+    block = (TINY_MOE["moe_intermediate_size"], 20)
+    write_fp8_folders(tmp_path, block)
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    fused = {}
+    for name, tensor in tensors.items():
+        prefix, found, rest = name.partition("mlp.experts.")
+        if not found:
+            fused[name] = tensor
+            continue
+        expert, part, suffix = rest.split(".", 2)  # "{e}", "gate_proj", "weight" or "weight_scale_inv"
+        fused.setdefault((prefix, part, suffix), {})[int(expert)] = tensor
+    for key in [key for key in fused if isinstance(key, tuple)]:
+        prefix, part, suffix = key
+        if part == "up_proj":
+            continue
+        experts = fused.pop(key)
+        stacked = [experts[e] for e in sorted(experts)]
+        leaf = "down_proj" if part == "down_proj" else "gate_up_proj"
+        if part == "gate_proj":
+            ups = fused.pop((prefix, "up_proj", suffix))
+            stacked = [torch.cat([gate, ups[e]]) for e, gate in enumerate(stacked)]
+        fused[f"{prefix}mlp.experts.{leaf}" + ("_scale_inv" if suffix.endswith("_scale_inv") else "")] = \
+            torch.stack(stacked)
+    assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in fused
+    (tmp_path / "fp8" / "model.safetensors").unlink()
+    save_file(fused, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="hf",
+                       dequantize_fp8=True)
+    convert_checkpoint(tmp_path / "reference", tmp_path / "reference-hf", from_format="qwen3_next", to_format="hf")
+    assert tensors_of(tmp_path / "hf") == tensors_of(tmp_path / "reference-hf")
