@@ -154,6 +154,12 @@ BAD_INPUTS = {
         ["model.layers.0.mlp.extra.weight_scale_inv", "not stored"]),
     "zero scale": (dict(change_tensors=lambda t: t[WEIGHT + "_scale_inv"].zero_()),
                    [WEIGHT + "_scale_inv", "finite and positive"]),
+    "weight in another FP8 format": (
+        dict(change_tensors=lambda t: t.update({WEIGHT: t[WEIGHT].float().to(torch.float8_e5m2)})),
+        [WEIGHT, "float8_e5m2", "float8_e4m3fn"]),
+    "scale in an integer dtype": (
+        dict(change_tensors=lambda t: t.update({WEIGHT + "_scale_inv": torch.ones(1, 2, dtype=torch.int32)})),
+        [WEIGHT + "_scale_inv", "int32", "[1, 2]"]),
     "another quant_method": (dict(change_config=lambda q: q.update(quant_method="bitsandbytes")),
                              ["quant_method", "bitsandbytes"]),
     "another fmt": (dict(change_config=lambda q: q.update(fmt="e5m2")), ["fmt", "e5m2"]),
