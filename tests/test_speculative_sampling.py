@@ -81,14 +81,19 @@ def chi_square_p_value(counts: Counter, expected: dict[tuple[int, ...], float]) 
 
 def sample(model, samples: int, seed: int, **kwargs) -> Counter:
     """The counts of `samples` sampled continuations of PROMPT (one generate call a sample: assisted decoding is
-    batch 1)."""
+    batch 1). One thread: the tensors are tiny, and a second thread only waits for a core other processes hold."""
     torch.manual_seed(seed)
     counts: Counter = Counter()
-    with torch.no_grad():
-        for _ in range(samples):
-            out = model.generate(PROMPT, do_sample=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 pad_token_id=0, **kwargs)
-            counts[tuple(out[0, PROMPT.shape[1]:].tolist())] += 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            for _ in range(samples):
+                out = model.generate(PROMPT, do_sample=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     pad_token_id=0, **kwargs)
+                counts[tuple(out[0, PROMPT.shape[1]:].tolist())] += 1
+    finally:
+        torch.set_num_threads(threads)
     return counts
 
 
