@@ -220,7 +220,8 @@ class CudaGraphPrefill:
         graph = self._graphs.get(key)
         if graph is not None:
             graph.fill(input_ids, position_ids, attention_mask)
-        if graph is None or not graph.bind(cache, self.storages, (key[0], key[2], key[3])) or graph.stale():
+        if (graph is None or not graph.bind(cache, self.storages, storage_key(key[0], layout, key[3]))
+                or graph.stale()):
             self._graphs.pop(key, None)
             try:
                 graph = self._capture(model, cache, layout, key, input_ids, position_ids, attention_mask)
@@ -261,13 +262,14 @@ class CudaGraphPrefill:
                 layer.cumulative_length.copy_(graph.length)
             return model.lm_head(hidden.index_select(1, graph.last))
 
-        storage = self.storages.bind(cache, storage_key(batch, layout, device))
+        shape = storage_key(batch, layout, device)
+        storage = self.storages.bind(cache, shape)
         if storage is None and not all(allocated(layer) for layer in cache.layers):
             run()  # allocates the cache's tensors (on first update) outside the graph's memory pool
         if self._pool is None and device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         graph.graph, graph.logits = self._record(run, device, self._pool)
-        graph.storage = storage or self.storages.adopt(cache, storage_key(batch, layout, device))
+        graph.storage = storage or self.storages.adopt(cache, shape)
         graph.watch = ChangeWatch(derived_weights(model))
         graph.weights = weights_of(model)
         graph.addresses = [tensor.data_ptr() for _, _, tensor in graph.weights]

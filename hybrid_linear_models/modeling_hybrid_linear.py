@@ -582,6 +582,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         if generation_config.max_length is not None:
             warn_past_positions(self.model, generation_config.max_length, "the prompt plus max_new_tokens")
 
+    def captures_graphs_on(self, device: torch.device) -> bool:
+        """Whether graph decoding is on and captures steps and prompts on `device`."""
+        return self._graph_decoder is not None and device.type in CudaGraphDecoder.device_types
+
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         # `generate` would torch.compile the forward for a static cache; on CUDA, our captured decoding step serves
         # that case (compiling around it would capture a graph inside a graph: switch graph decoding off to get
@@ -611,7 +615,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         tokens = kwargs["max_cache_len"]
         previous = self.__dict__.get("_previous_max_cache_length")
         reach = model_position_limit(self.model)  # (the rounding stays within the model's positions)
-        captured = self._graph_decoder is not None and self.device.type in CudaGraphDecoder.device_types
+        captured = self.captures_graphs_on(self.device)
         rounded = static_cache_slots(tokens, reach[0] if reach is not None else None) if captured else tokens
         for slots in dict.fromkeys((rounded, tokens)):
             cache = super()._prepare_static_cache(**{**kwargs, "max_cache_len": slots})
@@ -640,8 +644,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         `_valid_auto_compile_criteria` compiles nothing there)."""
         if (inputs_embeds.shape[1] != 1 or kwargs.get("is_first_iteration")
                 or not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2
-                or (self._graph_decoder is not None
-                    and inputs_embeds.device.type in CudaGraphDecoder.device_types)):
+                or self.captures_graphs_on(inputs_embeds.device)):
             return attention_mask
         masks = self.model._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted=False)
         return dict(enumerate(masks))

@@ -29,7 +29,6 @@ import torch
 from transformers import StaticCache
 
 from .cache_checks import check_static_cache_size
-from .cuda_graph_decoding import CudaGraphDecoder
 from .cuda_graph_prefill import captured_buckets
 from .position_limit import model_position_limit
 from .static_cache_slots import static_cache_slots
@@ -70,7 +69,7 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
     sizes = tuple(sorted(set(batch_sizes if batch_sizes is not None else (1, max_batch_size))))
     _check_arguments(max_batch_size, max_length, sizes, reach)
     device = next(model.parameters()).device
-    graphs = model._graph_decoder is not None and device.type in CudaGraphDecoder.device_types
+    graphs = model.captures_graphs_on(device)
     # (a larger size an earlier call fixed stays: transformers never shrinks it)
     slots = max(static_cache_slots(max_length, positions), getattr(model, "_previous_max_cache_length", 0) or 0) \
         if graphs else None
