@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..kernels_fp8 import dequantize_block_fp8
 from .errors import ConversionError
 from .safetensors_io import TensorInfo
 from .untrusted import Fields, brief
@@ -129,16 +130,6 @@ def check_scale_values(name: str, scale_inv: torch.Tensor) -> None:
         index = [int(i) for i in bad.nonzero()[0]]
         raise ConversionError(f"scale {brief(name)} holds {scale_inv[tuple(index)].item():g} at block {index}; "
                               "scales are finite and positive, so the checkpoint is corrupt.")
-
-
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The real weight of an FP8 `weight` (..., out, in) with its per-block `scale_inv` (block: rows, columns), exact
-    and rounded once to `dtype`."""
-    rows, cols = weight.shape[-2:]
-    scale = scale_inv.to(torch.float64)
-    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
-    return (weight.to(torch.float64) * scale).to(dtype)
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
