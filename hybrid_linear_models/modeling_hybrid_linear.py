@@ -559,12 +559,15 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self.set_cuda_graph_decoding(True)
         self.post_init()
 
-    def set_cuda_graph_decoding(self, enabled: bool) -> None:
-        """One-token steps and prompts (cuda_graph_prefill) on CUDA against a StaticCache replay captured CUDA graphs,
-        and `generate`'s stop check runs a step behind on CUDA (deferred_stop_check) (all on by default)."""
+    def set_cuda_graph_decoding(self, enabled: bool, prompts: bool | None = None) -> None:
+        """One-token steps on CUDA against a StaticCache replay captured CUDA graphs, and `generate`'s stop check runs
+        a step behind on CUDA (deferred_stop_check) (on by default). prompts: prompts into an empty StaticCache
+        replayed from graphs of their length bucket too (cuda_graph_prefill); `CudaGraphPrefill.on_by_default` when
+        None (off: see that module's docstring)."""
+        prompts = CudaGraphPrefill.on_by_default if prompts is None else prompts
         storages = CacheStorages()  # one cache storage per shape, shared by the step's graphs and the prompts'
         self._graph_decoder = CudaGraphDecoder(storages) if enabled else None
-        self._graph_prefill = CudaGraphPrefill(storages) if enabled else None
+        self._graph_prefill = CudaGraphPrefill(storages) if enabled and prompts else None
 
     def warm_up(self, max_batch_size: int = 1, max_length: int | None = None, batch_sizes: list[int] | None = None,
                 verbose: bool = True) -> WarmUpReport:

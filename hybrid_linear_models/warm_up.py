@@ -78,7 +78,8 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             _check_static_cache(model, batch, slots, max_length)
     start = time.perf_counter()
     steps_before = len(model._graph_decoder.captured_keys) if graphs else 0
-    prompts_before = len(model._graph_prefill._graphs) if graphs else 0
+    prompt_graphs = model._graph_prefill if graphs else None  # (None: prompts run uncaptured)
+    prompts_before = len(prompt_graphs._graphs) if prompt_graphs is not None else 0
     calls = 0
     was_training = model.training
     model.eval()
@@ -97,15 +98,7 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
                 # GEMVs read: derived_weights) prompt graphs captured before it would find changed
                 _generate(model, sizes[0], min(64, slots - NEW_TOKENS), False, device, "static")
                 calls += 1
-                model._graph_prefill.capture_first_use = True
-                try:
-                    for batch in sizes:
-                        for padded in (False, True) if batch > 1 else (False,):
-                            for bucket in captured_buckets(batch, slots) or [min(64, slots - NEW_TOKENS)]:
-                                _generate(model, batch, min(bucket, slots - NEW_TOKENS), padded, device, "static")
-                                calls += 1
-                finally:
-                    model._graph_prefill.capture_first_use = False
+                calls += _capture_steps_and_prompts(model, sizes, slots, device, prompt_graphs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
@@ -113,11 +106,31 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
     report = WarmUpReport(
         batch_sizes=sizes, static_cache_slots=slots,
         captured_steps=(len(model._graph_decoder.captured_keys) - steps_before) if graphs else 0,
-        captured_prompts=(len(model._graph_prefill._graphs) - prompts_before) if graphs else 0,
+        captured_prompts=(len(prompt_graphs._graphs) - prompts_before) if prompt_graphs is not None else 0,
         generate_calls=calls, seconds=time.perf_counter() - start)
     if verbose:
         print(report, flush=True)
     return report
+
+
+def _capture_steps_and_prompts(model, sizes, slots: int, device: torch.device, prompt_graphs) -> int:
+    """For each batch size a static generate per prompt bucket, each bucket's graph captured at its first prompt
+    (rows left-padded too, above batch 1); where prompts are not captured, one generate per batch size (its
+    decoding step's graph). Returns the generate calls made."""
+    calls = 0
+    if prompt_graphs is not None:
+        prompt_graphs.capture_first_use = True
+    try:
+        for batch in sizes:
+            for padded in (False, True) if batch > 1 else (False,):
+                buckets = captured_buckets(batch, slots) if prompt_graphs is not None else []
+                for bucket in buckets or [min(64, slots - NEW_TOKENS)]:
+                    _generate(model, batch, min(bucket, slots - NEW_TOKENS), padded, device, "static")
+                    calls += 1
+    finally:
+        if prompt_graphs is not None:
+            prompt_graphs.capture_first_use = False
+    return calls
 
 
 def _default_cache_lengths(max_length: int) -> list[int]:

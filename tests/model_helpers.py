@@ -205,6 +205,7 @@ def replay_prefills_eagerly(monkeypatch) -> list[EagerReplay]:
     """The CUDA-graph prefill path on the CPU, each captured prompt bucket stood in by an EagerReplay of the same
     run. Returns the captured prefills, in capture order."""
     monkeypatch.setattr(CudaGraphPrefill, "device_types", ("cuda", "cpu"))
+    monkeypatch.setattr(CudaGraphPrefill, "on_by_default", True)
     captured: list[EagerReplay] = []
 
     def record(run, device, pool):

@@ -232,6 +232,7 @@ def test_cuda_graph_prefill_matches_the_plain_prefill(layout, padded):
     the plain forward, the second captures it (padded to its 64-token bucket inside the graph), the third replays it. Each gives the tokens and scores of generation with the graphs
     off."""
     model = PREFILL_MODELS[layout]().cuda()
+    model.set_cuda_graph_decoding(True, prompts=True)
     if layout == "latent_and_moe":
         model.set_experts_implementation("batched_mm")
     input_ids = torch.randint(1, 128, (3, 40), device="cuda")

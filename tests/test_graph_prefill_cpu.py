@@ -216,6 +216,7 @@ def test_a_prefill_that_cannot_be_captured_runs_the_plain_forward_and_says_why_o
 
 def test_a_failed_capture_leaves_an_empty_cache_for_the_plain_forward(monkeypatch, caplog):
     monkeypatch.setattr(CudaGraphPrefill, "device_types", ("cuda", "cpu"))
+    monkeypatch.setattr(CudaGraphPrefill, "on_by_default", True)
     attempts = []
 
     def failing_record(run, device, pool):
@@ -312,3 +313,15 @@ def test_an_unpadded_prompt_into_an_empty_static_cache_takes_sdpas_causal_mask(l
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=StaticCache(config=model.config, max_cache_len=40))
     assert built[-1] == 2
+
+
+def test_prompt_graphs_are_off_unless_asked(monkeypatch):
+    """Prompts run the plain forward by default (cuda_graph_prefill's docstring says why); one switch turns their
+    graphs on, and graph decoding off turns both off."""
+    monkeypatch.setattr(CudaGraphPrefill, "device_types", ("cuda", "cpu"))
+    model = tiny_model(LAYERS).double().eval()
+    assert model._graph_decoder is not None and model._graph_prefill is None
+    model.set_cuda_graph_decoding(True, prompts=True)
+    assert model._graph_prefill is not None
+    model.set_cuda_graph_decoding(False, prompts=True)
+    assert model._graph_decoder is None and model._graph_prefill is None
