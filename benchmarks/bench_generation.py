@@ -150,7 +150,8 @@ def step_alone_tok_s(model, input_ids, steps: int = 64) -> str:
 def prefill(ours, theirs, lengths, repeats: int, device) -> None:
     """Batch-1 prefill (the prompt's forward into a new cache, only the last token's logits, as `generate` runs it):
     ours into a StaticCache as `generate(..., cache_implementation="static")` makes one per call, replayed from the
-    prompt's captured length bucket (cuda_graph_prefill: captured on the bucket's second prompt, in the warm-up);
+    prompt's captured length bucket (cuda_graph_prefill, switched on here: captured on the bucket's second prompt, in
+    the warm-up);
     ours uncaptured into a StaticCache (`first`: what a bucket's first prompt runs, and every prompt with the graphs
     off) and into the default cache (`plain`: what ours ran before the captured prefill); transformers' with its
     default cache. Tokens/s and the ratios to transformers, with each one's peak memory allocated and reserved on
@@ -168,8 +169,8 @@ def prefill(ours, theirs, lengths, repeats: int, device) -> None:
         input_ids = torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
         results = []
         for name, model, static, graphs in variants:
-            if graphs is not None:
-                model.set_cuda_graph_decoding(graphs)
+            if graphs is not None:  # ("ours": the prompt graphs, which are off by default, on)
+                model.set_cuda_graph_decoding(graphs, prompts=graphs)
             with torch.no_grad():
                 for _ in range(2):  # warm-up: autotuning; ours captures its bucket on the second prompt
                     forward(model, input_ids, static)
