@@ -70,8 +70,8 @@ def read_block_fp8_settings(fields: Any) -> BlockFp8Settings | None:
     if fields is None:
         return None
     if not isinstance(fields, Mapping):  # ValueError, as for every bad setting: the config's one error type
-        raise ValueError(  # noqa: TRY004f"{QUANTIZATION_KEY} is {type(fields).__name__}, not a mapping; this package runs FP8 "
-                         f"checkpoints with {SUPPORTED}.")
+        raise ValueError(f"{QUANTIZATION_KEY} is {type(fields).__name__}, not a mapping; this package "  # noqa: TRY004
+                         f"runs FP8 checkpoints with {SUPPORTED}.")
     method = fields.get("quant_method")
     if method != "fp8":
         raise _unsupported("quant_method", method)
