@@ -32,10 +32,8 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .fp8_settings import BlockFp8Settings
+from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
 from .kernels_fp8 import block_fp8_grouped_linear, block_fp8_linear
-
-SCALE_SUFFIX = "_scale_inv"
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:

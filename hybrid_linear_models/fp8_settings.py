@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTIZATION_KEY = "quantization_config"
+SCALE_SUFFIX = "_scale_inv"  # a quantized weight `<name>` has its scales in `<name>_scale_inv`
 FP8_DTYPES = {"e4m3": "float8_e4m3fn"}  # torch dtype names (this module imports no torch: the config reads it)
 SUPPORTED = 'quant_method "fp8", fmt "e4m3", a weight_block_size of two positive integers, activation_scheme "dynamic"'
 _BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
@@ -96,4 +97,4 @@ def read_block_fp8_settings(fields: Any) -> BlockFp8Settings | None:
     return BlockFp8Settings(FP8_DTYPES[fmt], (block[0], block[1]), tuple(skipped), dict(fields))
 
 
-__all__ = ["QUANTIZATION_KEY", "BlockFp8Settings", "read_block_fp8_settings"]
+__all__ = ["QUANTIZATION_KEY", "SCALE_SUFFIX", "BlockFp8Settings", "read_block_fp8_settings"]

@@ -88,6 +88,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCau
     generator = torch.Generator().manual_seed(7)
     mtp = {"mtp.fc.weight": torch.randn(32, 64, generator=generator),  # the hub's mtp.*: FP8 too, carried
            "mtp.norm.weight": torch.randn(32, generator=generator)}
+    not_converted = []  # as the released config lists them: every module kept in bf16, by its full name
     for name, tensor in [*((name, stored.read(name)) for name in stored.keys()), *mtp.items()]:
         if tensor.dim() == 2 and not any(part in name for part in KEPT):
             weight, scale = quantize(tensor, block)
@@ -95,6 +96,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCau
             reference[name] = reference_dequantize(weight, scale, block).to(torch.bfloat16)
         else:
             fp8[name] = reference[name] = tensor.to(torch.bfloat16)
+            not_converted.append(name.removesuffix(".weight"))
     assert any(key.endswith("experts.0.down_proj.weight_scale_inv") for key in fp8)
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     for folder, tensors in (("fp8", fp8), ("reference", reference)):
@@ -104,7 +106,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCau
         if folder == "fp8":
             fields["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
                                              "activation_scheme": "dynamic",
-                                             "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+                                             "modules_to_not_convert": not_converted}
         (tmp_path / folder / "config.json").write_text(json.dumps(fields))
     return theirs
 
