@@ -43,8 +43,10 @@ def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple
     return weight.to(torch.float64) * scale.to(torch.float64)[..., rows[:, None], cols[None, :]]
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 weight and float32 scales, one per block (amax / 448, as the released build makes them)."""
+def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weight and float32 scales, one per block (amax / 448, as the released build makes them; rounded up to a
+    power of two with `power_of_two`, which makes every real weight value exact in bfloat16 too)."""
     out, inp = weight.shape
     grid = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
     scale = torch.empty(grid, dtype=torch.float32)
@@ -52,6 +54,8 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
         for j in range(grid[1]):
             part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
             scale[i, j] = part.abs().max().clamp(min=1e-12) / 448
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     full = scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
     return (weight.float() / full).to(FP8), scale
 
@@ -79,7 +83,7 @@ def tensors_of_file(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...],
             for key, t in ((key, file.read(key)) for key in file.keys())}
 
 
-def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCausalLM:
+def write_fp8_folders(tmp_path: Path, block: tuple[int, int], power_of_two: bool = False) -> Qwen3NextForCausalLM:
     """tmp_path/fp8: a Qwen3-Next folder in the released FP8 layout; tmp_path/reference: the same model with the FP8
     weights dequantized here (float64, rounded once to bf16) and everything else the same bf16 tensors."""
     theirs = save_qwen3_next(tmp_path / "saved", **TINY_MOE)
@@ -91,7 +95,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCau
     not_converted = []  # as the released config lists them: every module kept in bf16, by its full name
     for name, tensor in [*((name, stored.read(name)) for name in stored.keys()), *mtp.items()]:
         if tensor.dim() == 2 and not any(part in name for part in KEPT):
-            weight, scale = quantize(tensor, block)
+            weight, scale = quantize(tensor, block, power_of_two)
             fp8[name], fp8[name + "_scale_inv"] = weight, scale
             reference[name] = reference_dequantize(weight, scale, block).to(torch.bfloat16)
         else:
@@ -192,10 +196,12 @@ def test_bad_fp8_input_is_one_line_and_no_output(tmp_path, fp8_folder, case):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
 
 
-def test_fp8_without_the_flag_is_refused_on_the_command_line(tmp_path, fp8_folder, capsys):
+def test_fp8_experts_across_blocks_convert_only_dequantized_on_the_command_line(tmp_path, fp8_folder, capsys):
+    """I = 12 rows of gate and of up in 16-row blocks: kept FP8 they cannot fuse (a block would span both)."""
     status = cli_main(["--from", "qwen3_next", "--to", "hf", str(fp8_folder), str(tmp_path / "out"), "--quiet"])
     err = capsys.readouterr().err
     assert status == 1 and err.count("\n") == 1 and "--dequantize-fp8" in err, err
+    assert "'model.layers.0.mlp.experts.gate_up_proj'" in err and "12 is not a multiple of 16" in err, err
     assert not (tmp_path / "out").exists()
     assert cli_main(["--from", "qwen3_next", "--to", "hf", str(fp8_folder), str(tmp_path / "out"), "--quiet",
                      "--dequantize-fp8"]) == 0

@@ -97,9 +97,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
         source = reader.read(Path(src))
         if source.quantization == "fp8" and dequantize_fp8:
             source = dequantized_source(source)
-        check_carried(source, to_format, writer.keeps_extra_tensors)
         if source.quantization == "fp8":
             source = kept_fp8_source(source, to_format, writer.target_rows)
+        check_carried(source, to_format, writer.keeps_extra_tensors)
         plan = plan_conversion(source, writer.target_rows(source.config), torch_dtype)
         tokenizer_copied = tokenizer_to_copy(writer, Path(src), tokenizer, source.config.vocab_size)
         options = WriteOptions(max_shard_bytes, output_name=output.name, source_description=reader.description)
