@@ -97,11 +97,11 @@ class Fp8Experts(_KeepsStoredDtypes):
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.act_fn, self.block = act_fn, settings.block
-        lead = (num_experts,)
-        self.gate_up_proj = _frozen((num_experts, 2 * intermediate_dim, hidden_dim), getattr(torch, settings.dtype_name))
+        lead, fp8 = (num_experts,), getattr(torch, settings.dtype_name)
+        self.gate_up_proj = _frozen((num_experts, 2 * intermediate_dim, hidden_dim), fp8)
         self.gate_up_proj_scale_inv = _frozen(_scale_shape(2 * intermediate_dim, hidden_dim, self.block, lead),
                                               torch.float32)
-        self.down_proj = _frozen((num_experts, hidden_dim, intermediate_dim), getattr(torch, settings.dtype_name))
+        self.down_proj = _frozen((num_experts, hidden_dim, intermediate_dim), fp8)
         self.down_proj_scale_inv = _frozen(_scale_shape(hidden_dim, intermediate_dim, self.block, lead),
                                            torch.float32)
 

@@ -38,8 +38,8 @@ _BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
 
 @dataclass(frozen=True)
 class BlockFp8Settings:
-    """A checked quantization_config: the stored FP8 dtype's torch name, the (rows, columns) of one scale's block, the module
-    names (or patterns) kept unquantized, and the mapping as given (written back unchanged)."""
+    """A checked quantization_config: the stored FP8 dtype's torch name, the (rows, columns) of one scale's block,
+    the module names (or patterns) kept unquantized, and the mapping as given (written back unchanged)."""
 
     dtype_name: str
     block: tuple[int, int]

@@ -126,7 +126,7 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         self.mlp = MLPS[self.mlp_type].module_class(config, layer_idx)  # its registration (mlp_registry)
         norm = lambda: HybridLinearRMSNorm(settings.hidden_size, settings.rms_norm_eps, settings.zero_centered_norms)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        quantize_modules(self, f"model.layers.{layer_idx}.", config.block_fp8_settings)  # an FP8 checkpoint's layers
+        quantize_modules(self, f"model.layers.{layer_idx}.", config.block_fp8_settings)  # FP8 layers (fp8_layers)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_convert_qwen3_next import tensors_of
-from test_fp8_blocks import TINY_MOE, reference_dequantize, write_fp8_folders
+from test_fp8_blocks import reference_dequantize, write_fp8_folders
 from torch import nn
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
@@ -98,12 +98,14 @@ def test_from_pretrained_builds_fp8_layers_where_the_config_quantizes(folders):
     assert isinstance(layer0.mlp.shared_expert.up_proj, Fp8Linear) and isinstance(layer0.mlp.experts, Fp8Experts)
     for kept in (layer0.linear_attn.in_proj_ba, layer0.mlp.shared_expert_gate, model.lm_head):  # modules_to_not_convert
         assert type(kept) is nn.Linear and kept.weight.dtype == torch.float32
-    assert layer0.mlp.experts.gate_up_proj.dtype == FP8 and layer0.mlp.experts.gate_up_proj_scale_inv.dtype == torch.float32
+    experts = layer0.mlp.experts
+    assert experts.gate_up_proj.dtype == FP8 and experts.gate_up_proj_scale_inv.dtype == torch.float32
     stored = load_file(folders / "hf" / "model.safetensors")
     assert torch.equal(layer3.self_attn.q_proj.weight.view(torch.uint8),
                        stored["model.layers.3.self_attn.q_proj.weight"].view(torch.uint8))
     model.to(torch.bfloat16)  # a dtype change moves the floating weights, never the FP8 bytes or their scales
-    assert layer3.self_attn.q_proj.weight.dtype == FP8 and layer3.self_attn.q_proj.weight_scale_inv.dtype == torch.float32
+    q_proj = layer3.self_attn.q_proj
+    assert q_proj.weight.dtype == FP8 and q_proj.weight_scale_inv.dtype == torch.float32
     assert model.lm_head.weight.dtype == torch.bfloat16
 
 
@@ -136,8 +138,9 @@ def test_fp8_experts_match_a_float64_loop():
     config._experts_implementation = "eager"  # transformers' loop over the experts, the float experts' own forward
     reference = HybridLinearExperts(config).double()  # float64 weights: the exact products of FP8 and scale
     with torch.no_grad():
-        reference.gate_up_proj.copy_(reference_dequantize(experts.gate_up_proj, experts.gate_up_proj_scale_inv, (8, 16)))
-        reference.down_proj.copy_(reference_dequantize(experts.down_proj, experts.down_proj_scale_inv, (8, 16)))
+        for name in ("gate_up_proj", "down_proj"):
+            weight, scale = getattr(experts, name), getattr(experts, name + "_scale_inv")
+            getattr(reference, name).copy_(reference_dequantize(weight, scale, (8, 16)))
     x = torch.randn(5, 20, generator=generator, dtype=torch.float64)
     top_k = torch.tensor([[0, 1], [3, 0], [1, 3], [0, 3], [1, 0]])
     weights = torch.rand(5, 2, generator=generator, dtype=torch.float64)
