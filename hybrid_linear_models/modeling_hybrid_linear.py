@@ -733,7 +733,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         loss = logits = None
-        if labels is not None and self.training and self.config.fuse_linear_cross_entropy:
+        # (an FP8 head, fp8_layers, has no float weight to fuse: its logits, then the loss)
+        if (labels is not None and self.training and self.config.fuse_linear_cross_entropy
+                and isinstance(self.lm_head, nn.Linear)):
             loss = fused_causal_lm_loss(hidden_states, self.lm_head.weight, labels,
                                         shift_labels=kwargs.get("shift_labels"),
                                         num_items_in_batch=kwargs.get("num_items_in_batch"))

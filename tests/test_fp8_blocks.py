@@ -227,15 +227,12 @@ def test_fp8_weights_without_quantization_config_are_refused(tmp_path, fp8_folde
         assert not (tmp_path / "out").exists()
 
 
-def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):
-    """transformers' fused FP8 experts (`experts.gate_up_proj` (E, 2I, H) with `experts.gate_up_proj_scale_inv`
-    (E, ceil(2I/bn), ceil(H/bk)), `experts.down_proj` likewise) convert to the same tensors as the per-expert layout.
-    Block rows = I, so the gate and up scales stack without a block straddling both."""
+def fuse_fp8_experts(folder: Path) -> None:
+    """Rewrites folder/model.safetensors with transformers' fused FP8 experts (`experts.gate_up_proj` (E, 2I, H) with
+    `experts.gate_up_proj_scale_inv` (E, ceil(2I/bn), ceil(H/bk)), `experts.down_proj` likewise)."""
     from safetensors.torch import load_file
 
-    block = (TINY_MOE["moe_intermediate_size"], 20)
-    write_fp8_folders(tmp_path, block)
-    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    tensors = load_file(folder / "model.safetensors")
     fused = {}
     for name, tensor in tensors.items():
         prefix, found, rest = name.partition("mlp.experts.")
@@ -257,9 +254,22 @@ def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):
         fused[f"{prefix}mlp.experts.{leaf}" + ("_scale_inv" if suffix.endswith("_scale_inv") else "")] = \
             torch.stack(stacked)
     assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in fused
-    (tmp_path / "fp8" / "model.safetensors").unlink()
-    save_file(fused, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    save_file(fused, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):
+    """Fused FP8 experts convert to the same tensors as the per-expert layout, dequantized and kept FP8. Block rows
+    = I, so the gate and up scales stack without a block straddling both."""
+    block = (TINY_MOE["moe_intermediate_size"], 20)
+    write_fp8_folders(tmp_path, block)
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "per-expert", from_format="qwen3_next", to_format="hf")
+    fuse_fp8_experts(tmp_path / "fp8")
     convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="hf",
                        dequantize_fp8=True)
     convert_checkpoint(tmp_path / "reference", tmp_path / "reference-hf", from_format="qwen3_next", to_format="hf")
     assert tensors_of(tmp_path / "hf") == tensors_of(tmp_path / "reference-hf")
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "kept", from_format="qwen3_next", to_format="hf")
+    kept = tensors_of(tmp_path / "kept")
+    assert kept == tensors_of(tmp_path / "per-expert")
+    assert kept["model.layers.0.mlp.experts.gate_up_proj"][0] == FP8

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from test_convert_qwen3_next import tensors_of
 from test_fp8_blocks import reference_dequantize, write_fp8_folders
 from torch import nn
+from transformers.quantizers.quantizers_utils import should_convert_module
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
@@ -205,3 +206,19 @@ def test_bad_fp8_folder_is_refused_in_one_line(folders, tmp_path, case):
         HybridLinearForCausalLM.from_pretrained(folder)
     message = str(raised.value)
     assert "\n" not in message and all(fragment in message for fragment in fragments), message
+
+
+@pytest.mark.parametrize(("pattern", "name", "kept"), [
+    ("model.layers.1", "model.layers.1.mlp.down_proj", True),  # a prefix, ending at a dot
+    ("model.layers.1", "model.layers.11.mlp.down_proj", False),
+    ("mlp.gate", "model.layers.0.mlp.gate", True),  # a suffix
+    ("mlp.gate", "model.layers.0.mlp.gate_proj", False),
+    (r"model\.layers\.\d+\.linear_attn\.in_proj_ba", "model.layers.7.linear_attn.in_proj_ba", True),  # a regex
+    ("lm_head", "lm_head", True),
+    ("lm_head", "model.layers.0.self_attn.q_proj", False),
+])
+def test_modules_to_not_convert_matches_as_transformers_does(pattern, name, kept):
+    config = HybridLinearConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16],
+                                                     "modules_to_not_convert": [pattern]})
+    assert config.block_fp8_settings.quantizes(name) is not kept
+    assert should_convert_module(name, [pattern]) is not kept  # transformers' FineGrainedFP8 rule agrees
