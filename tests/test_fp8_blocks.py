@@ -172,6 +172,12 @@ BAD_INPUTS = {
     "one-number block": (dict(change_config=lambda q: q.update(weight_block_size=[16])), ["weight_block_size"]),
     "static activations": (dict(change_config=lambda q: q.update(activation_scheme="static")),
                            ["activation_scheme", "static"]),
+    "an FP8 weight whose module the config keeps": (
+        dict(change_config=lambda q: q["modules_to_not_convert"].append("o_proj")),
+        ["'model.layers.3.self_attn.o_proj.weight' is FP8", "modules_to_not_convert"]),
+    "a bf16 weight whose module the config quantizes": (
+        dict(change_config=lambda q: q["modules_to_not_convert"].remove("model.layers.0.linear_attn.in_proj_ba")),
+        ["'model.layers.0.linear_attn.in_proj_ba.weight' is bfloat16", "modules_to_not_convert"]),
 }
 
 
@@ -182,6 +188,11 @@ def fp8_folder(tmp_path_factory) -> Path:
     return root / "fp8"
 
 
+# refused where the FP8 weights are kept (the model would build FP8 layers elsewhere); dequantized, each FP8 weight
+# with its scale becomes its bf16 weight whatever the module
+KEPT_ONLY = {"an FP8 weight whose module the config keeps", "a bf16 weight whose module the config quantizes"}
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_fp8_input_is_one_line_and_no_output(tmp_path, fp8_folder, case):
     changes, fragments = BAD_INPUTS[case]
@@ -189,11 +200,15 @@ def test_bad_fp8_input_is_one_line_and_no_output(tmp_path, fp8_folder, case):
     edit_folder(tmp_path / "src", **changes)
     with pytest.raises(ConversionError) as raised:
         convert_checkpoint(tmp_path / "src", tmp_path / "out", from_format="qwen3_next", to_format="hf",
-                           dequantize_fp8=True)
+                           dequantize_fp8=case not in KEPT_ONLY)
     message = str(raised.value)
     assert "\n" not in message and all(fragment in message for fragment in fragments), message
     assert not (tmp_path / "out").exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+    if case in KEPT_ONLY:
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", from_format="qwen3_next", to_format="hf",
+                           dequantize_fp8=True)
+        assert {dtype for dtype, _, _ in tensors_of(tmp_path / "out").values()} == {torch.bfloat16}
 
 
 def test_fp8_experts_across_blocks_convert_only_dequantized_on_the_command_line(tmp_path, fp8_folder, capsys):

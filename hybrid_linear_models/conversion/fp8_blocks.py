@@ -189,8 +189,8 @@ def _check_matches_config(source: SourceCheckpoint, quantized: list[str]) -> Non
 
 def checked_fp8_source(source: SourceCheckpoint) -> SourceCheckpoint:
     """`source` as a reader returns it: unchanged when its config has no FP8 setting, else with every scale checked
-    against its FP8 weight (headers, then values: the scales are small), the FP8 weights against the setting, and
-    marked `quantization="fp8"`. Raises one line for the first problem, before anything is written."""
+    against its FP8 weight (headers, then values: the scales are small) and marked `quantization="fp8"`. Raises one
+    line for the first problem, before anything is written."""
     settings = source.config.block_fp8_settings
     if settings is None:
         return source
@@ -198,7 +198,6 @@ def checked_fp8_source(source: SourceCheckpoint) -> SourceCheckpoint:
     quantized = check_block_scales(infos, block_fp8_config(settings), str(source.path))
     for name in quantized:
         check_scale_values(scale_name(name), source.tensors.load(scale_name(name)))
-    _check_matches_config(source, quantized)
     return dataclasses.replace(source, quantization="fp8")
 
 
@@ -223,11 +222,14 @@ def _check_blockwise_joins(rows: list[MapRow], shapes: Mapping[str, tuple[int, .
 def kept_fp8_source(source: SourceCheckpoint, to_format: str,
                     target_rows: Callable[[HybridLinearConfig], list[MapRow]]) -> SourceCheckpoint:
     """An FP8 `source` converting with its FP8 weights and scales kept: refused, with one line, where `to_format`
-    cannot hold them or the experts cannot be joined or split blockwise (`target_rows`: the writer's name map)."""
+    cannot hold them, the stored FP8 weights are not those the setting quantizes (the layers the model builds in
+    FP8), or the experts cannot be joined or split blockwise (`target_rows`: the writer's name map)."""
     if to_format not in FP8_FORMATS:
         raise ConversionError(f"{source.path} holds FP8 weights, which the {to_format} format cannot hold (FP8 is "
                               f"kept by {' and '.join(FP8_FORMATS)}); pass --dequantize-fp8 to convert them to "
                               "bfloat16.")
+    quantized = [key for key in source.tensors.keys() if source.tensors.info(key).dtype.itemsize == 1]
+    _check_matches_config(source, quantized)
     shapes = hf_tensor_shapes(source.config)
     block = source.config.block_fp8_settings.block
     _check_blockwise_joins(source.rows, shapes, block, str(source.path), "joined into gate_up_proj")
