@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_convert_qwen3_next import tensors_of
-from test_fp8_blocks import reference_dequantize, write_fp8_folders
+from test_fp8_blocks import TINY_MOE, quantize, reference_dequantize, write_fp8_folders
 from torch import nn
 from transformers.quantizers.quantizers_utils import should_convert_module
 
@@ -90,6 +90,40 @@ def test_fp8_experts_across_blocks_and_formats_without_fp8_are_refused(tmp_path)
         convert_checkpoint(tmp_path / "fp8", tmp_path / "out", from_format="qwen3_next", to_format="fast_llm")
     assert "\n" not in str(raised.value) and "--dequantize-fp8" in str(raised.value)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["fp8", "reference", "saved"]
+
+
+def test_fused_fp8_experts_across_blocks_keep_but_do_not_split(tmp_path):
+    """transformers' fused layout with I = 12 in 8-row blocks reads as it is (our layout), but the released
+    per-expert layout cannot be written from it: the block of scales spanning gate and up rows has no split."""
+    block = (8, 16)
+    write_fp8_folders(tmp_path, block)
+    path = tmp_path / "fp8" / "model.safetensors"
+    tensors = load_file(path)
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        fused, scales = [], []
+        for expert in range(TINY_MOE["num_experts"]):
+            parts = [tensors.pop(f"{prefix}{expert}.{part}.weight") for part in ("gate_proj", "up_proj")]
+            part_scales = [tensors.pop(f"{prefix}{expert}.{part}.weight_scale_inv")
+                           for part in ("gate_proj", "up_proj")]
+            real = torch.cat([reference_dequantize(w, s, block) for w, s in zip(parts, part_scales)])
+            weight, scale = quantize(real, block)  # the fused weight quantized whole: a block spans gate and up
+            fused.append(weight)
+            scales.append(scale)
+        tensors[prefix + "gate_up_proj"] = torch.stack(fused)
+        tensors[prefix + "gate_up_proj_scale_inv"] = torch.stack(scales)
+        for suffix in ("", "_scale_inv"):
+            tensors[prefix + "down_proj" + suffix] = torch.stack(
+                [tensors.pop(f"{prefix}{e}.down_proj.weight{suffix}") for e in range(TINY_MOE["num_experts"])])
+    save_file(tensors, path, metadata={"format": "pt"})
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
+    stored = tensors_of(tmp_path / "hf")["model.layers.0.mlp.experts.gate_up_proj_scale_inv"]
+    assert stored[:2] == (torch.float32, (3, 3, 2))  # ceil(24 / 8) blocks of rows: one spans gate and up
+    with pytest.raises(ConversionError) as raised:
+        convert_checkpoint(tmp_path / "hf", tmp_path / "back", from_format="hf", to_format="qwen3_next")
+    message = str(raised.value)
+    assert "\n" not in message and "split out of gate_up_proj" in message and "--to qwen3_next" in message, message
+    assert not (tmp_path / "back").exists()
 
 
 def test_from_pretrained_builds_fp8_layers_where_the_config_quantizes(folders):
