@@ -74,6 +74,7 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
 from .component_registry import ConfigField, declarations_of, declared_fields, on_change
+from .fp8_settings import QUANTIZATION_KEY, BlockFp8Settings, read_block_fp8_settings
 from .mixer_registry import MIXERS, default_mixer
 from .mixer_registry import mixer_types as registered_mixer_types
 from .mixer_registry import tensor_parallel_plan as mixers_tensor_parallel_plan
@@ -586,6 +587,10 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
 
     def __post_init__(self, **kwargs):
         per_layer = kwargs.pop("per_layer_config", None)
+        # config.json's quantization_config, kept under this family's own name so that transformers' quantizers never
+        # take the model (fp8_layers.py says why); to_dict writes it back under its own name
+        self.block_fp8 = kwargs.pop(QUANTIZATION_KEY, getattr(self, "block_fp8", None))
+        read_block_fp8_settings(self.block_fp8)  # one line naming an unsupported setting, before any weight
         unset = self._resolve_defaults(kwargs)
         windows = _windowed_layers(per_layer)
         self.validate(windowed_layers=windows)  # before the base class, which rewrites some legacy layer-type names
@@ -647,6 +652,19 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         if self.mlp_layer_types is None and isinstance(self.mlp_types, list) and len(self.mlp_types) <= MAX_LAYERS:
             self.mlp_layer_types = [MLPS[t].mlp_layer_type if isinstance(t, str) and t in MLPS else t
                                     for t in self.mlp_types]
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the base class, with the FP8 setting under config.json's name, `quantization_config` (when set)."""
+        output = super().to_dict()
+        fields = output.pop("block_fp8", None)
+        if fields is not None:
+            output[QUANTIZATION_KEY] = fields
+        return output
+
+    @property
+    def block_fp8_settings(self) -> BlockFp8Settings | None:
+        """The checked FP8 setting (`fp8_settings`), None for a model in floating point."""
+        return read_block_fp8_settings(self.block_fp8)
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):

@@ -271,8 +271,9 @@ def init_sparse_moe_weights(block: RoutedMoeBlock) -> None:
 
     std = block.initializer_range
     init.normal_(block.gate.weight, mean=0.0, std=std)
-    init.normal_(block.experts.gate_up_proj, mean=0.0, std=std)
-    init.normal_(block.experts.down_proj, mean=0.0, std=std)
+    if isinstance(block.experts, HybridLinearExperts):  # FP8 experts (fp8_layers) initialise themselves
+        init.normal_(block.experts.gate_up_proj, mean=0.0, std=std)
+        init.normal_(block.experts.down_proj, mean=0.0, std=std)
 
 
 def _relation_problems(s: Any, prefix: str) -> list[str]:

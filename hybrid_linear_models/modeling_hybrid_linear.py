@@ -40,6 +40,7 @@ from .static_cache_slots import static_cache_slots
 from .warm_up import WarmUpReport, warm_up
 from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
+from .fp8_layers import init_fp8_weights, quantize_module, quantize_modules
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
@@ -125,6 +126,7 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
         self.mlp = MLPS[self.mlp_type].module_class(config, layer_idx)  # its registration (mlp_registry)
         norm = lambda: HybridLinearRMSNorm(settings.hidden_size, settings.rms_norm_eps, settings.zero_centered_norms)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        quantize_modules(self, f"model.layers.{layer_idx}.", config.block_fp8_settings)  # FP8 layers (fp8_layers)
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
@@ -252,6 +254,8 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
+        if init_fp8_weights(module, self.config.initializer_range):
+            return
         if isinstance(module, HybridLinearRMSNorm):
             (init.zeros_ if module.zero_centered else init.ones_)(module.weight)
         elif isinstance(module, GatedRMSNorm):
@@ -555,7 +559,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = HybridLinearModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = quantize_module(nn.Linear(config.hidden_size, config.vocab_size, bias=False), "lm_head",
+                                       config.block_fp8_settings)
         self.set_cuda_graph_decoding(True)
         self.post_init()
 
@@ -731,7 +736,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         loss = logits = None
-        if labels is not None and self.training and self.config.fuse_linear_cross_entropy:
+        # (an FP8 head, fp8_layers, has no float weight to fuse: its logits, then the loss)
+        if (labels is not None and self.training and self.config.fuse_linear_cross_entropy
+                and isinstance(self.lm_head, nn.Linear)):
             loss = fused_causal_lm_loss(hidden_states, self.lm_head.weight, labels,
                                         shift_labels=kwargs.get("shift_labels"),
                                         num_items_in_batch=kwargs.get("num_items_in_batch"))

@@ -43,8 +43,10 @@ def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple
     return weight.to(torch.float64) * scale.to(torch.float64)[..., rows[:, None], cols[None, :]]
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 weight and float32 scales, one per block (amax / 448, as the released build makes them)."""
+def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weight and float32 scales, one per block (amax / 448, as the released build makes them; rounded up to a
+    power of two with `power_of_two`, which makes every real weight value exact in bfloat16 too)."""
     out, inp = weight.shape
     grid = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
     scale = torch.empty(grid, dtype=torch.float32)
@@ -52,6 +54,8 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
         for j in range(grid[1]):
             part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
             scale[i, j] = part.abs().max().clamp(min=1e-12) / 448
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     full = scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
     return (weight.float() / full).to(FP8), scale
 
@@ -79,7 +83,7 @@ def tensors_of_file(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...],
             for key, t in ((key, file.read(key)) for key in file.keys())}
 
 
-def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCausalLM:
+def write_fp8_folders(tmp_path: Path, block: tuple[int, int], power_of_two: bool = False) -> Qwen3NextForCausalLM:
     """tmp_path/fp8: a Qwen3-Next folder in the released FP8 layout; tmp_path/reference: the same model with the FP8
     weights dequantized here (float64, rounded once to bf16) and everything else the same bf16 tensors."""
     theirs = save_qwen3_next(tmp_path / "saved", **TINY_MOE)
@@ -88,13 +92,15 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCau
     generator = torch.Generator().manual_seed(7)
     mtp = {"mtp.fc.weight": torch.randn(32, 64, generator=generator),  # the hub's mtp.*: FP8 too, carried
            "mtp.norm.weight": torch.randn(32, generator=generator)}
+    not_converted = []  # as the released config lists them: every module kept in bf16, by its full name
     for name, tensor in [*((name, stored.read(name)) for name in stored.keys()), *mtp.items()]:
         if tensor.dim() == 2 and not any(part in name for part in KEPT):
-            weight, scale = quantize(tensor, block)
+            weight, scale = quantize(tensor, block, power_of_two)
             fp8[name], fp8[name + "_scale_inv"] = weight, scale
             reference[name] = reference_dequantize(weight, scale, block).to(torch.bfloat16)
         else:
             fp8[name] = reference[name] = tensor.to(torch.bfloat16)
+            not_converted.append(name.removesuffix(".weight"))
     assert any(key.endswith("experts.0.down_proj.weight_scale_inv") for key in fp8)
     config = json.loads((tmp_path / "saved" / "config.json").read_text())
     for folder, tensors in (("fp8", fp8), ("reference", reference)):
@@ -104,7 +110,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int]) -> Qwen3NextForCau
         if folder == "fp8":
             fields["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
                                              "activation_scheme": "dynamic",
-                                             "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+                                             "modules_to_not_convert": not_converted}
         (tmp_path / folder / "config.json").write_text(json.dumps(fields))
     return theirs
 
@@ -166,6 +172,12 @@ BAD_INPUTS = {
     "one-number block": (dict(change_config=lambda q: q.update(weight_block_size=[16])), ["weight_block_size"]),
     "static activations": (dict(change_config=lambda q: q.update(activation_scheme="static")),
                            ["activation_scheme", "static"]),
+    "an FP8 weight whose module the config keeps": (
+        dict(change_config=lambda q: q["modules_to_not_convert"].append("o_proj")),
+        ["'model.layers.3.self_attn.o_proj.weight' is FP8", "modules_to_not_convert"]),
+    "a bf16 weight whose module the config quantizes": (
+        dict(change_config=lambda q: q["modules_to_not_convert"].remove("model.layers.0.linear_attn.in_proj_ba")),
+        ["'model.layers.0.linear_attn.in_proj_ba.weight' is bfloat16", "modules_to_not_convert"]),
 }
 
 
@@ -176,6 +188,11 @@ def fp8_folder(tmp_path_factory) -> Path:
     return root / "fp8"
 
 
+# refused where the FP8 weights are kept (the model would build FP8 layers elsewhere); dequantized, each FP8 weight
+# with its scale becomes its bf16 weight whatever the module
+KEPT_ONLY = {"an FP8 weight whose module the config keeps", "a bf16 weight whose module the config quantizes"}
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_fp8_input_is_one_line_and_no_output(tmp_path, fp8_folder, case):
     changes, fragments = BAD_INPUTS[case]
@@ -183,17 +200,23 @@ def test_bad_fp8_input_is_one_line_and_no_output(tmp_path, fp8_folder, case):
     edit_folder(tmp_path / "src", **changes)
     with pytest.raises(ConversionError) as raised:
         convert_checkpoint(tmp_path / "src", tmp_path / "out", from_format="qwen3_next", to_format="hf",
-                           dequantize_fp8=True)
+                           dequantize_fp8=case not in KEPT_ONLY)
     message = str(raised.value)
     assert "\n" not in message and all(fragment in message for fragment in fragments), message
     assert not (tmp_path / "out").exists()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["src"]
+    if case in KEPT_ONLY:
+        convert_checkpoint(tmp_path / "src", tmp_path / "out", from_format="qwen3_next", to_format="hf",
+                           dequantize_fp8=True)
+        assert {dtype for dtype, _, _ in tensors_of(tmp_path / "out").values()} == {torch.bfloat16}
 
 
-def test_fp8_without_the_flag_is_refused_on_the_command_line(tmp_path, fp8_folder, capsys):
+def test_fp8_experts_across_blocks_convert_only_dequantized_on_the_command_line(tmp_path, fp8_folder, capsys):
+    """I = 12 rows of gate and of up in 16-row blocks: kept FP8 they cannot fuse (a block would span both)."""
     status = cli_main(["--from", "qwen3_next", "--to", "hf", str(fp8_folder), str(tmp_path / "out"), "--quiet"])
     err = capsys.readouterr().err
     assert status == 1 and err.count("\n") == 1 and "--dequantize-fp8" in err, err
+    assert "'model.layers.0.mlp.experts.gate_up_proj'" in err and "12 is not a multiple of 16" in err, err
     assert not (tmp_path / "out").exists()
     assert cli_main(["--from", "qwen3_next", "--to", "hf", str(fp8_folder), str(tmp_path / "out"), "--quiet",
                      "--dequantize-fp8"]) == 0
@@ -219,15 +242,12 @@ def test_fp8_weights_without_quantization_config_are_refused(tmp_path, fp8_folde
         assert not (tmp_path / "out").exists()
 
 
-def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):
-    """transformers' fused FP8 experts (`experts.gate_up_proj` (E, 2I, H) with `experts.gate_up_proj_scale_inv`
-    (E, ceil(2I/bn), ceil(H/bk)), `experts.down_proj` likewise) convert to the same tensors as the per-expert layout.
-    Block rows = I, so the gate and up scales stack without a block straddling both."""
+def fuse_fp8_experts(folder: Path) -> None:
+    """Rewrites folder/model.safetensors with transformers' fused FP8 experts (`experts.gate_up_proj` (E, 2I, H) with
+    `experts.gate_up_proj_scale_inv` (E, ceil(2I/bn), ceil(H/bk)), `experts.down_proj` likewise)."""
     from safetensors.torch import load_file
 
-    block = (TINY_MOE["moe_intermediate_size"], 20)
-    write_fp8_folders(tmp_path, block)
-    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    tensors = load_file(folder / "model.safetensors")
     fused = {}
     for name, tensor in tensors.items():
         prefix, found, rest = name.partition("mlp.experts.")
@@ -249,9 +269,22 @@ def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):
         fused[f"{prefix}mlp.experts.{leaf}" + ("_scale_inv" if suffix.endswith("_scale_inv") else "")] = \
             torch.stack(stacked)
     assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in fused
-    (tmp_path / "fp8" / "model.safetensors").unlink()
-    save_file(fused, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    save_file(fused, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):
+    """Fused FP8 experts convert to the same tensors as the per-expert layout, dequantized and kept FP8. Block rows
+    = I, so the gate and up scales stack without a block straddling both."""
+    block = (TINY_MOE["moe_intermediate_size"], 20)
+    write_fp8_folders(tmp_path, block)
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "per-expert", from_format="qwen3_next", to_format="hf")
+    fuse_fp8_experts(tmp_path / "fp8")
     convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="hf",
                        dequantize_fp8=True)
     convert_checkpoint(tmp_path / "reference", tmp_path / "reference-hf", from_format="qwen3_next", to_format="hf")
     assert tensors_of(tmp_path / "hf") == tensors_of(tmp_path / "reference-hf")
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "kept", from_format="qwen3_next", to_format="hf")
+    kept = tensors_of(tmp_path / "kept")
+    assert kept == tensors_of(tmp_path / "per-expert")
+    assert kept["model.layers.0.mlp.experts.gate_up_proj"][0] == FP8

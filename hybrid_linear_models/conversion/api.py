@@ -21,6 +21,7 @@ from hybrid_linear_cli.conversion_catalogue import parse_size as catalogue_parse
 
 from .errors import ConversionError
 from .formats import get_format
+from .fp8_blocks import dequantized_source, kept_fp8_source
 from .interrupts import stop_signals_raise
 from .pipeline import ConversionPlan, WriteOptions, check_carried, plan_conversion, stream_tensors
 from ..shown_values import brief
@@ -81,7 +82,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     explanation for bad inputs. Called in the main thread, SIGTERM and SIGHUP first remove the partial output, then
     end the process as they would have (the previous handlers are restored). A Hugging Face output also gets the
     tokenizer files of the folder `tokenizer` (what `tokenizer.save_pretrained` wrote), else those found beside the
-    source. A source of FP8 weights (`fp8_blocks`) converts only with `dequantize_fp8`, to bfloat16 weights.
+    source. A source of block-scaled FP8 weights (`fp8_blocks`) keeps them, with their scales and quantization_config,
+    byte for byte (`dtype` casts only the other tensors), to a format that holds them (hf, qwen3_next); with
+    `dequantize_fp8` they convert to bfloat16 weights instead.
     """
     started = time.perf_counter()
     torch_dtype = _torch_dtype(dtype)
@@ -92,9 +95,10 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     with stop_signals_raise(redeliver=True), atomic_output_dir(output, writer if force else None) as staging:
         check_source(src)
         source = reader.read(Path(src))
-        if source.quantization == "fp8" and not dequantize_fp8:
-            raise ConversionError(f"{src} holds FP8 weights, which convert only dequantized to bfloat16; pass "
-                                  "--dequantize-fp8.")
+        if source.quantization == "fp8" and dequantize_fp8:
+            source = dequantized_source(source)
+        if source.quantization == "fp8":
+            source = kept_fp8_source(source, to_format, writer.target_rows)
         check_carried(source, to_format, writer.keeps_extra_tensors)
         plan = plan_conversion(source, writer.target_rows(source.config), torch_dtype)
         tokenizer_copied = tokenizer_to_copy(writer, Path(src), tokenizer, source.config.vocab_size)

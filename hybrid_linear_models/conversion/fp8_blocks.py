@@ -15,29 +15,47 @@ float64 and rounds once, to the target dtype (a float32 product would round twic
 Weights the config leaves out (embeddings, norms, routers, GDN's small tensors) are stored in bf16 without a scale. A
 scale is checked against the FP8 weight it belongs to: an FP8 weight without its scale, a scale without an FP8
 weight, a scale of the wrong shape, or one whose values are not all finite and positive is refused before anything
-is written.
+is written. The stored FP8 weights must be exactly those of the modules the quantization_config quantizes
+(`fp8_settings`: every Linear and the experts, less modules_to_not_convert), the layers the model builds in FP8.
+
+A reader of an FP8 folder returns it as stored (`checked_fp8_source`): its config carries the setting, so the
+canonical layout holds each quantized weight in FP8 beside its `*_scale_inv`, and the name maps move both. Then the
+conversion either keeps FP8 (`kept_fp8_source`: the weights and scales travel byte for byte, never cast by --dtype,
+to a format that holds them) or dequantizes (`dequantized_source`: each FP8 weight read as its bfloat16 weight, the
+scales consumed, the setting dropped). Joining experts is blockwise only: gate and up (I rows each) stack into
+gate_up_proj's scales only when I is a multiple of the block rows, else a block would span both; refused by name.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..configuration_hybrid_linear import HybridLinearConfig
+from ..fp8_settings import (
+    QUANTIZATION_KEY,
+    SCALE_SUFFIX,
+    BlockFp8Settings,
+    read_block_fp8_settings,
+)
 from ..kernels_fp8 import dequantize_block_fp8
+from .converters import StackedExperts
 from .errors import ConversionError
+from .hf_layout import hf_tensor_shapes
+from .name_maps import MapRow
+from .pipeline import SourceCheckpoint
 from .safetensors_io import TensorInfo
-from .untrusted import Fields, brief
+from .untrusted import brief
 
-QUANTIZATION_KEY = "quantization_config"
-SCALE_SUFFIX = "_scale_inv"  # `<name>.weight_scale_inv` beside `<name>.weight`
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn}
 # float32 as released; bfloat16 and float16 scales (some exports) are exact in float64 as well
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_RUNS = 'quant_method "fp8", fmt "e4m3", a weight_block_size of two positive integers, activation_scheme "dynamic"'
+FP8_FORMATS = ("hf", "qwen3_next")  # the formats whose writers keep FP8 weights with their scales
 
 
 @dataclass(frozen=True)
@@ -48,33 +66,18 @@ class BlockFp8Config:
     block: tuple[int, int]
 
 
-def _unsupported(label: str, setting: str, value: Any) -> ConversionError:
-    return ConversionError(f"{label}: {QUANTIZATION_KEY}.{setting} is {brief(value)}; this package runs FP8 "
-                           f"checkpoints with {_RUNS}.")
-
-
 def read_block_fp8_config(data: Mapping[str, Any], label: str) -> BlockFp8Config | None:
-    """config.json's (parsed) quantization_config, checked; None when the checkpoint is not quantized."""
-    if data.get(QUANTIZATION_KEY) is None:
-        return None
-    fields = Fields(data[QUANTIZATION_KEY], QUANTIZATION_KEY, label, missing_is_empty=False)
-    method = fields.get("quant_method")
-    if method != "fp8":
-        raise _unsupported(label, "quant_method", method)
-    fmt = fields.get("fmt", "e4m3")
-    if fmt not in FP8_DTYPES:
-        raise _unsupported(label, "fmt", fmt)
-    block = fields.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
-        raise _unsupported(label, "weight_block_size", block)
-    scheme = fields.get("activation_scheme", "dynamic")
-    if scheme != "dynamic":
-        raise _unsupported(label, "activation_scheme", scheme)
-    scale_fmt = fields.get("scale_fmt", "float")
-    if scale_fmt != "float":
-        raise _unsupported(label, "scale_fmt", scale_fmt)
-    return BlockFp8Config(FP8_DTYPES[fmt], (block[0], block[1]))
+    """config.json's (parsed) quantization_config, checked (`fp8_settings`); None when the checkpoint is not
+    quantized."""
+    try:
+        settings = read_block_fp8_settings(data.get(QUANTIZATION_KEY))
+    except ValueError as error:
+        raise ConversionError(f"{label}: {error}") from None
+    return None if settings is None else block_fp8_config(settings)
+
+
+def block_fp8_config(settings: BlockFp8Settings) -> BlockFp8Config:
+    return BlockFp8Config(getattr(torch, settings.dtype_name), settings.block)
 
 
 def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -163,5 +166,93 @@ class DequantizedTensors:
         return dequantize_block_fp8(self._tensors.load(key), scale, self._block, self._dtype)
 
 
-__all__ = ["QUANTIZATION_KEY", "BlockFp8Config", "DequantizedTensors", "check_block_scales", "check_scale_values",
-           "dequantize_block_fp8", "read_block_fp8_config", "scale_name", "scale_shape"]
+def _scale_rows(rows: list[MapRow]) -> list[MapRow]:
+    return [row for row in rows if row.canonical_keys[0].endswith(SCALE_SUFFIX)]
+
+
+def _check_matches_config(source: SourceCheckpoint, quantized: list[str]) -> None:
+    """The stored FP8 weights (`quantized`, the carried ones aside) are exactly those the config's setting quantizes,
+    the FP8 layers the model builds: one line naming the first that is not."""
+    carried = set(source.carried.keys) if source.carried is not None else set()
+    expected = {key.removesuffix(SCALE_SUFFIX) for row in _scale_rows(source.rows) for key in row.format_keys}
+    stored = set(quantized) - carried
+    for name in sorted(stored - expected):
+        raise ConversionError(f"{source.path}: tensor {brief(name)} is FP8, but the quantization_config keeps its "
+                              "module in floating point (an entry of modules_to_not_convert matches it, or it is not "
+                              "a Linear or experts); fix modules_to_not_convert or the checkpoint.")
+    for name in sorted(expected - stored):
+        dtype = str(source.tensors.info(name).dtype).removeprefix("torch.") if name in source.tensors.keys() else ""
+        raise ConversionError(f"{source.path}: tensor {brief(name)} is {dtype or 'not stored'}, but the "
+                              "quantization_config quantizes its module (no entry of modules_to_not_convert matches "
+                              "it), so it must be FP8 with its scale; add the module to modules_to_not_convert.")
+
+
+def checked_fp8_source(source: SourceCheckpoint) -> SourceCheckpoint:
+    """`source` as a reader returns it: unchanged when its config has no FP8 setting, else with every scale checked
+    against its FP8 weight (headers, then values: the scales are small) and marked `quantization="fp8"`. Raises one
+    line for the first problem, before anything is written."""
+    settings = source.config.block_fp8_settings
+    if settings is None:
+        return source
+    infos = {key: source.tensors.info(key) for key in source.tensors.keys()}
+    quantized = check_block_scales(infos, block_fp8_config(settings), str(source.path))
+    for name in quantized:
+        check_scale_values(scale_name(name), source.tensors.load(scale_name(name)))
+    return dataclasses.replace(source, quantization="fp8")
+
+
+def _check_blockwise_joins(rows: list[MapRow], shapes: Mapping[str, tuple[int, ...]], block: tuple[int, int],
+                           where: str, joined: str) -> None:
+    """Experts whose gate and up (I rows each) are stored apart on one side and as gate_up_proj on the other: their
+    scales join (or split) blockwise only when I is a multiple of the block rows."""
+    for row in _scale_rows(rows):
+        converter = row.converter
+        if not (isinstance(converter, StackedExperts) and converter.parts > 1):
+            continue
+        weight = row.canonical_keys[0].removesuffix(SCALE_SUFFIX)
+        part_rows = shapes[weight][-2] // converter.parts
+        if part_rows % block[0]:
+            raise ConversionError(
+                f"{where}: the FP8 experts {brief(weight)} have gate and up projections of {part_rows} rows each in "
+                f"{block[0]}-row scale blocks; {part_rows} is not a multiple of {block[0]}, so a block would span "
+                f"the gate and the up rows and their scales cannot be {joined} blockwise; convert with "
+                "--dequantize-fp8.")
+
+
+def kept_fp8_source(source: SourceCheckpoint, to_format: str,
+                    target_rows: Callable[[HybridLinearConfig], list[MapRow]]) -> SourceCheckpoint:
+    """An FP8 `source` converting with its FP8 weights and scales kept: refused, with one line, where `to_format`
+    cannot hold them, the stored FP8 weights are not those the setting quantizes (the layers the model builds in
+    FP8), or the experts cannot be joined or split blockwise (`target_rows`: the writer's name map)."""
+    if to_format not in FP8_FORMATS:
+        raise ConversionError(f"{source.path} holds FP8 weights, which the {to_format} format cannot hold (FP8 is "
+                              f"kept by {' and '.join(FP8_FORMATS)}); pass --dequantize-fp8 to convert them to "
+                              "bfloat16.")
+    quantized = [key for key in source.tensors.keys() if source.tensors.info(key).dtype.itemsize == 1]
+    _check_matches_config(source, quantized)
+    shapes = hf_tensor_shapes(source.config)
+    block = source.config.block_fp8_settings.block
+    _check_blockwise_joins(source.rows, shapes, block, str(source.path), "joined into gate_up_proj")
+    _check_blockwise_joins(target_rows(source.config), shapes, block, f"--to {to_format}", "split out of gate_up_proj")
+    return source
+
+
+def dequantized_source(source: SourceCheckpoint) -> SourceCheckpoint:
+    """An FP8 `source` read as the floating-point model: each FP8 weight (carried ones too) dequantized to bfloat16,
+    the scales consumed, and the config without its FP8 setting."""
+    settings = source.config.block_fp8_settings
+    quantized = [key for key in source.tensors.keys() if source.tensors.info(key).dtype.itemsize == 1]
+    scales = {scale_name(name) for name in quantized}
+    config = copy.deepcopy(source.config)
+    config.block_fp8 = None
+    carried = source.carried
+    if carried is not None:
+        carried = dataclasses.replace(carried, keys=tuple(key for key in carried.keys if key not in scales))
+    rows = [row for row in source.rows if not row.canonical_keys[0].endswith(SCALE_SUFFIX)]
+    tensors = DequantizedTensors(source.tensors, quantized, settings.block, torch.bfloat16)
+    return dataclasses.replace(source, config=config, rows=rows, carried=carried, tensors=tensors, quantization=None)
+
+
+__all__ = ["FP8_FORMATS", "QUANTIZATION_KEY", "SCALE_SUFFIX", "BlockFp8Config", "DequantizedTensors",
+           "check_block_scales", "check_scale_values", "checked_fp8_source", "dequantize_block_fp8",
+           "dequantized_source", "kept_fp8_source", "read_block_fp8_config", "scale_name", "scale_shape"]

@@ -20,6 +20,7 @@ from ..component_registry import declarations_of, declared_fields
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
 from .extra_tensors import extra_tensors_file, read_extra_tensors
+from .fp8_blocks import checked_fp8_source
 from .hf_layout import hf_tensor_shapes
 from .hf_style_folder import (
     CONFIG_FILE,
@@ -142,9 +143,12 @@ def _contents(path: Path, config: HybridLinearConfig) -> FolderContents:
 
 
 def read_hf(path: Path) -> SourceCheckpoint:
+    """The folder at `path`; an FP8 one (config.json's quantization_config) reads as stored, its scales and FP8
+    weights checked (`fp8_blocks.checked_fp8_source`)."""
     path = Path(path)
-    return read_hf_style_folder(path, fmt="hf", checkpoint=_CHECKPOINT, check_model_type=_check_model_type,
-                                build_config=_build_config, contents=lambda config, _: _contents(path, config))
+    return checked_fp8_source(read_hf_style_folder(
+        path, fmt="hf", checkpoint=_CHECKPOINT, check_model_type=_check_model_type, build_config=_build_config,
+        contents=lambda config, _: _contents(path, config)))
 
 
 def export_config(config: HybridLinearConfig, dtype: torch.dtype) -> HybridLinearConfig:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from ..configuration_hybrid_linear import HybridLinearConfig
+from ..fp8_settings import SCALE_SUFFIX
 from .dtypes import cast_checked, widest_dtype
 from .errors import ConversionError
 from .hf_layout import hf_tensor_shapes, one_layer_per_type
@@ -138,7 +139,8 @@ class SourceCheckpoint:
     skipped: list[str] = field(default_factory=list)  # stored tensors deliberately not converted (optimizer state,
     # the mixers of a supernet that inference does not use)
     carried: CarriedTensors | None = None  # stored tensors kept untouched beside the model's
-    quantization: str | None = None  # "fp8": `tensors` reads the stored FP8 weights dequantized (`fp8_blocks`)
+    quantization: str | None = None  # "fp8": the config's FP8 setting, checked against the stored FP8 weights and
+    # their scales (`fp8_blocks`), which convert as stored
 
 
 @dataclass(frozen=True)
@@ -200,11 +202,11 @@ def _check_floating_point(source: SourceCheckpoint) -> None:
                     f"{source.path}: tensor {brief(key)} has dtype {str(dtype).removeprefix('torch.')}, but model "
                     "weights are floating point; the checkpoint is corrupt or is not a model checkpoint."
                 )
-            if dtype.itemsize == 1:  # FP8 converts only with its block scales, dequantized (`fp8_blocks`)
+            if dtype.itemsize == 1 and source.quantization != "fp8":  # FP8 converts only with its block scales
                 raise ConversionError(
                     f"{source.path}: tensor {brief(key)} is {str(dtype).removeprefix('torch.')}, which converts only "
-                    "as a block-scaled FP8 weight of a qwen3_next folder whose config.json has a quantization_config "
-                    "(with --dequantize-fp8)."
+                    "as a block-scaled FP8 weight of a folder whose config.json has a quantization_config "
+                    "(fp8_blocks)."
                 )
 
 
@@ -219,6 +221,14 @@ def _check_shapes(source: SourceCheckpoint, canonical: dict[str, tuple[int, ...]
                     f"{list(shape)}. The config does not match the weights; fix the config (or the tensor) so they "
                     "agree."
                 )
+
+
+def _written_dtype(key: str, stored: torch.dtype, requested: torch.dtype | None) -> torch.dtype:
+    """`requested` (--dtype), else `stored`; FP8 weights and their scales (`fp8_blocks`) always keep `stored`: they
+    are one quantized weight, whose bytes a cast would change."""
+    if requested is None or stored.itemsize == 1 or key.endswith(SCALE_SUFFIX):
+        return stored
+    return requested
 
 
 def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: torch.dtype | None = None
@@ -251,12 +261,13 @@ def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: 
                 available.difference_update(target.canonical_keys)
                 steps.append(Step(emit=target_index))
                 shapes = target.converter.inverse_shapes([canonical[k] for k in target.canonical_keys])
-                out_dtype = dtype or widest_dtype(canonical_dtype[k] for k in target.canonical_keys)
+                stored = widest_dtype(canonical_dtype[k] for k in target.canonical_keys)
+                out_dtype = _written_dtype(target.canonical_keys[0], stored, dtype)
                 targets += [(k, TensorInfo(tuple(s), out_dtype)) for k, s in zip(target.format_keys, shapes)]
     carried = source.carried.keys if source.carried is not None else ()
     for key in carried:
         info = source.tensors.info(key)
-        targets.append((key, TensorInfo(tuple(info.shape), dtype or info.dtype)))
+        targets.append((key, TensorInfo(tuple(info.shape), _written_dtype(key, info.dtype, dtype))))
     emitted = [key for key, _ in targets]
     if len(emitted) != len(set(emitted)) or available:
         raise RuntimeError(f"conversion schedule incomplete: pending {sorted(available)} or a name twice")

@@ -16,7 +16,7 @@ that keep them (`extra_tensors`), and written back here.
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -28,8 +28,8 @@ from transformers import GenerationConfig
 from ...configuration_hybrid_linear import HybridLinearConfig
 from ..converters import StackedExperts
 from ..errors import ConversionError
-from ..fp8_blocks import (QUANTIZATION_KEY, BlockFp8Config, DequantizedTensors, check_block_scales,
-                          check_scale_values, read_block_fp8_config, scale_name)
+from ...fp8_settings import QUANTIZATION_KEY
+from ..fp8_blocks import SCALE_SUFFIX, checked_fp8_source, read_block_fp8_config
 from ..hf_layout import layer_prefix
 from ..hf_style_folder import CONFIG_FILE, FolderContents, read_hf_style_folder, write_hf_style_folder
 from ..name_maps import MapRow, build_hf_rows
@@ -69,9 +69,10 @@ def qwen3_next_rows(config: HybridLinearConfig, fused_experts: bool = False) -> 
     stacked = {}
     for index in _sparse_layers(config):
         prefix = f"{layer_prefix(index)}mlp.experts."
-        for fused, parts in _EXPERT_TENSORS:
-            keys = tuple(f"{prefix}{e}.{part}.weight" for e in range(config.num_experts) for part in parts)
-            stacked[prefix + fused] = MapRow(keys, StackedExperts(config.num_experts, len(parts)), (prefix + fused,))
+        for (fused, parts), suffix in itertools.product(_EXPERT_TENSORS, ("", SCALE_SUFFIX)):  # FP8: scales too
+            keys = tuple(f"{prefix}{e}.{part}.weight{suffix}" for e in range(config.num_experts) for part in parts)
+            canonical = prefix + fused + suffix
+            stacked[canonical] = MapRow(keys, StackedExperts(config.num_experts, len(parts)), (canonical,))
     return [stacked.get(row.canonical_keys[0], row) for row in rows]
 
 
@@ -94,31 +95,19 @@ def _contents(parsed: tuple[HybridLinearConfig, dict[str, Any]], files: Mapping[
 
 
 def read_qwen3_next(path: Path) -> SourceCheckpoint:
-    """The folder at `path`; an FP8 one (`quantization_config`) has its scales checked against its FP8 weights and
-    reads them dequantized to bfloat16, marked `quantization="fp8"`."""
-    quantization: list[BlockFp8Config | None] = []
+    """The folder at `path`; an FP8 one (`quantization_config`, carried into our config) reads as stored, its
+    scales and FP8 weights checked (`fp8_blocks.checked_fp8_source`), marked `quantization="fp8"`."""
 
     def build_config(data: Any, label: str, census: TensorCensus) -> tuple[HybridLinearConfig, dict[str, Any]]:
-        quantization.append(read_block_fp8_config(data, label))
-        return qwen3_next_to_hybrid_config({k: v for k, v in data.items() if k != QUANTIZATION_KEY}, label, census)
+        if isinstance(data, dict):
+            read_block_fp8_config(data, label)  # one line naming an unsupported setting, with the file's name
+        return qwen3_next_to_hybrid_config(data, label, census)
 
-    # the mtp.* tensors, which the config does not describe, stay out of the census and are carried
-    source = read_hf_style_folder(path, fmt=MODEL_TYPE, checkpoint="a Qwen3-Next checkpoint",
-                                  check_model_type=_check_model_type, build_config=build_config,
-                                  config_of=lambda parsed: parsed[0], contents=_contents, outside_census=MTP_PREFIX)
-    fp8 = quantization[0]
-    if fp8 is None:
-        return source
-    infos = {key: source.tensors.info(key) for key in source.tensors.keys()}
-    quantized = check_block_scales(infos, fp8, str(source.path))
-    for name in quantized:  # the scales are small (one per block): all checked before anything is written
-        check_scale_values(scale_name(name), source.tensors.load(scale_name(name)))
-    carried = source.carried
-    if carried is not None:  # an FP8 mtp.* weight travels dequantized; its scale is consumed
-        scales = {scale_name(name) for name in quantized}
-        carried = dataclasses.replace(carried, keys=tuple(key for key in carried.keys if key not in scales))
-    return dataclasses.replace(source, quantization="fp8", carried=carried,
-                               tensors=DequantizedTensors(source.tensors, quantized, fp8.block, torch.bfloat16))
+    # the mtp.* tensors, which the config does not describe, stay out of the census and are carried (FP8 ones with
+    # their scales)
+    return checked_fp8_source(read_hf_style_folder(
+        path, fmt=MODEL_TYPE, checkpoint="a Qwen3-Next checkpoint", check_model_type=_check_model_type,
+        build_config=build_config, config_of=lambda parsed: parsed[0], contents=_contents, outside_census=MTP_PREFIX))
 
 
 def _carried_fields(plan: ConversionPlan) -> dict[str, Any]:
@@ -144,7 +133,8 @@ def qwen3_next_config_text(config: HybridLinearConfig, dtype: torch.dtype, carri
 def check_config_reads_back(config: HybridLinearConfig, text: str) -> None:
     """The config.json about to be written, read back by the reader, must give `config` in every field Qwen3-Next
     carries; otherwise the folder would hold another model."""
-    fields = _CARRIED_FIELDS + (_MOE_FIELDS if _sparse_layers(config) else ())
+    fields = (*_CARRIED_FIELDS, *(_MOE_FIELDS if _sparse_layers(config) else ()),
+              *((QUANTIZATION_KEY,) if config.block_fp8 is not None else ()))
     check_reads_back(config, text, file=CONFIG_FILE,
                      read=lambda text: qwen3_next_to_hybrid_config(parse_json(text, CONFIG_FILE), CONFIG_FILE)[0],
                      difference=lambda expected, got: config_difference(expected, got, fields),

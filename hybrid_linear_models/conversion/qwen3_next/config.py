@@ -24,9 +24,11 @@ Absent fields take Qwen3NextConfig's defaults (`QWEN3_NEXT_DEFAULTS`, pinned by 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ...configuration_hybrid_linear import HybridLinearConfig
+from ...fp8_settings import QUANTIZATION_KEY
 from ...shown_values import brief, clip
 from ..errors import ConversionError
 from ..hf_layout import layer_overrides
@@ -182,6 +184,8 @@ def qwen3_next_to_hybrid_config(data: Any, label: str, census: TensorCensus | No
     kwargs["rope_parameters"] = _rope_parameters(fields)
     kwargs.update(moe)
     kwargs.update(FIXED)
+    if fields.get(QUANTIZATION_KEY) is not None:  # FP8 (fp8_settings): the same setting, checked by our config
+        kwargs[QUANTIZATION_KEY] = fields.get(QUANTIZATION_KEY)
     carried = {name: fields.get(name) for name in sorted(fields.data) if is_carried_field(name)}
     unknown = fields.unread(IRRELEVANT)
     if unknown:
@@ -251,6 +255,8 @@ def hybrid_config_to_qwen3_next(config: HybridLinearConfig, carried: dict[str, A
         out.update(decoder_sparse_step=1, mlp_only_layers=[i for i, t in enumerate(mlp_types) if t != "sparse_moe"])
     else:
         out.update(num_experts=0, mlp_only_layers=[], decoder_sparse_step=1)
+    if config.block_fp8 is not None:  # FP8: the setting as read (module names are the same on both sides)
+        out[QUANTIZATION_KEY] = copy.deepcopy(config.block_fp8)
     out.update(carried or {})
     return out
 

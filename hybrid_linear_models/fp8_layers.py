@@ -1,0 +1,180 @@
+"""The model's block-scaled FP8 layers: a Linear and the MoE experts holding float8_e4m3fn weights with their float32
+per-block `weight_scale_inv`, as the checkpoint stores them (`fp8_settings`, `kernels_fp8`).
+
+    Fp8Linear:   y = x @ W.T (+ b),   W = W_fp8 * scale_inv (per bn x bk block)    -> kernels_fp8.block_fp8_linear
+    Fp8Experts:  the (token, expert) pairs sorted by expert, then per expert e
+                 y = down_e( act(gate_e x) * up_e x * w )                           -> block_fp8_grouped_linear
+                 (gate_up_proj [E, 2I, H] and down_proj [E, H, I] in FP8, each with its scale_inv)
+
+How a folder with a quantization_config loads. transformers' `from_pretrained` hands a config that has a
+`quantization_config` attribute with quant_method "fp8" to its FineGrainedFP8 quantizer, which needs the `accelerate`
+package, dequantizes the whole model to bfloat16 when no GPU is present, and on a GPU swaps in its own FP8 layers
+whose kernels come from the Hub (the `kernels` package). This family's config keeps the setting under its own
+attribute (`HybridLinearConfig.block_fp8`, written back to config.json as `quantization_config`), so transformers
+sees no quantization and loads the checkpoint tensors as they are into the parameters the model declares: each
+decoder layer, and the causal LM for its head, replaces the modules the setting quantizes (`quantize_modules`) by the
+layers here when it is built. transformers' loader casts a checkpoint tensor to its parameter's dtype, so the FP8
+weights and float32 scales arrive with their stored bytes whatever `dtype=` asks for the rest, and
+`save_pretrained` writes them back unchanged. No network, no extra package, and the CPU runs it (the reference
+kernels dequantize to the activation dtype).
+
+The weights and scales keep their dtypes through `model.to(dtype)` / `.half()` (a dtype change would round the
+scales and turn the FP8 bytes into other values): `_apply` moves them between devices but never casts them. They do
+not train (requires_grad False): an FP8 model runs inference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
+from .kernels_fp8 import block_fp8_grouped_linear, block_fp8_linear
+
+
+def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+
+
+def _scale_shape(rows: int, cols: int, block: tuple[int, int], lead: tuple[int, ...] = ()) -> tuple[int, ...]:
+    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+
+
+class _KeepsStoredDtypes(nn.Module):
+    """Applies `nn.Module._apply` (device moves, dtype casts) to its FP8 weights and scales through an integer view
+    of their bytes: a device move applies, a dtype cast does not."""
+
+    _stored: tuple[str, ...] = ()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        kept = {}
+        for name in self._stored:
+            param = self._parameters[name]
+            view = {1: torch.uint8, 4: torch.int32}[param.element_size()]
+            kept[name] = (param.dtype, fn(param.data.view(view)))  # not floating: only the device can change
+            self._parameters[name] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, (dtype, data) in kept.items():
+                self._parameters[name] = nn.Parameter(data.view(dtype), requires_grad=False)
+        return self
+
+
+class Fp8Linear(_KeepsStoredDtypes):
+    """A Linear on a block-scaled FP8 weight: `weight` (out, in) float8_e4m3fn, `weight_scale_inv` float32 of shape
+    (ceil(out / bn), ceil(in / bk)), optional `bias` in the model's dtype."""
+
+    _stored = ("weight", "weight_scale_inv")
+
+    def __init__(self, in_features: int, out_features: int, settings: BlockFp8Settings, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, settings.block
+        self.weight = _frozen((out_features, in_features), getattr(torch, settings.dtype_name))
+        self.weight_scale_inv = _frozen(_scale_shape(out_features, in_features, self.block), torch.float32)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={list(self.block)}"
+
+
+class Fp8Experts(_KeepsStoredDtypes):
+    """E gated experts in FP8: `gate_up_proj` (E, 2I, H), the gate's rows first, and `down_proj` (E, H, I), each
+    with its `*_scale_inv` (E, blocks of rows, blocks of columns), as transformers' fused layout names them. Called
+    as the experts it replaces: (rows [T, H], top-k experts [T, k], top-k weights [T, k]) -> [T, H]."""
+
+    _stored = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: Callable,
+                 settings: BlockFp8Settings):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.act_fn, self.block = act_fn, settings.block
+        lead, fp8 = (num_experts,), getattr(torch, settings.dtype_name)
+        self.gate_up_proj = _frozen((num_experts, 2 * intermediate_dim, hidden_dim), fp8)
+        self.gate_up_proj_scale_inv = _frozen(_scale_shape(2 * intermediate_dim, hidden_dim, self.block, lead),
+                                              torch.float32)
+        self.down_proj = _frozen((num_experts, hidden_dim, intermediate_dim), fp8)
+        self.down_proj_scale_inv = _frozen(_scale_shape(hidden_dim, intermediate_dim, self.block, lead),
+                                           torch.float32)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # the pairs grouped by expert
+        # experts numbered num_experts or above (expert parallelism's other ranks) sort last, past offsets[-1]
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        offsets = torch.cumsum(counts, 0)
+        used = order[: int(offsets[-1])] if self.num_experts else order[:0]
+        token_of = used // k
+        gate_up = block_fp8_grouped_linear(hidden_states[token_of], self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                           offsets, self.block)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gated = self.act_fn(gate) * up * top_k_weights.reshape(-1, 1)[used].to(gate_up.dtype)
+        out = block_fp8_grouped_linear(gated, self.down_proj, self.down_proj_scale_inv, offsets, self.block)
+        return torch.zeros_like(hidden_states).index_add_(0, token_of, out.to(hidden_states.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
+                f"intermediate_dim={self.intermediate_dim}, block={list(self.block)}")
+
+
+def _is_experts(name: str, module: nn.Module) -> bool:
+    from .mlp_sparse_moe import HybridLinearExperts
+
+    return isinstance(module, HybridLinearExperts) and name.endswith("experts")
+
+
+def _fp8_module(name: str, module: nn.Module, settings: BlockFp8Settings) -> nn.Module | None:
+    if not settings.quantizes(name):
+        return None
+    if type(module) is nn.Linear:
+        return Fp8Linear(module.in_features, module.out_features, settings, bias=module.bias is not None)
+    if _is_experts(name, module):
+        return Fp8Experts(module.num_experts, module.hidden_dim, module.intermediate_dim, module.act_fn, settings)
+    return None
+
+
+def quantize_modules(root: nn.Module, prefix: str, settings: BlockFp8Settings | None) -> None:
+    """Replaces, in `root` (whose checkpoint names start with `prefix`, e.g. "model.layers.3."), every plain Linear
+    and experts module that `settings` quantizes by its FP8 layer; nothing when `settings` is None."""
+    if settings is None:
+        return
+    for name, module in list(root.named_modules()):
+        replacement = _fp8_module(prefix + name, module, settings) if name else None
+        if replacement is not None:
+            parent_name, _, child = name.rpartition(".")
+            setattr(root.get_submodule(parent_name), child, replacement)
+
+
+def quantize_module(module: nn.Module, name: str, settings: BlockFp8Settings | None) -> nn.Module:
+    """`module` (a top-level one, named `name`: "lm_head"), or its FP8 layer when `settings` quantizes it."""
+    replacement = _fp8_module(name, module, settings) if settings is not None else None
+    return module if replacement is None else replacement
+
+
+def init_fp8_weights(module: nn.Module, std: float) -> bool:
+    """A fresh FP8 layer's weights (a model built, not loaded): values of N(0, std) stored as FP8 with unit
+    scales. Returns whether `module` is an FP8 layer."""
+    if not isinstance(module, _KeepsStoredDtypes):
+        return False
+    for name in module._stored:  # transformers' init functions: a loaded tensor is left as it is
+        param = getattr(module, name)
+        if name.endswith(SCALE_SUFFIX):
+            init.ones_(param)
+        else:
+            init.copy_(param, torch.randn(param.shape, device=param.device).mul_(std).to(param.dtype))
+    if getattr(module, "bias", None) is not None:
+        init.zeros_(module.bias)
+    return True
+
+
+__all__ = ["Fp8Experts", "Fp8Linear", "init_fp8_weights", "quantize_module", "quantize_modules"]
