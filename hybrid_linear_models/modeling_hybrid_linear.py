@@ -55,7 +55,8 @@ from .mlp_sparse_moe import (
 )
 from .moe_load_balancing import load_balancing_loss
 from .mtp_drafting import MtpCandidateGenerator, check_mtp_generation
-from .mtp_head import (HybridLinearMtpHead, check_mtp_loss_inputs, mtp_positions, shifted_labels)
+from .mtp_head import (HybridLinearMtpHead, check_mtp_loss_inputs, mtp_positions, shifted_labels,
+                       valid_entries)
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info, may_hold_padding
 from .short_convolution import ShortConvolution
@@ -805,6 +806,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         for depth, g in enumerate(self.mtp.depths(hidden_states, embeddings, positions, attention_mask), start=1):
             # targets: token t + depth + 1 (from shift_labels when given: its [t] is token t + 1)
             targets = given_shift[:, depth:] if given_shift is not None else shifted_labels(labels, depth)
+            valid = valid_entries(attention_mask, depth)
+            if valid is not None:  # (an entry from a pad's hidden state predicts nothing)
+                targets = targets.masked_fill(valid.to(targets.device) == 0, -100)
             loss = None
             if self.training and self.config.fuse_linear_cross_entropy:
                 loss = fused_causal_lm_loss(g, self.lm_head.weight, labels, shift_labels=targets,

@@ -32,6 +32,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .mtp_head import valid_entries
+
 MAX_MTP_DRAFT_TOKENS = 4  # drafts per round: the head's accuracy falls with each recursive step (vLLM uses 1 to 4)
 
 
@@ -89,7 +91,8 @@ class MtpCandidateGenerator(CandidateGenerator):
         head, embed = self.model.mtp, self.model.get_input_embeddings()
         positions = self._positions(model_kwargs, length)
         mask = model_kwargs.get("attention_mask")
-        mask = mask[:, 1:length] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        # the head's entries 1..L-1 (position t + 1: h_t and x_{t+1}), real where both tokens are (mtp_head.valid_entries)
+        mask = valid_entries(mask[:, :length], 1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         tokens = input_ids[:, self.held + 1: length]
         g = head(hidden.to(head.fc.weight.dtype), embed(tokens), positions[:, self.held + 1: length],
                  attention_mask=mask, cache=self.cache)[:, -1:]

@@ -92,17 +92,26 @@ class HybridLinearMtpHead(nn.Module):
                attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training's chain over a whole sequence: g^d for d = 1..D, g^d [B, T - d, H] at positions t = 0..T-1-d
         (predicting token t + d + 1), from the model's h [B, T, H] and the input embeddings [B, T, H]; position_ids
-        [B or 1, T], attention_mask the 2-D [B, T] one or None."""
+        [B or 1, T], attention_mask the 2-D [B, T] one or None (the entries of padding: `valid_entries`)."""
         outputs, previous = [], hidden_states
         for depth in range(len(self.layers)):
             d = depth + 1
             if embeddings.shape[1] <= d:
                 break
-            mask = attention_mask[:, d:] if attention_mask is not None else None
+            mask = valid_entries(attention_mask, d)
             previous = self(previous[:, : embeddings.shape[1] - d], embeddings[:, d:], position_ids[:, d:], depth,
                             attention_mask=mask)
             outputs.append(previous)
         return outputs
+
+
+def valid_entries(attention_mask: torch.Tensor | None, depth: int) -> torch.Tensor | None:
+    """Which depth-`depth` entries t = 0..T-1-depth are real, [B, T - depth]: both ends of the entry (h at t, the
+    embedding at t + depth) are real tokens; None without a mask. A padded entry is hidden from the others'
+    attention and its target is not counted, so a padded row's loss is the row's alone."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, : attention_mask.shape[1] - depth] * attention_mask[:, depth:]
 
 
 def shifted_labels(labels: torch.Tensor, depth: int, ignore_index: int = -100) -> torch.Tensor:
@@ -112,7 +121,7 @@ def shifted_labels(labels: torch.Tensor, depth: int, ignore_index: int = -100) -
 
 
 __all__ = ["MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config", "mtp_positions",
-           "shifted_labels"]
+           "shifted_labels", "valid_entries"]
 
 
 def mtp_positions(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, length: int,

@@ -1,0 +1,274 @@
+"""Multi-token prediction (mtp_head.py, mtp_drafting.py): the head's math and loss against a reference built from
+plain pieces, training the heads alone, and `generate(use_mtp=k)`, whose greedy output is plain greedy decoding's
+token for token whether the head's drafts are random, always right or always wrong.
+
+Float64 throughout. The loss reference computes the same math in another order (the block run by a separate
+one-layer model's own forward, the norms and the fusion written out here), its logits agreeing to float64 rounding;
+the losses are compared within LOSS_TOL, as transformers' loss takes the logits in float32 (see LOSS_TOL). A swapped
+concatenation, a norm taken as w instead of 1 + w, or labels shifted by one position too few change the loss by 1e-2
+and more.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_helpers import tiny_config, tiny_model
+
+from hybrid_linear_models import (
+    HybridLinearConfig,
+    HybridLinearForCausalLM,
+    HybridLinearModel,
+)
+from hybrid_linear_models.mtp_drafting import MtpCandidateGenerator
+
+# transformers' causal-LM loss takes the logits in float32 (eps 1.2e-7): a loss of order 5 from a log-sum-exp over 128
+# logits of order 10 rounds to within a few 1e-7 whatever the logits' own precision; a mistake moves it by 1e-2
+LOSS_TOL = 2e-6
+LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention"]
+
+
+def _model(layer_types=LAYERS, seed=0, **overrides) -> HybridLinearForCausalLM:
+    return tiny_model(layer_types, seed=seed, num_mtp_layers=1, **overrides).double()
+
+
+def _ids(shape, seed=0):
+    return torch.randint(2, 128, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+def test_configs_without_mtp_fields_load_unchanged(tmp_path):
+    """A config.json written without the MTP fields loads as the model it was: no head."""
+    config = tiny_config(LAYERS)
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    for name in ("num_mtp_layers", "mtp_mlp_type", "mtp_loss_weight"):
+        del written[name]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    loaded = HybridLinearConfig.from_pretrained(tmp_path)
+    assert loaded.num_mtp_layers == 0 and loaded.mtp_mlp_type is None and loaded.mtp_loss_weight == 0.0
+    model = HybridLinearForCausalLM(loaded)
+    assert not hasattr(model, "mtp") and not any(name.startswith("mtp.") for name in model.state_dict())
+
+
+def test_mtp_config_fields():
+    config = tiny_config(LAYERS, num_mtp_layers=1, mlp_types=["sparse_moe", "dense", "dense"], num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    assert config.mtp_mlp_type == "sparse_moe"  # the first layer's MLP, as vLLM builds Qwen3-Next's MTP layer
+    again = HybridLinearConfig.from_dict(config.to_dict())
+    assert again.num_mtp_layers == 1 and again.mtp_mlp_type == "sparse_moe"
+    with pytest.raises(ValueError, match=r"mtp_mlp_type must be one of .*got 'moe'"):
+        tiny_config(LAYERS, num_mtp_layers=1, mtp_mlp_type="moe")
+    with pytest.raises(ValueError, match=r"num_mtp_layers must be a positive integer.* or 0"):
+        tiny_config(LAYERS, num_mtp_layers=-1)
+    with pytest.raises(ValueError, match=r"mtp_loss_weight must be in \[0.0, inf\)"):
+        tiny_config(LAYERS, mtp_loss_weight=-0.5)
+
+
+def test_the_head_saves_and_loads_under_qwen3_next_names(tmp_path):
+    model = _model()
+    names = [name for name in model.state_dict() if name.startswith("mtp.")]
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.down_proj.weight"} <= set(names)
+    assert model.mtp.fc.weight.shape == (64, 128)
+    model.save_pretrained(tmp_path)
+    again, info = HybridLinearForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    for name in names:
+        assert torch.equal(again.state_dict()[name].double(), model.state_dict()[name]), name
+
+
+# ----------------------------------------------------------------------------------------------------- loss
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm written out: x / sqrt(mean(x^2) + eps) * (1 + w)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + weight)
+
+
+def _reference_mtp_logits(model: HybridLinearForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """Depth-1 MTP logits at positions 0..T-2 (predicting tokens 2..T): the fusion written out, the block and final
+    norm run by a separate one-layer model's forward at positions 1..T-1."""
+    eps, head = model.config.rms_norm_eps, model.mtp
+    hidden = model.model(ids).last_hidden_state
+    embeddings = model.model.embed_tokens(ids)
+    fused = torch.cat([_rms(embeddings[:, 1:], head.pre_fc_norm_embedding.weight, eps),
+                       _rms(hidden[:, :-1], head.pre_fc_norm_hidden.weight, eps)], dim=-1) @ head.fc.weight.T
+    block_config = tiny_config(["full_attention"])
+    block = HybridLinearModel(block_config).double().eval()
+    block.layers[0].load_state_dict(head.layers[0].state_dict())
+    block.norm.load_state_dict(head.norm.state_dict())
+    positions = torch.arange(1, ids.shape[1]).unsqueeze(0)
+    g = block(inputs_embeds=fused, position_ids=positions, use_cache=False).last_hidden_state
+    return g @ model.lm_head.weight.T
+
+
+def test_mtp_loss_equals_the_reference():
+    model = _model()
+    ids = _ids((2, 11))
+    with torch.no_grad():
+        logits = _reference_mtp_logits(model, ids)
+        expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128).float(), ids[:, 2:].reshape(-1))
+        out = model(input_ids=ids, labels=ids, mtp_loss_weight=0.3)
+        plain = model(input_ids=ids, labels=ids)
+    assert (out.mtp_loss - expected).abs() <= LOSS_TOL, (out.mtp_loss, expected)
+    assert plain.mtp_loss is None
+    assert (out.loss - (plain.loss + 0.3 * out.mtp_loss)).abs() <= LOSS_TOL
+    with torch.no_grad():  # the config's weight when the forward gives none
+        model.config.mtp_loss_weight = 0.3
+        assert (model(input_ids=ids, labels=ids).loss - out.loss).abs() <= LOSS_TOL
+
+
+def test_mtp_loss_skips_ignored_labels_and_padding():
+    """-100 labels are not counted; a left-padded row's loss is its unpadded loss (positions count real tokens)."""
+    model = _model()
+    ids = _ids((1, 9), seed=3)
+    with torch.no_grad():
+        alone = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0).mtp_loss
+        padded_ids = torch.cat([torch.full((1, 3), 0), ids], dim=1)
+        mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+        labels = padded_ids.masked_fill(mask == 0, -100)
+        padded = model(input_ids=padded_ids, attention_mask=mask, labels=labels, mtp_loss_weight=1.0).mtp_loss
+    assert (padded - alone).abs() <= LOSS_TOL, (padded, alone)
+
+
+def test_training_the_heads_alone_reduces_the_mtp_loss():
+    model = _model().train()
+    model.config.fuse_linear_cross_entropy = False
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("mtp."))
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not name.startswith("mtp.")}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = _ids((2, 12), seed=5)
+    losses = []
+    for _ in range(12):
+        out = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0)
+        losses.append(out.mtp_loss.item())
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)
+
+
+def test_bad_mtp_loss_requests_are_refused():
+    ids = _ids((1, 6))
+    with pytest.raises(ValueError, match=r"this model has no MTP layers \(config.num_mtp_layers is 0\)"):
+        tiny_model(LAYERS)(input_ids=ids, labels=ids, mtp_loss_weight=0.5)
+    model = _model()
+    with pytest.raises(ValueError, match=r"mtp_loss_weight must be a finite number >= 0, got -1"):
+        model(input_ids=ids, labels=ids, mtp_loss_weight=-1)
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    with pytest.raises(ValueError, match=r"packed sequences .* unpacked rows"):
+        model(input_ids=ids, labels=ids, position_ids=packed, mtp_loss_weight=0.5)
+
+
+# ------------------------------------------------------------------------------------------------- drafting
+
+
+def _zero_blocks(model: HybridLinearForCausalLM) -> None:
+    """Every block adds nothing (mixer output and MLP down projections zero) and every RMSNorm scales by 1: the
+    model's next token depends on the current token alone, f(x) = argmax(lm_head(rms(e(x))))."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                parameter.zero_()
+        for module in model.modules():
+            if type(module).__name__ == "HybridLinearRMSNorm":
+                module.weight.zero_()
+
+
+def _head_that_agrees(model: HybridLinearForCausalLM, sign: float) -> None:
+    """The head's g is sign * rms(e(next token)) up to a positive factor (fc = [sign I | 0], its block adding
+    nothing): sign 1 drafts f(next token), the model's own choice; sign -1 drafts argmin, never the model's."""
+    _zero_blocks(model)
+    with torch.no_grad():
+        hidden = model.config.hidden_size
+        model.mtp.fc.weight.zero_()
+        model.mtp.fc.weight[:, :hidden] = sign * torch.eye(hidden, dtype=model.mtp.fc.weight.dtype)
+
+
+def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
+    """(drafted, accepted) of every round of MtpCandidateGenerator."""
+    rounds, drafted = [], []
+    get_candidates, update = MtpCandidateGenerator.get_candidates, MtpCandidateGenerator.update_candidate_strategy
+
+    def counting_get(self, input_ids, *args, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        drafted.append(candidates.shape[1] - input_ids.shape[1])
+        return candidates, logits
+
+    def counting_update(self, input_ids, scores, num_matches):
+        rounds.append((drafted[-1], int(num_matches)))
+        return update(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(MtpCandidateGenerator, "get_candidates", counting_get)
+    monkeypatch.setattr(MtpCandidateGenerator, "update_candidate_strategy", counting_update)
+    return rounds
+
+
+@pytest.mark.parametrize("layer_types", [LAYERS, ["gated_deltanet", "sliding_attention", "full_attention"]])
+@pytest.mark.parametrize("use_mtp", [True, 1, 2, 4])
+def test_greedy_with_a_random_head_is_plain_greedy(layer_types, use_mtp):
+    model = _model(layer_types)
+    ids = _ids((1, 7), seed=1)
+    plain = model.generate(ids, max_new_tokens=15, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=15, do_sample=False, use_mtp=use_mtp), plain)
+
+
+@pytest.mark.parametrize("use_mtp", [1, 3, 4])
+def test_a_head_that_always_agrees_has_every_draft_accepted(monkeypatch, use_mtp):
+    model = _model()
+    _head_that_agrees(model, 1.0)
+    rounds = _record_rounds(monkeypatch)
+    ids = _ids((1, 5), seed=2)
+    plain = model.generate(ids, max_new_tokens=17, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=17, do_sample=False, use_mtp=use_mtp), plain)
+    assert rounds and all(accepted == drafted for drafted, accepted in rounds), rounds
+    assert max(drafted for drafted, _ in rounds) == use_mtp
+    assert len(rounds) <= -(-16 // (use_mtp + 1)) + 1  # (the prompt's forward gives the first token)
+
+
+@pytest.mark.parametrize("use_mtp", [1, 4])
+def test_a_head_that_always_disagrees_has_no_draft_accepted(monkeypatch, use_mtp):
+    model = _model()
+    _head_that_agrees(model, -1.0)
+    rounds = _record_rounds(monkeypatch)
+    ids = _ids((1, 5), seed=2)
+    plain = model.generate(ids, max_new_tokens=9, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=9, do_sample=False, use_mtp=use_mtp), plain)
+    assert rounds and all(accepted == 0 for _, accepted in rounds) and rounds[1][0] == use_mtp, rounds
+
+
+def test_sampling_with_the_head_runs_and_stays_in_the_vocabulary():
+    model = _model()
+    torch.manual_seed(0)
+    out = model.generate(_ids((1, 5)), max_new_tokens=8, do_sample=True, use_mtp=2)
+    assert out.shape == (1, 13) and int(out.max()) < 128
+
+
+@pytest.mark.parametrize("use_mtp, fragment", [
+    (5, "use_mtp must be True or a number of draft tokens from 1 to 4, got 5"),
+    (0, "use_mtp must be True or a number of draft tokens from 1 to 4, got 0"),
+    ("2", "use_mtp must be True or a number of draft tokens from 1 to 4, got '2'"),
+])
+def test_bad_draft_lengths_are_refused_before_any_forward(use_mtp, fragment):
+    model = _model()
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError) as caught:
+        model.generate(_ids((1, 5)), max_new_tokens=4, do_sample=False, use_mtp=use_mtp)
+    assert str(caught.value) == fragment + "." and not calls
+
+
+def test_a_model_without_mtp_weights_is_refused_before_any_forward():
+    model = tiny_model(LAYERS)
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=r"^use_mtp needs the model's multi-token-prediction weights") as caught:
+        model.generate(_ids((1, 5)), max_new_tokens=4, do_sample=False, use_mtp=2)
+    assert "\n" not in str(caught.value) and not calls
