@@ -145,7 +145,7 @@ def test_training_the_heads_alone_reduces_the_mtp_loss():
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = _ids((2, 12), seed=5)
     losses = []
-    for _ in range(12):
+    for _ in range(8):
         out = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0)
         losses.append(out.mtp_loss.item())
         optimizer.zero_grad()
@@ -211,26 +211,26 @@ def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
     return rounds
 
 
-@pytest.mark.parametrize("layer_types", [LAYERS, ["gated_deltanet", "sliding_attention", "full_attention"]])
-@pytest.mark.parametrize("use_mtp", [True, 1, 2, 4])
+@pytest.mark.parametrize("layer_types, use_mtp", [(LAYERS, True), (LAYERS, 3),
+                                                   (["gated_deltanet", "sliding_attention", "full_attention"], 2)])
 def test_greedy_with_a_random_head_is_plain_greedy(layer_types, use_mtp):
     model = _model(layer_types)
     ids = _ids((1, 7), seed=1)
-    plain = model.generate(ids, max_new_tokens=15, do_sample=False)
-    assert torch.equal(model.generate(ids, max_new_tokens=15, do_sample=False, use_mtp=use_mtp), plain)
+    plain = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, use_mtp=use_mtp), plain)
 
 
-@pytest.mark.parametrize("use_mtp", [1, 3, 4])
+@pytest.mark.parametrize("use_mtp", [1, 4])
 def test_a_head_that_always_agrees_has_every_draft_accepted(monkeypatch, use_mtp):
     model = _model()
     _head_that_agrees(model, 1.0)
     rounds = _record_rounds(monkeypatch)
     ids = _ids((1, 5), seed=2)
-    plain = model.generate(ids, max_new_tokens=17, do_sample=False)
-    assert torch.equal(model.generate(ids, max_new_tokens=17, do_sample=False, use_mtp=use_mtp), plain)
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=use_mtp), plain)
     assert rounds and all(accepted == drafted for drafted, accepted in rounds), rounds
     assert max(drafted for drafted, _ in rounds) == use_mtp
-    assert len(rounds) <= -(-16 // (use_mtp + 1)) + 1  # (the prompt's forward gives the first token)
+    assert len(rounds) <= -(-11 // (use_mtp + 1)) + 1  # (the prompt's forward gives the first token)
 
 
 @pytest.mark.parametrize("use_mtp", [1, 4])
@@ -239,8 +239,8 @@ def test_a_head_that_always_disagrees_has_no_draft_accepted(monkeypatch, use_mtp
     _head_that_agrees(model, -1.0)
     rounds = _record_rounds(monkeypatch)
     ids = _ids((1, 5), seed=2)
-    plain = model.generate(ids, max_new_tokens=9, do_sample=False)
-    assert torch.equal(model.generate(ids, max_new_tokens=9, do_sample=False, use_mtp=use_mtp), plain)
+    plain = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, use_mtp=use_mtp), plain)
     assert rounds and all(accepted == 0 for _, accepted in rounds) and rounds[1][0] == use_mtp, rounds
 
 
@@ -272,3 +272,40 @@ def test_a_model_without_mtp_weights_is_refused_before_any_forward():
     with pytest.raises(ValueError, match=r"^use_mtp needs the model's multi-token-prediction weights") as caught:
         model.generate(_ids((1, 5)), max_new_tokens=4, do_sample=False, use_mtp=2)
     assert "\n" not in str(caught.value) and not calls
+
+
+@pytest.mark.parametrize("head", ["random", "nearly_right"])
+def test_every_first_draft_is_the_head_run_afresh_over_the_accepted_tokens(monkeypatch, head):
+    """The head's own cache after rounds of full, partial and no acceptance: each round's first draft logits equal
+    the head run from scratch over the accepted sequence (the model's hidden states of a fresh forward), to float64
+    rounding (the verify forwards and the fresh one differ in kernel summation order only)."""
+    model = _model()
+    if head == "nearly_right":  # (accepts some drafts of a round and not the rest: partial acceptance)
+        _head_that_agrees(model, 1.0)
+        with torch.no_grad():
+            noise = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            model.mtp.fc.weight[:, :64] += 0.05 * noise
+    rounds = _record_rounds(monkeypatch)
+    checked = []
+    get_candidates = MtpCandidateGenerator.get_candidates
+
+    def checking(self, input_ids, *args, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        if logits is not None:
+            with torch.no_grad():
+                hidden = model.model(input_ids).last_hidden_state
+                positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+                g = model.mtp(hidden[:, :-1], model.model.embed_tokens(input_ids[:, 1:]), positions[:, 1:])
+                expected = model.lm_head(g[:, -1]).float()
+            checked.append((logits[:, 0] - expected).abs().max().item())
+        return candidates, logits
+
+    monkeypatch.setattr(MtpCandidateGenerator, "get_candidates", checking)
+    ids = _ids((1, 5), seed=2)
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=3), plain)
+    # the drafts' logits are float32 (as generate takes the model's): rounding ~1e-6 on logits of order 10; a cache
+    # entry missing, doubled or at the wrong position moves them by 1e-2 and more
+    assert checked and max(checked) <= 1e-5, checked
+    if head == "nearly_right":
+        assert any(0 < accepted < drafted for drafted, accepted in rounds), rounds
