@@ -34,6 +34,7 @@ from transformers.masking_utils import create_causal_mask
 
 from .configuration_hybrid_linear import HybridLinearConfig
 from .mixer_attention import RotaryTables
+from .mlp_registry import MLPS
 from .norms import HybridLinearRMSNorm
 from .sequence_info import SequenceInfo
 
@@ -48,8 +49,6 @@ def mtp_config(config: HybridLinearConfig) -> HybridLinearConfig:
     head.__dict__.pop("_heterogeneity_spec", None)
     head.mixer_types, head.layer_types = ["full_attention"] * count, ["full_attention"] * count
     head.mlp_types = [config.mtp_mlp_type] * count
-    from .mlp_registry import MLPS
-
     head.mlp_layer_types = [MLPS[config.mtp_mlp_type].mlp_layer_type] * count
     head.num_hidden_layers = count
     return head

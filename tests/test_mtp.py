@@ -309,3 +309,42 @@ def test_every_first_draft_is_the_head_run_afresh_over_the_accepted_tokens(monke
     assert checked and max(checked) <= 1e-5, checked
     if head == "nearly_right":
         assert any(0 < accepted < drafted for drafted, accepted in rounds), rounds
+
+
+def _padded_batch(features: list[dict]) -> dict[str, torch.Tensor]:
+    """Rows padded on the right (pad 0, label -100): the MTP loss takes padding, not packing."""
+    length = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, feature in enumerate(features):
+        ids[row, : len(feature["input_ids"])] = torch.tensor(feature["input_ids"])
+        mask[row, : len(feature["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.slow  # Trainer's setup and ten steps (tens of seconds on a loaded CPU)
+def test_trainer_fine_tunes_the_heads_alone(tmp_path):
+    """Trainer with the main model frozen, config.mtp_loss_weight and gradient checkpointing: the loss (main, constant,
+    plus the weighted MTP loss) falls, only mtp.* parameters move."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import Trainer, TrainingArguments
+
+    model = tiny_model(LAYERS, seed=0, num_mtp_layers=1, mtp_loss_weight=1.0, fuse_linear_cross_entropy=False).train()
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("mtp."))
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters() if not name.startswith("mtp.")}
+    generator = torch.Generator().manual_seed(0)
+    documents = []
+    for _ in range(40):  # arithmetic progressions: a learnable rule for the token after next
+        start, step = int(torch.randint(2, 60, (1,), generator=generator)), int(torch.randint(1, 4, (1,)))
+        documents.append([2 + (start + step * i) % 126 for i in range(int(torch.randint(8, 16, (1,))))])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=10, learning_rate=1e-2, logging_steps=1,
+        save_strategy="no", report_to="none", seed=0, remove_unused_columns=False, use_cpu=True,
+        activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False})
+    trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_dict({"input_ids": documents}),
+                      data_collator=_padded_batch)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
+    assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)
