@@ -12,10 +12,16 @@ and more.
 from __future__ import annotations
 
 import json
+import textwrap
 
 import pytest
 import torch
-from model_helpers import tiny_config, tiny_model
+from model_helpers import (
+    WITHOUT_THE_PACKAGE_PRELUDE,
+    run_without_the_package,
+    tiny_config,
+    tiny_model,
+)
 
 from hybrid_linear_models import (
     HybridLinearConfig,
@@ -31,7 +37,7 @@ LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention"]
 
 
 def _model(layer_types=LAYERS, seed=0, **overrides) -> HybridLinearForCausalLM:
-    return tiny_model(layer_types, seed=seed, num_mtp_layers=1, **overrides).double()
+    return tiny_model(layer_types, seed=seed, **{"num_mtp_layers": 1, **overrides}).double()
 
 
 def _ids(shape, seed=0):
@@ -134,6 +140,24 @@ def test_mtp_loss_skips_ignored_labels_and_padding():
         labels = padded_ids.masked_fill(mask == 0, -100)
         padded = model(input_ids=padded_ids, attention_mask=mask, labels=labels, mtp_loss_weight=1.0).mtp_loss
     assert (padded - alone).abs() <= LOSS_TOL, (padded, alone)
+
+
+def test_two_mtp_layers_chain_with_labels_shifted_by_depth():
+    """Depth 2 runs layer 1 on depth 1's output and the embedding two tokens on, predicting the token three on; the
+    MTP loss is the mean of the depths' losses. Drafting (one layer, Qwen3-Next's) refuses two layers by name."""
+    model = _model(num_mtp_layers=2)
+    ids = _ids((2, 10), seed=4)
+    with torch.no_grad():
+        hidden, embeddings = model.model(ids).last_hidden_state, model.model.embed_tokens(ids)
+        positions = torch.arange(10).unsqueeze(0)
+        g1 = model.mtp(hidden[:, :-1], embeddings[:, 1:], positions[:, 1:], 0)
+        g2 = model.mtp(g1[:, :-1], embeddings[:, 2:], positions[:, 2:], 1)
+        losses = [torch.nn.functional.cross_entropy(model.lm_head(g)[:, :-1].reshape(-1, 128).float(),
+                                                    ids[:, d + 1:].reshape(-1)) for d, g in ((1, g1), (2, g2))]
+        got = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0).mtp_loss
+    assert (got - (losses[0] + losses[1]) / 2).abs() <= LOSS_TOL, (got, losses)
+    with pytest.raises(ValueError, match=r"one MTP layer applied recursively .* this model has 2"):
+        model.generate(ids[:1], max_new_tokens=3, do_sample=False, use_mtp=2)
 
 
 def test_training_the_heads_alone_reduces_the_mtp_loss():
@@ -348,3 +372,33 @@ def test_trainer_fine_tunes_the_heads_alone(tmp_path):
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
     assert all(torch.equal(p, frozen[name]) for name, p in model.named_parameters() if name in frozen)
+
+
+_REMOTE_CODE_RUN = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    assert "hybrid_linear_models" not in sys.modules
+    ids = torch.tensor([[5, 9, 17, 3, 44, 8]])
+    plain = model.generate(ids, max_new_tokens=6, do_sample=False)
+    drafted = model.generate(ids, max_new_tokens=6, do_sample=False, use_mtp=2)
+    loss = model(input_ids=ids, labels=ids, mtp_loss_weight=0.5).mtp_loss
+    print("RESULT", json.dumps({"same": bool(torch.equal(plain, drafted)), "loss": float(loss)}))
+""")
+
+
+@pytest.mark.slow  # a subprocess that loads the model without the package
+def test_a_saved_model_drafts_and_trains_as_remote_code(tmp_path):
+    model = _model().float()
+    model.save_pretrained(tmp_path / "model")
+    assert {"mtp_head.py", "mtp_drafting.py"} <= {path.name for path in (tmp_path / "model").iterdir()}
+    script = tmp_path / "run.py"
+    script.write_text(_REMOTE_CODE_RUN)
+    result = run_without_the_package(script, tmp_path / "model", cwd=tmp_path)
+    found = json.loads(result.stdout.split("RESULT")[1])
+    ids = torch.tensor([[5, 9, 17, 3, 44, 8]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids, mtp_loss_weight=0.5).mtp_loss
+    # (the same float32 computation in both processes: equal up to thread-count summation order, far below 1e-5)
+    assert found["same"] and abs(found["loss"] - float(expected)) <= 1e-5, found
