@@ -403,7 +403,10 @@ def _mtp_problems(s: _Settings) -> list[str]:
     value = s.mtp_mlp_type
     if value is not None and (not isinstance(value, str) or value not in MLPS):
         return [f"mtp_mlp_type must be one of {tuple(MLPS)} (or None: the first layer's MLP), got {brief(value)}"]
-    if value is None and _is_int(s.num_mtp_layers) and s.num_mtp_layers > 0:
+    count = s.num_mtp_layers
+    if _is_int(count) and count > MAX_LAYERS:  # (the layers are built one by one, as the decoder's)
+        return [f"num_mtp_layers must be at most {MAX_LAYERS}, got {brief(count)}"]
+    if value is None and _is_int(count) and count > 0:
         return ["mtp_mlp_type is None but num_mtp_layers > 0; name the MTP layers' MLP, one of " + str(tuple(MLPS))]
     return []
 

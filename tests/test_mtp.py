@@ -71,6 +71,8 @@ def test_mtp_config_fields():
         tiny_config(LAYERS, num_mtp_layers=1, mtp_mlp_type="moe")
     with pytest.raises(ValueError, match=r"num_mtp_layers must be a positive integer.* or 0"):
         tiny_config(LAYERS, num_mtp_layers=-1)
+    with pytest.raises(ValueError, match=r"num_mtp_layers must be at most 100000, got 1000000"):
+        tiny_config(LAYERS, num_mtp_layers=10**6)  # (refused before a million layers are built)
     with pytest.raises(ValueError, match=r"mtp_loss_weight must be in \[0.0, inf\)"):
         tiny_config(LAYERS, mtp_loss_weight=-0.5)
 
