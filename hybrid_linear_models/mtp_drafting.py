@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
@@ -42,7 +43,8 @@ def draft_length(use_mtp: Any, mtp_layers: int) -> int:
     return mtp_layers if use_mtp is True else int(use_mtp)
 
 
-def check_mtp_generation(model, generation_config, generation_mode_kwargs: dict) -> None:
+def check_mtp_generation(model: PreTrainedModel, generation_config: GenerationConfig,
+                         generation_mode_kwargs: dict) -> None:
     """One clear line for a `use_mtp` request this model cannot serve, before any work."""
     use_mtp = generation_config.use_mtp
     if use_mtp is None or use_mtp is False:
@@ -70,7 +72,8 @@ class MtpCandidateGenerator(CandidateGenerator):
     requires_model_outputs = True
     model_kwargs_overrides: ClassVar[dict[str, Any]] = {"output_hidden_states": -1}  # the last hidden state of the verify forward only
 
-    def __init__(self, model, generation_config, logits_processor=None):
+    def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig,
+                 logits_processor: LogitsProcessorList | None = None):
         self.model = model
         self.num_drafts = draft_length(generation_config.use_mtp, model.config.num_mtp_layers)
         self.max_length = generation_config.max_length
