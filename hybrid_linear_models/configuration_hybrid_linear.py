@@ -637,15 +637,20 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
             self.rope_parameters.setdefault("rope_type", "default")
             self.rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", 10_000.0))
             self.rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor", 1.0))
-        if (self.mtp_mlp_type is None and _is_int(self.num_mtp_layers) and self.num_mtp_layers > 0
-                and isinstance(self.mlp_types, list) and self.mlp_types):
-            self.mtp_mlp_type = self.mlp_types[0]  # (layer 0's MLP: the one vLLM builds for Qwen3-Next's MTP layer)
+        self._resolve_mtp_mlp_type()
         unset = set()
         for name, declared in declared_fields().items():  # defaults that follow another field (gdn_norm_eps)
             if declared.default_from is not None and getattr(self, name) is None:
                 setattr(self, name, getattr(self, declared.default_from))
                 unset.add(name)
         return frozenset(unset)
+
+    def _resolve_mtp_mlp_type(self) -> None:
+        """mtp_mlp_type left None for a model with MTP layers: layer 0's MLP (the one vLLM builds for Qwen3-Next's
+        MTP layer)."""
+        if (self.mtp_mlp_type is None and _is_int(self.num_mtp_layers) and self.num_mtp_layers > 0
+                and isinstance(self.mlp_types, list) and self.mlp_types):
+            self.mtp_mlp_type = self.mlp_types[0]
 
     def _resolve_layer_lists(self) -> None:
         """Completes each pair of per-layer lists from what is given: `mixer_types` and transformers' `layer_types`,
@@ -681,6 +686,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         """As the base class, then validates again: keyword overrides are set after construction."""
         loaded = super().from_dict(config_dict, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded
+        config._resolve_mtp_mlp_type()  # (an override of num_mtp_layers adds MTP layers to a config without them)
         config.validate()
         return loaded
 

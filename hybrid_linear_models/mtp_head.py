@@ -45,6 +45,9 @@ def mtp_config(config: HybridLinearConfig) -> HybridLinearConfig:
     """The config the MTP layers are built from: `num_mtp_layers` full-attention layers of MLP `mtp_mlp_type`, the
     model's global settings (per-layer overrides dropped)."""
     count = config.num_mtp_layers
+    if config.mtp_mlp_type not in MLPS:
+        raise ValueError(f"config.mtp_mlp_type is {config.mtp_mlp_type!r} with num_mtp_layers={count}; set it to one "
+                         f"of {tuple(MLPS)} (or build the config with num_mtp_layers, which resolves it).")
     head = copy.copy(config)
     head.__dict__.pop("_heterogeneity_spec", None)
     head.mixer_types, head.layer_types = ["full_attention"] * count, ["full_attention"] * count

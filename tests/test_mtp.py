@@ -77,6 +77,13 @@ def test_mtp_config_fields():
         tiny_config(LAYERS, mtp_loss_weight=-0.5)
 
 
+def test_from_pretrained_adds_a_fresh_head_to_a_model_saved_without_one(tmp_path):
+    tiny_model(LAYERS).save_pretrained(tmp_path)
+    model, info = HybridLinearForCausalLM.from_pretrained(tmp_path, num_mtp_layers=1, output_loading_info=True)
+    assert model.config.mtp_mlp_type == "dense" and "mtp.fc.weight" in info["missing_keys"]
+    assert not any(key.startswith("model.") for key in info["missing_keys"])
+
+
 def test_the_head_saves_and_loads_under_qwen3_next_names(tmp_path):
     model = _model()
     names = [name for name in model.state_dict() if name.startswith("mtp.")]
