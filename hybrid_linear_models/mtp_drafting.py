@@ -70,7 +70,8 @@ class MtpCandidateGenerator(CandidateGenerator):
     """Drafts `use_mtp` tokens a round with the model's MTP head (see the module docstring)."""
 
     requires_model_outputs = True
-    model_kwargs_overrides: ClassVar[dict[str, Any]] = {"output_hidden_states": -1}  # the last hidden state of the verify forward only
+    # the verify forward's last hidden state only (what the head reads)
+    model_kwargs_overrides: ClassVar[dict[str, Any]] = {"output_hidden_states": -1}
 
     def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig,
                  logits_processor: LogitsProcessorList | None = None):
@@ -94,7 +95,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         head, embed = self.model.mtp, self.model.get_input_embeddings()
         positions = self._positions(model_kwargs, length)
         mask = model_kwargs.get("attention_mask")
-        # the head's entries 1..L-1 (position t + 1: h_t and x_{t+1}), real where both tokens are (mtp_head.valid_entries)
+        # the head's entries 1..L-1 (position t + 1: h_t and x_{t+1}), real where both tokens are (valid_entries)
         mask = valid_entries(mask[:, :length], 1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         tokens = input_ids[:, self.held + 1: length]
         g = head(hidden.to(head.fc.weight.dtype), embed(tokens), positions[:, self.held + 1: length],

@@ -32,6 +32,7 @@ from hybrid_linear_models.conversion.qwen3_next.config import (
     qwen3_next_to_hybrid_config,
 )
 from hybrid_linear_models.conversion.safetensors_io import (
+    SafetensorsFile,
     TensorInfo,
     plan_files,
     write_files,
@@ -70,11 +71,10 @@ def mtp_head_tensors(folder: Path, fields: dict, seed: int = 7) -> dict[str, tor
 def add_to_folder(folder: Path, tensors: dict[str, torch.Tensor], fields: dict) -> None:
     """`tensors` in a shard of their own (the hub keeps mtp.* in the index), `fields` in config.json."""
     shard = "model-mtp.safetensors"
-    plans = plan_files([(k, TensorInfo(tuple(t.shape), t.dtype)) for k, t in tensors.items()], 10**9, lambda i, n: shard)
+    infos = [(k, TensorInfo(tuple(t.shape), t.dtype)) for k, t in tensors.items()]
+    plans = plan_files(infos, 10**9, lambda i, n: shard)
     write_files(folder, plans, tensors.items(), {"format": "pt"})
     (folder / "model.safetensors").rename(folder / "model-main.safetensors")
-    from hybrid_linear_models.conversion.safetensors_io import SafetensorsFile
-
     main = SafetensorsFile(folder / "model-main.safetensors")
     weight_map = {**dict.fromkeys(main.keys(), "model-main.safetensors"), **dict.fromkeys(tensors, shard)}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -198,7 +198,8 @@ def test_a_model_with_the_head_is_refused_by_formats_without_one(tmp_path, to_fo
                attention_output_gate=False, attention_qk_norm=False,
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
                ).save_pretrained(tmp_path / "hf")
-    with pytest.raises(ConversionError, match=r"has 1 multi-token-prediction layer\(s\) \(mtp\..*cannot hold") as caught:
+    refusal = r"has 1 multi-token-prediction layer\(s\) \(mtp\..*cannot hold"
+    with pytest.raises(ConversionError, match=refusal) as caught:
         convert_checkpoint(tmp_path / "hf", tmp_path / to_format, from_format="hf", to_format=to_format)
     assert "\n" not in str(caught.value)
     assert not (tmp_path / to_format).exists()
