@@ -124,7 +124,7 @@ def test_the_head_converts_with_transformers_math_and_back_bit_for_bit(tmp_path,
     overrides = DENSE_CASES["ratio_4"] if case == "dense" else MOE
     theirs, head = qwen3_next_source(tmp_path / "source", **overrides)
     convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
-    assert not (tmp_path / "hf" / "extra_tensors.safetensors").exists()  # the model's own now
+    assert not (tmp_path / "hf" / "extra_tensors.safetensors").exists()  # (the head is the model's own)
     ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info
     ours.eval()
