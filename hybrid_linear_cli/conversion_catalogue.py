@@ -97,7 +97,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
         output=OutputLayout(
             marker="config.json", marker_fields={"model_type": "hybrid_linear"},
             files=("config.json", "generation_config.json", "README.md", *_HF_WEIGHTS,
-                   "extra_tensors.safetensors"),  # carried tensors the model does not load (Qwen3-Next's mtp.*)
+                   "extra_tensors.safetensors"),  # carried tensors the model does not load (mtp.* without MTP layers)
             shards=_HF_SHARDS, tokenizer=True, remote_code=True,
         ),
         keeps_extra_tensors=True,
@@ -135,7 +135,7 @@ FORMAT_CATALOGUE: tuple[FormatEntry, ...] = (
     ),
     FormatEntry(
         "qwen3_next",
-        "transformers' Qwen3-Next folder (Qwen3NextForCausalLM; hub layout, per-expert MoE tensors, mtp.* kept)",
+        "transformers' Qwen3-Next folder (Qwen3NextForCausalLM; hub layout, per-expert MoE tensors, the mtp.* head)",
         model_types=("qwen3_next",),
         read="qwen3_next.checkpoint:read_qwen3_next", target_rows="qwen3_next.checkpoint:qwen3_next_rows",
         write="qwen3_next.checkpoint:write_qwen3_next",

@@ -149,7 +149,7 @@ _SHARED_FIELD_KINDS = {
     "rms_norm_eps": "epsilon", "initializer_range": "initializer_range", "attention_dropout": "dropout",
     **dict.fromkeys(("zero_centered_norms", "tie_word_embeddings", "fuse_linear_cross_entropy", "use_cache",
                      "output_router_logits"), "bool"),
-    "router_aux_loss_coef": "coefficient",
+    "router_aux_loss_coef": "coefficient", "num_mtp_layers": "size_or_zero", "mtp_loss_weight": "coefficient",
 }
 
 
@@ -399,6 +399,19 @@ def _mlp_types_problems(s: _Settings) -> list[str]:
     return problems
 
 
+def _mtp_problems(s: _Settings) -> list[str]:
+    """mtp_mlp_type: a registered MLP when the model has MTP layers, None (or one) without."""
+    value = s.mtp_mlp_type
+    if value is not None and (not isinstance(value, str) or value not in MLPS):
+        return [f"mtp_mlp_type must be one of {tuple(MLPS)} (or None: the first layer's MLP), got {brief(value)}"]
+    count = s.num_mtp_layers
+    if _is_int(count) and count > MAX_LAYERS:  # (the layers are built one by one, as the decoder's)
+        return [f"num_mtp_layers must be at most {MAX_LAYERS}, got {brief(count)}"]
+    if value is None and _is_int(count) and count > 0:
+        return ["mtp_mlp_type is None but num_mtp_layers > 0; name the MTP layers' MLP, one of " + str(tuple(MLPS))]
+    return []
+
+
 def _rope_problems(rope: Any, p: str = "") -> list[str]:
     name = f"{p}rope_parameters"
     if not isinstance(rope, dict):
@@ -506,6 +519,15 @@ _CLASS_DOC = """
         output_router_logits (`bool`, defaults to False): return each sparse MoE layer's router logits and the
             load-balancing loss `aux_loss`, added to the loss times `router_aux_loss_coef` (Qwen3-Next's names).
         router_aux_loss_coef (`float`, defaults to 0.001): the weight of the load-balancing loss in the loss.
+        num_mtp_layers (`int`, defaults to 0): multi-token-prediction layers (`mtp_head.py`, Qwen3-Next's `mtp.*`:
+            the token embedding and the last hidden state fused by `fc`, one decoder block of full attention, a final
+            norm, the shared LM head); 0: none (transformers' name; Qwen3-Next's config.json says
+            `mtp_num_hidden_layers` or `num_nextn_predict_layers`).
+        mtp_mlp_type (`str`, *optional*): the MLP of the MTP layers, one of the registered MLPs; defaults to the
+            first decoder layer's when `num_mtp_layers` > 0 (None without MTP layers).
+        mtp_loss_weight (`float`, defaults to 0.0): with labels, the MTP loss (the mean over the MTP layers of the
+            cross-entropy of token t + 1 + d at depth d) times this weight is added to `loss` and returned apart as
+            `mtp_loss`; 0: not computed (the forward's `mtp_loss_weight=` overrides it).
         fuse_linear_cross_entropy (`bool`): in training (`model.train()`, `labels` given, CUDA tensors, fla
             installed), compute the loss from the hidden states with fla's fused linear + cross-entropy, which does
             not keep the [tokens, vocab] logits for the backward (and holds at most 4 GiB of them at once): the
@@ -580,6 +602,9 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
     fuse_linear_cross_entropy: bool = True
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
+    num_mtp_layers: int = 0
+    mtp_mlp_type: str | None = None
+    mtp_loss_weight: float = 0.0
     use_cache: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = None
@@ -617,12 +642,20 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
             self.rope_parameters.setdefault("rope_type", "default")
             self.rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", 10_000.0))
             self.rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor", 1.0))
+        self._resolve_mtp_mlp_type()
         unset = set()
         for name, declared in declared_fields().items():  # defaults that follow another field (gdn_norm_eps)
             if declared.default_from is not None and getattr(self, name) is None:
                 setattr(self, name, getattr(self, declared.default_from))
                 unset.add(name)
         return frozenset(unset)
+
+    def _resolve_mtp_mlp_type(self) -> None:
+        """mtp_mlp_type left None for a model with MTP layers: layer 0's MLP (the one vLLM builds for Qwen3-Next's
+        MTP layer)."""
+        if (self.mtp_mlp_type is None and _is_int(self.num_mtp_layers) and self.num_mtp_layers > 0
+                and isinstance(self.mlp_types, list) and self.mlp_types):
+            self.mtp_mlp_type = self.mlp_types[0]
 
     def _resolve_layer_lists(self) -> None:
         """Completes each pair of per-layer lists from what is given: `mixer_types` and transformers' `layer_types`,
@@ -671,6 +704,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         """As the base class, then validates again: keyword overrides are set after construction."""
         loaded = super().from_dict(config_dict, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded
+        config._resolve_mtp_mlp_type()  # (an override of num_mtp_layers adds MTP layers to a config without them)
         config.validate()
         return loaded
 
@@ -767,6 +801,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         problems = _field_problems(settings, "", tuple(_field_kinds())) + _dtype_problems(self.dtype)
         layer_types_problems = _layer_types_problems(settings, windowed_layers or set())
         problems += layer_types_problems or _mlp_types_problems(settings)
+        problems += _mtp_problems(settings)
         if not problems:
             specs = (*MIXERS.values(), *MLPS.values())
             problems = _relation_problems(settings, "", specs) + _token_id_problems(settings)

@@ -6,6 +6,7 @@ from their registrations (`mixer_registry`, `mlp_registry`)."""
 import math
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -54,6 +55,9 @@ from .mlp_sparse_moe import (
     check_expert_parallel_size,
 )
 from .moe_load_balancing import load_balancing_loss
+from .mtp_drafting import MtpCandidateGenerator, check_mtp_generation
+from .mtp_head import (HybridLinearMtpHead, check_mtp_loss_inputs, mtp_positions, shifted_labels,
+                       valid_entries)
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info, may_hold_padding
 from .short_convolution import ShortConvolution
@@ -549,6 +553,14 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         return self.norm(hidden_states, residual=residual)[0]
 
 
+@dataclass
+class HybridLinearCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    """transformers' MoE causal-LM output plus `mtp_loss`: the multi-token-prediction loss (unweighted; `loss` holds
+    it times the MTP weight), when computed."""
+
+    mtp_loss: torch.FloatTensor | None = None
+
+
 class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
     _auto_class = "AutoModelForCausalLM"
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -561,6 +573,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = quantize_module(nn.Linear(config.hidden_size, config.vocab_size, bias=False), "lm_head",
                                        config.block_fp8_settings)
+        if config.num_mtp_layers:  # Qwen3-Next's multi-token-prediction layers, "mtp.*" (mtp_head.py)
+            self.mtp = HybridLinearMtpHead(config, HybridLinearDecoderLayer, HybridLinearRotaryEmbedding)
         self.set_cuda_graph_decoding(True)
         self.post_init()
 
@@ -696,13 +710,18 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        mtp_loss_weight: float | None = None,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast:
-        """output_router_logits (default config.output_router_logits): return each MoE layer's router logits and the
+        """mtp_loss_weight (default config.mtp_loss_weight): with labels and MTP layers, the MTP loss (mtp_head.py)
+        is returned as `mtp_loss` and added to `loss` times this weight; 0 computes none.
+
+        output_router_logits (default config.output_router_logits): return each MoE layer's router logits and the
         load-balancing loss `aux_loss` (moe_load_balancing.py; padding excluded by the 2-D attention_mask) of the
         softmax-routed ("sparse_moe") layers, added to `loss` times config.router_aux_loss_coef when labels are given,
         as Qwen3-Next does ("kimi_moe" layers balance by their bias: recorded, not counted)."""
         _check_forward_inputs(self.model, input_ids, inputs_embeds, attention_mask, position_ids, cache, kwargs, labels)
+        mtp_weight = self._mtp_loss_weight(mtp_loss_weight, labels, position_ids, attention_mask, kwargs)
         input_ids, labels = token_indices(input_ids), token_indices(labels)  # (any integer dtype, taken exactly)
         adopt_linear_layers(cache)
         if (labels is None and self._graph_decoder is not None
@@ -755,8 +774,14 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                                            attention_mask)
             if loss is not None and aux_loss is not None:
                 loss = loss + getattr(self.config, "router_aux_loss_coef", 0.001) * aux_loss.to(loss.device)
-        return MoeCausalLMOutputWithPast(
+        mtp_loss = None
+        if mtp_weight:
+            mtp_loss = self._mtp_loss(outputs.last_hidden_state, input_ids, inputs_embeds, labels, attention_mask,
+                                      position_ids, kwargs)
+            loss = loss + mtp_weight * mtp_loss.to(loss.device)
+        return HybridLinearCausalLMOutputWithPast(
             loss=loss,
+            mtp_loss=mtp_loss,
             aux_loss=aux_loss,
             logits=logits,
             cache=outputs.cache,
@@ -764,6 +789,57 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
         )
+
+    def _mtp_loss_weight(self, given: float | None, labels, position_ids, attention_mask, kwargs: dict) -> float:
+        """The MTP loss weight of this forward (0: no MTP loss), its inputs checked before any work."""
+        weight = self.config.mtp_loss_weight if given is None else given
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"mtp_loss_weight must be a finite number >= 0, got {weight!r}.")
+        if not weight or labels is None:
+            return 0.0
+        if getattr(self, "mtp", None) is None:
+            raise ValueError(f"mtp_loss_weight={weight} but this model has no MTP layers (config.num_mtp_layers is 0); "
+                             "build it with num_mtp_layers=1 (from_pretrained(..., num_mtp_layers=1) adds fresh ones) "
+                             "or set mtp_loss_weight=0.")
+        check_mtp_loss_inputs(position_ids, attention_mask, kwargs)
+        return float(weight)
+
+    def _mtp_loss(self, hidden_states: torch.Tensor, input_ids, inputs_embeds, labels: torch.Tensor,
+                  attention_mask, position_ids, kwargs: dict) -> torch.Tensor:
+        """The mean over the MTP depths of each depth's next-next-token cross-entropy (mtp_head.py), each
+        normalised as the main loss is (mean over the counted targets, or sum / num_items_in_batch)."""
+        embeddings = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
+        batch, length = embeddings.shape[:2]
+        positions = mtp_positions(position_ids, attention_mask, batch, length, embeddings.device)
+        given_shift = kwargs.get("shift_labels")
+        losses = []
+        for depth, g in enumerate(self.mtp.depths(hidden_states, embeddings, positions, attention_mask), start=1):
+            # targets: token t + depth + 1 (from shift_labels when given: its [t] is token t + 1)
+            targets = given_shift[:, depth:] if given_shift is not None else shifted_labels(labels, depth)
+            valid = valid_entries(attention_mask, depth)
+            if valid is not None:  # (an entry from a pad's hidden state predicts nothing)
+                targets = targets.masked_fill(valid.to(targets.device) == 0, -100)
+            loss = None
+            if self.training and self.config.fuse_linear_cross_entropy:
+                loss = fused_causal_lm_loss(g, self.lm_head.weight, labels, shift_labels=targets,
+                                            num_items_in_batch=kwargs.get("num_items_in_batch"))
+            if loss is None:
+                loss = self.loss_function(logits=self.lm_head(g), labels=None, vocab_size=self.config.vocab_size,
+                                          shift_labels=targets, num_items_in_batch=kwargs.get("num_items_in_batch"))
+            losses.append(loss)
+        return torch.stack(losses).mean()
+
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        # `use_mtp` (True or a draft length 1..4): checked here, before the cache or any forward (mtp_drafting)
+        check_mtp_generation(self, generation_config, generation_mode_kwargs)
+        super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
+
+    def _get_candidate_generator(self, generation_config, *args, **kwargs):
+        # `use_mtp`: this family's drafter, the MTP head applied recursively (mtp_drafting); transformers' own
+        # MTPCandidateGenerator loads an `MtpModel` of another layout
+        if generation_config.use_mtp:
+            return MtpCandidateGenerator(self, generation_config, kwargs.get("logits_processor"))
+        return super()._get_candidate_generator(generation_config, *args, **kwargs)
 
     def _routers(self) -> list[HybridLinearTopKRouter]:
         """The router of each MoE layer, in layer order (the order their logits are recorded)."""

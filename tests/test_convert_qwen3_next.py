@@ -168,11 +168,12 @@ def add_mtp_tensors(folder: Path, config_fields: dict) -> dict[str, torch.Tensor
 
 
 def test_mtp_tensors_survive_every_hop(tmp_path):
-    """mtp.* rides along in extra_tensors.safetensors, which from_pretrained never reads (no warning, nothing
-    unexpected), survives hf -> hf, and comes back byte for byte with its config fields; a format that cannot keep it
-    refuses the source by name."""
+    """In a config that declares no MTP layers, stored mtp.* tensors ride along in extra_tensors.safetensors, which
+    from_pretrained never reads (no warning, nothing unexpected), survive hf -> hf, and come back byte for byte with
+    their config fields; a format that cannot keep them refuses the source by name. (A declared head becomes the
+    model's own: tests/test_convert_qwen3_next_mtp.py.)"""
     theirs = save_qwen3_next(tmp_path / "source", **DENSE_CASES["mlp_only_layers"])
-    fields = {"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+    fields = {"mtp_use_dedicated_embeddings": False}
     mtp = add_mtp_tensors(tmp_path / "source", fields)
     convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
     assert (tmp_path / "hf" / EXTRA_TENSORS_FILE).is_file()

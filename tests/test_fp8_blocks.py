@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_convert_qwen3_next import assert_same_predictions, save_qwen3_next, tensors_of
+from test_convert_qwen3_next_mtp import MTP_FIELDS, mtp_head_tensors
 from transformers import Qwen3NextForCausalLM
 
 from hybrid_linear_models import HybridLinearForCausalLM
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
-from hybrid_linear_models.conversion.extra_tensors import EXTRA_TENSORS_FILE
 from hybrid_linear_models.conversion.fp8_blocks import dequantize_block_fp8
 from hybrid_linear_models.conversion.safetensors_io import SafetensorsFile
 from hybrid_linear_cli.convert import main as cli_main
@@ -89,9 +89,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int], power_of_two: bool
     theirs = save_qwen3_next(tmp_path / "saved", **TINY_MOE)
     fp8, reference = {}, {}
     stored = SafetensorsFile(tmp_path / "saved" / "model.safetensors")
-    generator = torch.Generator().manual_seed(7)
-    mtp = {"mtp.fc.weight": torch.randn(32, 64, generator=generator),  # the hub's mtp.*: FP8 too, carried
-           "mtp.norm.weight": torch.randn(32, generator=generator)}
+    mtp = mtp_head_tensors(tmp_path / "saved", MTP_FIELDS)  # the hub's MTP head: FP8 too, the model's own
     not_converted = []  # as the released config lists them: every module kept in bf16, by its full name
     for name, tensor in [*((name, stored.read(name)) for name in stored.keys()), *mtp.items()]:
         if tensor.dim() == 2 and not any(part in name for part in KEPT):
@@ -106,7 +104,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int], power_of_two: bool
     for folder, tensors in (("fp8", fp8), ("reference", reference)):
         (tmp_path / folder).mkdir()
         save_file(tensors, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
-        fields = {**config, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+        fields = {**config, **MTP_FIELDS}
         if folder == "fp8":
             fields["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
                                              "activation_scheme": "dynamic",
@@ -124,9 +122,7 @@ def test_fp8_folder_converts_dequantized(tmp_path, block):
     converted = tensors_of(tmp_path / "hf")
     assert converted == tensors_of(tmp_path / "reference-hf")
     assert not any(key.endswith("_scale_inv") for key in converted)
-    extra = tensors_of_file(tmp_path / "hf" / EXTRA_TENSORS_FILE)
-    assert extra == tensors_of_file(tmp_path / "reference-hf" / EXTRA_TENSORS_FILE)
-    assert set(extra) == {"mtp.fc.weight", "mtp.norm.weight"}
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight"} <= set(converted)
     assert {dtype for dtype, _, _ in converted.values()} == {torch.bfloat16}
     theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
     ours = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()

@@ -63,8 +63,10 @@ def test_fp8_converts_in_kept_and_back_byte_for_byte(folders, tmp_path):
                  "model.layers.0.mlp.shared_expert_gate.weight", "model.embed_tokens.weight"):
         assert ours[name] == source[name] and source[name][0] == torch.bfloat16
     assert config_of(folders / "hf")["quantization_config"] == config_of(folders / "fp8")["quantization_config"]
-    extra = load_file(folders / "hf" / EXTRA_TENSORS_FILE)  # mtp.*: carried with its FP8 weight and scale
-    assert extra["mtp.fc.weight"].dtype == FP8 and "mtp.fc.weight_scale_inv" in extra
+    # the MTP head: the model's own (mtp_head.py), FP8 where the source quantizes it, its scales beside
+    assert ours["mtp.fc.weight"] == source["mtp.fc.weight"] and source["mtp.fc.weight"][0] == FP8
+    assert ours["mtp.fc.weight_scale_inv"] == source["mtp.fc.weight_scale_inv"]
+    assert not (folders / "hf" / EXTRA_TENSORS_FILE).exists()
 
     convert_checkpoint(folders / "hf", tmp_path / "back", from_format="hf", to_format="qwen3_next")
     assert tensors_of(tmp_path / "back") == source  # every tensor: names, dtypes, shapes, bytes
@@ -99,8 +101,8 @@ def test_fused_fp8_experts_across_blocks_keep_but_do_not_split(tmp_path):
     write_fp8_folders(tmp_path, block)
     path = tmp_path / "fp8" / "model.safetensors"
     tensors = load_file(path)
-    for layer in range(4):
-        prefix = f"model.layers.{layer}.mlp.experts."
+    # every sparse block fused, the MTP head's too (a folder holds one layout)
+    for prefix in [f"model.layers.{layer}.mlp.experts." for layer in range(4)] + ["mtp.layers.0.mlp.experts."]:
         fused, scales = [], []
         for expert in range(TINY_MOE["num_experts"]):
             parts = [tensors.pop(f"{prefix}{expert}.{part}.weight") for part in ("gate_proj", "up_proj")]

@@ -116,6 +116,7 @@ def refused(folder: Path, kind: str, *fragments: str) -> str:
     ("decoder.blocks.attn.mlp.add_linear_biases", "false", ("mlp.add_linear_biases should be true or false",)),
     ("decoder.blocks.attn.mixer", ["x"], ("blocks.attn.mixer should be a mapping", "got a list ['x']")),
     ("head.prediction_heads", True, ("prediction_heads = True is not supported",)),
+    ("head.prediction_heads", 2, ("prediction_heads = 2 is not supported", "Qwen3-Next's next-token embedding")),
 ])
 def test_metadata_values_are_type_checked(copy_of, key, value, fragments):
     folder = copy_of("fast_llm")

@@ -61,10 +61,11 @@ def test_finite_json_numbers_read_as_python_does():
 
 @pytest.fixture(scope="module")
 def mtp_source(tmp_path_factory) -> Path:
-    """A Qwen3-Next folder with a multi-token-prediction head and its config field."""
+    """A Qwen3-Next folder with mtp.* tensors carried beside the model (its config declares no MTP layers) and an
+    mtp config field."""
     folder = tmp_path_factory.mktemp("mtp") / "source"
     save_qwen3_next(folder, **DENSE_CASES["mlp_only_layers"])
-    add_mtp_tensors(folder, {"mtp_num_hidden_layers": 1})
+    add_mtp_tensors(folder, {"mtp_use_dedicated_embeddings": False})
     return folder
 
 

@@ -239,6 +239,11 @@ def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: 
     _check_shapes(source, canonical)
     produced = [key for row in source.rows for key in row.canonical_keys]
     needed = [key for row in target_rows for key in row.canonical_keys]
+    head = sorted(set(canonical) - set(needed))
+    if head and all(key.startswith("mtp.") for key in head):  # a format without the MTP head (mtp_head.py)
+        raise ConversionError(f"this model has {source.config.num_mtp_layers} multi-token-prediction layer(s) "
+                              f"({head[0]}, ...), which the target format cannot hold; convert it to the hf or "
+                              "qwen3_next format instead.")
     if sorted(produced) != sorted(canonical) or sorted(needed) != sorted(canonical):
         raise RuntimeError("name maps disagree with the canonical layout: "
                            f"{sorted(set(produced) ^ set(canonical)) or sorted(set(needed) ^ set(canonical))}")

@@ -209,7 +209,10 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     head = base.sub("head")
     head.expect("logits_scale_factor", (1.0,), 1.0, "scaled logits")
     head.expect("final_logit_softcapping", (None,), None, "logit soft-capping")
-    head.expect("prediction_heads", (1,), 1, "multi-token prediction heads")
+    # Fast-LLM's multi-token prediction: a decoder block and final norm per distance on the shared trunk, in parallel,
+    # with no next-token embedding fused in; not the MTP head this model has (Qwen3-Next's, mtp_head.py)
+    head.expect("prediction_heads", (1,), 1, "Fast-LLM's multi-token prediction heads: one block per distance on the "
+                "shared trunk, without Qwen3-Next's next-token embedding fusion, which is this model's MTP head")
     final_eps = _rms_norm_eps(head.sub("normalization"), "the final norm")
     head.finish()
 

@@ -10,12 +10,17 @@ into our (E, 2I, H) `gate_up_proj` (gate rows first, as transformers' conversion
 (E, H, I) `down_proj`, and splits back; a folder saved with `save_original_format=False` (already fused) is read by
 identity. The writer writes the per-expert layout, the one serving engines and older transformers read.
 
-`mtp.*` tensors (the multi-token prediction head) are carried untouched, with the config's mtp fields, to formats
-that keep them (`extra_tensors`), and written back here.
+`mtp.*` tensors (the multi-token prediction head, mtp_head.py) are the model's own when config.json declares MTP
+layers: identity names (the MoE experts of a sparse MTP layer stacked as a decoder layer's are), checked to be exactly
+the head the config describes, else refused naming the missing or unexpected tensors; a folder whose config declares
+MTP layers but stores no `mtp.*` tensor converts without them. A config without MTP layers leaves stored `mtp.*`
+tensors carried untouched, with the config's mtp fields, to formats that keep them (`extra_tensors`), and written back
+here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Iterable, Mapping
@@ -49,7 +54,7 @@ _CARRIED_FIELDS = (
     "initializer_range", "attention_bias", "attention_dropout", "mlp_bias", "attention_output_gate",
     "attention_qk_norm", "zero_centered_norms", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim",
     "gdn_value_head_dim", "gdn_conv_kernel_size", "gdn_gate_activation", "gdn_norm_eps", "use_cache", "pad_token_id",
-    "bos_token_id", "eos_token_id",
+    "bos_token_id", "eos_token_id", "num_mtp_layers", "mtp_mlp_type",
 )
 _MOE_FIELDS = ("mlp_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                "shared_expert_intermediate_size", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits")
@@ -57,6 +62,12 @@ _MOE_FIELDS = ("mlp_types", "num_experts", "num_experts_per_tok", "moe_intermedi
 
 def _sparse_layers(config: HybridLinearConfig) -> list[int]:
     return [i for i, t in enumerate(config.mlp_types) if t == "sparse_moe"]
+
+
+def _sparse_prefixes(config: HybridLinearConfig) -> list[str]:
+    """The prefixes of every sparse MoE block's layer: the decoder layers', then the MTP layers'."""
+    mtp = [f"{MTP_PREFIX}layers.{j}." for j in range(config.num_mtp_layers) if config.mtp_mlp_type == "sparse_moe"]
+    return [layer_prefix(index) for index in _sparse_layers(config)] + mtp
 
 
 def qwen3_next_rows(config: HybridLinearConfig, fused_experts: bool = False) -> list[MapRow]:
@@ -67,8 +78,8 @@ def qwen3_next_rows(config: HybridLinearConfig, fused_experts: bool = False) -> 
     if fused_experts:
         return rows
     stacked = {}
-    for index in _sparse_layers(config):
-        prefix = f"{layer_prefix(index)}mlp.experts."
+    for layer in _sparse_prefixes(config):
+        prefix = f"{layer}mlp.experts."
         for (fused, parts), suffix in itertools.product(_EXPERT_TENSORS, ("", SCALE_SUFFIX)):  # FP8: scales too
             keys = tuple(f"{prefix}{e}.{part}.weight{suffix}" for e in range(config.num_experts) for part in parts)
             canonical = prefix + fused + suffix
@@ -77,8 +88,8 @@ def qwen3_next_rows(config: HybridLinearConfig, fused_experts: bool = False) -> 
 
 
 def _has_fused_experts(keys: Iterable[str], config: HybridLinearConfig) -> bool:
-    sparse = _sparse_layers(config)
-    return bool(sparse) and f"{layer_prefix(sparse[0])}mlp.experts.gate_up_proj" in set(keys)
+    sparse = _sparse_prefixes(config)
+    return bool(sparse) and f"{sparse[0]}mlp.experts.gate_up_proj" in set(keys)
 
 
 def _check_model_type(data: Any, label: str) -> None:
@@ -90,8 +101,38 @@ def _contents(parsed: tuple[HybridLinearConfig, dict[str, Any]], files: Mapping[
               ) -> FolderContents:
     config, carried_fields = parsed
     mtp = tuple(key for key in files if key.startswith(MTP_PREFIX))
-    return FolderContents(qwen3_next_rows(config, fused_experts=_has_fused_experts(files, config)),
-                          carried=CarriedTensors(MODEL_TYPE, mtp, carried_fields) if mtp else None)
+    carried = CarriedTensors(MODEL_TYPE, mtp, carried_fields) if mtp and not config.num_mtp_layers else None
+    return FolderContents(qwen3_next_rows(config, fused_experts=_has_fused_experts(files, config)), carried=carried)
+
+
+def _without_mtp_layers(config: HybridLinearConfig) -> HybridLinearConfig:
+    return HybridLinearConfig.from_dict({**config.to_dict(), "num_mtp_layers": 0, "mtp_mlp_type": None})
+
+
+def _with_checked_mtp_head(source: SourceCheckpoint) -> SourceCheckpoint:
+    """The source with its MTP head checked: the stored mtp.* tensors (FP8 scales aside: checked against their
+    weights by `checked_fp8_source`) are exactly the head the config declares, or none (then the model has no MTP
+    layers)."""
+    config = source.config
+    if not config.num_mtp_layers:
+        return source
+    stored = {key for key in source.tensors.keys() if key.startswith(MTP_PREFIX)}
+    if not stored:
+        config = _without_mtp_layers(config)
+        return dataclasses.replace(source, config=config, rows=qwen3_next_rows(
+            config, fused_experts=_has_fused_experts(source.tensors.keys(), config)))
+    expected = [key for row in source.rows for key in row.format_keys
+                if key.startswith(MTP_PREFIX) and not key.endswith(SCALE_SUFFIX)]
+    stored = {key for key in stored if not key.endswith(SCALE_SUFFIX)}
+    missing, unexpected = [key for key in expected if key not in stored], sorted(stored - set(expected))
+    if missing or unexpected:
+        found = "; ".join(f"{what} {clip(', '.join(keys[:3]), 200)}{', ...' if len(keys) > 3 else ''}"
+                          for what, keys in (("missing", missing), ("unexpected", unexpected)) if keys)
+        raise ConversionError(f"{source.path}: config.json declares {config.num_mtp_layers} MTP layer(s) "
+                              f"(Qwen3-Next's head: mtp.fc, mtp.pre_fc_norm_*, mtp.layers.*, mtp.norm), but the "
+                              f"stored mtp.* tensors are not that head ({found}); the checkpoint is incomplete or of "
+                              "another layout.")
+    return source
 
 
 def read_qwen3_next(path: Path) -> SourceCheckpoint:
@@ -103,11 +144,12 @@ def read_qwen3_next(path: Path) -> SourceCheckpoint:
             read_block_fp8_config(data, label)  # one line naming an unsupported setting, with the file's name
         return qwen3_next_to_hybrid_config(data, label, census)
 
-    # the mtp.* tensors, which the config does not describe, stay out of the census and are carried (FP8 ones with
-    # their scales)
-    return checked_fp8_source(read_hf_style_folder(
+    # the mtp.* tensors stay out of the census: checked as the declared head, or carried where none is declared (FP8
+    # ones with their scales)
+    source = checked_fp8_source(read_hf_style_folder(
         path, fmt=MODEL_TYPE, checkpoint="a Qwen3-Next checkpoint", check_model_type=_check_model_type,
         build_config=build_config, config_of=lambda parsed: parsed[0], contents=_contents, outside_census=MTP_PREFIX))
+    return _with_checked_mtp_head(source)
 
 
 def _carried_fields(plan: ConversionPlan) -> dict[str, Any]:

@@ -15,8 +15,13 @@ Qwen3-Next is the model our family mirrors, so the mapping is a renaming plus th
   0.25) are standardised by transformers' own `Qwen3NextConfig`, so they mean what they mean to transformers;
 - MoE: a layer is sparse when `num_experts > 0`, it is not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step ==
   0` (Qwen3-Next's rule) -> `mlp_types[i] = "sparse_moe"`, else "dense"; the expert fields keep their names;
-- multi-token prediction (`mtp_*`, `num_nextn_predict_layers`): not part of our model; recorded beside the `mtp.*`
-  tensors (`extra_tensors`) and written back by `--to qwen3_next`.
+- multi-token prediction: `mtp_num_hidden_layers` (the released checkpoints' name) or `num_nextn_predict_layers` ->
+  `num_mtp_layers` (mtp_head.py; at most one MTP layer per decoder layer), its MLP the first decoder layer's (the MLP
+  vLLM builds for Qwen3-Next's MTP layer, by Qwen3-Next's sparsity rule at index 0) -> `mtp_mlp_type`;
+  `mtp_use_dedicated_embeddings` must be false (the head shares the model's embedding, as every released checkpoint
+  and serving engine has it). The reader checks that the stored `mtp.*` tensors are exactly that head. Written back
+  as `mtp_num_hidden_layers` and `mtp_use_dedicated_embeddings`. Without MTP layers in the config, `mtp.*` tensors
+  and the other `mtp_*` fields are recorded beside the model's tensors (`extra_tensors`) and written back as found.
 
 Every other field is refused by name unless it is in `IRRELEVANT` (bookkeeping that does not change the math).
 Absent fields take Qwen3NextConfig's defaults (`QWEN3_NEXT_DEFAULTS`, pinned by a test against transformers).
@@ -82,8 +87,32 @@ FIXED = {"attention_output_gate": True, "attention_qk_norm": True, "zero_centere
 
 
 def is_carried_field(name: str) -> bool:
-    """Multi-token-prediction settings: recorded with the mtp.* tensors, not part of our model."""
+    """Multi-token-prediction settings: recorded with mtp.* tensors carried beside a model without MTP layers."""
     return name.startswith("mtp_") or name == "num_nextn_predict_layers"
+
+
+MTP_LAYER_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")  # Qwen3-Next's names for the MTP layers
+MTP_EMBEDDINGS_FIELD = "mtp_use_dedicated_embeddings"
+
+
+def _mtp_layers(fields: Fields, layers: int, label: str) -> int:
+    """The MTP layers config.json declares (0: none), from either of its names (which must agree when both are
+    given); at most one per decoder layer, so a hostile count is refused before a module is built."""
+    counts = {name: fields.integer(name, minimum=0, maximum=layers) for name in MTP_LAYER_FIELDS if fields.has(name)}
+    if len(set(counts.values())) > 1:
+        raise ConversionError(f"{label}: mtp_num_hidden_layers ({counts['mtp_num_hidden_layers']}) and "
+                              f"num_nextn_predict_layers ({counts['num_nextn_predict_layers']}) disagree; keep one.")
+    count = next(iter(counts.values()), 0)
+    if count and fields.boolean(MTP_EMBEDDINGS_FIELD, False):
+        raise ConversionError(f"{label}: mtp_use_dedicated_embeddings is true, and this model's MTP head shares the "
+                              "model's embedding (Qwen3-Next's released layout); only false converts.")
+    if count:
+        unknown = sorted(name for name in fields.data if is_carried_field(name)
+                         and name not in (*MTP_LAYER_FIELDS, MTP_EMBEDDINGS_FIELD))
+        if unknown:
+            raise ConversionError(f"{label}: field(s) {brief(unknown)} are not Qwen3-Next MTP settings this converter "
+                                  "knows; they may change the MTP head, so it refuses rather than guess.")
+    return count
 
 
 def _size(fields: Fields, name: str, census: TensorCensus | None) -> int:
@@ -186,6 +215,9 @@ def qwen3_next_to_hybrid_config(data: Any, label: str, census: TensorCensus | No
     kwargs.update(FIXED)
     if fields.get(QUANTIZATION_KEY) is not None:  # FP8 (fp8_settings): the same setting, checked by our config
         kwargs[QUANTIZATION_KEY] = fields.get(QUANTIZATION_KEY)
+    mtp_layers = _mtp_layers(fields, layers, label)
+    if mtp_layers:
+        kwargs.update(num_mtp_layers=mtp_layers, mtp_mlp_type=mlp_types[0])
     carried = {name: fields.get(name) for name in sorted(fields.data) if is_carried_field(name)}
     unknown = fields.unread(IRRELEVANT)
     if unknown:
@@ -228,6 +260,9 @@ def check_fits_qwen3_next(config: HybridLinearConfig) -> None:
     if has_gdn and config.gdn_norm_eps != config.rms_norm_eps:
         raise _refuse(f"gdn_norm_eps ({config.gdn_norm_eps}) differs from rms_norm_eps ({config.rms_norm_eps}), and "
                       "Qwen3-Next's gated norm uses rms_norm_eps")
+    if config.num_mtp_layers and config.mtp_mlp_type != config.mlp_types[0]:
+        raise _refuse(f"the MTP layers' MLP is {brief(config.mtp_mlp_type)} (mtp_mlp_type) and layer 0's "
+                      f"{brief(config.mlp_types[0])}, and Qwen3-Next's MTP layer has layer 0's")
     if has_gdn and config.hidden_act != "silu":
         raise _refuse(f"hidden_act is {brief(config.hidden_act)}, and Qwen3-Next applies it after GDN's short "
                       "convolution too, where this model uses silu")
@@ -257,9 +292,12 @@ def hybrid_config_to_qwen3_next(config: HybridLinearConfig, carried: dict[str, A
         out.update(num_experts=0, mlp_only_layers=[], decoder_sparse_step=1)
     if config.block_fp8 is not None:  # FP8: the setting as read (module names are the same on both sides)
         out[QUANTIZATION_KEY] = copy.deepcopy(config.block_fp8)
+    if config.num_mtp_layers:
+        out.update({MTP_LAYER_FIELDS[0]: config.num_mtp_layers, MTP_EMBEDDINGS_FIELD: False})
     out.update(carried or {})
     return out
 
 
 __all__ = ["qwen3_next_to_hybrid_config", "hybrid_config_to_qwen3_next", "check_fits_qwen3_next",
-           "is_carried_field", "QWEN3_NEXT_DEFAULTS", "IRRELEVANT", "MODEL_TYPE", "ARCHITECTURES"]
+           "is_carried_field", "QWEN3_NEXT_DEFAULTS", "IRRELEVANT", "MODEL_TYPE", "ARCHITECTURES", "MTP_LAYER_FIELDS",
+           "MTP_EMBEDDINGS_FIELD"]

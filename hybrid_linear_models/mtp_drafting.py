@@ -1,0 +1,142 @@
+"""Speculative decoding with the model's own MTP head: `generate(..., use_mtp=k)` (transformers' argument; True
+drafts one token per MTP layer, an integer k = 1..4 drafts k).
+
+transformers' assisted decoding (`_assisted_decoding`) runs the loop: ask a `CandidateGenerator` for draft tokens,
+verify them with one forward of the model, keep the longest prefix the model agrees with plus the model's own next
+token, and `crop` the cache to it (a GDN/KDA layer restored exactly: state_rollback.py). Greedy output is therefore
+plain greedy decoding's, token for token, whatever the drafts. This module is the generator (`MtpCandidateGenerator`),
+chosen by the model's `_get_candidate_generator` override.
+
+Drafting, with L tokens accepted so far (x_0..x_{L-1}) and the model's hidden states h_t (after the final norm) of
+every position the model has verified, t = 0..L-2:
+
+1. the head's own attention cache must hold one entry per position 1..L-1 (the head's input at position t + 1 is
+   (h_t, x_{t+1})): the entries of the positions the model's last forward verified and accepted are added (the whole
+   prompt after the prefill; the accepted drafts plus the token before them after a verify forward), after dropping
+   the entries of last round's recursive drafts;
+2. draft 1 = argmax(lm_head(g)) of the head's output g at position L - 1 (predicting x_L);
+3. draft j > 1: the head applied to its own g of the previous draft step and the embedding of draft j - 1, at the
+   next position, as vLLM drafts several tokens from Qwen3-Next's single MTP layer; these entries are dropped at the
+   next round (they came from the head's hidden state, not the model's).
+
+The model's hidden states come from the verify forward itself (`output_hidden_states=-1`, the last one only). Sampling
+(`do_sample=True`) draws the drafts from the processed logits and hands them to transformers' speculative sampling.
+Drafting runs one MTP layer (Qwen3-Next's count); batch size 1, as transformers' assisted decoding requires.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .mtp_head import valid_entries
+
+MAX_MTP_DRAFT_TOKENS = 4  # drafts per round: the head's accuracy falls with each recursive step (vLLM uses 1 to 4)
+
+
+def draft_length(use_mtp: Any, mtp_layers: int) -> int:
+    """The drafts per round `use_mtp` asks for: True -> one per MTP layer, an integer k -> k."""
+    return mtp_layers if use_mtp is True else int(use_mtp)
+
+
+def check_mtp_generation(model: PreTrainedModel, generation_config: GenerationConfig,
+                         generation_mode_kwargs: dict) -> None:
+    """One clear line for a `use_mtp` request this model cannot serve, before any work."""
+    use_mtp = generation_config.use_mtp
+    if use_mtp is None or use_mtp is False:
+        return
+    if use_mtp is not True and (isinstance(use_mtp, bool) or not isinstance(use_mtp, int)
+                                or not 1 <= use_mtp <= MAX_MTP_DRAFT_TOKENS):
+        raise ValueError(f"use_mtp must be True or a number of draft tokens from 1 to {MAX_MTP_DRAFT_TOKENS}, got "
+                         f"{use_mtp!r}.")
+    layers = model.config.num_mtp_layers
+    if not layers or getattr(model, "mtp", None) is None:
+        raise ValueError("use_mtp needs the model's multi-token-prediction weights, and this model has none "
+                         "(config.num_mtp_layers is 0); convert a checkpoint that has them (Qwen3-Next's mtp.*), or "
+                         "generate without use_mtp.")
+    if layers != 1:
+        raise ValueError(f"use_mtp drafts with one MTP layer applied recursively (Qwen3-Next's), and this model has "
+                         f"{layers} (config.num_mtp_layers); generate without use_mtp.")
+    if generation_config.prompt_lookup_num_tokens is not None or generation_mode_kwargs.get("assistant_model"):
+        raise ValueError("use_mtp drafts with the model's MTP head; pass it without prompt_lookup_num_tokens or "
+                         "assistant_model (one drafter per generate call).")
+
+
+class MtpCandidateGenerator(CandidateGenerator):
+    """Drafts `use_mtp` tokens a round with the model's MTP head (see the module docstring)."""
+
+    requires_model_outputs = True
+    # the verify forward's last hidden state only (what the head reads)
+    model_kwargs_overrides: ClassVar[dict[str, Any]] = {"output_hidden_states": -1}
+
+    def __init__(self, model: PreTrainedModel, generation_config: GenerationConfig,
+                 logits_processor: LogitsProcessorList | None = None):
+        self.model = model
+        self.num_drafts = draft_length(generation_config.use_mtp, model.config.num_mtp_layers)
+        self.max_length = generation_config.max_length
+        self.do_sample = generation_config.do_sample
+        self.logits_processor = logits_processor
+        self.cache = DynamicCache(config=model.mtp.config)
+        self.held = 0  # the head's cache entries that came from the model's hidden states (positions 1..held)
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs, is_first_iteration: bool,
+                       n_last_matches: int, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        if is_first_iteration:  # the prompt's forward comes first: it gives the hidden states to draft from
+            return input_ids, None
+        length = input_ids.shape[1]
+        new = length - 1 - self.held  # the positions the last forward verified and kept
+        hidden = model_outputs.hidden_states[-1][:, :new]
+        self.cache.crop(self.held - self.cache.get_seq_length())  # last round's recursive drafts
+        head, embed = self.model.mtp, self.model.get_input_embeddings()
+        positions = self._positions(model_kwargs, length)
+        mask = model_kwargs.get("attention_mask")
+        # the head's entries 1..L-1 (position t + 1: h_t and x_{t+1}), real where both tokens are (valid_entries)
+        mask = valid_entries(mask[:, :length], 1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        tokens = input_ids[:, self.held + 1: length]
+        g = head(hidden.to(head.fc.weight.dtype), embed(tokens), positions[:, self.held + 1: length],
+                 attention_mask=mask, cache=self.cache)[:, -1:]
+        self.held = length - 1
+        drafts_wanted = min(self.num_drafts, self.max_length - length - 1)
+        drafts, draft_logits, sequence = [], [], input_ids
+        for step in range(max(drafts_wanted, 0)):
+            if step:
+                position = positions[:, -1:] + step
+                if mask is not None:
+                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+                g = head(g, embed(drafts[-1]), position, attention_mask=mask, cache=self.cache)
+            token, logits = self._pick(sequence, self.model.lm_head(g)[:, -1].float())
+            drafts.append(token)
+            draft_logits.append(logits[:, None])
+            sequence = torch.cat([sequence, token], dim=-1)
+        if not drafts:
+            return input_ids, None
+        return sequence, torch.cat(draft_logits, dim=1)
+
+    def _positions(self, model_kwargs: dict, length: int) -> torch.Tensor:
+        """The positions of the L tokens: generate's own when it keeps them, else 0..L-1."""
+        positions = model_kwargs.get("position_ids")
+        if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[-1] == length:
+            return positions
+        return torch.arange(length, device=self.model.device).unsqueeze(0)
+
+    def _pick(self, sequence: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft token from the head's logits [B, V] (processed as generate processes the model's), and those
+        logits (what speculative sampling compares with the model's)."""
+        if self.logits_processor is not None and len(self.logits_processor) > 0:
+            logits = self.logits_processor(sequence, logits)
+        if self.do_sample:
+            token = torch.multinomial(logits.softmax(dim=-1), num_samples=1)
+        else:
+            token = logits.argmax(dim=-1, keepdim=True)
+        return token, logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """The draft length is fixed (`use_mtp`)."""
+
+
+__all__ = ["MAX_MTP_DRAFT_TOKENS", "MtpCandidateGenerator", "check_mtp_generation", "draft_length"]
