@@ -13,7 +13,13 @@ import copy
 import pytest
 import torch
 from model_helpers import replay_graphs_eagerly, replay_prefills_eagerly
-from test_speculative_rollback import MODELS, ScriptedDrafter, _assert_same_as_plain, _ids, _model
+from test_speculative_rollback import (
+    MODELS,
+    ScriptedDrafter,
+    _assert_same_as_plain,
+    _ids,
+    _model,
+)
 from transformers import StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 
