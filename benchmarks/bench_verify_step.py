@@ -27,7 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_configs import GPU_GDN, TINY_GDN, gdn_pair
 
 from hybrid_linear_models import HybridLinearForCausalLM
-from hybrid_linear_models.speculative_decoding import CapturedVerifyRound, prefill, verify_round
+from hybrid_linear_models.speculative_decoding import (
+    CapturedVerifyRound,
+    prefill,
+    verify_round,
+)
 from hybrid_linear_models.verify_cache import VerifyCache
 
 

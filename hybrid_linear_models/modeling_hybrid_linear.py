@@ -32,6 +32,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_checks import check_cache, check_static_cache_size
 from .checkpoint_dtypes import check_checkpoint_dtypes
 from .cache_hybrid_linear import adopt_linear_layers, generation_cache, linear_layer_cache, past_length
+from .speculative_decoding import assisted_generate_batch
 from .static_window_rollback import adopt_static_window_layers
 from .chunked_recurrence import recur_in_token_chunks, recurrence_chunks_apply
 from .configuration_hybrid_linear import HybridLinearConfig
@@ -662,6 +663,18 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             return attention_mask
         masks = self.model._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted=False)
         return dict(enumerate(masks))
+
+    def _assisted_decoding(self, input_ids, *args, **kwargs):
+        # transformers' assisted decoding takes one row; a batch runs this package's batched greedy speculative
+        # decoding, each row accepting its own drafts (speculative_decoding.py)
+        if input_ids.shape[0] > 1:
+            names = ("logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer")
+            kwargs.update(zip(names, args))
+            kwargs.pop("synced_gpus", None)
+            for name in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "cache", "use_cache", "logits_to_keep"):
+                kwargs.pop(name, None)
+            return assisted_generate_batch(self, input_ids, **kwargs)
+        return super()._assisted_decoding(input_ids, *args, **kwargs)
 
     def _sample(self, *args, **kwargs):
         # with graph decoding on, the stop check runs a step behind on CUDA (deferred_stop_check.py): the host queues

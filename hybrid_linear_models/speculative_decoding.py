@@ -270,6 +270,51 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     return torch.cat([input_ids.cpu(), out], dim=1).to(device)
 
 
+def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
+                            assistant_model=None, streamer=None, **model_kwargs) -> torch.Tensor:
+    """transformers' assisted `generate` (`prompt_lookup_num_tokens=` or `assistant_model=`) for a batch of several
+    rows, which transformers refuses: `speculative_generate` with the matching drafter, the verify width the draft
+    length + 1 (at most MAX_VERIFY_TOKENS). Greedy only, with generate's length and end-of-sequence stops: anything
+    else (sampling, logits processors, other stopping criteria, streaming, a dict output) is refused in one line.
+    Returns the sequences as `generate` does: cut after the last column a row still generated."""
+    from transformers.generation.stopping_criteria import (
+        EosTokenCriteria,
+        MaxLengthCriteria,
+    )
+
+    unsupported = [name for name, present in (
+        ("do_sample=True", generation_config.do_sample),
+        ("logits processors (repetition penalty, min_new_tokens, bad words, ...)", len(logits_processor) > 0),
+        ("stopping criteria other than max_length and eos_token_id",
+         any(not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)),
+        ("a streamer", streamer is not None),
+        ("return_dict_in_generate=True", generation_config.return_dict_in_generate)) if present]
+    if unsupported:
+        raise ValueError(f"assisted generate of {input_ids.shape[0]} rows runs batched greedy speculative decoding, "
+                         f"which does not take {', '.join(unsupported)}; leave those out, or generate one row at a "
+                         "time.")
+    if assistant_model is not None:
+        drafter, drafts = AssistantDrafter(assistant_model), generation_config.num_assistant_tokens or 20
+    else:
+        drafter = PromptLookupDrafter(generation_config.max_matching_ngram_size or 2)
+        drafts = generation_config.prompt_lookup_num_tokens
+    eos = generation_config._eos_token_tensor
+    if eos is not None and eos.numel() > 1:
+        raise ValueError("assisted generate of several rows takes one eos_token_id; pass one, or generate one row "
+                         "at a time.")
+    pad = generation_config._pad_token_tensor
+    prompt = input_ids.shape[1]
+    out = speculative_generate(
+        model, input_ids, drafter, num_tokens=min(int(drafts) + 1, MAX_VERIFY_TOKENS),
+        max_new_tokens=generation_config.max_length - prompt, attention_mask=model_kwargs.get("attention_mask"),
+        eos_token_id=int(eos) if eos is not None else None, pad_token_id=int(pad) if pad is not None else 0)
+    if eos is not None:  # generate stops once every row has ended: the columns after that are cut
+        ended = (out[:, prompt:] == int(eos)).long().cumsum(-1).clamp(max=1).cumsum(-1)  # 1 at each row's end
+        ends = torch.where(ended.eq(1).any(-1), ended.eq(1).long().argmax(-1) + 1, out.shape[1] - prompt)
+        out = out[:, : prompt + int(ends.max())]
+    return out
+
+
 __all__ = [
     "MAX_VERIFY_TOKENS",
     "MIN_VERIFY_TOKENS",

@@ -296,3 +296,33 @@ def test_a_draft_of_the_wrong_shape_or_tokens_is_refused_in_one_line():
         with pytest.raises(ValueError, match=words) as error:
             speculative_generate(model, ids, drafter, num_tokens=3, attention_mask=mask)
         assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["kda+attention", "sliding"])  # (GDN, KDA, full and sliding attention between them)
+def test_generate_with_a_drafter_runs_a_batch(name):
+    """transformers' assisted generate refuses batches; this family's runs them (speculative_generate), and equals
+    plain batched greedy generate, with and without an end-of-sequence token (rows ended early padded, the columns
+    after every row ended cut, as generate does)."""
+    model = _named(name)
+    ids, mask = _batch()
+    settings = {"attention_mask": mask, "max_new_tokens": NEW, "do_sample": False, "pad_token_id": 0}
+    eos = int(_truth(name, 1)[0, 6])
+    with torch.no_grad():
+        for extra in ({}, {"eos_token_id": eos}):
+            plain = model.generate(ids, **settings, **extra)
+            assert torch.equal(model.generate(ids, **settings, **extra, prompt_lookup_num_tokens=3), plain)
+        if name == "sliding":  # (an assistant drafts with a generate per row and round: one model is enough)
+            small = _model(["gated_deltanet", "full_attention"], seed=3)
+            assert torch.equal(model.generate(ids, **settings, assistant_model=small, num_assistant_tokens=2),
+                               model.generate(ids, **settings))
+
+
+def test_generate_of_a_batch_refuses_what_it_does_not_take_in_one_line():
+    model = _named("gdn+attention")
+    ids, mask = _batch()
+    for extra, words in (({"do_sample": True}, "do_sample=True"),
+                         ({"repetition_penalty": 1.3}, "logits processors")):
+        with pytest.raises(ValueError, match=words) as error:
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, prompt_lookup_num_tokens=3,
+                           **extra)
+        assert "\n" not in str(error.value)
