@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from .mlp_sparse_moe import graph_safe_experts
 from .sequence_info import SequenceInfo
 from .state_rollback import MAX_ROLLBACK_TOKENS
 from .verify_cache import VerifyCache
@@ -117,9 +118,12 @@ class CapturedVerifyRound:
             for tensor, value in zip(cache.tensors(), saved):
                 tensor.copy_(value)
 
+        def run():  # (sparse MoE layers: an experts implementation without host reads, as the decoding step's)
+            with graph_safe_experts(model.config, model.lm_head.weight.dtype, cache.device.type):
+                return verify_round(model, cache, self.ids, self.live)
+
         try:
-            self.graph, self.outputs = self._record(lambda: verify_round(model, cache, self.ids, self.live),
-                                                    cache.device, reset, pool)
+            self.graph, self.outputs = self._record(run, cache.device, reset, pool)
         finally:
             reset()
 
