@@ -326,3 +326,14 @@ def test_generate_of_a_batch_refuses_what_it_does_not_take_in_one_line():
             model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, prompt_lookup_num_tokens=3,
                            **extra)
         assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("layer_types", "extra"), [
+    (["kimi_delta_attention", "mla_attention"], {}),  # latent attention: its latent cached as keys, no values
+    (["gated_deltanet", "full_attention"], {"mlp_types": ["sparse_moe", "sparse_moe"]}),
+])
+def test_latent_attention_and_sparse_moe_models(layer_types, extra):
+    model = tiny_model(layer_types, seed=0, **extra).double()
+    ids, mask = _batch()
+    got = speculative_generate(model, ids, RandomDrafter(), num_tokens=3, max_new_tokens=8, attention_mask=mask)
+    assert torch.equal(got[:, ids.shape[1]:], _alone(model, ids, mask, new=8))
