@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_configs import GPU_GDN, TINY_GDN, gdn_pair
 
-from hybrid_linear_models import HybridLinearForCausalLM
+from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding
 from hybrid_linear_models.speculative_decoding import (
     CapturedVerifyRound,
     prefill,
@@ -63,7 +63,7 @@ def one_token_step_ms(model, prompt_ids, slots: int, repeats: int) -> float:
 
 
 def verify_ms(model, prompt_ids, slots: int, width: int, repeats: int, captured: bool) -> float:
-    """A verify round of `width` tokens per row (random drafts: mostly one token kept), on a VerifyCache of `slots`."""
+    """A verify round (the kernels of speculative_decoding.SHORT_RULE_KERNEL) of `width` tokens per row (random drafts: mostly one token kept), on a VerifyCache of `slots`."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
     cache = VerifyCache(model, batch, slots, device)
@@ -102,15 +102,21 @@ def main() -> None:
           f"layers, {dtype}, {device.type}; batch {args.batch}, prompt {args.prompt}, {slots} cache slots")
     step = one_token_step_ms(model, prompt_ids, slots, args.repeats)
     print(f"one-token decoding step ({'captured' if captured else 'eager'}): {step:.3f} ms")
-    print("| k tokens | verify captured ms | ratio to step | verify eager ms |")
-    print("|---|---|---|---|")
+    print("delta-rule kernels of the round: fla's token-by-token ones (recurrent, the default) or its chunked ones")
+    print("| k tokens | captured, recurrent ms | ratio to step | captured, chunked ms | ratio to step | eager ms |")
+    print("|---|---|---|---|---|---|")
     ratios = {}
     for width in args.widths:
+        times = {}
+        for kernel in ("recurrent", "chunked"):
+            speculative_decoding.SHORT_RULE_KERNEL = kernel
+            times[kernel] = verify_ms(model, prompt_ids, slots, width, args.repeats, captured) if captured else None
+        speculative_decoding.SHORT_RULE_KERNEL = "recurrent"
         eager = verify_ms(model, prompt_ids, slots, width, args.repeats, captured=False)
-        graph = verify_ms(model, prompt_ids, slots, width, args.repeats, captured=True) if captured else None
-        ratios[width] = (graph if graph is not None else eager) / step
-        shown = f"{graph:.3f}" if graph is not None else "skipped (needs CUDA)"
-        print(f"| {width} | {shown} | {ratios[width]:.2f} | {eager:.3f} |")
+        ratios[width] = (times["recurrent"] if captured else eager) / step
+        cells = [f"{times[k]:.3f} | {times[k] / step:.2f}" if captured else "skipped (needs CUDA) | -"
+                 for k in ("recurrent", "chunked")]
+        print(f"| {width} | {cells[0]} | {cells[1]} | {eager:.3f} |")
     if 4 in ratios:
         verdict = "meets" if ratios[4] <= 1.3 else "misses"
         print(f"verify(4) / step = {ratios[4]:.2f} ({verdict} the goal of 1.3"

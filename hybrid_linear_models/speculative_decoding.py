@@ -31,17 +31,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Protocol
 
 import torch
 
 from .mlp_sparse_moe import graph_safe_experts
+from .ops import recurrent_kernels_for_short_sequences
 from .sequence_info import SequenceInfo
 from .state_rollback import MAX_ROLLBACK_TOKENS
 from .verify_cache import VerifyCache
 
 MIN_VERIFY_TOKENS = 2  # the last token and at least one draft
 MAX_VERIFY_TOKENS = MAX_ROLLBACK_TOKENS  # what a GDN/KDA layer's window restores
+# The delta-rule kernels of a verify round on CUDA: fla's token-by-token ones ("recurrent", up to
+# ops.RECURRENT_MAX_TOKENS tokens) or its chunked ones ("chunked", which pad a round to a chunk of 64 tokens);
+# benchmarks/bench_verify_step.py measures both.
+SHORT_RULE_KERNEL = "recurrent"
 
 
 class Drafter(Protocol):
@@ -96,11 +102,12 @@ def verify_round(model, cache: VerifyCache, input_ids: torch.Tensor,
     """One verify step (see the module docstring): input_ids [B, k] = [last token | k - 1 drafts], live [B] bool.
     Returns greedy [B, k] (the argmax after each prefix) and kept [B] (the tokens each row gains: its accepted drafts
     + 1; 0 for a row not live), the cache advanced by kept. No host synchronisation (capturable)."""
-    logits = forward_tokens(model, cache, input_ids)
-    greedy = logits.argmax(-1)
-    accepted = (input_ids[:, 1:] == greedy[:, :-1]).long().cumprod(-1).sum(-1)
-    kept = torch.where(live, accepted + 1, torch.zeros_like(accepted))
-    cache.restore(kept)
+    with recurrent_kernels_for_short_sequences() if SHORT_RULE_KERNEL == "recurrent" else nullcontext():
+        logits = forward_tokens(model, cache, input_ids)
+        greedy = logits.argmax(-1)
+        accepted = (input_ids[:, 1:] == greedy[:, :-1]).long().cumprod(-1).sum(-1)
+        kept = torch.where(live, accepted + 1, torch.zeros_like(accepted))
+        cache.restore(kept)
     return greedy, kept
 
 

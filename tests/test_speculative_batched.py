@@ -253,6 +253,24 @@ def test_captured_verify_round_equals_uncaptured_on_gpu(num_tokens):
     assert torch.equal(*[torch.cat([o.flatten().float() for o in r[0]]) for r in results])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
+def test_captured_rounds_on_gpu_decode_each_row_as_alone(kernel, monkeypatch):
+    """On CUDA (fla's kernels, float32), rounds replayed from their CUDA graph, with either delta-rule kernel: each row
+    of the batch equals its plain greedy decoding alone (float32: the logits agree to ~1e-5, far below the random
+    model's gaps between its two largest logits)."""
+    monkeypatch.setattr(speculative_decoding, "SHORT_RULE_KERNEL", kernel)
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"],
+                       seed=0).cuda()
+    ids, mask = _batch()
+    truth = _alone(model, ids.cuda(), mask.cuda())
+    drafter = TruthDrafter(truth.cpu(), mask.sum(-1).tolist(), "random", seed=2)
+    got = speculative_generate(model, ids.cuda(), drafter, num_tokens=4, max_new_tokens=NEW,
+                               attention_mask=mask.cuda(), graphs=True)
+    assert torch.equal(got[:, ids.shape[1]:], truth)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 0, speculative_decoding.MAX_VERIFY_TOKENS + 1, 2.5])
 def test_a_verify_width_out_of_range_is_refused_before_any_work(num_tokens):
     model = _model(MODELS["gdn+attention"])  # (its own: a hook is added)
