@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from model_helpers import replay_graphs_eagerly, replay_prefills_eagerly
+from model_helpers import replay_graphs_eagerly, replay_prefills_eagerly, tiny_model
 from test_speculative_rollback import (
     MODELS,
     ScriptedDrafter,
@@ -22,6 +22,7 @@ from test_speculative_rollback import (
 )
 from transformers import StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
+from transformers.generation.candidate_generator import CandidateGenerator
 
 from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
 from hybrid_linear_models.state_rollback import MAX_ROLLBACK_TOKENS
@@ -46,6 +47,44 @@ def test_static_cache_with_a_drafter_equals_plain_greedy(name, kind, monkeypatch
     _assert_same_as_plain(model, input_ids, 14, prompt_lookup_num_tokens=4, **STATIC)
     if kind != "right":
         assert any(n < 0 for n in crops)
+
+
+class RandomTokens(CandidateGenerator):
+    """A drafter of 1 to 4 random tokens a round (almost always wrong)."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def get_candidates(self, input_ids, **kwargs):
+        count = int(torch.randint(1, 5, (), generator=self.generator))
+        draft = torch.randint(2, 128, (1, count), generator=self.generator)
+        return torch.cat([input_ids, draft.to(input_ids)], dim=1), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_cache_with_random_token_drafts_equals_plain_greedy(name, monkeypatch):
+    model = _model(MODELS[name])
+    monkeypatch.setattr(model, "_get_candidate_generator", lambda *args, **kwargs: RandomTokens(len(name)))
+    _assert_same_as_plain(model, _ids((1, 7), 9), 10, prompt_lookup_num_tokens=4, **STATIC)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_cache_assisted_decoding_on_gpu_equals_plain_greedy(name):
+    """On CUDA (fla's kernels, float32, graph decoding on: it steps aside while the cache records its past):
+    prompt lookup and an assistant model with a static cache give plain static greedy decoding's tokens."""
+    model = tiny_model(MODELS[name], seed=0).cuda()
+    input_ids = torch.tensor([[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9, 12, 7, 8]], device="cuda")
+    settings = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False, "pad_token_id": 0, **STATIC}
+    with torch.no_grad():
+        plain = model.generate(input_ids, **settings)
+        assert torch.equal(model.generate(input_ids, **settings, prompt_lookup_num_tokens=3), plain)
+        small = tiny_model(["gated_deltanet", "sliding_attention"], seed=3).cuda()
+        assert torch.equal(model.generate(input_ids, **settings, assistant_model=small), plain)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
