@@ -206,6 +206,7 @@ def check_speculative_inputs(model, input_ids: torch.Tensor, attention_mask: tor
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError("input_ids must be a [batch, length] tensor of token ids with at least one token per row.")
     if attention_mask is not None and (attention_mask.shape != input_ids.shape
+                                       or not bool((attention_mask[:, 1:].bool() >= attention_mask[:, :-1].bool()).all())
                                        or not bool(attention_mask[:, -1].bool().all())):
         raise ValueError(f"attention_mask must be [batch, length] = {tuple(input_ids.shape)} with each row's padding "
                          "on the left (its last column all ones): pad the prompts on the left (tokenizer "

@@ -25,6 +25,7 @@ MODELS = {
     "sliding": ["gated_deltanet", "sliding_attention", "kimi_delta_attention"],  # window 6: passed while decoding
 }
 NEW = 12
+GPU_DIMS = {"gdn_value_head_dim": 16, "gdn_key_head_dim": 16, "kda_head_dim": 16, "head_dim": 16}  # fla's smallest
 
 
 def _model(layer_types, seed=0):
@@ -228,7 +229,7 @@ def test_captured_verify_round_equals_uncaptured_on_gpu(num_tokens):
     round run eagerly from the same cache (the same kernels on the same inputs: bit for bit)."""
     torch.manual_seed(0)
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"],
-                       seed=0).to("cuda", torch.bfloat16)
+                       seed=0, **GPU_DIMS).to("cuda", torch.bfloat16)
     ids, mask = _batch(seed=7)
     ids, mask = ids.cuda(), mask.cuda()
     device = torch.device("cuda")
@@ -262,7 +263,7 @@ def test_captured_rounds_on_gpu_decode_each_row_as_alone(kernel, monkeypatch):
     model's gaps between its two largest logits)."""
     monkeypatch.setattr(speculative_decoding, "SHORT_RULE_KERNEL", kernel)
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"],
-                       seed=0).cuda()
+                       seed=0, **GPU_DIMS).cuda()
     ids, mask = _batch()
     truth = _alone(model, ids.cuda(), mask.cuda())
     drafter = TruthDrafter(truth.cpu(), mask.sum(-1).tolist(), "random", seed=2)
@@ -291,8 +292,11 @@ def test_a_drafter_of_another_vocabulary_is_refused_before_any_work():
     with pytest.raises(ValueError, match="vocabulary has 64 tokens and the model's 128") as error:
         speculative_generate(model, ids, other, num_tokens=3, attention_mask=mask)
     assert "\n" not in str(error.value) and not calls
-    with pytest.raises(ValueError, match="padding on the left"):
-        speculative_generate(model, ids, RandomDrafter(), attention_mask=mask.flip(-1))
+    holes = mask.clone()
+    holes[0, 4] = 0
+    for wrong in (mask.flip(-1), holes):
+        with pytest.raises(ValueError, match="padding on the left"):
+            speculative_generate(model, ids, RandomDrafter(), attention_mask=wrong)
     with pytest.raises(TypeError, match="draft\\(sequences, count\\)"):
         speculative_generate(model, ids, object(), attention_mask=mask)
     assert not calls

@@ -77,13 +77,14 @@ def test_static_cache_with_random_token_drafts_equals_plain_greedy(name, monkeyp
 def test_static_cache_assisted_decoding_on_gpu_equals_plain_greedy(name):
     """On CUDA (fla's kernels, float32, graph decoding on: it steps aside while the cache records its past):
     prompt lookup and an assistant model with a static cache give plain static greedy decoding's tokens."""
-    model = tiny_model(MODELS[name], seed=0).cuda()
+    dims = {"gdn_value_head_dim": 16, "gdn_key_head_dim": 16, "kda_head_dim": 16, "head_dim": 16}  # fla's smallest
+    model = tiny_model(MODELS[name], seed=0, **dims).cuda()
     input_ids = torch.tensor([[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8, 9, 12, 7, 8]], device="cuda")
     settings = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False, "pad_token_id": 0, **STATIC}
     with torch.no_grad():
         plain = model.generate(input_ids, **settings)
         assert torch.equal(model.generate(input_ids, **settings, prompt_lookup_num_tokens=3), plain)
-        small = tiny_model(["gated_deltanet", "sliding_attention"], seed=3).cuda()
+        small = tiny_model(["gated_deltanet", "sliding_attention"], seed=3, **dims).cuda()
         assert torch.equal(model.generate(input_ids, **settings, assistant_model=small), plain)
 
 
