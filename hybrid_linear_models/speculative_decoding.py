@@ -63,7 +63,8 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     base = model.model
     batch, tokens = input_ids.shape
     hidden = base.embed_tokens(input_ids)
-    position_embeddings = base._position_embeddings(hidden, cache.positions(tokens))
+    positions = cache.positions(tokens)
+    position_embeddings = base._position_embeddings(hidden, positions)
     eager = model.config._attn_implementation == "eager"
     masked = torch.finfo(hidden.dtype).min if eager else -math.inf
     masks = {}  # the additive mask of each distinct window (None: full attention), built once
@@ -77,7 +78,7 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
         rotary = base.rotary_of_layer[layer.layer_idx]
         hidden = layer(hidden, position_embeddings=position_embeddings[rotary] if rotary is not None else None,
                        attention_mask=masks[kv.window] if layer.mixer_state == "kv" else None,
-                       sequence_info=info, cache=cache, position_ids=cache.positions(tokens))
+                       sequence_info=info, cache=cache, position_ids=positions)
     if last_only:
         hidden = hidden[:, -1:]
     return model.lm_head(base.norm(hidden))
@@ -307,6 +308,10 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
                          "time.")
     if assistant_model is not None:
         drafter, drafts = AssistantDrafter(assistant_model), generation_config.num_assistant_tokens or 20
+    elif not generation_config.prompt_lookup_num_tokens:
+        raise ValueError(f"assisted generate of {input_ids.shape[0]} rows drafts by prompt lookup "
+                         "(prompt_lookup_num_tokens=) or an assistant model (assistant_model=); for another drafter, "
+                         "call speculative_decoding.speculative_generate with it, or generate one row at a time.")
     else:
         drafter = PromptLookupDrafter(generation_config.max_matching_ngram_size or 2)
         drafts = generation_config.prompt_lookup_num_tokens

@@ -46,12 +46,14 @@ class VerifyLinearLayer(LinearStateLayer):
     def keep_window(self, window, plan: str) -> None:
         self.rollback = window
 
-    def restore(self, kept: torch.Tensor) -> None:
-        """Each row back to the state after its first kept[b] tokens of the last forward (kept [B] on the device)."""
+    def restore(self, kept: torch.Tensor, dropped: torch.Tensor | None = None,
+                columns: torch.Tensor | None = None) -> None:
+        """Each row back to the state after its first kept[b] tokens of the last forward (kept [B] on the device;
+        dropped and columns: `RollbackWindow.restore_rows`'s, made once for every layer)."""
         if self.rollback is None:
             raise ValueError("restore: this GDN/KDA layer's last forward kept no window (a verify step of 2 to "
                              f"{MAX_ROLLBACK_TOKENS} tokens onto the prompt's state keeps one).")
-        state, conv = self.rollback.restore_rows(kept)
+        state, conv = self.rollback.restore_rows(kept, dropped, columns)
         self.recurrent_states[0].copy_(state)
         self.conv_states[0][..., 1:].copy_(conv)
 
@@ -128,8 +130,16 @@ class VerifyCache:
 
     def restore(self, kept: torch.Tensor) -> None:
         """Keeps the first kept[b] tokens of the last forward in row b ([B] on the device, 0 to its tokens)."""
-        for layer in self.linear_layers:
-            layer.restore(kept)
+        linear = self.linear_layers
+        if linear and linear[0].rollback is not None:  # (the masks every layer's restore reads, made once)
+            window = linear[0].rollback
+            dropped = torch.arange(window.tokens, device=kept.device)[None, :] >= kept[:, None]
+            keep = window.conv_inputs.shape[-1] - window.tokens
+            columns = kept[:, None] + torch.arange(keep, device=kept.device)
+        else:
+            dropped = columns = None
+        for layer in linear:
+            layer.restore(kept, dropped, columns)
         self.lengths.add_(kept)
 
     def tensors(self) -> list[torch.Tensor]:
