@@ -48,6 +48,9 @@ class LinearStateLayer(LinearAttentionLayer):
 
     is_compileable = True
     is_sliding = False
+    # whether a kept window copies its tensors (views of the forward's, which a later forward may reuse); a verify
+    # cache's windows are read within their round (verify_cache.py)
+    window_copies = True
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=1)

@@ -34,7 +34,10 @@ from .state_rollback import MAX_ROLLBACK_TOKENS
 class VerifyLinearLayer(LinearStateLayer):
     """A GDN/KDA layer's states in a `VerifyCache`: a forward of 2 to MAX_ROLLBACK_TOKENS tokens onto a filled state
     keeps its window (also while a CUDA graph captures it: the window's tensors are the graph's, refilled by each
-    replay, and read by `restore` in the same graph); a prompt keeps none."""
+    replay, and read by `restore` in the same graph); a prompt keeps none. The window holds the forward's own tensors,
+    not copies: nothing writes them before `restore` reads them in the same round."""
+
+    window_copies = False
 
     def window_plan(self, tokens: int, packed: bool) -> str | None:
         if (packed or torch.is_grad_enabled() or not self.has_previous_state[0]
