@@ -29,6 +29,7 @@ from .state_rollback import (
     crop_error,
     keeps_window,
 )
+from .static_window_rollback import adopt_static_window_layers
 
 
 class LinearStateLayer(LinearAttentionLayer):
@@ -47,6 +48,9 @@ class LinearStateLayer(LinearAttentionLayer):
 
     is_compileable = True
     is_sliding = False
+    # whether a kept window copies its tensors (views of the forward's, which a later forward may reuse); a verify
+    # cache's windows are read within their round (verify_cache.py)
+    window_copies = True
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=1)
@@ -240,9 +244,13 @@ def _is_transformers_linear_layer(layer: object) -> bool:
 def adopt_linear_layers(cache: Cache | None) -> None:
     """Takes each empty linear-attention layer transformers built in `cache` (its `LinearAttentionLayer`, for the
     "linear_attention" entries of `config.layer_types`) as a `LinearStateLayer`, in place; a cache is looked at once.
-    A layer of transformers' that already holds a state is refused: its conv state has another layout."""
+    A layer of transformers' that already holds a state is refused: its conv state has another layout. The empty
+    static sliding-window layers are taken as ones a crop restores (static_window_rollback.py), recording their past
+    where the cache does."""
     if cache is None or getattr(cache, "_linear_layers_adopted", False) or not hasattr(cache, "layers"):
         return
+    records = any(getattr(layer, "record_past", False) for layer in cache.layers)
+    adopt_static_window_layers(cache, records)
     for index, layer in enumerate(cache.layers):
         if not _is_transformers_linear_layer(layer):
             continue

@@ -209,6 +209,15 @@ def _full_length(cache: StaticCache) -> int:
     return max([layer.get_max_length() for layer in cache.layers if _is_full(layer)] + [1])
 
 
+def records_past(cache: StaticCache, layout: CacheLayout | None = None) -> bool:
+    """Whether the cache records its past (`activate_past_recording`, as assisted generation asks): its forwards then
+    keep what a crop restores (state_rollback.py, static_window_rollback.py), which a replayed graph does not. With
+    the cache's `layout`, its first GDN/KDA layer answers (the call reaches every layer; one read per step)."""
+    if layout is not None and layout.linear:
+        return layout.linear[0].record_past
+    return any(getattr(layer, "record_past", False) for layer in cache.layers)
+
+
 def capture_obstacle(model, attention_mask) -> str | None:
     """What keeps any forward of `model` from being captured, a step or a prompt (None when nothing does): one line,
     with the fix."""
@@ -355,6 +364,9 @@ class CudaGraphDecoder:
             return reason
         if not self.layout(cache).ready():
             return "the static cache has not been filled by a prefill of this model (run the prompt first)"
+        if records_past(cache, self.layout(cache)):
+            return ("the cache records its past for assisted decoding (a crop restores what uncaptured forwards "
+                    "keep: state_rollback.py)")
         return None
 
     def applies(self, model, input_ids, inputs_embeds, cache, attention_mask, kwargs) -> bool:

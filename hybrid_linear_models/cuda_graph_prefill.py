@@ -49,7 +49,15 @@ from collections import Counter, OrderedDict
 import torch
 from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 
-from .cuda_graph_decoding import CacheLayout, capture_obstacle, record_graph, storage_key, weights_moved, weights_of
+from .cuda_graph_decoding import (
+    CacheLayout,
+    capture_obstacle,
+    record_graph,
+    records_past,
+    storage_key,
+    weights_moved,
+    weights_of,
+)
 from .derived_weights import ChangeWatch, derived_weights
 from .graph_cache_storage import CacheStorage, CacheStorages, allocated
 from .mlp_sparse_moe import graph_safe_experts, graph_safe_experts_implementation
@@ -182,6 +190,9 @@ class CudaGraphPrefill:
                     "(batched_mm), too much memory for a prompt")
         if layout.unknown:
             return "the cache holds layers of a kind this package does not capture"
+        if records_past(cache, layout):
+            return ("the cache records its past for assisted decoding (a crop restores what uncaptured forwards "
+                    "keep: state_rollback.py)")
         if any(isinstance(layer, StaticSlidingWindowLayer) for layer in cache.layers):
             return ("the cache has sliding-window layers, whose buffers would keep the keys of the padding a "
                     "captured prefill adds")

@@ -138,8 +138,8 @@ def convolve_and_recur(
         cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])
     if plan is not None:
         kept = slice(tokens - min(tokens, MAX_ROLLBACK_TOKENS), None)
+        own = (lambda t: t.clone()) if cache.window_copies else (lambda t: t)
         cache.keep_window(RollbackWindow(
-            rule, gate_args, base, conv_inputs[..., kept].clone(), q[:, kept].clone(), k[:, kept].clone(),
-            v[:, kept].clone(), g[:, kept].clone(), (beta.sigmoid() if beta_logits else beta)[:, kept].clone(),
-            start=0), plan)
+            rule, gate_args, base, own(conv_inputs[..., kept]), own(q[:, kept]), own(k[:, kept]), own(v[:, kept]),
+            own(g[:, kept]), own((beta.sigmoid() if beta_logits else beta)[:, kept]), start=0), plan)
     return info.unflatten(out)

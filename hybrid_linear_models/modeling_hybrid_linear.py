@@ -14,6 +14,7 @@ from transformers import DistributedConfig
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.masking_utils import (
     create_causal_mask,
     create_sliding_window_causal_mask,
@@ -32,6 +33,8 @@ from .block_ops import fused_causal_lm_loss
 from .cache_checks import check_cache, check_static_cache_size
 from .checkpoint_dtypes import check_checkpoint_dtypes
 from .cache_hybrid_linear import adopt_linear_layers, generation_cache, linear_layer_cache, past_length
+from .speculative_decoding import assisted_generate_batch
+from .static_window_rollback import adopt_static_window_layers
 from .chunked_recurrence import recur_in_token_chunks, recurrence_chunks_apply
 from .configuration_hybrid_linear import HybridLinearConfig
 from .cuda_graph_decoding import CudaGraphDecoder
@@ -619,6 +622,17 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # a model of GDN/KDA layers alone gets a dynamic cache whose length those layers give (transformers' asks
         # attention layers only, and assisted generation asks it of the assistant's cache: generation_cache)
+        # Assisted decoding with a static cache: a verify forward runs the last token and a draft of up to k tokens
+        # (the bonus tokens past max_length are dropped afterwards), so the cache gets k slots past transformers'
+        # max_length - 1: transformers' prompt lookup drafts up to max_length itself, a drafter may not cap its draft
+        args = list(args)
+        mode = args[0] if args else kwargs.get("generation_mode")
+        if mode == GenerationMode.ASSISTED_GENERATION:
+            draft = generation_config.prompt_lookup_num_tokens or generation_config.num_assistant_tokens or 1
+            if len(args) == 3:
+                args[2] += int(draft)
+            elif "max_cache_length" in kwargs:
+                kwargs["max_cache_length"] += int(draft)
         prepared = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if "cache" in model_kwargs:
             model_kwargs["cache"] = generation_cache(model_kwargs["cache"])
@@ -641,6 +655,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         rounded = static_cache_slots(tokens, reach[0] if reach is not None else None) if captured else tokens
         for slots in dict.fromkeys((rounded, tokens)):
             cache = super()._prepare_static_cache(**{**kwargs, "max_cache_len": slots})
+            adopt_static_window_layers(cache)  # (before assisted decoding asks its layers to record their past)
             try:
                 check_static_cache_size(self.model, cache, kwargs["batch_size"])
                 return cache
@@ -670,6 +685,18 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             return attention_mask
         masks = self.model._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted=False)
         return dict(enumerate(masks))
+
+    def _assisted_decoding(self, input_ids, *args, **kwargs):
+        # transformers' assisted decoding takes one row; a batch runs this package's batched greedy speculative
+        # decoding, each row accepting its own drafts (speculative_decoding.py)
+        if input_ids.shape[0] > 1:
+            names = ("logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer")
+            kwargs.update(zip(names, args))
+            kwargs.pop("synced_gpus", None)
+            for name in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "cache", "use_cache", "logits_to_keep"):
+                kwargs.pop(name, None)
+            return assisted_generate_batch(self, input_ids, **kwargs)
+        return super()._assisted_decoding(input_ids, *args, **kwargs)
 
     def _sample(self, *args, **kwargs):
         # with graph decoding on, the stop check runs a step behind on CUDA (deferred_stop_check.py): the host queues

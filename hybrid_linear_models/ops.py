@@ -11,6 +11,9 @@ j // (Hv / Hk)); states [N, Hv, dk, dv] in float32, N = B or the number of packe
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import handle_torch_function, has_torch_function_variadic
@@ -29,6 +32,12 @@ from .recurrent_in_place import step_in_place
 
 # Up to this many tokens per sequence (and no packing) the token-by-token form is faster than the chunked one.
 RECURRENT_MAX_TOKENS = 16
+
+# fla's token-by-token kernels also serve no-grad forwards of up to this many tokens per sequence inside
+# `recurrent_kernels_for_short_sequences()` (a speculative verify step of a few tokens, and its per-row restore:
+# speculative_decoding.py), where the chunked kernels would pad each sequence to a chunk of 64 tokens in several
+# launches; 1 (decoding steps alone) elsewhere.
+_RECURRENT_KERNEL_TOKENS = [1]
 
 # Training through fla's chunked KDA: keep the forward's intermediates (w, u, gated q/k, chunk states) for the
 # backward instead of recomputing them (fla's `disable_recompute`): a faster backward for more activation memory.
@@ -95,6 +104,17 @@ def _check_delta_rule(name, q, k, v, g, beta, initial_state, cu_seqlens, per_cha
 # ------------------------------------------------------------------------------------------------------ delta rule
 
 
+@contextmanager
+def recurrent_kernels_for_short_sequences(max_tokens: int = RECURRENT_MAX_TOKENS) -> Iterator[None]:
+    """Inside: fla's token-by-token delta-rule kernels run no-grad forwards of up to `max_tokens` tokens per sequence
+    (see `_RECURRENT_KERNEL_TOKENS`); the same math as the chunked kernels, to their rounding."""
+    _RECURRENT_KERNEL_TOKENS.append(max_tokens)
+    try:
+        yield
+    finally:
+        _RECURRENT_KERNEL_TOKENS.pop()
+
+
 def gate_log_decay(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The log decay of GDN and KDA from the gate's raw input: -exp(A_log) * softplus(g_raw + dt_bias), in float32
     (float64 for float64 input). GDN: g_raw [B, T, H], A_log and dt_bias [H]; KDA: g_raw [B, T, H, dk], A_log [H],
@@ -130,7 +150,7 @@ def _delta_rule(name, fla_names, q, k, v, g, beta, *, per_channel, scale, initia
     _check_gate(name, A_log, dt_bias, g, per_channel)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    decoding = q.shape[1] == 1 and not torch.is_grad_enabled()
+    decoding = q.shape[1] <= _RECURRENT_KERNEL_TOKENS[-1] and not torch.is_grad_enabled()
     kernel = fla_backend.fla_kernel(fla_names[1] if decoding else fla_names[0], q)
     if initial_state is not None:
         initial_state = initial_state.float() if kernel is not None else initial_state.to(compute_dtype(v))

@@ -34,6 +34,7 @@ earlier crop).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -89,6 +90,30 @@ class RollbackWindow:
         """The last K-1 convolution inputs after the window's first m tokens, [B, C, K-1]."""
         keep = self.conv_inputs.shape[-1] - self.tokens
         return self.conv_inputs[..., m: m + keep]
+
+    def restore_rows(self, kept: torch.Tensor, dropped: torch.Tensor | None = None,
+                     columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recurrent state [B, Hv, dk, dv] and the last K-1 convolution inputs [B, C, K-1] after each row's first
+        kept[b] tokens of the window (kept [B] on the window's device, 0 to `tokens`), with no host synchronisation
+        and shapes that do not depend on `kept` (what a captured verify step runs: speculative_decoding.py).
+        dropped [B, T] (t >= kept[b]) and columns [B, K-1] (kept[b] + j), where the caller has them for every layer.
+
+        The delta rule runs over all the window's tokens from the base, the tokens past a row's count made neutral
+        as pads are (beta 0, log decay 0: S <- S exactly), and the convolution inputs are gathered per row."""
+        tokens = self.tokens
+        if dropped is None:
+            dropped = torch.arange(tokens, device=kept.device)[None, :] >= kept[:, None]  # [B, T]
+        beta = self.beta.masked_fill(dropped.view(*dropped.shape, *([1] * (self.beta.dim() - 2))), 0.0)
+        g_mask = dropped.view(*dropped.shape, *([1] * (self.g.dim() - 2)))
+        # a raw gate of -inf is a log decay of exactly 0 (-exp(A_log) * softplus(-inf)); an evaluated one is set to 0
+        g = self.g.masked_fill(g_mask, -math.inf if self.gate_args else 0.0)
+        _, state = self.rule(self.q, self.k, self.v, g, beta, initial_state=self.base, output_final_state=True,
+                             use_qk_l2norm=True, **self.gate_args)
+        keep = self.conv_inputs.shape[-1] - tokens
+        if columns is None or columns.shape[-1] != keep:
+            columns = kept[:, None] + torch.arange(keep, device=kept.device)  # [B, K-1]
+        conv = self.conv_inputs.gather(-1, columns[:, None, :].expand(-1, self.conv_inputs.shape[1], -1))
+        return state, conv
 
     def keep_first(self, m: int) -> None:
         """Drops the tokens after the first m."""

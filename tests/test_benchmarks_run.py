@@ -43,6 +43,8 @@ RUNS = [
     ("bench_trace.py", ["--tiny", "--static", "--requests", "8"], ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
     ("bench_training.py", ["--tiny"],
      ["GDN vs Qwen3-Next: ours/transformers tokens/s", "KDA vs Kimi-Linear: ours/transformers tokens/s"]),
+    ("bench_verify_step.py", ["--tiny"], ["one-token decoding step (eager)", "| 4 | skipped (needs CUDA) | - |",
+                                          "verify(4) / step ="]),
     ("count_decode_ops.py", [], ["kernels in the captured decoding step", "around the replay"]),
     ("count_decode_ops.py", ["--model", "kimi", "--eager"], ["kernels per eager decoding step"]),
     ("diagnose_first_calls.py", ["--tiny"], ["pkg capture s", "forward      40 |"]),

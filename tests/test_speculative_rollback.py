@@ -74,7 +74,7 @@ class LogitsRecorder:
         model.register_forward_hook(self._after, with_kwargs=True)
 
     def _before(self, module, args, kwargs):
-        self._past = past_length(kwargs.get("cache"))
+        self._past = int(past_length(kwargs.get("cache")))  # (a static cache counts in a tensor it updates in place)
 
     def _after(self, module, args, kwargs, output):
         ids = kwargs["input_ids"]

@@ -1,0 +1,127 @@
+"""The cost of a speculative verify step of k tokens against a one-token decoding step, on the ~1.2B GDN benchmark
+model (model_configs.GPU_GDN: 16 layers, 3 GDN : 1 attention), bf16 on CUDA.
+
+The one-token step is `generate`'s: the model's forward on a StaticCache, replayed from its captured CUDA graph
+(cuda_graph_decoding). The verify step is speculative_decoding's `verify_round`: one forward of k tokens per row,
+the greedy acceptance and the per-row restore of every GDN layer and attention length, replayed from its captured
+graph (`CapturedVerifyRound`), and also run uncaptured. Both attend over the same number of cache slots. The goal:
+verify(4) <= 1.3 x the one-token step, so that a round that accepts one draft on average already pays.
+
+    python benchmarks/bench_verify_step.py [--batch 1] [--prompt 512] [--repeats 50] [--widths 2 3 4 5]
+    python benchmarks/bench_verify_step.py --tiny     # the CPU smoke configuration (eager, tiny model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import StaticCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from model_configs import GPU_GDN, TINY_GDN, gdn_pair
+
+from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding
+from hybrid_linear_models.speculative_decoding import (
+    CapturedVerifyRound,
+    prefill,
+    verify_round,
+)
+from hybrid_linear_models.verify_cache import VerifyCache
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(run, repeats: int, device: torch.device) -> float:
+    """Median milliseconds of `run()` over `repeats` calls (each timed after a synchronisation)."""
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def one_token_step_ms(model, prompt_ids, slots: int, repeats: int) -> float:
+    """A one-token decoding step on a StaticCache of `slots` slots after the prompt (captured on CUDA)."""
+    cache = StaticCache(config=model.config, max_cache_len=slots)
+    with torch.no_grad():
+        token = model(prompt_ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(3):  # the capture, then warm replays
+            token = model(token, cache=cache, use_cache=True).logits.argmax(-1)
+        return _timed(lambda: model(token, cache=cache, use_cache=True), repeats, prompt_ids.device)
+
+
+def verify_ms(model, prompt_ids, slots: int, width: int, repeats: int, captured: bool) -> float:
+    """A verify round (the kernels of speculative_decoding.SHORT_RULE_KERNEL) of `width` tokens per row (random drafts: mostly one token kept), on a VerifyCache of `slots`."""
+    device = prompt_ids.device
+    batch = prompt_ids.shape[0]
+    cache = VerifyCache(model, batch, slots, device)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        first = prefill(model, cache, prompt_ids, None)
+        ids = torch.cat([first[:, None], torch.randint(0, model.config.vocab_size, (batch, width - 1),
+                                                       generator=generator).to(device)], dim=1)
+        live = torch.ones(batch, dtype=torch.bool, device=device)
+        run = CapturedVerifyRound(model, cache, width) if captured else (
+            lambda i, a: verify_round(model, cache, i, a))
+        for _ in range(3):
+            run(ids, live)
+        return _timed(lambda: run(ids, live), repeats, device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU, float32, uncaptured")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4, 5])
+    args = parser.parse_args()
+    if args.tiny:
+        args.prompt, args.repeats = min(args.prompt, 32), min(args.repeats, 3)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = gdn_pair(**(TINY_GDN if args.tiny else GPU_GDN))[0]
+    torch.manual_seed(0)
+    model = HybridLinearForCausalLM(config).to(device, dtype).eval()
+    prompt_ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt), device=device)
+    slots = args.prompt + (args.repeats + 8) * max(args.widths) + 8
+    captured = device.type == "cuda"
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, {config.num_hidden_layers} "
+          f"layers, {dtype}, {device.type}; batch {args.batch}, prompt {args.prompt}, {slots} cache slots")
+    step = one_token_step_ms(model, prompt_ids, slots, args.repeats)
+    print(f"one-token decoding step ({'captured' if captured else 'eager'}): {step:.3f} ms")
+    print("delta-rule kernels of the round: fla's token-by-token ones (recurrent, the default) or its chunked ones")
+    print("| k tokens | captured, recurrent ms | ratio to step | captured, chunked ms | ratio to step | eager ms |")
+    print("|---|---|---|---|---|---|")
+    ratios = {}
+    for width in args.widths:
+        times = {}
+        for kernel in ("recurrent", "chunked"):
+            speculative_decoding.SHORT_RULE_KERNEL = kernel
+            times[kernel] = verify_ms(model, prompt_ids, slots, width, args.repeats, captured) if captured else None
+        speculative_decoding.SHORT_RULE_KERNEL = "recurrent"
+        eager = verify_ms(model, prompt_ids, slots, width, args.repeats, captured=False)
+        ratios[width] = (times["recurrent"] if captured else eager) / step
+        cells = [f"{times[k]:.3f} | {times[k] / step:.2f}" if captured else "skipped (needs CUDA) | -"
+                 for k in ("recurrent", "chunked")]
+        print(f"| {width} | {cells[0]} | {cells[1]} | {eager:.3f} |")
+    if 4 in ratios:
+        verdict = "meets" if ratios[4] <= 1.3 else "misses"
+        print(f"verify(4) / step = {ratios[4]:.2f} ({verdict} the goal of 1.3"
+              f"{'' if captured else '; eager on the CPU, not the measure'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The cache of batched speculative decoding: per-row lengths, so each row keeps its own accepted prefix.
+
+A verify step runs k tokens per row (the row's last token, then k - 1 drafted ones) and each row accepts its own
+number of them. transformers' caches hold one length for the whole batch, so rows that accept fewer tokens would
+leave rejected keys between their accepted ones. This cache keeps, on the device:
+
+- `lengths` [B]: the slots each row has written (its left padding included), `pads` [B]: its left padding. Row b's
+  tokens sit in slots pads[b] .. lengths[b] - 1, contiguous: a verify step writes its k tokens at slots
+  lengths[b] .. lengths[b] + k - 1 of each row (a scatter), and keeping m of them is `lengths[b] += m`. The rejected
+  keys past the new length are stale, never attended (the mask below), and overwritten by the next step. So the
+  slots are the row's positions shifted by its padding: position = slot - pads[b], the same for every layer.
+- per attention layer (full, sliding window and latent attention alike), key and value buffers [B, H, slots, D]:
+  query t of row b (slot lengths[b] + t) sees slot s when pads[b] <= s <= lengths[b] + t, and for a sliding layer of
+  window w also s > lengths[b] + t - w (`key_mask`). Exact: each row attends to exactly the keys, at exactly the
+  positions, that it would alone, whatever the other rows accepted. A sliding layer keeps every slot (its window is
+  in the mask), so nothing it needs is ever pushed out.
+- per GDN/KDA layer, its conv and recurrent states (a `LinearStateLayer`, updated in place by the forward) and the
+  `RollbackWindow` of the last verify step's tokens (state_rollback.py), from which `restore` puts each row back to its
+  own kept prefix (`RollbackWindow.restore_rows`: the delta rule over the step's tokens from the state before it,
+  the tokens past the row's count neutral, as pads are).
+
+Every tensor has a fixed size and address once allocated (the first prefill), and nothing reads a value on the host:
+a verify step, its acceptance and its restore can be captured in one CUDA graph (speculative_decoding.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache_hybrid_linear import LinearStateLayer
+from .state_rollback import MAX_ROLLBACK_TOKENS
+
+
+class VerifyLinearLayer(LinearStateLayer):
+    """A GDN/KDA layer's states in a `VerifyCache`: a forward of 2 to MAX_ROLLBACK_TOKENS tokens onto a filled state
+    keeps its window (also while a CUDA graph captures it: the window's tensors are the graph's, refilled by each
+    replay, and read by `restore` in the same graph); a prompt keeps none. The window holds the forward's own tensors,
+    not copies: nothing writes them before `restore` reads them in the same round."""
+
+    window_copies = False
+
+    def window_plan(self, tokens: int, packed: bool) -> str | None:
+        if (packed or torch.is_grad_enabled() or not self.has_previous_state[0]
+                or not 1 < tokens <= MAX_ROLLBACK_TOKENS):
+            self.rollback = None
+            return None
+        return "new"
+
+    def keep_window(self, window, plan: str) -> None:
+        self.rollback = window
+
+    def restore(self, kept: torch.Tensor, dropped: torch.Tensor | None = None,
+                columns: torch.Tensor | None = None) -> None:
+        """Each row back to the state after its first kept[b] tokens of the last forward (kept [B] on the device;
+        dropped and columns: `RollbackWindow.restore_rows`'s, made once for every layer)."""
+        if self.rollback is None:
+            raise ValueError("restore: this GDN/KDA layer's last forward kept no window (a verify step of 2 to "
+                             f"{MAX_ROLLBACK_TOKENS} tokens onto the prompt's state keeps one).")
+        state, conv = self.rollback.restore_rows(kept, dropped, columns)
+        self.recurrent_states[0].copy_(state)
+        self.conv_states[0][..., 1:].copy_(conv)
+
+
+class VerifyKVLayer:
+    """An attention layer's keys and values in a `VerifyCache` ([B, H, slots, D], allocated by the first update)."""
+
+    def __init__(self, window: int | None):
+        self.window = window  # the sliding window, None for full attention
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+
+class VerifyCache:
+    """Fixed-size device state of batched speculative decoding with per-row lengths (see the module docstring).
+
+    model: a HybridLinearForCausalLM; batch rows; slots per row (the prompt, the new tokens and one verify step)."""
+
+    def __init__(self, model, batch: int, slots: int, device: torch.device):
+        config = model.config
+        self.layers: list[VerifyKVLayer | VerifyLinearLayer] = []
+        for i, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
+            if layer.mixer_state == "kv":
+                window = (config.per_layer_config[i].sliding_window
+                          if config.layer_types[i] == "sliding_attention" else None)
+                self.layers.append(VerifyKVLayer(window))
+            else:
+                self.layers.append(VerifyLinearLayer())
+        self.batch, self.slots, self.device = batch, slots, device
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pads = torch.zeros(batch, dtype=torch.long, device=device)
+        self._slot_numbers = torch.arange(slots, device=device)
+
+    @property
+    def linear_layers(self) -> list[VerifyLinearLayer]:
+        return [layer for layer in self.layers if isinstance(layer, VerifyLinearLayer)]
+
+    @property
+    def windows(self) -> set[int | None]:
+        """The distinct sliding windows of the attention layers (None: full attention)."""
+        return {layer.window for layer in self.layers if isinstance(layer, VerifyKVLayer)}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Writes the step's keys and values [B, H, T, D] at each row's slots lengths[b] .. lengths[b] + T - 1 (the
+        lengths move on in `restore`); returns the whole buffers."""
+        layer = self.layers[layer_idx]
+        B, H, T, _ = key.shape
+        if layer.keys is None:
+            layer.keys = key.new_zeros(B, H, self.slots, key.shape[-1])
+            layer.values = value.new_zeros(B, value.shape[1], self.slots, value.shape[-1])
+        index = (self.lengths[:, None] + torch.arange(T, device=key.device))[:, None, :, None]  # [B, 1, T, 1]
+        layer.keys.scatter_(2, index.expand(B, H, T, key.shape[-1]), key.to(layer.keys.dtype))
+        layer.values.scatter_(2, index.expand(B, value.shape[1], T, value.shape[-1]),
+                              value.to(layer.values.dtype))
+        return layer.keys, layer.values
+
+    def query_slots(self, tokens: int) -> torch.Tensor:
+        """[B, T]: the slot of each of the step's tokens."""
+        return self.lengths[:, None] + torch.arange(tokens, device=self.lengths.device)
+
+    def positions(self, tokens: int) -> torch.Tensor:
+        """[B, T]: the position of each of the step's tokens (its slot less the row's padding; pads at 0)."""
+        return (self.query_slots(tokens) - self.pads[:, None]).clamp(min=0)
+
+    def key_mask(self, tokens: int, window: int | None) -> torch.Tensor:
+        """[B, 1, T, slots] bool: the slots each query of the step sees (module docstring); a query in the padding
+        (a prompt's) sees its own slot alone, so no row of the mask is empty."""
+        slots = self._slot_numbers[None, None, :]
+        query = self.query_slots(tokens)[:, :, None]
+        visible = (slots <= query) & (slots >= self.pads[:, None, None])
+        if window is not None:
+            visible &= slots > query - window
+        return (visible | (slots == query))[:, None]
+
+    def restore(self, kept: torch.Tensor) -> None:
+        """Keeps the first kept[b] tokens of the last forward in row b ([B] on the device, 0 to its tokens)."""
+        linear = self.linear_layers
+        if linear and linear[0].rollback is not None:  # (the masks every layer's restore reads, made once)
+            window = linear[0].rollback
+            dropped = torch.arange(window.tokens, device=kept.device)[None, :] >= kept[:, None]
+            keep = window.conv_inputs.shape[-1] - window.tokens
+            columns = kept[:, None] + torch.arange(keep, device=kept.device)
+        else:
+            dropped = columns = None
+        for layer in linear:
+            layer.restore(kept, dropped, columns)
+        self.lengths.add_(kept)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a verify step reads and writes (what a capture saves and puts back around its warm-up)."""
+        tensors = [self.lengths, self.pads]
+        for layer in self.layers:
+            if isinstance(layer, VerifyLinearLayer):
+                tensors += [layer.conv_states[0], layer.recurrent_states[0]]
+            else:
+                tensors += [layer.keys, layer.values]
+        return tensors
+
+
+__all__ = ["VerifyCache", "VerifyKVLayer", "VerifyLinearLayer"]

@@ -1,0 +1,361 @@
+"""Batched speculative decoding with per-row acceptance (speculative_decoding.py, verify_cache.py): each row of a
+left-padded batch equals that row's plain greedy decoding alone (`generate` on the row without its padding), token
+for token, whatever the drafter proposes and however many drafts the other rows accept.
+
+Float64 models: the rows' logits then agree with the row decoded alone to float64 rounding, far below any gap
+between the two largest logits, so a token that differs is a restoring or masking error, not rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import tiny_model
+
+from hybrid_linear_models import speculative_decoding
+from hybrid_linear_models.speculative_decoding import (
+    AssistantDrafter,
+    CapturedVerifyRound,
+    PromptLookupDrafter,
+    speculative_generate,
+)
+
+MODELS = {
+    "gdn+attention": ["gated_deltanet", "full_attention", "gated_deltanet"],
+    "kda+attention": ["kimi_delta_attention", "full_attention", "kimi_delta_attention"],
+    "sliding": ["gated_deltanet", "sliding_attention", "kimi_delta_attention"],  # window 6: passed while decoding
+}
+NEW = 12
+GPU_DIMS = {"gdn_value_head_dim": 16, "gdn_key_head_dim": 16, "kda_head_dim": 16, "head_dim": 16}  # fla's smallest
+
+
+def _model(layer_types, seed=0):
+    return tiny_model(layer_types, seed=seed).double()
+
+
+_MODELS: dict = {}
+_TRUTH: dict = {}
+
+
+def _named(name):
+    """The test model `name` (built once; no test changes it)."""
+    if name not in _MODELS:
+        _MODELS[name] = _model(MODELS[name])
+    return _MODELS[name]
+
+
+def _truth(name, seed):
+    """`_alone` of model `name` on `_batch(seed)`, computed once."""
+    if (name, seed) not in _TRUTH:
+        _TRUTH[name, seed] = _alone(_named(name), *_batch(seed))
+    return _TRUTH[name, seed]
+
+
+def _batch(seed=1, rows=3, length=9):
+    """Left-padded prompts: row 0 whole, the others 3 and 5 pads shorter."""
+    ids = torch.randint(2, 128, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(rows, length, dtype=torch.long)
+    for row, pads in zip(range(1, rows), (3, 5)):
+        mask[row, :pads] = 0
+    return ids * mask, mask
+
+
+def _alone(model, ids, mask, new=NEW):
+    """Each row's plain greedy tokens, the row decoded by itself (no padding)."""
+    rows = []
+    with torch.no_grad():
+        for row, real in zip(ids, mask.bool()):
+            prompt = row[real][None]
+            out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            rows.append(out[0, prompt.shape[1]:])
+    return torch.stack(rows)
+
+
+class RandomDrafter:
+    """Random tokens: almost always wrong."""
+
+    def __init__(self, seed=0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draft(self, sequences, count):
+        return torch.randint(2, 128, (len(sequences), count), generator=self.generator)
+
+
+class TruthDrafter:
+    """Knows each row's greedy tokens (`truth`, after its `prompt_lengths`): proposes them all (right), none
+    (wrong), or each row a random number of them then a wrong one (random: rows accept different counts)."""
+
+    def __init__(self, truth, prompt_lengths, kind, seed=0):
+        self.truth, self.prompt_lengths, self.kind = truth, prompt_lengths, kind
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draft(self, sequences, count):
+        rows = []
+        for b, tokens in enumerate(sequences):
+            done = tokens.numel() - self.prompt_lengths[b]
+            right = torch.cat([self.truth[b, done:done + count], torch.full((count,), 5)])[:count]
+            if self.kind == "wrong":
+                right = (right + 1) % 128
+            elif self.kind == "random":
+                cut = int(torch.randint(0, count + 1, (), generator=self.generator))
+                right = torch.cat([right[:cut], (right[cut:] + 1) % 128])
+            rows.append(right)
+        return torch.stack(rows)
+
+
+@pytest.fixture
+def kept_counts(monkeypatch):
+    """Every round's kept counts (per row), recorded around `verify_round`."""
+    counts = []
+    original = speculative_decoding.verify_round
+
+    def spy(*args, **kwargs):
+        greedy, kept = original(*args, **kwargs)
+        counts.append(kept.tolist())
+        return greedy, kept
+
+    monkeypatch.setattr(speculative_decoding, "verify_round", spy)
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["wrong", "right", "random"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_row_equals_its_greedy_decoding_alone(name, kind, kept_counts):
+    model = _named(name)
+    ids, mask = _batch()
+    truth = _truth(name, 1)
+    drafter = TruthDrafter(truth, mask.sum(-1).tolist(), kind, seed=len(name))
+    got = speculative_generate(model, ids, drafter, num_tokens=4, max_new_tokens=NEW, attention_mask=mask)
+    assert torch.equal(got[:, : ids.shape[1]], ids)
+    assert torch.equal(got[:, ids.shape[1]:], truth)
+    live_rounds = [[k for k in round_ if k] for round_ in kept_counts]
+    if kind == "right":
+        assert max(max(r) for r in live_rounds) == 4
+    if kind == "wrong":
+        assert all(k == 1 for r in live_rounds for k in r)
+    if kind == "random":  # rows accepted different counts in one round, and some drafts were rejected
+        assert any(len(set(r)) > 1 for r in live_rounds)
+
+
+@pytest.mark.parametrize(("name", "num_tokens"), [("gdn+attention", 2), ("kda+attention", 3), ("sliding", 5)])
+def test_random_drafts_of_other_widths(name, num_tokens):
+    ids, mask = _batch()
+    got = speculative_generate(_named(name), ids, RandomDrafter(num_tokens), num_tokens=num_tokens,
+                               max_new_tokens=NEW, attention_mask=mask)
+    assert torch.equal(got[:, ids.shape[1]:], _truth(name, 1))
+
+
+def test_prompt_lookup_and_assistant_drafters():
+    """Repetitive prompts (lookup finds drafts that are partly right), and a smaller model of the family."""
+    model = _model(MODELS["sliding"])
+    ids = torch.tensor([[7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8], [0, 0, 0, 3, 4, 5, 3, 4, 5, 3, 4, 5]])
+    mask = (torch.arange(12) >= torch.tensor([[0], [3]])).long()
+    truth = _alone(model, ids, mask)
+    got = speculative_generate(model, ids, PromptLookupDrafter(), num_tokens=4, max_new_tokens=NEW,
+                               attention_mask=mask)
+    assert torch.equal(got[:, ids.shape[1]:], truth)
+    assistant = AssistantDrafter(_model(["gated_deltanet", "full_attention"], seed=3))
+    got = speculative_generate(model, ids, assistant, num_tokens=3, max_new_tokens=NEW, attention_mask=mask)
+    assert torch.equal(got[:, ids.shape[1]:], truth)
+
+
+def test_a_row_ends_at_its_end_of_sequence_token():
+    model = _named("gdn+attention")
+    ids, mask = _batch()
+    truth = _truth("gdn+attention", 1)
+    eos = int(truth[1, 4])  # row 1's fifth token
+    got = speculative_generate(model, ids, RandomDrafter(), num_tokens=3, max_new_tokens=NEW, attention_mask=mask,
+                               eos_token_id=eos, pad_token_id=0)[:, ids.shape[1]:]
+    for b in range(3):
+        stop = (truth[b] == eos).nonzero().flatten()
+        end = int(stop[0]) + 1 if stop.numel() else NEW
+        assert torch.equal(got[b, :end], truth[b, :end])
+        assert (got[b, end:] == 0).all()
+
+
+def test_the_verify_round_reads_nothing_on_the_host(monkeypatch):
+    """What a CUDA graph captures reads no tensor value on the host: bool/int/item/tolist of a tensor raise while
+    a round runs (on the CPU here; on CUDA any such read is a synchronisation a capture refuses)."""
+    model = _named("sliding")
+    ids, mask = _batch()
+    cache = speculative_decoding.VerifyCache(model, 3, 30, torch.device("cpu"))
+    with torch.no_grad():
+        first = speculative_decoding.prefill(model, cache, ids, mask)
+        step = torch.cat([first[:, None], RandomDrafter().draft([None] * 3, 3)], dim=1)
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a host read of a tensor value")
+
+        with monkeypatch.context() as patch:
+            for name in ("__bool__", "__int__", "__index__", "item", "tolist", "__float__"):
+                patch.setattr(torch.Tensor, name, refuse)
+            with pytest.raises(AssertionError):  # (the refusal is in place)
+                bool(torch.ones(()))
+            speculative_decoding.verify_round(model, cache, step, torch.ones(3, dtype=torch.bool))
+
+
+def test_the_captured_round_equals_the_uncaptured_one(monkeypatch):
+    """`graphs=True` with the capture stood in by an eager replay of the captured function (the CPU): the capture's
+    warm-up leaves the cache as it found it, and every round replays."""
+    replays = []
+
+    def record(run, device, reset, pool):
+        run()
+        reset()
+        out = run()
+
+        class Replay:
+            def replay(self):
+                replays.append(1)
+                for target, value in zip(out, run()):
+                    target.copy_(value)
+
+        return Replay(), out
+
+    monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
+    ids, mask = _batch()
+    truth = _truth("kda+attention", 1)
+    drafter = TruthDrafter(truth, mask.sum(-1).tolist(), "random", seed=1)
+    got = speculative_generate(_named("kda+attention"), ids, drafter, num_tokens=4, max_new_tokens=NEW,
+                               attention_mask=mask, graphs=True)
+    assert torch.equal(got[:, ids.shape[1]:], truth)
+    assert replays
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [2, 4, 5])
+def test_captured_verify_round_equals_uncaptured_on_gpu(num_tokens):
+    """On CUDA, bf16: the round replayed from its CUDA graph gives the same tokens, counts and cache as the same
+    round run eagerly from the same cache (the same kernels on the same inputs: bit for bit)."""
+    torch.manual_seed(0)
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"],
+                       seed=0, **GPU_DIMS).to("cuda", torch.bfloat16)
+    ids, mask = _batch(seed=7)
+    ids, mask = ids.cuda(), mask.cuda()
+    device = torch.device("cuda")
+    results = []
+    for captured in (False, True):
+        cache = speculative_decoding.VerifyCache(model, 3, 40, device)
+        with torch.no_grad():
+            first = speculative_decoding.prefill(model, cache, ids, mask)
+            round_ = CapturedVerifyRound(model, cache, num_tokens) if captured else None
+            outputs = []
+            for r in range(3):
+                draft = torch.randint(2, 128, (3, num_tokens - 1), generator=torch.Generator().manual_seed(r))
+                step = torch.cat([first[:, None], draft.cuda()], dim=1)
+                live = torch.ones(3, dtype=torch.bool, device=device)
+                greedy, kept = (round_(step, live) if captured
+                                else speculative_decoding.verify_round(model, cache, step, live))
+                outputs += [greedy, kept]
+                first = greedy[torch.arange(3, device=device), kept - 1]
+        results.append((outputs, [t.clone() for t in cache.tensors()]))
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(*[torch.cat([o.flatten().float() for o in r[0]]) for r in results])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
+def test_captured_rounds_on_gpu_decode_each_row_as_alone(kernel, monkeypatch):
+    """On CUDA (fla's kernels, float32), rounds replayed from their CUDA graph, with either delta-rule kernel: each row
+    of the batch equals its plain greedy decoding alone (float32: the logits agree to ~1e-5, far below the random
+    model's gaps between its two largest logits)."""
+    monkeypatch.setattr(speculative_decoding, "SHORT_RULE_KERNEL", kernel)
+    model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"],
+                       seed=0, **GPU_DIMS).cuda()
+    ids, mask = _batch()
+    truth = _alone(model, ids.cuda(), mask.cuda())
+    drafter = TruthDrafter(truth.cpu(), mask.sum(-1).tolist(), "random", seed=2)
+    got = speculative_generate(model, ids.cuda(), drafter, num_tokens=4, max_new_tokens=NEW,
+                               attention_mask=mask.cuda(), graphs=True)
+    assert torch.equal(got[:, ids.shape[1]:], truth)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 0, speculative_decoding.MAX_VERIFY_TOKENS + 1, 2.5])
+def test_a_verify_width_out_of_range_is_refused_before_any_work(num_tokens):
+    model = _model(MODELS["gdn+attention"])  # (its own: a hook is added)
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match="num_tokens") as error:
+        speculative_generate(model, ids, RandomDrafter(), num_tokens=num_tokens, attention_mask=mask)
+    assert "\n" not in str(error.value) and not calls
+
+
+def test_a_drafter_of_another_vocabulary_is_refused_before_any_work():
+    model = _model(MODELS["gdn+attention"])
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: calls.append(1))
+    other = AssistantDrafter(tiny_model(["gated_deltanet"], vocab_size=64))
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match="vocabulary has 64 tokens and the model's 128") as error:
+        speculative_generate(model, ids, other, num_tokens=3, attention_mask=mask)
+    assert "\n" not in str(error.value) and not calls
+    holes = mask.clone()
+    holes[0, 4] = 0
+    for wrong in (mask.flip(-1), holes):
+        with pytest.raises(ValueError, match="padding on the left"):
+            speculative_generate(model, ids, RandomDrafter(), attention_mask=wrong)
+    with pytest.raises(TypeError, match="draft\\(sequences, count\\)"):
+        speculative_generate(model, ids, object(), attention_mask=mask)
+    assert not calls
+
+
+def test_a_draft_of_the_wrong_shape_or_tokens_is_refused_in_one_line():
+    model = _model(MODELS["gdn+attention"])
+    ids, mask = _batch()
+
+    class Short:
+        def draft(self, sequences, count):
+            return torch.zeros(len(sequences), count - 1, dtype=torch.long)
+
+    class Outside:
+        def draft(self, sequences, count):
+            return torch.full((len(sequences), count), 500)
+
+    for drafter, words in ((Short(), "must return integer token ids"), (Outside(), "outside the model's vocabulary")):
+        with pytest.raises(ValueError, match=words) as error:
+            speculative_generate(model, ids, drafter, num_tokens=3, attention_mask=mask)
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["kda+attention", "sliding"])  # (GDN, KDA, full and sliding attention between them)
+def test_generate_with_a_drafter_runs_a_batch(name):
+    """transformers' assisted generate refuses batches; this family's runs them (speculative_generate), and equals
+    plain batched greedy generate, with and without an end-of-sequence token (rows ended early padded, the columns
+    after every row ended cut, as generate does)."""
+    model = _named(name)
+    ids, mask = _batch()
+    settings = {"attention_mask": mask, "max_new_tokens": NEW, "do_sample": False, "pad_token_id": 0}
+    eos = int(_truth(name, 1)[0, 6])
+    with torch.no_grad():
+        for extra in ({}, {"eos_token_id": eos}):
+            plain = model.generate(ids, **settings, **extra)
+            assert torch.equal(model.generate(ids, **settings, **extra, prompt_lookup_num_tokens=3), plain)
+        if name == "sliding":  # (an assistant drafts with a generate per row and round: one model is enough)
+            small = _model(["gated_deltanet", "full_attention"], seed=3)
+            assert torch.equal(model.generate(ids, **settings, assistant_model=small, num_assistant_tokens=2),
+                               model.generate(ids, **settings))
+
+
+def test_generate_of_a_batch_refuses_what_it_does_not_take_in_one_line():
+    model = _named("gdn+attention")
+    ids, mask = _batch()
+    for extra, words in (({"do_sample": True}, "do_sample=True"),
+                         ({"repetition_penalty": 1.3}, "logits processors")):
+        with pytest.raises(ValueError, match=words) as error:
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, prompt_lookup_num_tokens=3,
+                           **extra)
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("layer_types", "extra"), [
+    (["kimi_delta_attention", "mla_attention"], {}),  # latent attention: its latent cached as keys, no values
+    (["gated_deltanet", "full_attention"], {"mlp_types": ["sparse_moe", "sparse_moe"]}),
+])
+def test_latent_attention_and_sparse_moe_models(layer_types, extra):
+    model = tiny_model(layer_types, seed=0, **extra).double()
+    ids, mask = _batch()
+    got = speculative_generate(model, ids, RandomDrafter(), num_tokens=3, max_new_tokens=8, attention_mask=mask)
+    assert torch.equal(got[:, ids.shape[1]:], _alone(model, ids, mask, new=8))
