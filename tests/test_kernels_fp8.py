@@ -1,0 +1,306 @@
+"""The block-scaled FP8 linear layers' Triton kernels (kernels_fp8_triton) and their dispatch (kernels_fp8): each form
+against float64, the dequantized weight bit for bit against the reference's, the experts' grouped product with empty
+experts and experts of several tiles, the dispatch's reshapes and fallbacks, and bad input refused in one line.
+
+The kernel tests run on a GPU, or on a CPU through triton's interpreter (`TRITON_INTERPRET=1` with triton on the
+path: `PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 pytest tests/test_kernels_fp8.py`), at tiny shapes with
+32 x 32 blocks and partial last blocks; the interpreter has no bfloat16 arithmetic, so bf16 runs only on a GPU
+(`test_gpu_real_shapes`, at Qwen3-Next's shapes and 128 x 128 blocks).
+
+Tolerances, from the float64 product of the exact real weight W = W_fp8 * scale_inv (an e4m3 value times a float32
+scale is exact in float64), with S = sum_k |x_k W_k| (+ |b|) per output:
+- float32 sums of K exact products (bf16/fp16 x times the e4m3 value, or fp32 products), each scaled once more in
+  float32: at most (K + 2) 2^-24 S;
+- the output rounded once to x's dtype: u |y|, u its unit roundoff (fp32 2^-24, fp16 2^-11, bf16 2^-8);
+- "dequantized_dot" rounds W to x's dtype as the reference does, so it is compared with the float64 product of the
+  reference's rounded weight (`dequantize_block_fp8(..., x.dtype)`), with the same bound, and that weight is checked
+  bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from model_helpers import runs_triton_kernels
+
+from hybrid_linear_models import kernels_fp8
+from hybrid_linear_models.kernels_fp8 import (
+    block_fp8_grouped_linear,
+    block_fp8_linear,
+    dequantize_block_fp8,
+    triton_applies,
+)
+
+UNIT = {torch.float32: 2 ** -24, torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(out: int, inp: int, block: tuple[int, int], experts: int | None = None, seed: int = 0):
+    """An e4m3 weight spanning e4m3's range (±448 and subnormals) and float32 scales of unit-size outputs."""
+    g = torch.Generator().manual_seed(seed)
+    lead = () if experts is None else (experts,)
+    w = (torch.randn(*lead, out, inp, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    blocks = (-(-out // block[0]), -(-inp // block[1]))
+    scale = (torch.rand(*lead, *blocks, generator=g) + 0.5) / (64 * inp ** 0.5)
+    return w.to(DEVICE), scale.to(DEVICE)
+
+
+def _x(rows: int, inp: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(rows, inp, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _assert_within(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str):
+    """got against x @ w.T (+ bias) in float64 (w the weight the form multiplies), the module docstring's bound."""
+    exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+    sizes = x.double().abs() @ w.double().abs().T + (bias.double().abs() if bias is not None else 0)
+    bound = (x.shape[-1] + 2) * 2 ** -24 * sizes + UNIT[x.dtype] * exact.abs()
+    assert got.dtype == x.dtype and got.shape == exact.shape, what
+    excess = (got.double() - exact).abs() - bound
+    assert (excess <= 0).all(), f"{what}: off by {excess.max().item():.3g} beyond the bound"
+
+
+def _skip_bf16_on_interpreter(dtype: torch.dtype):
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter has no bfloat16 arithmetic")
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form, rows, config", [
+    ("one_row", 1, (4, 16)), ("one_row", 1, (16, 64)),  # slices within a block column / over two
+    ("one_row", 1, (64, 16)),  # BLOCK_N not dividing the block's rows: per-element scales
+    ("scaled_dot", 5, (16, 16)), ("scaled_dot", 16, (32, 32)),
+    ("dequantized_dot", 40, (16, 16)), ("dequantized_dot", 40, (32, 64)),  # slices over two block columns
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_form_against_float64(dtype, form, rows, config, bias):
+    """out 70 and in 100 with 32 x 32 blocks: partial last blocks both ways; configurations whose BLOCK_N does and
+    does not divide the block's rows, slices within one block column and across two."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import fp8_linear
+
+    block = (32, 32)
+    w, scale = _weight(70, 100, block)
+    x = _x(rows, 100, dtype)
+    b = torch.randn(70, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype) if bias else None
+    got = fp8_linear(x, w, scale, block, b, form=form, config=config)
+    weight = dequantize_block_fp8(w, scale, block, dtype if form == "dequantized_dot" else torch.float64)
+    _assert_within(got, x, weight, b, f"{form} {config}")
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_the_dequantized_weight_is_the_references_bit_for_bit(dtype):
+    """x = the identity: each output is one weight times 1, so "dequantized_dot" returns its weight, which must be the
+    reference's (float32's product w * s rounded to the dtype) in every element, whichever way the slices meet the
+    block columns. (A weight computed in the dtype, scale rounded first, differs in about one element in seven.)"""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import fp8_linear
+
+    block = (32, 32)
+    w, scale = _weight(72, 100, block, seed=5)
+    expected = dequantize_block_fp8(w, scale, block, dtype)
+    eye = torch.eye(100, dtype=dtype, device=DEVICE)
+    for config in ((16, 16), (16, 64)):  # a slice within a block column, one across two (per-element scales)
+        got = fp8_linear(eye, w, scale, block, form="dequantized_dot", config=config)
+        assert torch.equal(got.T, expected), config
+
+
+def _routing(counts: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0).to(DEVICE, dtype)
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["scaled_dot", "dequantized_dot"])
+@pytest.mark.parametrize("counts", [[0, 3, 0, 1, 2, 0], [0, 35, 0, 5], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0]],
+                         ids=["empty-first-and-last", "several-tiles", "one-each", "all-empty"])
+def test_grouped_against_float64(dtype, form, counts):
+    """Each expert's rows against its weight (float64), whichever tile and program serves them; empty experts (first,
+    last, all) get no rows; an expert of 35 rows spans three 16-row tiles; two rows past offsets[-1] belong to no
+    expert; int32 and int64 offsets."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import fp8_grouped_linear
+
+    block = (32, 32)
+    experts, total = len(counts), sum(counts)
+    w, scale = _weight(40, 72, block, experts=experts, seed=3)
+    x = _x(total + 2, 72, dtype, seed=4)  # two rows past the last expert's
+    for offsets_dtype in (torch.int32, torch.int64):
+        got = fp8_grouped_linear(x, w, scale, _routing(counts, offsets_dtype), block, form=form, config=(16, 16))
+        assert got.shape == (total + 2, 40)
+        start = 0
+        for expert, count in enumerate(counts):
+            rounded = dtype if form == "dequantized_dot" else torch.float64
+            weight = dequantize_block_fp8(w[expert], scale[expert], block, rounded)
+            _assert_within(got[start:start + count], x[start:start + count], weight, None, f"expert {expert}")
+            start += count
+
+
+@pytest.fixture
+def on_the_cpu(monkeypatch):
+    """The dispatch taking CPU tensors to the kernels (run by triton's interpreter), with its failure record empty."""
+    monkeypatch.setattr(kernels_fp8, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels_fp8, "_FAILED", {})
+
+
+@runs_triton_kernels
+def test_the_dispatch_runs_the_kernel_on_any_layout_of_x(on_the_cpu):
+    """1-D, 3-D and non-contiguous x go through the kernel (not the reference) and come back in x's shape."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU dispatch through triton's interpreter")
+    block = (32, 32)
+    w, scale = _weight(40, 64, block)
+    calls = []
+    from hybrid_linear_models.kernels_fp8_triton import fp8_linear
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return fp8_linear(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels_fp8, "fp8_linear_kernel", lambda: counted)
+        wide = _x(3, 128, torch.float16).view(3, 2, 64)
+        for x in (_x(1, 64, torch.float16)[0], _x(6, 64, torch.float16).view(2, 3, 64), wide[:, 1, :],
+                  _x(64, 2, torch.float16).T):
+            got = block_fp8_linear(x, w, scale, block)
+            assert got.shape == (*x.shape[:-1], 40)
+            flat = x.reshape(-1, 64)
+            _assert_within(got.reshape(-1, 40), flat, dequantize_block_fp8(w, scale, block, torch.float64), None,
+                           str(tuple(x.shape)))
+    assert calls == [(1, 64), (6, 64), (3, 64), (2, 64)]
+
+
+def test_the_cpu_runs_the_reference_exactly():
+    block = (32, 32)
+    w, scale = _weight(40, 64, block)
+    w, scale = w.cpu(), scale.cpu()
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    assert not triton_applies(x, w, scale, None)
+    expected = F.linear(x, dequantize_block_fp8(w, scale, block, torch.bfloat16))
+    assert torch.equal(block_fp8_linear(x, w, scale, block), expected)
+
+
+def test_the_kernel_is_not_taken_where_it_does_not_serve(on_the_cpu, monkeypatch):
+    """A gradient wanted for x, a weight in another dtype, float64 x, a bias of another dtype: the reference."""
+    monkeypatch.setattr(kernels_fp8, "fp8_linear_kernel", lambda: object())
+    block = (32, 32)
+    w, scale = _weight(40, 64, block)
+    w, scale = w.cpu(), scale.cpu()
+    x = torch.randn(2, 64, dtype=torch.float16)
+    assert triton_applies(x, w, scale, None)
+    assert not triton_applies(x.requires_grad_(), w, scale, None)
+    x = x.detach()
+    assert not triton_applies(x, w.to(torch.float8_e5m2), scale, None)
+    assert not triton_applies(x.double(), w, scale, None)
+    assert not triton_applies(x, w, scale, torch.zeros(40))
+    assert triton_applies(x, w, scale, torch.zeros(40, dtype=torch.float16))
+
+
+def test_a_kernel_that_fails_leaves_the_reference_with_one_warning(on_the_cpu, monkeypatch, caplog):
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(kernels_fp8, "fp8_linear_kernel", lambda: failing)
+    monkeypatch.setattr(kernels_fp8, "_has_e4m3", lambda device: True)
+    block = (32, 32)
+    w, scale = _weight(40, 64, block)
+    w, scale = w.cpu(), scale.cpu()
+    x = torch.randn(2, 64, dtype=torch.float16)
+    expected = F.linear(x, dequantize_block_fp8(w, scale, block, torch.float16))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert torch.equal(block_fp8_linear(x, w, scale, block), expected)
+    assert len(tries) == 1
+    assert sum("FP8 Triton kernel failed" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda w, s, x: block_fp8_linear(x[:, :60], w, s, (32, 32)), "takes 64 inputs, x has 60"),
+    (lambda w, s, x: block_fp8_linear(x, w, s[:, :1], (32, 32)), r"expected \(2, 2\), one scale per block"),
+    (lambda w, s, x: block_fp8_linear(x, w, s, (32, 0)), "two positive integers"),
+    (lambda w, s, x: block_fp8_linear(x, w[None], s[None], (32, 32)), "expected 2 dimensions"),
+    (lambda w, s, x: block_fp8_grouped_linear(x, w, s, torch.tensor([2]), (32, 32)), "expected 3 dimensions"),
+    (lambda w, s, x: block_fp8_grouped_linear(x, w[None], s[None], torch.tensor([1, 2]), (32, 32)),
+     "one int32/int64 end per expert"),
+    (lambda w, s, x: block_fp8_grouped_linear(x, w[None], s[None], torch.tensor([2.0]), (32, 32)),
+     "one int32/int64 end per expert"),
+])
+def test_bad_input_is_refused_in_one_line(call, message):
+    w, scale = _weight(40, 64, (32, 32))
+    with pytest.raises(ValueError, match=message) as error:
+        call(w.cpu(), scale.cpu(), torch.randn(2, 64))
+    assert "\n" not in str(error.value)
+
+
+# Qwen3-Next-80B-A3B's products (out, in): hidden 2048; GDN in_proj_qkvz 12288 and in_proj_ba 64 (a partial block),
+# out_proj 2048 x 4096; the gated attention's q 8192 and k/v 512; an expert's gate+up 1024 x 2048 and down 2048 x 512
+QWEN3_NEXT_SHAPES = [(12288, 2048), (64, 2048), (2048, 4096), (8192, 2048), (512, 2048), (2048, 512)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", QWEN3_NEXT_SHAPES, ids=[f"{o}x{i}" for o, i in QWEN3_NEXT_SHAPES])
+@pytest.mark.parametrize("rows", [1, 7, 16, 300])
+def test_gpu_real_shapes(dtype, shape, rows):
+    """block_fp8_linear on CUDA (the autotuned kernel of each row count's form) at Qwen3-Next's shapes with 128 x 128
+    blocks, against float64 (the module docstring's bound; dequantized_dot, from 17 rows, against the reference's
+    rounded weight)."""
+    out, inp = shape
+    block = (128, 128)
+    w, scale = _weight(out, inp, block, seed=out + inp)
+    x = _x(rows, inp, dtype)
+    assert triton_applies(x, w, scale, None)
+    with torch.no_grad():
+        got = block_fp8_linear(x, w, scale, block)
+    assert not kernels_fp8._FAILED
+    rounded = dtype if rows > 16 else torch.float64
+    _assert_within(got, x, dequantize_block_fp8(w, scale, block, rounded), None, f"{rows} rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 16, 512])
+def test_gpu_experts_captured_in_a_graph(dtype, tokens):
+    """512 experts (an expert's gate+up, 1024 x 2048), top-10 routing of `tokens` tokens: block_fp8_grouped_linear
+    captured once in a CUDA graph, then replayed with other routings written into the same offsets and rows (no host
+    synchronization: the graph reads them on the device), each replay against float64 per expert."""
+    experts, top_k, block = 512, 10, (128, 128)
+    w, scale = _weight(1024, 2048, block, experts=experts, seed=11)
+    g = torch.Generator().manual_seed(12)
+
+    def routing():
+        chosen = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).flatten()
+        counts = torch.bincount(chosen, minlength=experts)
+        return counts, torch.randn(tokens * top_k, 2048, generator=g).to(dtype)
+
+    counts, rows = routing()
+    offsets = counts.cumsum(0).to(DEVICE, torch.int32)
+    x = rows.to(DEVICE)
+    with torch.no_grad():
+        block_fp8_grouped_linear(x, w, scale, offsets, block)  # autotunes, outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = block_fp8_grouped_linear(x, w, scale, offsets, block)
+    for _ in range(2):
+        counts, rows = routing()
+        offsets.copy_(counts.cumsum(0))
+        x.copy_(rows)
+        graph.replay()
+        torch.cuda.synchronize()
+        rounded = torch.float64 if tokens * top_k <= 16 * experts else dtype
+        start = 0
+        for expert in counts.nonzero().flatten().tolist():
+            count = int(counts[expert])
+            weight = dequantize_block_fp8(w[expert], scale[expert], block, rounded)
+            _assert_within(y[start:start + count], x[start:start + count], weight, None, f"expert {expert}")
+            start += count
