@@ -7,8 +7,9 @@ so the FP8 weight is read once per row tile and nothing else is written:
 - "one_row" (one row of x: batch-1 decoding, a GEMV): elementwise products in a [BLOCK_N, BLOCK_K] float32 tile,
   summed over K once at the end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight spreads over
   hundreds of programs, whose loads together keep enough bytes in flight to approach the memory bandwidth (the bytes
-  read are out x in FP8 plus the scales). Each slice's scales multiply x's slice (a [BLOCK_K] vector shared by the
-  tile's rows when BLOCK_N divides BN), so a weight element costs one conversion and one fused multiply-add.
+  read are out x in FP8 plus the scales). Each slice's scales multiply x's slice (one scale where the slice lies in
+  one block, a [BLOCK_K] vector shared by the tile's rows where BLOCK_N divides BN), so a weight element costs one
+  conversion and one fused multiply-add.
 - "scaled_dot" (up to 16 rows: decoding, and the experts of a decoding step): rows padded to BLOCK_M, each K slice
   inside one block column (BK a multiple of BLOCK_K), the FP8 slice converted to x's dtype (exact: e4m3's 4
   significant bits and exponents fit bf16 and fp16) and multiplied on the tensor cores, the [BLOCK_M, BLOCK_N] float32
@@ -91,7 +92,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
             w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0).to(tl.float32)
             x = tl.sum(tl.load(x_rows + ks[None, :], mask=live_rows[:, None] & live_k[None, :], other=0.0)
                        .to(tl.float32), axis=0)  # [BLOCK_K] (BLOCK_M is 1)
-            if BN % BLOCK_N == 0:  # the tile's rows share one row of scales: scale x's slice once
+            if BN % BLOCK_N == 0 and BK % BLOCK_K == 0:  # the slice lies in one block: one scale
+                s = tl.load(s_ptr + (tl.program_id(1) * BLOCK_N // BN) * stride_sn + (start // BK) * stride_sk)
+                products += w * (x * s)[None, :]
+            elif BN % BLOCK_N == 0:  # the tile's rows share one row of scales: scale x's slice once
                 s = tl.load(s_ptr + (tl.program_id(1) * BLOCK_N // BN) * stride_sn + (ks // BK) * stride_sk,
                             mask=live_k, other=0.0)
                 products += w * (x * s)[None, :]
@@ -128,7 +132,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
 # (BLOCK_N, BLOCK_K, warps, stages) per form; each compiles on first use, in the warm-up (about a second each)
 _CONFIGS = {
     "one_row": [(2, 1024, 4, 1), (2, 512, 4, 2), (4, 512, 4, 2), (4, 256, 4, 3), (8, 256, 4, 3), (8, 512, 8, 2),
-                (16, 128, 4, 4), (16, 256, 8, 3)],
+                (16, 256, 8, 3), (4, 128, 2, 4), (8, 128, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3)],
     "scaled_dot": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 64, 4, 6), (32, 64, 4, 5),
                    (128, 128, 8, 3)],
     "dequantized_dot": [(128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3), (128, 32, 4, 5),

@@ -70,7 +70,7 @@ def _skip_bf16_on_interpreter(dtype: torch.dtype):
 @runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form, rows, config", [
-    ("one_row", 1, (4, 16)), ("one_row", 1, (16, 64)),  # slices within a block column / over two
+    ("one_row", 1, (4, 16)), ("one_row", 1, (16, 64)),  # a slice within one block / over two block columns
     ("one_row", 1, (64, 16)),  # BLOCK_N not dividing the block's rows: per-element scales
     ("scaled_dot", 5, (16, 16)), ("scaled_dot", 16, (32, 32)),
     ("dequantized_dot", 40, (16, 16)), ("dequantized_dot", 40, (32, 64)),  # slices over two block columns
