@@ -58,7 +58,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
                        GROUPED: tl.constexpr,
                        E_POW2: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tile = tl.program_id(0)
+    tile = tl.program_id(1)  # (output columns on axis 0, whose grid may exceed axis 1's 65,535 programs)
     if GROUPED:  # which expert's rows this tile is (see the module docstring)
         experts = tl.arange(0, E_POW2)
         ends = tl.load(offsets_ptr + experts, mask=experts < E, other=0).to(tl.int32)
@@ -79,7 +79,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
         row_end = M
     rows = row_start + tl.arange(0, BLOCK_M)
     live_rows = rows < row_end
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live_cols = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -93,10 +93,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
             x = tl.sum(tl.load(x_rows + ks[None, :], mask=live_rows[:, None] & live_k[None, :], other=0.0)
                        .to(tl.float32), axis=0)  # [BLOCK_K] (BLOCK_M is 1)
             if BN % BLOCK_N == 0 and BK % BLOCK_K == 0:  # the slice lies in one block: one scale
-                s = tl.load(s_ptr + (tl.program_id(1) * BLOCK_N // BN) * stride_sn + (start // BK) * stride_sk)
+                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (start // BK) * stride_sk)
                 products += w * (x * s)[None, :]
             elif BN % BLOCK_N == 0:  # the tile's rows share one row of scales: scale x's slice once
-                s = tl.load(s_ptr + (tl.program_id(1) * BLOCK_N // BN) * stride_sn + (ks // BK) * stride_sk,
+                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (ks // BK) * stride_sk,
                             mask=live_k, other=0.0)
                 products += w * (x * s)[None, :]
             else:
@@ -199,10 +199,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
         if not _fits(form, *config, block[1]):
             raise ValueError(f"FP8 kernel: a {form} slice of {config[1]} columns must divide the block's {block[1]} "
                              "columns; pick a BLOCK_K dividing it")
-        _fp8_linear_kernel[(tiles, triton.cdiv(out, config[0]))](*args, **flags, BLOCK_N=config[0],
+        _fp8_linear_kernel[(triton.cdiv(out, config[0]), tiles)](*args, **flags, BLOCK_N=config[0],
                                                                   BLOCK_K=config[1])
     else:
-        _TUNED[form][lambda meta: (tiles, triton.cdiv(out, meta["BLOCK_N"]))](*args, **flags)
+        _TUNED[form][lambda meta: (triton.cdiv(out, meta["BLOCK_N"]), tiles)](*args, **flags)
     return y
 
 
