@@ -79,13 +79,13 @@ def _skip_bf16_on_interpreter(dtype: torch.dtype):
     ("dequantized_dot", 40, (16, 16)), ("dequantized_dot", 40, (32, 64)),  # slices over two block columns
 ])
 @pytest.mark.parametrize("bias", [False, True])
-def test_each_form_against_float64(dtype, form, rows, config, bias):
-    """out 70 and in 100 with 32 x 32 blocks: partial last blocks both ways; configurations whose BLOCK_N does and
-    does not divide the block's rows, slices within one block column and across two."""
+@pytest.mark.parametrize("block", [(32, 32), (16, 32)])
+def test_each_form_against_float64(dtype, form, rows, config, bias, block):
+    """out 70 and in 100 in 32 x 32 and 16 x 32 blocks: partial last blocks both ways; configurations whose BLOCK_N
+    does and does not divide the block's rows, slices within one block column and across two."""
     _skip_bf16_on_interpreter(dtype)
     from hybrid_linear_models.kernels_fp8_triton import fp8_linear
 
-    block = (32, 32)
     w, scale = _weight(70, 100, block)
     x = _x(rows, 100, dtype)
     b = torch.randn(70, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype) if bias else None
@@ -122,13 +122,13 @@ def _routing(counts: list[int], dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("counts", [[0, 3, 0, 1, 2, 0], [0, 35, 0, 5], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0]],
                          ids=["empty-first-and-last", "several-tiles", "one-each", "all-empty"])
 def test_grouped_against_float64(dtype, form, counts):
-    """Each expert's rows against its weight (float64), whichever tile and program serves them; empty experts (first,
-    last, all) get no rows; an expert of 35 rows spans three 16-row tiles; two rows past offsets[-1] belong to no
-    expert; int32 and int64 offsets."""
+    """Each expert's rows against its weight (float64, 32 x 16 blocks), whichever tile and program serves them; empty
+    experts (first, last, all) get no rows; an expert of 35 rows spans three 16-row tiles; two rows past offsets[-1]
+    belong to no expert; int32 and int64 offsets."""
     _skip_bf16_on_interpreter(dtype)
     from hybrid_linear_models.kernels_fp8_triton import fp8_grouped_linear
 
-    block = (32, 32)
+    block = (32, 16)
     experts, total = len(counts), sum(counts)
     w, scale = _weight(40, 72, block, experts=experts, seed=3)
     x = _x(total + 2, 72, dtype, seed=4)  # two rows past the last expert's
