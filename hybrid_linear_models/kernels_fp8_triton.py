@@ -90,8 +90,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
             ks = start + tl.arange(0, BLOCK_K)
             live_k = ks < K
             w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0).to(tl.float32)
-            x = tl.sum(tl.load(x_rows + ks[None, :], mask=live_rows[:, None] & live_k[None, :], other=0.0)
-                       .to(tl.float32), axis=0)  # [BLOCK_K] (BLOCK_M is 1)
+            x = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + ks, mask=live_k & (row_start < row_end),
+                        other=0.0).to(tl.float32)  # (BLOCK_M is 1)
             if BN % BLOCK_N == 0 and BK % BLOCK_K == 0:  # the slice lies in one block: one scale
                 s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (start // BK) * stride_sk)
                 products += w * (x * s)[None, :]
