@@ -1,6 +1,8 @@
 """The block-scaled FP8 linear layers' Triton kernels (kernels_fp8_triton) and their dispatch (kernels_fp8): each form
 against float64, the dequantized weight bit for bit against the reference's, the experts' grouped product with empty
-experts and experts of several tiles, the dispatch's reshapes and fallbacks, and bad input refused in one line.
+experts and experts of several tiles, the dispatch's reshapes and fallbacks, bad input refused in one line, and
+(slow, with triton's NVIDIA backend, no GPU needed) every autotuning configuration compiled for an H200 without
+spilling (`fp8_kernel_compile.py`).
 
 The kernel tests run on a GPU, or on a CPU through triton's interpreter (`TRITON_INTERPRET=1` with triton on the
 path: `PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 pytest tests/test_kernels_fp8.py`), at tiny shapes with
@@ -21,7 +23,13 @@ scale is exact in float64), with S = sum_k |x_k W_k| (+ |b|) per output:
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,6 +248,35 @@ def test_bad_input_is_refused_in_one_line(call, message):
     with pytest.raises(ValueError, match=message) as error:
         call(w.cpu(), scale.cpu(), torch.randn(2, 64))
     assert "\n" not in str(error.value)
+
+
+def _ptxas() -> Path | None:
+    """triton's ptxas, where triton (with its NVIDIA backend) is installed; found without importing triton."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "bin" / "ptxas"
+    return path if path.is_file() else None
+
+
+SHARED_MEMORY_PER_BLOCK = 227 * 1024  # Hopper's most shared memory per block
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_ptxas() is None, reason="needs triton with its NVIDIA backend (ptxas)")
+def test_every_configuration_compiles_for_an_h200_without_spilling():
+    """tests/fp8_kernel_compile.py compiles every autotuning configuration of every form for sm_90 with no GPU (its
+    own process: not triton's interpreter): each must compile, spill nothing (no stack frame) and fit Hopper's shared
+    memory, so the autotuner on an H200 has every configuration to choose from and none runs from local memory."""
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "fp8_kernel_compile.py")], env=environment,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {(r["form"], r["grouped"]) for r in results} == {("one_row", False), ("scaled_dot", False),
+                                                            ("scaled_dot", True), ("dequantized_dot", False),
+                                                            ("dequantized_dot", True)}
+    assert [r for r in results if r["stack"] or r["shared"] > SHARED_MEMORY_PER_BLOCK] == []
 
 
 # Qwen3-Next-80B-A3B's products (out, in): hidden 2048; GDN in_proj_qkvz 12288 and in_proj_ba 64 (a partial block),
