@@ -4,6 +4,8 @@ weight, at Qwen3-Next-80B-A3B's shapes (the released FP8 build: e4m3 weights, on
 For each weight shape and row count this times CUDA-graph replays (no launch overhead in the figures) of:
 - fp8: `kernels_fp8.block_fp8_linear` / `block_fp8_grouped_linear` (the Triton kernels, autotuned first: one row
   "one_row", up to 16 rows "scaled_dot", more "dequantized_dot"; the experts one launch, the offsets on the device);
+- fp8xfp8 (prefill rows): the same kernel's "fp8_dot" form, x quantized per 1 x 128 (timed with it) and FP8 tensor
+  cores (behind `kernels_fp8.QUANTIZE_ACTIVATIONS`, off by default: not the reference's numbers);
 - bf16: F.linear (cuBLAS) on the dequantized bf16 weight, or for the experts torch's grouped_mm on it (what a bf16
   checkpoint runs: twice the weight bytes);
 - deq+bf16: the FP8 weight dequantized by torch ops, then F.linear (dense shapes: the other way to run FP8 weights
@@ -179,8 +181,16 @@ def main() -> None:
     )
 
     probe = fp8_weight((128, 128), device)
+    fp8_dot = None  # the kernels' FP8 x FP8 form (x quantized per 1 x 128), called directly (its switch is off)
     if not triton_applies(torch.zeros(1, 128, device=device, dtype=dtype), *probe, None):
         print("the Triton kernels: skipped, they run on CUDA tensors only (fp8 is the dequantizing reference here)")
+    else:
+        from hybrid_linear_models.kernels_fp8_triton import (
+            fp8_grouped_linear,
+            fp8_linear,
+        )
+
+        fp8_dot = (fp8_linear, fp8_grouped_linear)
     print(f"{'weight':22s} {'out x in':>11s} {'rows':>6s} {'fp8 us':>9s} {'GB/s':>7s} {'share':>6s} {'TFLOP/s':>7s}  "
           f"{'other forms: us (x fp8)':36s} fp8 form")
     reasons = {}
@@ -202,10 +212,16 @@ def main() -> None:
                 forms["fp8"] = [lambda w=w, s=s, x=x, o=offsets: block_fp8_grouped_linear(x, w, s, o, BLOCK)
                                 for w, s in weights]
                 forms["bf16"] = [lambda d=d, x=x, o=offsets: _grouped_mm(x, d.transpose(1, 2), o) for d in dense]
+                if fp8_dot is not None and rows > 16 * experts:
+                    forms["fp8xfp8"] = [lambda w=w, s=s, x=x, o=offsets: fp8_dot[1](x, w, s, o, BLOCK, form="fp8_dot")
+                                        for w, s in weights]
             else:
                 forms["fp8"] = [lambda w=w, s=s, x=x: block_fp8_linear(x, w, s, BLOCK) for w, s in weights]
                 forms["bf16"] = [lambda d=d, x=x: F.linear(x, d) for d in dense]
                 forms["deq+bf16"] = [lambda w=w, s=s, x=x: F.linear(x, dequantized(w, s, dtype)) for w, s in weights]
+                if fp8_dot is not None and rows > 16:
+                    forms["fp8xfp8"] = [lambda w=w, s=s, x=x: fp8_dot[0](x, w, s, BLOCK, form="fp8_dot")
+                                        for w, s in weights]
                 for label, make in (("scaled_mm", scaled_mm_form), ("transformers", transformers_form)):
                     if label in reasons:  # failed once: not tried again
                         continue

@@ -19,6 +19,13 @@ so the FP8 weight is read once per row tile and nothing else is written:
   for bit), then one tl.dot accumulating in float32: the reference's product up to the order of the float32 sums.
 In "one_row" and "scaled_dot" the weight is not rounded to x's dtype, so those results differ from the reference's by
 its weight rounding (the real weight's product in float32 is the closer one).
+- "fp8_dot" (prefill, only behind the switch `kernels_fp8.QUANTIZE_ACTIVATIONS`, off by default): x quantized to
+  e4m3 per row and block column as DeepSeek and vLLM do (`quantize_activations`: scale = max |x| / 448 per 1 x BK
+  group, q = x / scale rounded to e4m3, one small kernel), then FP8 x FP8 tensor cores per K slice inside one block
+  column, each slice's float32 product scaled by its row's and its column's scales. Not the reference's product:
+  each x_k becomes q_k s with |q_k s - x_k| <= 2^-4 |x_k| + 2^-10 s (e4m3's 3 fraction bits; half its subnormal
+  spacing 2^-9), so |y~ - y| <= sum_k |W_k| (2^-4 |x_k| + 2^-10 s), plus the tensor cores' FP8 sums of each slice
+  (Hopper keeps about 14 significant bits of them) and float32's; tests/test_kernels_fp8.py checks both parts.
 
 The experts (`fp8_grouped_linear`): rows sorted by expert, `offsets` [E] the cumulative end row of each expert (torch's
 grouped_mm convention), W [E, out, in]. One launch for all experts, with no host synchronization (the offsets stay on
@@ -46,14 +53,14 @@ except ImportError as error:
     raise ImportError("the FP8 Triton kernels need triton (a CUDA machine); FP8 linear layers then dequantize the "
                       "weight and run F.linear") from error
 
-FORMS = ("one_row", "scaled_dot", "dequantized_dot")
+FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
-                       stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M, N, E,
+                       stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
                        K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GROUPED: tl.constexpr,
                        E_POW2: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr,
@@ -114,6 +121,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
             if FORM == 1:  # scaled_dot: the slice lies in one block column; its product scaled per output column
                 s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
+            elif FORM == 3:  # fp8_dot: x quantized per row and block column, both scales applied to the product
+                s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
+                xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + start // BK, mask=live_rows, other=0.0)
+                acc += tl.dot(x, tl.trans(w)) * xs[:, None] * s[None, :]
             else:  # dequantized_dot: the weight rounded to x's dtype, as the reference's
                 if BK % BLOCK_K == 0:
                     s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols,
@@ -129,23 +140,54 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, M, N, E,
              mask=live_rows[:, None] & live_cols[None, :])
 
 
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm, BK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One row's BK columns of x (program (row, block column)): scale = max |x| / 448 (1 for a zero group), q =
+    x / scale rounded to e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    ks = tl.program_id(1) * BK + offsets
+    live = (offsets < BK) & (ks < K)
+    x = tl.load(x_ptr + row * stride_xm + ks, mask=live, other=0.0).to(tl.float32)
+    largest = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(largest > 0, largest / 448.0, 1.0)
+    tl.store(q_ptr + row * stride_qm + ks, (x / scale).to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(scale_ptr + row * stride_sm + tl.program_id(1), scale)
+
+
+def quantize_activations(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride along K) in e4m3 per row and `bk` columns: (q [M, K] float8_e4m3fn, scales [M,
+    ceil(K / bk)] float32), x ~ q * scale (DeepSeek's 1 x 128 activation scaling for `fp8_dot`)."""
+    rows, inp = x.shape
+    q = torch.empty(rows, inp, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(rows, triton.cdiv(inp, bk), device=x.device, dtype=torch.float32)
+    if q.numel():
+        _quantize_kernel[(rows, scales.shape[1])](x, q, scales, inp, x.stride(0), q.stride(0), scales.stride(0),
+                                                  BK=bk, BLOCK=triton.next_power_of_2(bk))
+    return q, scales
+
+
 # (BLOCK_N, BLOCK_K, warps, stages) per form; each compiles on first use, in the warm-up (about a second each)
 _CONFIGS = {
     "one_row": [(2, 1024, 4, 1), (2, 512, 4, 2), (4, 512, 4, 2), (4, 256, 4, 3), (8, 256, 4, 3), (8, 512, 8, 2),
                 (16, 256, 8, 3), (4, 128, 2, 4), (8, 128, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3)],
     "scaled_dot": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 64, 4, 6), (32, 64, 4, 5),
                    (128, 128, 8, 3)],
+    "fp8_dot": [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (64, 128, 4, 4), (64, 256, 8, 3),
+                (64, 64, 4, 5)],
     "dequantized_dot": [(128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3), (128, 32, 4, 5),
                         (64, 128, 4, 3)],
 }
 # the configuration triton's interpreter runs (tests on CPUs: no timing); tiny, so the interpreter takes seconds
-_INTERPRETED_CONFIG = {"one_row": (4, 16), "scaled_dot": (16, 16), "dequantized_dot": (16, 16)}
+_INTERPRETED_CONFIG = {"one_row": (4, 16), "scaled_dot": (16, 16), "dequantized_dot": (16, 16), "fp8_dot": (16, 32)}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _fits(form: str, block_n: int, block_k: int, bk: int) -> bool:
-    """Whether a configuration serves a form for block columns of `bk`: a scaled_dot slice lies in one block column."""
-    return form != "scaled_dot" or bk % block_k == 0
+    """Whether a configuration serves a form for block columns of `bk`: a scaled_dot or fp8_dot slice lies in one
+    block column."""
+    return form not in ("scaled_dot", "fp8_dot") or bk % block_k == 0
 
 
 def _pruned(configs: list, named_args: dict, **kwargs) -> list:
@@ -183,16 +225,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
     y = torch.empty(rows, out, device=x.device, dtype=x.dtype)
     if rows == 0 or out == 0:
         return y
+    x_scales = scale_inv  # (unread but by fp8_dot)
+    if form == "fp8_dot":
+        x, x_scales = quantize_activations(x, block[1])
     grouped = offsets is not None
     experts = weight.shape[0] if grouped else 1
     tiles = triton.cdiv(rows, block_m) + (min(experts, rows) if grouped else 0)
     args = (x, weight, scale_inv, bias if bias is not None else scale_inv, y,
-            offsets if grouped else scale_inv, rows, out, experts, x.stride(0),
+            offsets if grouped else scale_inv, x_scales, rows, out, experts, x.stride(0), x_scales.stride(0),
             weight.stride(0) if grouped else 0, weight.stride(-2),
             scale_inv.stride(0) if grouped else 0, scale_inv.stride(-2), scale_inv.stride(-1), y.stride(0))
     flags = {"K": inp, "BN": block[0], "BK": block[1], "HAS_BIAS": bias is not None, "GROUPED": grouped,
              "E_POW2": triton.next_power_of_2(experts), "FORM": _FORM_IDS[form],
-             "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32", "BLOCK_M": block_m}
+             "PRECISION": "ieee" if y.dtype == torch.float32 else "tf32", "BLOCK_M": block_m}
     if config is None and _INTERPRETED:
         config = _INTERPRETED_CONFIG[form]
     if config is not None:
@@ -211,11 +256,14 @@ def _scaled_dot_serves(bk: int) -> bool:
     return bk % 16 == 0
 
 
-def linear_form(rows: int, bk: int) -> str:
-    """The form a dense product of `rows` rows of x takes (see the module docstring)."""
+def linear_form(rows: int, bk: int, quantize_activations: bool = False) -> str:
+    """The form a dense product of `rows` rows of x takes (see the module docstring); past DECODING_ROWS with
+    `quantize_activations`, "fp8_dot" (where the block's columns take its K slices of 32, FP8 tl.dot's least)."""
     if rows == 1:
         return "one_row"
-    return "scaled_dot" if rows <= DECODING_ROWS and _scaled_dot_serves(bk) else "dequantized_dot"
+    if rows <= DECODING_ROWS and _scaled_dot_serves(bk):
+        return "scaled_dot"
+    return "fp8_dot" if quantize_activations and bk % 32 == 0 else "dequantized_dot"
 
 
 def _tile_rows(rows: int) -> int:
@@ -224,13 +272,14 @@ def _tile_rows(rows: int) -> int:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-               bias: torch.Tensor | None = None, form: str | None = None,
-               config: tuple[int, int] | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, form: str | None = None, config: tuple[int, int] | None = None,
+               quantize_activations: bool = False) -> torch.Tensor:
     """x [M, in] (unit stride along in; bf16, fp16 or fp32) @ W.T (+ bias) in x's dtype, W (out, in) the real weight of
     FP8 `weight` (unit stride along in) and float32 `scale_inv` [ceil(out / BN), ceil(in / BK)], block (BN, BK).
-    `form` picks a form (default: `linear_form`; tests and benchmarks), `config` (BLOCK_N, BLOCK_K) a configuration
-    instead of the autotuned one (tests; triton's interpreter runs `_INTERPRETED_CONFIG`)."""
-    form = form or linear_form(x.shape[0], block[1])
+    `form` picks a form (default: `linear_form`, with `quantize_activations`; tests and benchmarks), `config`
+    (BLOCK_N, BLOCK_K) a configuration instead of the autotuned one (tests; triton's interpreter runs
+    `_INTERPRETED_CONFIG`)."""
+    form = form or linear_form(x.shape[0], block[1], quantize_activations)
     block_m = 1 if form == "one_row" else _tile_rows(x.shape[0])
     if form == "one_row" and x.shape[0] != 1:
         raise ValueError(f"FP8 kernel: the one_row form takes one row of x, not {x.shape[0]}; use scaled_dot")
@@ -238,19 +287,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
 
 
 def fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, offsets: torch.Tensor,
-                       block: tuple[int, int], form: str | None = None,
-                       config: tuple[int, int] | None = None) -> torch.Tensor:
+                       block: tuple[int, int], form: str | None = None, config: tuple[int, int] | None = None,
+                       quantize_activations: bool = False) -> torch.Tensor:
     """rows [S, in] (sorted by expert, unit stride along in) @ W_e.T for the rows of each expert e: W [E, out, in] FP8
     (unit stride along in) with scale_inv [E, ...], `offsets` [E] (int32/int64, on the device) the cumulative end row
     of each expert (rows offsets[e - 1]:offsets[e] are expert e's). One launch, no host synchronization. `form`:
-    "scaled_dot" (default where the rows per expert average at most DECODING_ROWS) or "dequantized_dot"."""
+    "scaled_dot" (default where the rows per expert average at most DECODING_ROWS), "dequantized_dot" (default
+    past that) or "fp8_dot" (default past that with `quantize_activations`)."""
     experts = weight.shape[0]
     per_expert = -(-rows.shape[0] // max(experts, 1))
     if form is None:
-        form = "scaled_dot" if per_expert <= DECODING_ROWS and _scaled_dot_serves(block[1]) else "dequantized_dot"
+        form = "scaled_dot" if per_expert <= DECODING_ROWS and _scaled_dot_serves(block[1]) else linear_form(
+            DECODING_ROWS + 1, block[1], quantize_activations)
     if form == "one_row":
-        raise ValueError("FP8 kernel: the experts' product takes scaled_dot or dequantized_dot, not one_row")
+        raise ValueError("FP8 kernel: the experts' product takes scaled_dot, dequantized_dot or fp8_dot, not one_row")
     return _launch(rows, weight, scale_inv, None, offsets, block, form, _tile_rows(per_expert), config)
 
 
-__all__ = ["DECODING_ROWS", "FORMS", "fp8_grouped_linear", "fp8_linear", "linear_form"]
+__all__ = ["DECODING_ROWS", "FORMS", "fp8_grouped_linear", "fp8_linear", "linear_form",
+           "quantize_activations"]

@@ -1,5 +1,5 @@
 """Compiles the FP8 kernel (kernels_fp8_triton) for a GPU target ahead of time, with no GPU: every autotuning
-configuration of every form, bf16 activations, Qwen3-Next's 128 x 128 blocks and K = 2,048, and prints one JSON line
+configuration of every form, bf16 activations (e4m3 for fp8_dot), Qwen3-Next's 128 x 128 blocks and K = 2,048, and prints one JSON line
 per configuration with its registers, its spilled bytes (the stack frame) and its shared memory.
 
 A launch specializes its arguments (16-byte aligned pointers, strides that are multiples of 16, a unit stride as the
@@ -29,17 +29,17 @@ from triton.compiler import ASTSource
 
 from hybrid_linear_models import kernels_fp8_triton as kernel
 
-INTEGERS = ("M", "N", "E", "stride_xm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_sk", "stride_ym")
-ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "offsets_ptr", "stride_xm", "stride_we", "stride_wn",
-           "stride_se", "stride_sn", "stride_ym")
+INTEGERS = ("M", "N", "E", "stride_xm", "stride_xsm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_sk", "stride_ym")
+ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "offsets_ptr", "xs_ptr", "stride_xm", "stride_xsm",
+           "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_ym")
 
 
 def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], arch: int) -> dict:
     """The compiled kernel's resources for one configuration (BLOCK_N, BLOCK_K, warps, stages)."""
     fn = kernel._fp8_linear_kernel
     block_n, block_k, warps, stages = config
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*bf16",
-                "offsets_ptr": "*i32" if grouped else "*fp32"}
+    pointers = {"x_ptr": "*fp8e4nv" if form == "fp8_dot" else "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                "b_ptr": "*fp32", "y_ptr": "*bf16", "offsets_ptr": "*i32" if grouped else "*fp32", "xs_ptr": "*fp32"}
     block_m = 1 if form == "one_row" else kernel._tile_rows(16 if form == "scaled_dot" else 4096)
     constants = {"K": 2048, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped, "E_POW2": 512 if grouped else 1,
                  "FORM": kernel.FORMS.index(form), "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,

@@ -120,6 +120,64 @@ def test_the_dequantized_weight_is_the_references_bit_for_bit(dtype):
         assert torch.equal(got.T, expected), config
 
 
+def _quantized_reference(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] per row and `bk` columns in e4m3, by torch: scale = max |x| / 448 in float32 (1 for a zero group),
+    q = x / scale (float32) rounded to e4m3 by torch's conversion."""
+    rows, inp = x.shape
+    groups = -(-inp // bk)
+    padded = F.pad(x.float(), (0, groups * bk - inp)).view(rows, groups, bk)
+    largest = padded.abs().amax(-1)
+    scale = torch.where(largest > 0, largest / 448.0, torch.ones_like(largest))
+    q = (padded / scale[..., None]).to(torch.float8_e4m3fn).view(rows, groups * bk)[:, :inp]
+    return q.contiguous(), scale
+
+
+def test_the_activation_quantization_bound():
+    """The bound `fp8_dot`'s docstring derives, on torch's quantization of wide-ranging rows: |q s - x| <= 2^-4 |x|
+    (e4m3's 3 fraction bits, normal range) + 2^-10 s (half its subnormal spacing 2^-9, times the scale), plus x /
+    scale's float32 rounding (2^-24 relative, carried by the same factors)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 300, generator=g) * torch.logspace(-6, 3, 300)[torch.randperm(300, generator=g)]
+    q, scale = _quantized_reference(x, 128)
+    per_column = scale.repeat_interleave(128, 1)[:, :300].double()
+    error = (q.double() * per_column - x.double()).abs()
+    bound = (2 ** -4 * x.double().abs() + 2 ** -10 * per_column) * (1 + 2 ** -20)
+    assert (error <= bound).all()
+    assert (q.float().abs() <= 448).all() and q.float().abs().amax() == 448
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, block", [(40, (32, 32)), (17, (16, 64))])
+def test_fp8_dot_against_float64(dtype, rows, block, monkeypatch):
+    """`fp8_dot` (QUANTIZE_ACTIVATIONS): x quantized per row and block column (`quantize_activations`: on a GPU bit for
+    bit torch's `_quantized_reference`; triton's interpreter drops the carry of a float32 -> e4m3 rounding into the
+    exponent (126.8 -> 64), so there the test's quantization stands in for the kernel's), then FP8 tensor cores. The
+    product against the float64 one of the quantized x (q s) and the real weight: each BLOCK_K slice summed by the
+    FP8 tensor cores (Hopper keeps about 14 significant bits of those sums, DeepSeek-V3 3.3.2: at most 128 2^-13 =
+    2^-6 of the slice's sum of |terms|), scaled and added in float32 ((K + 2) 2^-23 S), rounded to the dtype."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models import kernels_fp8_triton
+    from hybrid_linear_models.kernels_fp8_triton import fp8_linear, quantize_activations
+
+    w, scale = _weight(70, 100, block)
+    x = _x(rows, 100, dtype)
+    q, x_scale = _quantized_reference(x.cpu(), block[1])
+    if torch.cuda.is_available():
+        got_q, got_scale = quantize_activations(x, block[1])
+        assert torch.equal(got_q.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(got_scale.cpu(), x_scale)
+    else:
+        monkeypatch.setattr(kernels_fp8_triton, "quantize_activations", lambda x, bk: _quantized_reference(x, bk))
+    got = fp8_linear(x, w, scale, block, form="fp8_dot", config=(16, 32))
+    quantized = (q.double() * x_scale.double().repeat_interleave(block[1], 1)[:, :100]).to(DEVICE)
+    weight = dequantize_block_fp8(w, scale, block, torch.float64)
+    exact = quantized @ weight.T
+    summed = (2 ** -6 + (100 + 2) * 2 ** -23) * (quantized.abs() @ weight.abs().T)
+    bound = summed + UNIT[dtype] * (exact.abs() + summed)
+    assert got.dtype == dtype
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 def _routing(counts: list[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(counts).cumsum(0).to(DEVICE, dtype)
 
@@ -273,9 +331,8 @@ def test_every_configuration_compiles_for_an_h200_without_spilling():
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert {(r["form"], r["grouped"]) for r in results} == {("one_row", False), ("scaled_dot", False),
-                                                            ("scaled_dot", True), ("dequantized_dot", False),
-                                                            ("dequantized_dot", True)}
+    assert {(r["form"], r["grouped"]) for r in results} == {("one_row", False)} | {
+        (form, grouped) for form in ("scaled_dot", "dequantized_dot", "fp8_dot") for grouped in (False, True)}
     assert [r for r in results if r["stack"] or r["shared"] > SHARED_MEMORY_PER_BLOCK] == []
 
 
