@@ -2,7 +2,7 @@
 
 W (out, in) is W_fp8 (float8_e4m3fn) with one float32 scale per BN x BK block (`kernels_fp8`'s layout):
 W[r, c] = W_fp8[r, c] * scale_inv[r // BN, c // BK]. x is bf16, fp16 or fp32; sums are float32; the output is in x's
-dtype. One kernel, three forms, each a program per (row tile, BLOCK_N output columns) streaming K in BLOCK_K slices,
+dtype. One kernel, four forms, each a program per (row tile, BLOCK_N output columns) streaming K in BLOCK_K slices,
 so the FP8 weight is read once per row tile and nothing else is written:
 - "one_row" (one row of x: batch-1 decoding, a GEMV): elementwise products in a [BLOCK_N, BLOCK_K] float32 tile,
   summed over K once at the end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight spreads over
