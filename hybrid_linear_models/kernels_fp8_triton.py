@@ -13,12 +13,10 @@ so the FP8 weight is read once per row tile and nothing else is written:
 - "scaled_dot" (up to 16 rows: decoding, and the experts of a decoding step): rows padded to BLOCK_M, each K slice
   inside one block column (BK a multiple of BLOCK_K), the FP8 slice converted to x's dtype (exact: e4m3's 4
   significant bits and exponents fit bf16 and fp16) and multiplied on the tensor cores, the [BLOCK_M, BLOCK_N] float32
-  product then scaled by its rows' scales and added to the sum. The weight taken is the exact real weight.
+  product then scaled by its output columns' scales (the weight rows') and added to the sum: the exact real weight.
 - "dequantized_dot" (prefill: more rows): each weight slice dequantized on load to x's dtype as the reference
   `kernels_fp8.dequantize_block_fp8` does (float32's product w * s, rounded to x's dtype: the reference's weight, bit
   for bit), then one tl.dot accumulating in float32: the reference's product up to the order of the float32 sums.
-In "one_row" and "scaled_dot" the weight is not rounded to x's dtype, so those results differ from the reference's by
-its weight rounding (the real weight's product in float32 is the closer one).
 - "fp8_dot" (prefill, only behind the switch `kernels_fp8.QUANTIZE_ACTIVATIONS`, off by default): x quantized to
   e4m3 per row and block column as DeepSeek and vLLM do (`quantize_activations`: scale = max |x| / 448 per 1 x BK
   group, q = x / scale rounded to e4m3, one small kernel), then FP8 x FP8 tensor cores per K slice inside one block
@@ -26,6 +24,8 @@ its weight rounding (the real weight's product in float32 is the closer one).
   each x_k becomes q_k s with |q_k s - x_k| <= 2^-4 |x_k| + 2^-10 s (e4m3's 3 fraction bits; half its subnormal
   spacing 2^-9), so |y~ - y| <= sum_k |W_k| (2^-4 |x_k| + 2^-10 s), plus the tensor cores' FP8 sums of each slice
   (Hopper keeps about 14 significant bits of them) and float32's; tests/test_kernels_fp8.py checks both parts.
+In "one_row" and "scaled_dot" the weight is not rounded to x's dtype, so those results differ from the reference's by
+its weight rounding (the real weight's product in float32 is the closer one).
 
 The experts (`fp8_grouped_linear`): rows sorted by expert, `offsets` [E] the cumulative end row of each expert (torch's
 grouped_mm convention), W [E, out, in]. One launch for all experts, with no host synchronization (the offsets stay on
@@ -34,7 +34,8 @@ sum_e cdiv(rows_e, BLOCK_M); each program loads the E offsets, counts every expe
 (tl.cumsum), finds the expert and tile it serves from its program id, and returns at once when past the last tile.
 An empty expert has no tile. Rows past offsets[E - 1] are not written (as the reference leaves them).
 
-Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is captured, never inside
+K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width:
+a few per model). Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is captured, never inside
 the capture), each timed over 25 ms with the L2 cache cleared before each run (triton's do_bench), and kept in triton's
 cache folder. Imported only for CUDA tensors (`kernels_fp8`), since importing triton needs a GPU driver.
 """
@@ -62,9 +63,10 @@ _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M, N, E,
                        stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
                        K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       GROUPED: tl.constexpr,
-                       E_POW2: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr,
+                       GROUPED: tl.constexpr, E_POW2: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y tile (row tile program_id(1), BLOCK_N output columns program_id(0)) of FORM (an index into FORMS); x_ptr
+    holds e4m3 values and xs_ptr their scales for fp8_dot (see the module docstring)."""
     tile = tl.program_id(1)  # (output columns on axis 0, whose grid may exceed axis 1's 65,535 programs)
     if GROUPED:  # which expert's rows this tile is (see the module docstring)
         experts = tl.arange(0, E_POW2)
