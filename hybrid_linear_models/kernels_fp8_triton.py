@@ -153,8 +153,8 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm
     live = (offsets < BK) & (ks < K)
     x = tl.load(x_ptr + row * stride_xm + ks, mask=live, other=0.0).to(tl.float32)
     largest = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(largest > 0, largest / 448.0, 1.0)
-    tl.store(q_ptr + row * stride_qm + ks, (x / scale).to(q_ptr.dtype.element_ty), mask=live)
+    scale = tl.where(largest > 0, tl.div_rn(largest, 448.0), 1.0)  # (div_rn: IEEE division, not `/`'s approximate)
+    tl.store(q_ptr + row * stride_qm + ks, tl.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=live)
     tl.store(scale_ptr + row * stride_sm + tl.program_id(1), scale)
 
 
