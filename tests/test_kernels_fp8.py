@@ -217,7 +217,7 @@ def on_the_cpu(monkeypatch):
 
 
 @runs_triton_kernels
-def test_the_dispatch_runs_the_kernel_on_any_layout_of_x(on_the_cpu):
+def test_the_dispatch_runs_the_kernel_on_any_layout_of_x(on_the_cpu, monkeypatch):
     """1-D, 3-D and non-contiguous x go through the kernel (not the reference) and come back in x's shape."""
     if torch.cuda.is_available():
         pytest.skip("checks the CPU dispatch through triton's interpreter")
@@ -230,17 +230,39 @@ def test_the_dispatch_runs_the_kernel_on_any_layout_of_x(on_the_cpu):
         calls.append(args[0].shape)
         return fp8_linear(*args, **kwargs)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(kernels_fp8, "fp8_linear_kernel", lambda: counted)
-        wide = _x(3, 128, torch.float16).view(3, 2, 64)
-        for x in (_x(1, 64, torch.float16)[0], _x(6, 64, torch.float16).view(2, 3, 64), wide[:, 1, :],
-                  _x(64, 2, torch.float16).T):
-            got = block_fp8_linear(x, w, scale, block)
-            assert got.shape == (*x.shape[:-1], 40)
-            flat = x.reshape(-1, 64)
-            _assert_within(got.reshape(-1, 40), flat, dequantize_block_fp8(w, scale, block, torch.float64), None,
-                           str(tuple(x.shape)))
+    monkeypatch.setattr(kernels_fp8, "fp8_linear_kernel", lambda: counted)
+    wide = _x(3, 128, torch.float16).view(3, 2, 64)
+    for x in (_x(1, 64, torch.float16)[0], _x(6, 64, torch.float16).view(2, 3, 64), wide[:, 1, :],
+              _x(64, 2, torch.float16).T):
+        got = block_fp8_linear(x, w, scale, block)
+        assert got.shape == (*x.shape[:-1], 40)
+        _assert_within(got.reshape(-1, 40), x.reshape(-1, 64), dequantize_block_fp8(w, scale, block, torch.float64),
+                       None, str(tuple(x.shape)))
     assert calls == [(1, 64), (6, 64), (3, 64), (2, 64)]
+
+
+@runs_triton_kernels
+def test_the_dispatch_runs_the_grouped_kernel(on_the_cpu, monkeypatch):
+    """block_fp8_grouped_linear on strided rows and int64 offsets goes through the grouped kernel (not the reference's
+    loop over experts) and agrees with the reference per expert."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU dispatch through triton's interpreter")
+    block = (32, 32)
+    w, scale = _weight(40, 64, block, experts=4, seed=6)
+    calls = []
+    from hybrid_linear_models.kernels_fp8_triton import fp8_grouped_linear
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].is_contiguous())
+        return fp8_grouped_linear(*args, **kwargs)
+
+    monkeypatch.setattr(kernels_fp8, "fp8_grouped_linear_kernel", lambda: counted)
+    rows = _x(7, 128, torch.float16)[:, ::2]  # a stride of 2 along the inputs
+    got = block_fp8_grouped_linear(rows, w, scale, torch.tensor([2, 2, 6, 7]), block)
+    assert calls == [True]
+    for expert, (start, end) in enumerate([(0, 2), (2, 2), (2, 6), (6, 7)]):
+        weight = dequantize_block_fp8(w[expert], scale[expert], block, torch.float64)
+        _assert_within(got[start:end], rows[start:end], weight, None, f"expert {expert}")
 
 
 def test_the_cpu_runs_the_reference_exactly():
