@@ -62,6 +62,14 @@ def _x(rows: int, inp: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return torch.randn(rows, inp, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
 
 
+def _reference_weight(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
+    """The reference's weight (`dequantize_block_fp8`) on w's device, rounded to bf16/fp16 on the CPU as the converter
+    rounds it (float64 is exact wherever it is computed)."""
+    if dtype == torch.float64:
+        return dequantize_block_fp8(w, scale, block, dtype)
+    return dequantize_block_fp8(w.cpu(), scale.cpu(), block, dtype).to(w.device)
+
+
 def _assert_within(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str):
     """got against x @ w.T (+ bias) in float64 (w the weight the form multiplies), the module docstring's bound."""
     exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
@@ -98,7 +106,7 @@ def test_each_form_against_float64(dtype, form, rows, config, bias, block):
     x = _x(rows, 100, dtype)
     b = torch.randn(70, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype) if bias else None
     got = fp8_linear(x, w, scale, block, b, form=form, config=config)
-    weight = dequantize_block_fp8(w, scale, block, dtype if form == "dequantized_dot" else torch.float64)
+    weight = _reference_weight(w, scale, block, dtype if form == "dequantized_dot" else torch.float64)
     _assert_within(got, x, weight, b, f"{form} {config}")
 
 
@@ -113,7 +121,7 @@ def test_the_dequantized_weight_is_the_references_bit_for_bit(dtype):
 
     block = (32, 32)
     w, scale = _weight(72, 100, block, seed=5)
-    expected = dequantize_block_fp8(w, scale, block, dtype)
+    expected = _reference_weight(w, scale, block, dtype)
     eye = torch.eye(100, dtype=dtype, device=DEVICE)
     for config in ((16, 16), (16, 64)):  # a slice within a block column, one across two (per-element scales)
         got = fp8_linear(eye, w, scale, block, form="dequantized_dot", config=config)
@@ -204,7 +212,7 @@ def test_grouped_against_float64(dtype, form, counts):
         start = 0
         for expert, count in enumerate(counts):
             rounded = dtype if form == "dequantized_dot" else torch.float64
-            weight = dequantize_block_fp8(w[expert], scale[expert], block, rounded)
+            weight = _reference_weight(w[expert], scale[expert], block, rounded)
             _assert_within(got[start:start + count], x[start:start + count], weight, None, f"expert {expert}")
             start += count
 
@@ -381,7 +389,7 @@ def test_gpu_real_shapes(dtype, shape, rows):
         got = block_fp8_linear(x, w, scale, block)
     assert not kernels_fp8._FAILED
     rounded = dtype if rows > 16 else torch.float64
-    _assert_within(got, x, dequantize_block_fp8(w, scale, block, rounded), None, f"{rows} rows")
+    _assert_within(got, x, _reference_weight(w, scale, block, rounded), None, f"{rows} rows")
 
 
 @pytest.mark.gpu
@@ -420,6 +428,6 @@ def test_gpu_experts_captured_in_a_graph(dtype, tokens):
         start = 0
         for expert in counts.nonzero().flatten().tolist():
             count = int(counts[expert])
-            weight = dequantize_block_fp8(w[expert], scale[expert], block, rounded)
+            weight = _reference_weight(w[expert], scale[expert], block, rounded)
             _assert_within(y[start:start + count], x[start:start + count], weight, None, f"expert {expert}")
             start += count
