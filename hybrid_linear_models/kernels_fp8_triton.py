@@ -32,7 +32,8 @@ grouped_mm convention), W [E, out, in]. One launch for all experts, with no host
 the device, so a CUDA graph can capture the call): the grid has cdiv(S, BLOCK_M) + min(E, S) row tiles, a bound on
 sum_e cdiv(rows_e, BLOCK_M); each program loads the E offsets, counts every expert's tiles and their running sum
 (tl.cumsum), finds the expert and tile it serves from its program id, and returns at once when past the last tile.
-An empty expert has no tile. Rows past offsets[E - 1] are not written (as the reference leaves them).
+An empty expert has no tile. Rows past offsets[E - 1] are not written (as the reference leaves them), and no row past
+S is read or written whatever the offsets say.
 
 K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width:
 a few per model). Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is captured, never inside
@@ -80,14 +81,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M
         mine = experts == expert
         first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), axis=0)
         row_start = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - first_tile) * BLOCK_M
-        row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+        row_end = tl.minimum(tl.sum(tl.where(mine, ends, 0), axis=0), M)  # (offsets past S: no row beyond x's)
         w_ptr += expert.to(tl.int64) * stride_we
         s_ptr += expert.to(tl.int64) * stride_se
     else:
         row_start = tile * BLOCK_M
         row_end = M
     rows = row_start + tl.arange(0, BLOCK_M)
-    live_rows = rows < row_end
+    live_rows = (rows < row_end) & (rows >= 0)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live_cols = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm

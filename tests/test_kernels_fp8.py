@@ -217,6 +217,23 @@ def test_grouped_against_float64(dtype, form, counts):
             start += count
 
 
+@runs_triton_kernels
+def test_grouped_offsets_past_the_rows_stay_within_them():
+    """offsets ending past S (a caller's bad routing) read and write no row beyond x's: the rows there are computed as
+    the reference's slices compute them (expert 1's rows 3:5 of 5, its offsets saying 3:9)."""
+    _skip_bf16_on_interpreter(torch.float16)
+    from hybrid_linear_models.kernels_fp8_triton import fp8_grouped_linear
+
+    block = (32, 32)
+    w, scale = _weight(40, 64, block, experts=2, seed=8)
+    x = _x(5, 64, torch.float16, seed=9)
+    got = fp8_grouped_linear(x, w, scale, torch.tensor([3, 9], device=DEVICE), block, form="scaled_dot",
+                             config=(16, 16))
+    for expert, (start, end) in enumerate([(0, 3), (3, 5)]):
+        weight = _reference_weight(w[expert], scale[expert], block, torch.float64)
+        _assert_within(got[start:end], x[start:end], weight, None, f"expert {expert}")
+
+
 @pytest.fixture
 def on_the_cpu(monkeypatch):
     """The dispatch taking CPU tensors to the kernels (run by triton's interpreter), with its failure record empty."""
