@@ -6,8 +6,9 @@ spilling (`fp8_kernel_compile.py`).
 
 The kernel tests run on a GPU, or on a CPU through triton's interpreter (`TRITON_INTERPRET=1` with triton on the
 path: `PYTHONPATH=$PWD:/path/to/triton TRITON_INTERPRET=1 pytest tests/test_kernels_fp8.py`), at tiny shapes with
-32 x 32 blocks and partial last blocks; the interpreter has no bfloat16 arithmetic, so bf16 runs only on a GPU
-(`test_gpu_real_shapes`, at Qwen3-Next's shapes and 128 x 128 blocks).
+32 x 32 blocks and partial last blocks; the interpreter has no bfloat16 arithmetic, so bf16 runs only on a GPU. They
+carry the `gpu` mark too, so a GPU run of `-m gpu` takes them with `test_gpu_*` (Qwen3-Next's shapes, 128 x 128
+blocks, the experts captured in a CUDA graph).
 
 Tolerances, from the float64 product of the exact real weight W = W_fp8 * scale_inv (an e4m3 value times a float32
 scale is exact in float64), with S = sum_k |x_k W_k| (+ |b|) per output:
@@ -86,6 +87,7 @@ def _skip_bf16_on_interpreter(dtype: torch.dtype):
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
 
 
+@pytest.mark.gpu
 @runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form, rows, config", [
@@ -110,6 +112,7 @@ def test_each_form_against_float64(dtype, form, rows, config, bias, block):
     _assert_within(got, x, weight, b, f"{form} {config}")
 
 
+@pytest.mark.gpu
 @runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 def test_the_dequantized_weight_is_the_references_bit_for_bit(dtype):
@@ -154,6 +157,7 @@ def test_the_activation_quantization_bound():
     assert (q.float().abs() <= 448).all() and q.float().abs().amax() == 448
 
 
+@pytest.mark.gpu
 @runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, block", [(40, (32, 32)), (17, (16, 64))])
@@ -190,6 +194,7 @@ def _routing(counts: list[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(counts).cumsum(0).to(DEVICE, dtype)
 
 
+@pytest.mark.gpu
 @runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", ["scaled_dot", "dequantized_dot"])
@@ -217,6 +222,7 @@ def test_grouped_against_float64(dtype, form, counts):
             start += count
 
 
+@pytest.mark.gpu
 @runs_triton_kernels
 def test_grouped_offsets_past_the_rows_stay_within_them():
     """offsets ending past S (a caller's bad routing) read and write no row beyond x's: the rows there are computed as
