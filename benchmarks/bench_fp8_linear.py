@@ -5,11 +5,12 @@ For each weight shape and row count this times CUDA-graph replays (no launch ove
 - fp8: `kernels_fp8.block_fp8_linear` / `block_fp8_grouped_linear` (the Triton kernels, autotuned first: one row
   "one_row", up to 16 rows "scaled_dot", more "dequantized_dot"; the experts one launch, the offsets on the device);
 - fp8xfp8 (prefill rows): the same kernel's "fp8_dot" form, x quantized per 1 x 128 (timed with it) and FP8 tensor
-  cores (behind `kernels_fp8.QUANTIZE_ACTIVATIONS`, off by default: not the reference's numbers);
+  cores (`kernels_fp8.PREFILL_FORM = "fp8_dot"`, not the default: not the reference's numbers);
 - bf16: F.linear (cuBLAS) on the dequantized bf16 weight, or for the experts torch's grouped_mm on it (what a bf16
   checkpoint runs: twice the weight bytes);
-- deq+bf16: the FP8 weight dequantized by torch ops, then F.linear (dense shapes: the other way to run FP8 weights
-  without a kernel of one's own);
+- deq+bf16: the FP8 weight dequantized by the package's kernel (`kernels_fp8_triton.dequantize`; torch ops without
+  CUDA), then F.linear (dense shapes: `kernels_fp8.PREFILL_FORM = "dequantize_then_linear"`, the reference's
+  product);
 - scaled_mm: torch's FP8 tensor-core product with DeepSeek's block scales (x quantized per 1 x 128, the weight's
   128 x 128; x's quantization not timed), where this torch and GPU offer it (dense shapes);
 - transformers: transformers' fine-grained FP8 linear (its Hub kernel or DeepGEMM), where it loads with no network
@@ -218,7 +219,12 @@ def main() -> None:
             else:
                 forms["fp8"] = [lambda w=w, s=s, x=x: block_fp8_linear(x, w, s, BLOCK) for w, s in weights]
                 forms["bf16"] = [lambda d=d, x=x: F.linear(x, d) for d in dense]
-                forms["deq+bf16"] = [lambda w=w, s=s, x=x: F.linear(x, dequantized(w, s, dtype)) for w, s in weights]
+                if fp8_dot is not None:  # the package's dequantizing kernel (PREFILL_FORM "dequantize_then_linear")
+                    forms["deq+bf16"] = [lambda w=w, s=s, x=x: fp8_dot[0](x, w, s, BLOCK, form="dequantize_then_linear")
+                                         for w, s in weights]
+                else:
+                    forms["deq+bf16"] = [lambda w=w, s=s, x=x: F.linear(x, dequantized(w, s, dtype))
+                                         for w, s in weights]
                 if fp8_dot is not None and rows > 16:
                     forms["fp8xfp8"] = [lambda w=w, s=s, x=x: fp8_dot[0](x, w, s, BLOCK, form="fp8_dot")
                                         for w, s in weights]

@@ -16,8 +16,9 @@ entry points the model's FP8 layers call. On CUDA tensors they run this package'
 (`kernels_fp8_triton`: the FP8 weight read once, scaled per block as it is loaded, float32 sums) where
 `triton_applies`; anything else (the CPU, a gradient wanted for x, triton missing, a GPU older than compute capability
 8.9, whose triton has no e4m3) dequantizes and runs the dense op: the plain reference the kernels are checked against.
-`QUANTIZE_ACTIVATIONS` (off by default) switches prefill to FP8 tensor cores with x quantized to e4m3 (the kernels'
-"fp8_dot", whose error bound `kernels_fp8_triton` derives).
+`PREFILL_FORM` picks what products of more than 16 rows run: the kernel's dequantize-on-load GEMM (the default), the
+weight dequantized by a kernel then F.linear, or FP8 tensor cores with x quantized to e4m3 (whose error bound
+`kernels_fp8_triton` derives).
 A kernel that fails to compile for a layout is not tried again for it, and one warning says the reference runs
 instead (inside a CUDA graph capture the error propagates).
 """
@@ -35,9 +36,12 @@ from .triton_loading import kernel_result, triton_kernel
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations the Triton kernels take
 KERNEL_DEVICE_TYPES = ("cuda",)
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
-# prefill (more than 16 rows) on FP8 tensor cores with x quantized to e4m3 per row and block column (the kernels'
-# "fp8_dot": faster, its error e4m3's rounding of x, about 2^-4 of each term); off: x's dtype, the reference's product
-QUANTIZE_ACTIVATIONS = False
+# what products of more than 16 rows (prefill) run (`kernels_fp8_triton.PREFILL_FORMS`): "dequantized_dot" (the
+# weight dequantized on load to x's dtype, tl.dot: the reference's product up to the order of its float32 sums),
+# "dequantize_then_linear" (dense layers: the weight dequantized by a kernel, then F.linear: the reference's product;
+# the experts take "dequantized_dot") or "fp8_dot" (x quantized to e4m3 per row and block column, FP8 tensor cores:
+# not the reference's product, each term within 2^-4 of itself)
+PREFILL_FORM = "dequantized_dot"
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
@@ -85,7 +89,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
                             f"the FP8 Triton kernel failed for a {tuple(weight.shape)} weight; that product "
                             "dequantizes and runs F.linear",
                             lambda: fp8_linear_kernel()(flat, _unit_stride(weight), scale_inv, block, bias,
-                                                        quantize_activations=QUANTIZE_ACTIVATIONS))
+                                                        prefill=PREFILL_FORM))
         if out is not None:
             return out.view(*x.shape[:-1], out.shape[-1])
     return F.linear(x, dequantize_block_fp8(weight, scale_inv, block, x.dtype), bias)
@@ -108,7 +112,7 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
                             "dequantize and run F.linear one by one",
                             lambda: fp8_grouped_linear_kernel()(rows if rows.stride(-1) == 1 else rows.contiguous(),
                                                             _unit_stride(weight), scale_inv, offsets, block,
-                                                            quantize_activations=QUANTIZE_ACTIVATIONS))
+                                                            prefill=PREFILL_FORM))
         if out is not None:
             return out
     out = rows.new_empty(rows.shape[0], weight.shape[-2])

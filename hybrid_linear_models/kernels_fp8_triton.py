@@ -17,7 +17,7 @@ so the FP8 weight is read once per row tile and nothing else is written:
 - "dequantized_dot" (prefill: more rows): each weight slice dequantized on load to x's dtype as the reference
   `kernels_fp8.dequantize_block_fp8` does (float32's product w * s, rounded to x's dtype: the reference's weight, bit
   for bit), then one tl.dot accumulating in float32: the reference's product up to the order of the float32 sums.
-- "fp8_dot" (prefill, only behind the switch `kernels_fp8.QUANTIZE_ACTIVATIONS`, off by default): x quantized to
+- "fp8_dot" (prefill, only where `kernels_fp8.PREFILL_FORM` asks for it, not by default): x quantized to
   e4m3 per row and block column as DeepSeek and vLLM do (`quantize_activations`: scale = max |x| / 448 per 1 x BK
   group, q = x / scale rounded to e4m3, one small kernel), then FP8 x FP8 tensor cores per K slice inside one block
   column, each slice's float32 product scaled by its row's and its column's scales. Not the reference's product:
@@ -25,7 +25,9 @@ so the FP8 weight is read once per row tile and nothing else is written:
   spacing 2^-9), so |y~ - y| <= sum_k |W_k| (2^-4 |x_k| + 2^-10 s), plus the tensor cores' FP8 sums of each slice
   (Hopper keeps about 14 significant bits of them) and float32's; tests/test_kernels_fp8.py checks both parts.
 In "one_row" and "scaled_dot" the weight is not rounded to x's dtype, so those results differ from the reference's by
-its weight rounding (the real weight's product in float32 is the closer one).
+its weight rounding (the real weight's product in float32 is the closer one). A dense prefill may also run
+"dequantize_then_linear" (`kernels_fp8.PREFILL_FORM`): the weight dequantized by `dequantize` (one pass, the
+reference's rounding) and F.linear on it, the reference's product itself (cuBLAS on a bf16 weight read once more).
 
 The experts (`fp8_grouped_linear`): rows sorted by expert, `offsets` [E] the cumulative end row of each expert (torch's
 grouped_mm convention), W [E, out, in]. One launch for all experts, with no host synchronization (the offsets stay on
@@ -47,6 +49,7 @@ import inspect
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:  # (in a try: transformers' remote-code check then does not require triton of a CPU machine loading a folder)
     import triton
@@ -56,6 +59,8 @@ except ImportError as error:
                       "weight and run F.linear") from error
 
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
+# what a dense product of more than DECODING_ROWS rows may run (`kernels_fp8.PREFILL_FORM` picks one)
+PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
 
@@ -171,6 +176,37 @@ def quantize_activations(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.
     return q, scales
 
 
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sk, stride_on, BN: tl.constexpr,
+                       BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile of the weight: float32's product w * s, rounded to the output's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    live = (cols < N)[:, None] & (ks < K)[None, :]
+    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=live, other=0.0)
+    if BK % BLOCK_K == 0:  # the tile lies in one block column: a scale per row
+        s = tl.load(s_ptr + (cols // BN) * stride_sn + (tl.program_id(1) * BLOCK_K // BK) * stride_sk, mask=cols < N,
+                    other=0.0)[:, None]
+    else:
+        s = tl.load(s_ptr + (cols // BN)[:, None] * stride_sn + (ks // BK)[None, :] * stride_sk, mask=live, other=0.0)
+    tl.store(out_ptr + cols.to(tl.int64)[:, None] * stride_on + ks[None, :],
+             (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               dtype: torch.dtype) -> torch.Tensor:
+    """The real weight of FP8 `weight` [out, in] (unit stride along in) in `dtype`, rounded as the reference
+    `kernels_fp8.dequantize_block_fp8` rounds it (bit for bit): one pass over the weight."""
+    out, inp = weight.shape
+    result = torch.empty(out, inp, device=weight.device, dtype=dtype)
+    if result.numel():
+        tile = (16, 16) if _INTERPRETED else (32, 128)
+        _dequantize_kernel[(triton.cdiv(out, tile[0]), triton.cdiv(inp, tile[1]))](
+            weight, scale_inv, result, out, inp, weight.stride(0), scale_inv.stride(0), scale_inv.stride(1),
+            result.stride(0), BN=block[0], BK=block[1], BLOCK_N=tile[0], BLOCK_K=tile[1])
+    return result
+
+
 # (BLOCK_N, BLOCK_K, warps, stages) per form; each compiles on first use, in the warm-up (about a second each)
 _CONFIGS = {
     "one_row": [(2, 1024, 4, 1), (2, 512, 4, 2), (4, 512, 4, 2), (4, 256, 4, 3), (8, 256, 4, 3), (8, 512, 8, 2),
@@ -259,14 +295,16 @@ def _scaled_dot_serves(bk: int) -> bool:
     return bk % 16 == 0
 
 
-def linear_form(rows: int, bk: int, quantize_activations: bool = False) -> str:
-    """The form a dense product of `rows` rows of x takes (see the module docstring); past DECODING_ROWS with
-    `quantize_activations`, "fp8_dot" (where the block's columns take its K slices of 32, FP8 tl.dot's least)."""
+def linear_form(rows: int, bk: int, prefill: str = "dequantized_dot") -> str:
+    """The form a dense product of `rows` rows of x takes (see the module docstring): past DECODING_ROWS, `prefill`
+    (one of PREFILL_FORMS; "fp8_dot" where the block's columns take its K slices of 32, FP8 tl.dot's least)."""
+    if prefill not in PREFILL_FORMS:
+        raise ValueError(f"FP8 prefill form {prefill!r}: expected one of {', '.join(PREFILL_FORMS)}")
     if rows == 1:
         return "one_row"
     if rows <= DECODING_ROWS and _scaled_dot_serves(bk):
         return "scaled_dot"
-    return "fp8_dot" if quantize_activations and bk % 32 == 0 else "dequantized_dot"
+    return "dequantized_dot" if prefill == "fp8_dot" and bk % 32 else prefill
 
 
 def _tile_rows(rows: int) -> int:
@@ -276,13 +314,15 @@ def _tile_rows(rows: int) -> int:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, form: str | None = None, config: tuple[int, int] | None = None,
-               quantize_activations: bool = False) -> torch.Tensor:
+               prefill: str = "dequantized_dot") -> torch.Tensor:
     """x [M, in] (unit stride along in; bf16, fp16 or fp32) @ W.T (+ bias) in x's dtype, W (out, in) the real weight of
     FP8 `weight` (unit stride along in) and float32 `scale_inv` [ceil(out / BN), ceil(in / BK)], block (BN, BK).
-    `form` picks a form (default: `linear_form`, with `quantize_activations`; tests and benchmarks), `config`
-    (BLOCK_N, BLOCK_K) a configuration instead of the autotuned one (tests; triton's interpreter runs
-    `_INTERPRETED_CONFIG`)."""
-    form = form or linear_form(x.shape[0], block[1], quantize_activations)
+    `form` picks a form (default: `linear_form` with `prefill`; tests and benchmarks), `config` (BLOCK_N, BLOCK_K) a
+    configuration instead of the autotuned one (tests; triton's interpreter runs `_INTERPRETED_CONFIG`).
+    "dequantize_then_linear" dequantizes the weight (`dequantize`) and runs F.linear: the reference's product."""
+    form = form or linear_form(x.shape[0], block[1], prefill)
+    if form == "dequantize_then_linear":
+        return F.linear(x, dequantize(weight, scale_inv, block, x.dtype), bias)
     block_m = 1 if form == "one_row" else _tile_rows(x.shape[0])
     if form == "one_row" and x.shape[0] != 1:
         raise ValueError(f"FP8 kernel: the one_row form takes one row of x, not {x.shape[0]}; use scaled_dot")
@@ -291,21 +331,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
 
 def fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, offsets: torch.Tensor,
                        block: tuple[int, int], form: str | None = None, config: tuple[int, int] | None = None,
-                       quantize_activations: bool = False) -> torch.Tensor:
+                       prefill: str = "dequantized_dot") -> torch.Tensor:
     """rows [S, in] (sorted by expert, unit stride along in) @ W_e.T for the rows of each expert e: W [E, out, in] FP8
     (unit stride along in) with scale_inv [E, ...], `offsets` [E] (int32/int64, on the device) the cumulative end row
     of each expert (rows offsets[e - 1]:offsets[e] are expert e's). One launch, no host synchronization. `form`:
-    "scaled_dot" (default where the rows per expert average at most DECODING_ROWS), "dequantized_dot" (default
-    past that) or "fp8_dot" (default past that with `quantize_activations`)."""
+    "scaled_dot" (default where the rows per expert average at most DECODING_ROWS), else `prefill` ("dequantized_dot"
+    or "fp8_dot"; "dequantize_then_linear", which would dequantize every expert, takes "dequantized_dot")."""
     experts = weight.shape[0]
     per_expert = -(-rows.shape[0] // max(experts, 1))
     if form is None:
         form = "scaled_dot" if per_expert <= DECODING_ROWS and _scaled_dot_serves(block[1]) else linear_form(
-            DECODING_ROWS + 1, block[1], quantize_activations)
-    if form == "one_row":
-        raise ValueError("FP8 kernel: the experts' product takes scaled_dot, dequantized_dot or fp8_dot, not one_row")
+            DECODING_ROWS + 1, block[1], "dequantized_dot" if prefill == "dequantize_then_linear" else prefill)
+    if form not in ("scaled_dot", "dequantized_dot", "fp8_dot"):
+        raise ValueError(f"FP8 kernel: the experts' product takes scaled_dot, dequantized_dot or fp8_dot, not {form}")
     return _launch(rows, weight, scale_inv, None, offsets, block, form, _tile_rows(per_expert), config)
 
 
-__all__ = ["DECODING_ROWS", "FORMS", "fp8_grouped_linear", "fp8_linear", "linear_form",
+__all__ = ["DECODING_ROWS", "FORMS", "PREFILL_FORMS", "dequantize", "fp8_grouped_linear", "fp8_linear", "linear_form",
            "quantize_activations"]

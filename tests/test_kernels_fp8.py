@@ -131,6 +131,36 @@ def test_the_dequantized_weight_is_the_references_bit_for_bit(dtype):
         assert torch.equal(got.T, expected), config
 
 
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [(16, 48), (16, 40)])
+def test_dequantize_then_linear_is_the_reference(dtype, block):
+    """`dequantize` returns the reference's weight bit for bit (partial blocks both ways; tiles within one block column,
+    and across block columns of 40), and the "dequantize_then_linear" form is F.linear on it: the reference's product,
+    bit for bit."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import dequantize, fp8_linear
+
+    w, scale = _weight(70, 100, block, seed=10)
+    expected = _reference_weight(w, scale, block, dtype)
+    assert torch.equal(dequantize(w, scale, block, dtype), expected)
+    x = _x(20, 100, dtype)
+    b = torch.randn(70, generator=torch.Generator().manual_seed(11)).to(DEVICE, dtype)
+    got = fp8_linear(x, w, scale, block, b, prefill="dequantize_then_linear")
+    assert torch.equal(got, F.linear(x, expected, b))
+
+
+@runs_triton_kernels
+def test_a_prefill_form_is_checked_by_name():
+    from hybrid_linear_models.kernels_fp8_triton import linear_form
+
+    assert [linear_form(rows, 128) for rows in (1, 16, 17)] == ["one_row", "scaled_dot", "dequantized_dot"]
+    assert linear_form(17, 128, "fp8_dot") == "fp8_dot" and linear_form(17, 48, "fp8_dot") == "dequantized_dot"
+    with pytest.raises(ValueError, match="FP8 prefill form 'fp16_dot': expected one of dequantized_dot, fp8_dot"):
+        linear_form(17, 128, "fp16_dot")
+
+
 def _quantized_reference(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] per row and `bk` columns in e4m3, by torch: scale = max |x| / 448 in float32 (1 for a zero group),
     q = x / scale (float32) rounded to e4m3 by torch's conversion."""
@@ -162,7 +192,7 @@ def test_the_activation_quantization_bound():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, block", [(40, (32, 32)), (17, (16, 64))])
 def test_fp8_dot_against_float64(dtype, rows, block, monkeypatch):
-    """`fp8_dot` (QUANTIZE_ACTIVATIONS): x quantized per row and block column (`quantize_activations`: on a GPU bit for
+    """`fp8_dot` (PREFILL_FORM "fp8_dot"): x quantized per row and block column (`quantize_activations`: on a GPU bit for
     bit torch's `_quantized_reference`; triton's interpreter drops the carry of a float32 -> e4m3 rounding into the
     exponent (126.8 -> 64), so there the test's quantization stands in for the kernel's), then FP8 tensor cores. The
     product against the float64 one of the quantized x (q s) and the real weight: each BLOCK_K slice summed by the
