@@ -1,6 +1,7 @@
 """Compiles the FP8 kernel (kernels_fp8_triton) for a GPU target ahead of time, with no GPU: every autotuning
-configuration of every form, bf16 activations (e4m3 for fp8_dot), Qwen3-Next's 128 x 128 blocks and K = 2,048, and prints one JSON line
-per configuration with its registers, its spilled bytes (the stack frame) and its shared memory.
+configuration of every form and tile height, bf16 activations (e4m3 for fp8_dot), Qwen3-Next's 128 x 128 blocks and
+K = 2,048, and prints one JSON line per configuration with its registers, its spilled bytes (the stack frame) and its
+shared memory.
 
 A launch specializes its arguments (16-byte aligned pointers, strides that are multiples of 16, a unit stride as the
 constant 1), and so does this compile: without those hints the loads do not vectorize and the kernel spills, which
@@ -34,13 +35,12 @@ ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "offsets_ptr", "xs_ptr",
            "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_ym")
 
 
-def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], arch: int) -> dict:
-    """The compiled kernel's resources for one configuration (BLOCK_N, BLOCK_K, warps, stages)."""
+def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], arch: int, block_m: int) -> dict:
+    """The compiled kernel's resources for one configuration (BLOCK_N, BLOCK_K, warps, stages) and rows per tile."""
     fn = kernel._fp8_linear_kernel
     block_n, block_k, warps, stages = config
     pointers = {"x_ptr": "*fp8e4nv" if form == "fp8_dot" else "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                 "b_ptr": "*fp32", "y_ptr": "*bf16", "offsets_ptr": "*i32" if grouped else "*fp32", "xs_ptr": "*fp32"}
-    block_m = 1 if form == "one_row" else kernel._tile_rows(16 if form == "scaled_dot" else 4096)
     constants = {"K": 2048, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped, "E_POW2": 512 if grouped else 1,
                  "FORM": kernel.FORMS.index(form), "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k, "stride_sk": 1}
@@ -71,8 +71,10 @@ def main() -> None:
     args = parser.parse_args()
     for form, configs in kernel._CONFIGS.items():
         for grouped in (False, True) if form != "one_row" else (False,):
-            for config in configs:
-                print(json.dumps(compile_config(form, grouped, config, args.arch)), flush=True)
+            # rows per tile: one row, 16 (decoding), 64 and 128 (prefill: `kernel._tile_rows`)
+            for block_m in {"one_row": (1,), "scaled_dot": (16,)}.get(form, (64, 128)):
+                for config in configs:
+                    print(json.dumps(compile_config(form, grouped, config, args.arch, block_m)), flush=True)
 
 
 if __name__ == "__main__":
