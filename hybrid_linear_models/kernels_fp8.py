@@ -102,7 +102,8 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
     offsets[e-1]:offsets[e]). On CUDA one kernel launch for all experts, with no host synchronization (capturable
     in a CUDA graph); `offsets` must then be non-decreasing and at most S (not checked: that would read them)."""
     check_block_fp8_weight(weight, scale_inv, block, rows.shape[-1], grouped=True)
-    if rows.dim() != 2 or offsets.dim() != 1 or offsets.shape[0] != weight.shape[0] or offsets.dtype not in OFFSET_DTYPES:
+    if (rows.dim() != 2 or offsets.dim() != 1 or offsets.shape[0] != weight.shape[0]
+            or offsets.dtype not in OFFSET_DTYPES):
         raise ValueError(f"block_fp8_grouped_linear: rows {tuple(rows.shape)} must be [S, in] and offsets "
                          f"{tuple(offsets.shape)} {offsets.dtype} one int32/int64 end per expert ({weight.shape[0]}); "
                          "sort the rows by expert and pass the cumulative counts")

@@ -38,9 +38,10 @@ An empty expert has no tile. Rows past offsets[E - 1] are not written (as the re
 S is read or written whatever the offsets say.
 
 K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width:
-a few per model). Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is captured, never inside
-the capture), each timed over 25 ms with the L2 cache cleared before each run (triton's do_bench), and kept in triton's
-cache folder. Imported only for CUDA tensors (`kernels_fp8`), since importing triton needs a GPU driver.
+a few per model). Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is
+captured, never inside the capture), each timed over 25 ms with the L2 cache cleared before each run (triton's
+do_bench), and kept in triton's cache folder. Imported only for CUDA tensors (`kernels_fp8`), since importing triton
+needs a GPU driver.
 """
 
 from __future__ import annotations

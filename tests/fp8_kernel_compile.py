@@ -30,7 +30,8 @@ from triton.compiler import ASTSource
 
 from hybrid_linear_models import kernels_fp8_triton as kernel
 
-INTEGERS = ("M", "N", "E", "stride_xm", "stride_xsm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_sk", "stride_ym")
+INTEGERS = ("M", "N", "E", "stride_xm", "stride_xsm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_sk",
+            "stride_ym")
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "offsets_ptr", "xs_ptr", "stride_xm", "stride_xsm",
            "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_ym")
 
@@ -41,7 +42,8 @@ def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], 
     block_n, block_k, warps, stages = config
     pointers = {"x_ptr": "*fp8e4nv" if form == "fp8_dot" else "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                 "b_ptr": "*fp32", "y_ptr": "*bf16", "offsets_ptr": "*i32" if grouped else "*fp32", "xs_ptr": "*fp32"}
-    constants = {"K": 2048, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped, "E_POW2": 512 if grouped else 1,
+    constants = {"K": 2048, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped,
+                 "E_POW2": 512 if grouped else 1,
                  "FORM": kernel.FORMS.index(form), "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k, "stride_sk": 1}
     if not grouped:

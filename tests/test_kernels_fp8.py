@@ -192,8 +192,8 @@ def test_the_activation_quantization_bound():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, block", [(40, (32, 32)), (17, (16, 64))])
 def test_fp8_dot_against_float64(dtype, rows, block, monkeypatch):
-    """`fp8_dot` (PREFILL_FORM "fp8_dot"): x quantized per row and block column (`quantize_activations`: on a GPU bit for
-    bit torch's `_quantized_reference`; triton's interpreter drops the carry of a float32 -> e4m3 rounding into the
+    """`fp8_dot` (PREFILL_FORM "fp8_dot"): x quantized per row and block column (`quantize_activations`: on a GPU bit
+    for bit torch's `_quantized_reference`; triton's interpreter drops the carry of a float32 -> e4m3 rounding into the
     exponent (126.8 -> 64), so there the test's quantization stands in for the kernel's), then FP8 tensor cores. The
     product against the float64 one of the quantized x (q s) and the real weight: each BLOCK_K slice summed by the
     FP8 tensor cores (Hopper keeps about 14 significant bits of those sums, DeepSeek-V3 3.3.2: at most 128 2^-13 =
