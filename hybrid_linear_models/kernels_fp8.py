@@ -42,6 +42,7 @@ FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 # the experts take "dequantized_dot") or "fp8_dot" (x quantized to e4m3 per row and block column, FP8 tensor cores:
 # not the reference's product, each term within 2^-4 of itself)
 PREFILL_FORM = "dequantized_dot"
+PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
@@ -82,7 +83,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ W.T (+ bias) in x's dtype, W the real weight of the FP8 `weight` (out, in) and `scale_inv`."""
     check_block_fp8_weight(weight, scale_inv, block, x.shape[-1], grouped=False)
-    if triton_applies(x, weight, scale_inv, bias):
+    if triton_applies(x, weight, scale_inv, bias) and _checked_prefill_form():
         flat = x.reshape(-1, x.shape[-1])
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         out = kernel_result(_FAILED, ("linear", tuple(weight.shape), tuple(block), x.dtype, x.device), x,
@@ -100,14 +101,15 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
     """rows [S, in] @ W_e.T for the rows of each expert e, W (E, out, in) FP8 with `scale_inv` (E, ...); `offsets`
     [E] the cumulative end row of each expert's rows (torch's grouped_mm convention: expert e owns rows
     offsets[e-1]:offsets[e]). On CUDA one kernel launch for all experts, with no host synchronization (capturable
-    in a CUDA graph); `offsets` must then be non-decreasing and at most S (not checked: that would read them)."""
+    in a CUDA graph); `offsets` must then be non-decreasing (not checked: that would read them; no row past S is read
+    or written whatever they say)."""
     check_block_fp8_weight(weight, scale_inv, block, rows.shape[-1], grouped=True)
     if (rows.dim() != 2 or offsets.dim() != 1 or offsets.shape[0] != weight.shape[0]
             or offsets.dtype not in OFFSET_DTYPES):
         raise ValueError(f"block_fp8_grouped_linear: rows {tuple(rows.shape)} must be [S, in] and offsets "
                          f"{tuple(offsets.shape)} {offsets.dtype} one int32/int64 end per expert ({weight.shape[0]}); "
                          "sort the rows by expert and pass the cumulative counts")
-    if triton_applies(rows, weight, scale_inv, None) and offsets.device == rows.device:
+    if triton_applies(rows, weight, scale_inv, None) and offsets.device == rows.device and _checked_prefill_form():
         out = kernel_result(_FAILED, ("grouped", tuple(weight.shape), tuple(block), rows.dtype, rows.device), rows,
                             f"the FP8 Triton grouped kernel failed for a {tuple(weight.shape)} weight; the experts "
                             "dequantize and run F.linear one by one",
@@ -126,6 +128,13 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
 
 
 _FAILED: dict = {}  # (kind, weight shape, block, dtype, device) -> the first error: the reference from then on
+
+
+def _checked_prefill_form() -> bool:
+    """True; a ValueError line where PREFILL_FORM names no form."""
+    if PREFILL_FORM not in PREFILL_FORMS:
+        raise ValueError(f"kernels_fp8.PREFILL_FORM {PREFILL_FORM!r}: expected one of {', '.join(PREFILL_FORMS)}")
+    return True
 
 
 def _unit_stride(weight: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,8 @@ except ImportError as error:
                       "weight and run F.linear") from error
 
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
-# what a dense product of more than DECODING_ROWS rows may run (`kernels_fp8.PREFILL_FORM` picks one)
+# what a product of more than DECODING_ROWS rows may run (`kernels_fp8.PREFILL_FORMS`, which picks one; not imported
+# from there: kernels_fp8 imports this module)
 PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}

@@ -153,8 +153,9 @@ def test_dequantize_then_linear_is_the_reference(dtype, block):
 
 @runs_triton_kernels
 def test_a_prefill_form_is_checked_by_name():
-    from hybrid_linear_models.kernels_fp8_triton import linear_form
+    from hybrid_linear_models.kernels_fp8_triton import PREFILL_FORMS, linear_form
 
+    assert PREFILL_FORMS == kernels_fp8.PREFILL_FORMS
     assert [linear_form(rows, 128) for rows in (1, 16, 17)] == ["one_row", "scaled_dot", "dequantized_dot"]
     assert linear_form(17, 128, "fp8_dot") == "fp8_dot" and linear_form(17, 48, "fp8_dot") == "dequantized_dot"
     with pytest.raises(ValueError, match="FP8 prefill form 'fp16_dot': expected one of dequantized_dot, fp8_dot"):
@@ -371,6 +372,14 @@ def test_a_kernel_that_fails_leaves_the_reference_with_one_warning(on_the_cpu, m
             assert torch.equal(block_fp8_linear(x, w, scale, block), expected)
     assert len(tries) == 1
     assert sum("FP8 Triton kernel failed" in r.message for r in caplog.records) == 1
+
+
+def test_a_prefill_form_that_names_none_is_refused(on_the_cpu, monkeypatch):
+    monkeypatch.setattr(kernels_fp8, "fp8_linear_kernel", lambda: object())
+    monkeypatch.setattr(kernels_fp8, "PREFILL_FORM", "fp16_dot")
+    w, scale = _weight(40, 64, (32, 32))
+    with pytest.raises(ValueError, match="PREFILL_FORM 'fp16_dot': expected one of dequantized_dot, fp8_dot"):
+        block_fp8_linear(torch.randn(2, 64, dtype=torch.float16), w.cpu(), scale.cpu(), (32, 32))
 
 
 @pytest.mark.parametrize("call, message", [
