@@ -6,23 +6,73 @@ A weight W (out, in) is stored as W_fp8 in float8_e4m3fn with one float32 `scale
     W[r, c] = W_fp8[r, c] * scale_inv[r // bn, c // bk]
 
 An e4m3 value has 4 significant bits and a float32 scale 24, so their product is exact in float64:
-`dequantize_block_fp8` multiplies in float64 and rounds once, to the target dtype.
+`dequantize_block_fp8` multiplies in float64 and converts to the target dtype. torch converts float64 to bf16 and fp16
+through float32, so for those the weight is float32's product w * s rounded to the dtype (in about one element in 2^13
+(fp16) or 2^16 (bf16) one unit off a single rounding of the exact product); float32 gets one rounding. The Triton
+kernels' dequantized weights round the same way, bit for bit.
 
 `block_fp8_linear` (x @ W.T) and `block_fp8_grouped_linear` (the experts: rows of expert e times W_e.T) are the
-entry points the model's FP8 layers call. Here they dequantize and run the dense op: what the CPU runs, and the
-reference a fast kernel is checked against.
+entry points the model's FP8 layers call. On CUDA tensors they run this package's Triton kernels
+(`kernels_fp8_triton`: the FP8 weight read once, scaled per block as it is loaded, float32 sums) where
+`triton_applies`; anything else (the CPU, a gradient wanted for x, triton missing, a GPU older than compute capability
+8.9, whose triton has no e4m3) dequantizes and runs the dense op: the plain reference the kernels are checked against.
+`PREFILL_FORM` picks what products of more than 16 rows run: the kernel's dequantize-on-load GEMM (the default), the
+weight dequantized by a kernel then F.linear, or FP8 tensor cores with x quantized to e4m3 (whose error bound
+`kernels_fp8_triton` derives).
+A kernel that fails to compile for a layout is not tried again for it, and one warning says the reference runs
+instead (inside a CUDA graph capture the error propagates).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
+
+from .tensor_parallel_heads import device_mesh
+from .triton_loading import kernel_result, triton_kernel
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations the Triton kernels take
+KERNEL_DEVICE_TYPES = ("cuda",)
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+# what products of more than 16 rows (prefill) run (`kernels_fp8_triton.PREFILL_FORMS`): "dequantized_dot" (the
+# weight dequantized on load to x's dtype, tl.dot: the reference's product up to the order of its float32 sums),
+# "dequantize_then_linear" (dense layers: the weight dequantized by a kernel, then F.linear: the reference's product;
+# the experts take "dequantized_dot") or "fp8_dot" (x quantized to e4m3 per row and block column, FP8 tensor cores:
+# not the reference's product, each term within 2^-4 of itself)
+PREFILL_FORM = "dequantized_dot"
+PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+@triton_kernel
+def fp8_linear_kernel():
+    """`kernels_fp8_triton.fp8_linear`, or None where triton cannot be imported (CPU machines)."""
+    from .kernels_fp8_triton import fp8_linear
+
+    return fp8_linear
+
+
+@triton_kernel
+def fp8_grouped_linear_kernel():
+    """`kernels_fp8_triton.fp8_grouped_linear`, or None where triton cannot be imported (CPU machines)."""
+    from .kernels_fp8_triton import fp8_grouped_linear
+
+    return fp8_grouped_linear
+
+
+@functools.cache
+def _has_e4m3(device: torch.device) -> bool:
+    """GPUs whose triton converts e4m3 (compute capability 8.9 on: Ada, Hopper, ...); True off CUDA (the
+    interpreter)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The real weight of an FP8 `weight` (..., out, in) with its per-block `scale_inv` (block: rows, columns), exact
-    and rounded once to `dtype`."""
+    in float64, then converted to `dtype` (bf16 and fp16 through float32: see the module docstring)."""
     rows, cols = weight.shape[-2:]
     scale = scale_inv.to(torch.float64)
     scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
@@ -32,6 +82,17 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., in) @ W.T (+ bias) in x's dtype, W the real weight of the FP8 `weight` (out, in) and `scale_inv`."""
+    check_block_fp8_weight(weight, scale_inv, block, x.shape[-1], grouped=False)
+    if triton_applies(x, weight, scale_inv, bias) and _checked_prefill_form():
+        flat = x.reshape(-1, x.shape[-1])
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        out = kernel_result(_FAILED, ("linear", tuple(weight.shape), tuple(block), x.dtype, x.device), x,
+                            f"the FP8 Triton kernel failed for a {tuple(weight.shape)} weight; that product "
+                            "dequantizes and runs F.linear",
+                            lambda: fp8_linear_kernel()(flat, _unit_stride(weight), scale_inv, block, bias,
+                                                        prefill=PREFILL_FORM))
+        if out is not None:
+            return out.view(*x.shape[:-1], out.shape[-1])
     return F.linear(x, dequantize_block_fp8(weight, scale_inv, block, x.dtype), bias)
 
 
@@ -39,7 +100,24 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
                              offsets: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """rows [S, in] @ W_e.T for the rows of each expert e, W (E, out, in) FP8 with `scale_inv` (E, ...); `offsets`
     [E] the cumulative end row of each expert's rows (torch's grouped_mm convention: expert e owns rows
-    offsets[e-1]:offsets[e])."""
+    offsets[e-1]:offsets[e]). On CUDA one kernel launch for all experts, with no host synchronization (capturable
+    in a CUDA graph); `offsets` must then be non-decreasing (not checked: that would read them; no row past S is read
+    or written whatever they say)."""
+    check_block_fp8_weight(weight, scale_inv, block, rows.shape[-1], grouped=True)
+    if (rows.dim() != 2 or offsets.dim() != 1 or offsets.shape[0] != weight.shape[0]
+            or offsets.dtype not in OFFSET_DTYPES):
+        raise ValueError(f"block_fp8_grouped_linear: rows {tuple(rows.shape)} must be [S, in] and offsets "
+                         f"{tuple(offsets.shape)} {offsets.dtype} one int32/int64 end per expert ({weight.shape[0]}); "
+                         "sort the rows by expert and pass the cumulative counts")
+    if triton_applies(rows, weight, scale_inv, None) and offsets.device == rows.device and _checked_prefill_form():
+        out = kernel_result(_FAILED, ("grouped", tuple(weight.shape), tuple(block), rows.dtype, rows.device), rows,
+                            f"the FP8 Triton grouped kernel failed for a {tuple(weight.shape)} weight; the experts "
+                            "dequantize and run F.linear one by one",
+                            lambda: fp8_grouped_linear_kernel()(rows if rows.stride(-1) == 1 else rows.contiguous(),
+                                                            _unit_stride(weight), scale_inv, offsets, block,
+                                                            prefill=PREFILL_FORM))
+        if out is not None:
+            return out
     out = rows.new_empty(rows.shape[0], weight.shape[-2])
     start = 0
     for expert, end in enumerate(offsets.tolist()):
@@ -49,4 +127,58 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
     return out
 
 
-__all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "dequantize_block_fp8"]
+_FAILED: dict = {}  # (kind, weight shape, block, dtype, device) -> the first error: the reference from then on
+
+
+def _checked_prefill_form() -> bool:
+    """True; a ValueError line where PREFILL_FORM names no form."""
+    if PREFILL_FORM not in PREFILL_FORMS:
+        raise ValueError(f"kernels_fp8.PREFILL_FORM {PREFILL_FORM!r}: expected one of {', '.join(PREFILL_FORMS)}")
+    return True
+
+
+def _unit_stride(weight: torch.Tensor) -> torch.Tensor:
+    """The weight with unit stride along its inputs (the kernels read its rows so)."""
+    return weight if weight.stride(-1) == 1 else weight.contiguous()
+
+
+def check_block_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], inputs: int,
+                           grouped: bool) -> None:
+    """One ValueError line naming what does not fit: the weight's dimensions ([E,] out, in), its inputs against x's,
+    the block (two positive integers) and scale_inv's shape ([E,] ceil(out / BN), ceil(in / BK))."""
+    dims = 3 if grouped else 2
+    if weight.dim() != dims:
+        raise ValueError(f"FP8 weight of shape {tuple(weight.shape)}: expected {dims} dimensions "
+                         f"({'[experts, out, in]' if grouped else '[out, in]'})")
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"FP8 block {block!r}: expected two positive integers (rows, columns), as the checkpoint's "
+                         "weight_block_size")
+    if weight.shape[-1] != inputs:
+        raise ValueError(f"FP8 weight of shape {tuple(weight.shape)} takes {weight.shape[-1]} inputs, x has {inputs}")
+    expected = (*weight.shape[:-2], -(-weight.shape[-2] // block[0]), -(-weight.shape[-1] // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"FP8 scale_inv of shape {tuple(scale_inv.shape)} for a {tuple(weight.shape)} weight in "
+                         f"{block[0]}x{block[1]} blocks: expected {expected}, one scale per block")
+
+
+def triton_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the product runs as a Triton kernel: x CUDA bf16/fp16/fp32, weight e4m3 and scale_inv float32 on x's
+    device (a bias too, in x's dtype, 1-D), no gradient wanted, no device mesh, triton importable, a GPU with e4m3."""
+    if x.device.type not in KERNEL_DEVICE_TYPES or x.dtype not in KERNEL_DTYPES:
+        return False
+    if weight.dtype != FP8_WEIGHT_DTYPE or scale_inv.dtype != torch.float32:
+        return False
+    if weight.device != x.device or scale_inv.device != x.device:
+        return False
+    if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.device != x.device
+                             or bias.stride(0) != 1):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    if any(device_mesh(t) is not None for t in (x, weight, scale_inv)):
+        return False
+    return fp8_linear_kernel() is not None and _has_e4m3(x.device)
+
+
+__all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "check_block_fp8_weight", "dequantize_block_fp8",
+           "triton_applies"]

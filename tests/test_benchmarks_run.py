@@ -28,6 +28,8 @@ RUNS = [
     ("bench_decode_gemv.py", ["--tiny", "--batches", "1"],
      ["the Triton GEMV: skipped", "gdn in_proj, gathered", "mlp gate+up, with SwiGLU"]),
     ("bench_delta_rule.py", ["--tiny"], ["theirs/ours", "GDN Hk=4 Hv=8 d=64", "KDA H=8 d=64"]),
+    ("bench_fp8_linear.py", ["--tiny", "--rows", "1", "16"],
+     ["the Triton kernels: skipped", "gdn in_proj_qkvz", "expert gate+up", "scaled_mm: not timed"]),
     ("bench_generation.py", ["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "1"],
      ["GDN vs Qwen3-Next", "KDA vs Kimi-Linear", "prefill, batch 1"]),
     ("bench_kimi_linear.py", ["--size", "tiny", "--decode", "1", "--repeats", "1"],

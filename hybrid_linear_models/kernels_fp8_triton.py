@@ -1,0 +1,353 @@
+"""Triton kernels for linear layers on block-scaled FP8 weights: y = x W^T (+ b), and the experts' grouped product.
+
+W (out, in) is W_fp8 (float8_e4m3fn) with one float32 scale per BN x BK block (`kernels_fp8`'s layout):
+W[r, c] = W_fp8[r, c] * scale_inv[r // BN, c // BK]. x is bf16, fp16 or fp32; sums are float32; the output is in x's
+dtype. One kernel, four forms, each a program per (row tile, BLOCK_N output columns) streaming K in BLOCK_K slices,
+so the FP8 weight is read once per row tile and nothing else is written:
+- "one_row" (one row of x: batch-1 decoding, a GEMV): elementwise products in a [BLOCK_N, BLOCK_K] float32 tile,
+  summed over K once at the end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight spreads over
+  hundreds of programs, whose loads together keep enough bytes in flight to approach the memory bandwidth (the bytes
+  read are out x in FP8 plus the scales). Each slice's scales multiply x's slice (one scale where the slice lies in
+  one block, a [BLOCK_K] vector shared by the tile's rows where BLOCK_N divides BN), so a weight element costs one
+  conversion and one fused multiply-add.
+- "scaled_dot" (up to 16 rows: decoding, and the experts of a decoding step): rows padded to BLOCK_M, each K slice
+  inside one block column (BK a multiple of BLOCK_K), the FP8 slice converted to x's dtype (exact: e4m3's 4
+  significant bits and exponents fit bf16 and fp16) and multiplied on the tensor cores, the [BLOCK_M, BLOCK_N] float32
+  product then scaled by its output columns' scales (the weight rows') and added to the sum: the exact real weight.
+- "dequantized_dot" (prefill: more rows): each weight slice dequantized on load to x's dtype as the reference
+  `kernels_fp8.dequantize_block_fp8` does (float32's product w * s, rounded to x's dtype: the reference's weight, bit
+  for bit), then one tl.dot accumulating in float32: the reference's product up to the order of the float32 sums.
+- "fp8_dot" (prefill, only where `kernels_fp8.PREFILL_FORM` asks for it, not by default): x quantized to
+  e4m3 per row and block column as DeepSeek and vLLM do (`quantize_activations`: scale = max |x| / 448 per 1 x BK
+  group, q = x / scale rounded to e4m3, one small kernel), then FP8 x FP8 tensor cores per K slice inside one block
+  column, each slice's float32 product scaled by its row's and its column's scales. Not the reference's product:
+  each x_k becomes q_k s with |q_k s - x_k| <= 2^-4 |x_k| + 2^-10 s (e4m3's 3 fraction bits; half its subnormal
+  spacing 2^-9), so |y~ - y| <= sum_k |W_k| (2^-4 |x_k| + 2^-10 s), plus the tensor cores' FP8 sums of each slice
+  (Hopper keeps about 14 significant bits of them) and float32's; tests/test_kernels_fp8.py checks both parts.
+In "one_row" and "scaled_dot" the weight is not rounded to x's dtype, so those results differ from the reference's by
+its weight rounding (the real weight's product in float32 is the closer one). A dense prefill may also run
+"dequantize_then_linear" (`kernels_fp8.PREFILL_FORM`): the weight dequantized by `dequantize` (one pass, the
+reference's rounding) and F.linear on it, the reference's product itself (cuBLAS on a bf16 weight read once more).
+
+The experts (`fp8_grouped_linear`): rows sorted by expert, `offsets` [E] the cumulative end row of each expert (torch's
+grouped_mm convention), W [E, out, in]. One launch for all experts, with no host synchronization (the offsets stay on
+the device, so a CUDA graph can capture the call): the grid has cdiv(S, BLOCK_M) + min(E, S) row tiles, a bound on
+sum_e cdiv(rows_e, BLOCK_M); each program loads the E offsets, counts every expert's tiles and their running sum
+(tl.cumsum), finds the expert and tile it serves from its program id, and returns at once when past the last tile.
+An empty expert has no tile. Rows past offsets[E - 1] are not written (as the reference leaves them), and no row past
+S is read or written whatever the offsets say.
+
+K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width:
+a few per model). Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is
+captured, never inside the capture), each timed over 25 ms with the L2 cache cleared before each run (triton's
+do_bench), and kept in triton's cache folder. Imported only for CUDA tensors (`kernels_fp8`), since importing triton
+needs a GPU driver.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # (in a try: transformers' remote-code check then does not require triton of a CPU machine loading a folder)
+    import triton
+    import triton.language as tl
+except ImportError as error:
+    raise ImportError("the FP8 Triton kernels need triton (a CUDA machine); FP8 linear layers then dequantize the "
+                      "weight and run F.linear") from error
+
+FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
+# what a product of more than DECODING_ROWS rows may run (`kernels_fp8.PREFILL_FORMS`, which picks one; not imported
+# from there: kernels_fp8 imports this module)
+PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
+DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
+_FORM_IDS = {form: index for index, form in enumerate(FORMS)}
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M, N, E,
+                       stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
+                       K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GROUPED: tl.constexpr, E_POW2: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y tile (row tile program_id(1), BLOCK_N output columns program_id(0)) of FORM (an index into FORMS); x_ptr
+    holds e4m3 values and xs_ptr their scales for fp8_dot (see the module docstring)."""
+    tile = tl.program_id(1)  # (output columns on axis 0, whose grid may exceed axis 1's 65,535 programs)
+    if GROUPED:  # which expert's rows this tile is (see the module docstring)
+        experts = tl.arange(0, E_POW2)
+        ends = tl.load(offsets_ptr + experts, mask=experts < E, other=0).to(tl.int32)
+        starts = tl.load(offsets_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0).to(tl.int32)
+        tiles = tl.where(experts < E, tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M), 0)
+        tile_ends = tl.cumsum(tiles, axis=0)
+        expert = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)
+        if expert >= E:  # past the last tile
+            return
+        mine = experts == expert
+        first_tile = tl.sum(tl.where(mine, tile_ends - tiles, 0), axis=0)
+        row_start = tl.sum(tl.where(mine, starts, 0), axis=0) + (tile - first_tile) * BLOCK_M
+        row_end = tl.minimum(tl.sum(tl.where(mine, ends, 0), axis=0), M)  # (offsets past S: no row beyond x's)
+        w_ptr += expert.to(tl.int64) * stride_we
+        s_ptr += expert.to(tl.int64) * stride_se
+    else:
+        row_start = tile * BLOCK_M
+        row_end = M
+    rows = row_start + tl.arange(0, BLOCK_M)
+    live_rows = (rows < row_end) & (rows >= 0)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live_cols = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + (cols // BN)[:, None] * stride_sn  # [BLOCK_N, 1]: each output column's row of scales
+    if FORM == 0:  # one_row: elementwise products, summed over K at the end
+        products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            live_k = ks < K
+            w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + ks, mask=live_k & (row_start < row_end),
+                        other=0.0).to(tl.float32)  # (BLOCK_M is 1)
+            if BN % BLOCK_N == 0 and BK % BLOCK_K == 0:  # the slice lies in one block: one scale
+                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (start // BK) * stride_sk)
+                products += w * (x * s)[None, :]
+            elif BN % BLOCK_N == 0:  # the tile's rows share one row of scales: scale x's slice once
+                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (ks // BK) * stride_sk,
+                            mask=live_k, other=0.0)
+                products += w * (x * s)[None, :]
+            else:
+                s = tl.load(s_rows + (ks // BK)[None, :] * stride_sk, mask=live_cols[:, None] & live_k[None, :],
+                            other=0.0)
+                products += w * s * x[None, :]
+        acc = tl.sum(products, axis=1)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            live_k = ks < K
+            x = tl.load(x_rows + ks[None, :], mask=live_rows[:, None] & live_k[None, :], other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0)
+            if FORM == 1:  # scaled_dot: the slice lies in one block column; its product scaled per output column
+                s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
+            elif FORM == 3:  # fp8_dot: x quantized per row and block column, both scales applied to the product
+                s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
+                xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + start // BK, mask=live_rows, other=0.0)
+                acc += tl.dot(x, tl.trans(w)) * xs[:, None] * s[None, :]
+            else:  # dequantized_dot: the weight rounded to x's dtype, as the reference's
+                if BK % BLOCK_K == 0:
+                    s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols,
+                                other=0.0)[:, None]
+                else:
+                    s = tl.load(s_rows + (ks // BK)[None, :] * stride_sk, mask=live_cols[:, None] & live_k[None, :],
+                                other=0.0)
+                w = (w.to(tl.float32) * s).to(x_ptr.dtype.element_ty)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=live_cols, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=live_rows[:, None] & live_cols[None, :])
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm, BK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One row's BK columns of x (program (row, block column)): scale = max |x| / 448 (1 for a zero group), q =
+    x / scale rounded to e4m3."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    ks = tl.program_id(1) * BK + offsets
+    live = (offsets < BK) & (ks < K)
+    x = tl.load(x_ptr + row * stride_xm + ks, mask=live, other=0.0).to(tl.float32)
+    largest = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(largest > 0, tl.div_rn(largest, 448.0), 1.0)  # (div_rn: IEEE division, not `/`'s approximate)
+    tl.store(q_ptr + row * stride_qm + ks, tl.div_rn(x, scale).to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(scale_ptr + row * stride_sm + tl.program_id(1), scale)
+
+
+def quantize_activations(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride along K) in e4m3 per row and `bk` columns: (q [M, K] float8_e4m3fn, scales [M,
+    ceil(K / bk)] float32), x ~ q * scale (DeepSeek's 1 x 128 activation scaling for `fp8_dot`)."""
+    rows, inp = x.shape
+    q = torch.empty(rows, inp, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(rows, triton.cdiv(inp, bk), device=x.device, dtype=torch.float32)
+    if q.numel():
+        _quantize_kernel[(rows, scales.shape[1])](x, q, scales, inp, x.stride(0), q.stride(0), scales.stride(0),
+                                                  BK=bk, BLOCK=triton.next_power_of_2(bk))
+    return q, scales
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sk, stride_on, BN: tl.constexpr,
+                       BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile of the weight: float32's product w * s, rounded to the output's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    live = (cols < N)[:, None] & (ks < K)[None, :]
+    w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=live, other=0.0)
+    if BK % BLOCK_K == 0:  # the tile lies in one block column: a scale per row
+        s = tl.load(s_ptr + (cols // BN) * stride_sn + (tl.program_id(1) * BLOCK_K // BK) * stride_sk, mask=cols < N,
+                    other=0.0)[:, None]
+    else:
+        s = tl.load(s_ptr + (cols // BN)[:, None] * stride_sn + (ks // BK)[None, :] * stride_sk, mask=live, other=0.0)
+    tl.store(out_ptr + cols.to(tl.int64)[:, None] * stride_on + ks[None, :],
+             (w.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               dtype: torch.dtype) -> torch.Tensor:
+    """The real weight of FP8 `weight` [out, in] (unit stride along in) in `dtype`, rounded as the reference
+    `kernels_fp8.dequantize_block_fp8` rounds it (bit for bit): one pass over the weight."""
+    out, inp = weight.shape
+    result = torch.empty(out, inp, device=weight.device, dtype=dtype)
+    if result.numel():
+        tile = (16, 16) if _INTERPRETED else (32, 128)
+        _dequantize_kernel[(triton.cdiv(out, tile[0]), triton.cdiv(inp, tile[1]))](
+            weight, scale_inv, result, out, inp, weight.stride(0), scale_inv.stride(0), scale_inv.stride(1),
+            result.stride(0), BN=block[0], BK=block[1], BLOCK_N=tile[0], BLOCK_K=tile[1])
+    return result
+
+
+# (BLOCK_N, BLOCK_K, warps, stages) per form; each compiles on first use, in the warm-up (about a second each)
+_CONFIGS = {
+    "one_row": [(2, 1024, 4, 1), (2, 512, 4, 2), (4, 512, 4, 2), (4, 256, 4, 3), (8, 256, 4, 3), (8, 512, 8, 2),
+                (16, 256, 8, 3), (4, 128, 2, 4), (8, 128, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3)],
+    "scaled_dot": [(16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 64, 4, 6), (32, 64, 4, 5),
+                   (128, 128, 8, 3)],
+    "fp8_dot": [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4), (64, 128, 4, 4), (64, 256, 8, 3),
+                (64, 64, 4, 5)],
+    "dequantized_dot": [(128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3), (128, 32, 4, 5),
+                        (64, 128, 4, 3)],
+}
+# the configuration triton's interpreter runs (tests on CPUs: no timing); tiny, so the interpreter takes seconds
+_INTERPRETED_CONFIG = {"one_row": (4, 16), "scaled_dot": (16, 16), "dequantized_dot": (16, 16), "fp8_dot": (16, 32)}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _fits(form: str, block_n: int, block_k: int, bk: int) -> bool:
+    """Whether a configuration serves a form for block columns of `bk`: a scaled_dot or fp8_dot slice lies in one
+    block column."""
+    return form not in ("scaled_dot", "fp8_dot") or bk % block_k == 0
+
+
+def _pruned(configs: list, named_args: dict, **kwargs) -> list:
+    """The configurations that fit the call's block (`_fits`); at least the narrowest slice of each."""
+    arguments = {**named_args, **kwargs}
+    form, bk = FORMS[arguments["FORM"]], arguments["BK"]
+    fitting = [c for c in configs if _fits(form, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], bk)]
+    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
+
+
+def _timed(kernel_call, quantiles):
+    """triton's do_bench timing 25 ms of runs after 5 ms of warm-up (the kernels take microseconds)."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _autotuned(form: str) -> triton.runtime.Autotuner:
+    """The kernel autotuned over the form's configurations per _KEY, with the timing and the on-disk cache of the
+    results where this triton's autotune offers them."""
+    offered = inspect.signature(triton.autotune).parameters
+    options = {name: value for name, value in (("do_bench", _timed), ("cache_results", True)) if name in offered}
+    configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in _CONFIGS[form]]
+    return triton.autotune(configs=configs, key=_KEY, prune_configs_by={"early_config_prune": _pruned},
+                           **options)(_fp8_linear_kernel)
+
+
+_KEY = ["N", "K", "E", "BN", "BK", "HAS_BIAS", "GROUPED", "FORM", "BLOCK_M"]
+_TUNED = {form: _autotuned(form) for form in FORMS}
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
+            offsets: torch.Tensor | None, block: tuple[int, int], form: str, block_m: int,
+            config: tuple[int, int] | None) -> torch.Tensor:
+    """y [S, out] in x's dtype for x [S, in] (unit stride along in), weight [(E,) out, in], scale_inv [(E,) ...]."""
+    rows, out, inp = x.shape[0], weight.shape[-2], weight.shape[-1]
+    y = torch.empty(rows, out, device=x.device, dtype=x.dtype)
+    if rows == 0 or out == 0:
+        return y
+    x_scales = scale_inv  # (unread but by fp8_dot)
+    if form == "fp8_dot":
+        x, x_scales = quantize_activations(x, block[1])
+    grouped = offsets is not None
+    experts = weight.shape[0] if grouped else 1
+    tiles = triton.cdiv(rows, block_m) + (min(experts, rows) if grouped else 0)
+    args = (x, weight, scale_inv, bias if bias is not None else scale_inv, y,
+            offsets if grouped else scale_inv, x_scales, rows, out, experts, x.stride(0), x_scales.stride(0),
+            weight.stride(0) if grouped else 0, weight.stride(-2),
+            scale_inv.stride(0) if grouped else 0, scale_inv.stride(-2), scale_inv.stride(-1), y.stride(0))
+    flags = {"K": inp, "BN": block[0], "BK": block[1], "HAS_BIAS": bias is not None, "GROUPED": grouped,
+             "E_POW2": triton.next_power_of_2(experts), "FORM": _FORM_IDS[form],
+             "PRECISION": "ieee" if y.dtype == torch.float32 else "tf32", "BLOCK_M": block_m}
+    if config is None and _INTERPRETED:
+        config = _INTERPRETED_CONFIG[form]
+    if config is not None:
+        if not _fits(form, *config, block[1]):
+            raise ValueError(f"FP8 kernel: a {form} slice of {config[1]} columns must divide the block's {block[1]} "
+                             "columns; pick a BLOCK_K dividing it")
+        _fp8_linear_kernel[(triton.cdiv(out, config[0]), tiles)](*args, **flags, BLOCK_N=config[0],
+                                                                  BLOCK_K=config[1])
+    else:
+        _TUNED[form][lambda meta: (triton.cdiv(out, meta["BLOCK_N"]), tiles)](*args, **flags)
+    return y
+
+
+def _scaled_dot_serves(bk: int) -> bool:
+    """scaled_dot needs a K slice of at least 16 (tl.dot) inside one block column."""
+    return bk % 16 == 0
+
+
+def linear_form(rows: int, bk: int, prefill: str = "dequantized_dot") -> str:
+    """The form a dense product of `rows` rows of x takes (see the module docstring): past DECODING_ROWS, `prefill`
+    (one of PREFILL_FORMS; "fp8_dot" where the block's columns take its K slices of 32, FP8 tl.dot's least)."""
+    if prefill not in PREFILL_FORMS:
+        raise ValueError(f"FP8 prefill form {prefill!r}: expected one of {', '.join(PREFILL_FORMS)}")
+    if rows == 1:
+        return "one_row"
+    if rows <= DECODING_ROWS and _scaled_dot_serves(bk):
+        return "scaled_dot"
+    return "dequantized_dot" if prefill == "fp8_dot" and bk % 32 else prefill
+
+
+def _tile_rows(rows: int) -> int:
+    """Rows per tile of the dot forms for `rows` rows (of one expert, on average): 16 (tl.dot's least), 64 or 128."""
+    return 16 if rows <= 16 else 64 if rows <= 64 else 128
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None, form: str | None = None, config: tuple[int, int] | None = None,
+               prefill: str = "dequantized_dot") -> torch.Tensor:
+    """x [M, in] (unit stride along in; bf16, fp16 or fp32) @ W.T (+ bias) in x's dtype, W (out, in) the real weight of
+    FP8 `weight` (unit stride along in) and float32 `scale_inv` [ceil(out / BN), ceil(in / BK)], block (BN, BK).
+    `form` picks a form (default: `linear_form` with `prefill`; tests and benchmarks), `config` (BLOCK_N, BLOCK_K) a
+    configuration instead of the autotuned one (tests; triton's interpreter runs `_INTERPRETED_CONFIG`).
+    "dequantize_then_linear" dequantizes the weight (`dequantize`) and runs F.linear: the reference's product."""
+    form = form or linear_form(x.shape[0], block[1], prefill)
+    if form == "dequantize_then_linear":
+        return F.linear(x, dequantize(weight, scale_inv, block, x.dtype), bias)
+    block_m = 1 if form == "one_row" else _tile_rows(x.shape[0])
+    if form == "one_row" and x.shape[0] != 1:
+        raise ValueError(f"FP8 kernel: the one_row form takes one row of x, not {x.shape[0]}; use scaled_dot")
+    return _launch(x, weight, scale_inv, bias, None, block, form, block_m, config)
+
+
+def fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, offsets: torch.Tensor,
+                       block: tuple[int, int], form: str | None = None, config: tuple[int, int] | None = None,
+                       prefill: str = "dequantized_dot") -> torch.Tensor:
+    """rows [S, in] (sorted by expert, unit stride along in) @ W_e.T for the rows of each expert e: W [E, out, in] FP8
+    (unit stride along in) with scale_inv [E, ...], `offsets` [E] (int32/int64, on the device) the cumulative end row
+    of each expert (rows offsets[e - 1]:offsets[e] are expert e's). One launch, no host synchronization. `form`:
+    "scaled_dot" (default where the rows per expert average at most DECODING_ROWS), else `prefill` ("dequantized_dot"
+    or "fp8_dot"; "dequantize_then_linear", which would dequantize every expert, takes "dequantized_dot")."""
+    experts = weight.shape[0]
+    per_expert = -(-rows.shape[0] // max(experts, 1))
+    if form is None:
+        form = "scaled_dot" if per_expert <= DECODING_ROWS and _scaled_dot_serves(block[1]) else linear_form(
+            DECODING_ROWS + 1, block[1], "dequantized_dot" if prefill == "dequantize_then_linear" else prefill)
+    if form not in ("scaled_dot", "dequantized_dot", "fp8_dot"):
+        raise ValueError(f"FP8 kernel: the experts' product takes scaled_dot, dequantized_dot or fp8_dot, not {form}")
+    return _launch(rows, weight, scale_inv, None, offsets, block, form, _tile_rows(per_expert), config)
+
+
+__all__ = ["DECODING_ROWS", "FORMS", "PREFILL_FORMS", "dequantize", "fp8_grouped_linear", "fp8_linear", "linear_form",
+           "quantize_activations"]
