@@ -304,13 +304,23 @@ def _fill_plain(model: nn.Module, model_type: str, seed: int, skip: set[str]) ->
             param.data.copy_(drawn(name, tuple(param.shape), param.dtype, param.device, model_type, seed))
 
 
+def theirs_on_meta(fields: dict, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """transformers' model for `fields` on the meta device (shapes and dtypes, no memory)."""
+    cls = Qwen3NextForCausalLM if fields["model_type"] == "qwen3_next" else KimiLinearForCausalLM
+    return _on_meta(lambda: cls(theirs_config(fields)), dtype)
+
+
+def ours_on_meta(fields: dict, dtype: torch.dtype = torch.bfloat16) -> HybridLinearForCausalLM:
+    """Our model for `fields` on the meta device (FP8 layers where its quantization_config says)."""
+    config = ours_config(fields)
+    return _on_meta(lambda: HybridLinearForCausalLM(config), dtype)
+
+
 def build_theirs(fields: dict, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0
                  ) -> nn.Module:
     """transformers' Qwen3NextForCausalLM / KimiLinearForCausalLM for `fields`, drawn on `device`."""
-    config = theirs_config(fields)
-    cls = Qwen3NextForCausalLM if fields["model_type"] == "qwen3_next" else KimiLinearForCausalLM
-    model = _on_meta(lambda: cls(config), dtype)
-    check_fits(model_bytes(model), device, f"transformers' {cls.__name__}")
+    model = theirs_on_meta(fields, dtype)
+    check_fits(model_bytes(model), device, f"transformers' {type(model).__name__}")
     with torch.no_grad():
         _fill_plain(_materialised(model, device), fields["model_type"], seed, skip=set())
     return model.eval()
@@ -320,9 +330,8 @@ def build_ours(fields: dict, device: torch.device, dtype: torch.dtype = torch.bf
                ) -> HybridLinearForCausalLM:
     """This family's model for `fields` (FP8 where its quantization_config says), drawn on `device` with the same
     values `build_theirs` gives transformers' model (the FP8 weights: those values quantized)."""
-    config, model_type = ours_config(fields), fields["model_type"]
-    model = _on_meta(lambda: HybridLinearForCausalLM(config), dtype)
-    check_fits(model_bytes(model), device, f"ours ({model_type}{', FP8' if config.block_fp8 else ''})")
+    model, model_type = ours_on_meta(fields, dtype), fields["model_type"]
+    check_fits(model_bytes(model), device, f"ours ({model_type}{', FP8' if model.config.block_fp8 else ''})")
     _materialised(model, device)
     with torch.no_grad():
         fp8 = {name: module for name, module in model.named_modules() if isinstance(module, Fp8Linear | Fp8Experts)}
@@ -339,7 +348,7 @@ def build_ours(fields: dict, device: torch.device, dtype: torch.dtype = torch.bf
 def _fill_through_rows(model: HybridLinearForCausalLM, fields: dict, seed: int, dtype: torch.dtype) -> None:
     """Kimi-Linear: each converter row's transformers tensors drawn by their names (shapes from transformers' model
     on meta), converted to ours."""
-    theirs = _on_meta(lambda: KimiLinearForCausalLM(theirs_config(fields)), dtype)
+    theirs = theirs_on_meta(fields, dtype)
     shapes = {name: tuple(t.shape) for name, t in theirs.state_dict().items()}
     params = _drawn_tensors(model)
     device = params["lm_head.weight"].device
@@ -354,5 +363,5 @@ def _fill_through_rows(model: HybridLinearForCausalLM, fields: dict, seed: int, 
 
 
 __all__ = ["FP8_BLOCK", "KIMI_LINEAR_48B", "QWEN3_NEXT_80B", "build_ours", "build_theirs", "check_fits", "draw",
-           "kimi_linear_fields", "model_bytes", "ours_config", "quantize_block_fp8", "qwen3_next_fields",
-           "theirs_config"]
+           "kimi_linear_fields", "model_bytes", "ours_config", "ours_on_meta", "quantize_block_fp8",
+           "qwen3_next_fields", "theirs_config", "theirs_on_meta"]
