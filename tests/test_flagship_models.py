@@ -252,3 +252,23 @@ def test_the_draws_depend_on_the_seed_and_the_name():
     assert not torch.equal(first["lm_head.weight"], second["lm_head.weight"])
     assert not torch.equal(first["model.layers.0.input_layernorm.weight"],
                            first["model.layers.0.post_attention_layernorm.weight"])
+
+
+def test_bytes_per_step_reads_the_used_experts_and_the_caches():
+    """The limit's bytes at full size on meta: batch 1 reads top-k of the experts' bytes, every other weight, one
+    embedding row and the caches; a batch large enough to pick every expert reads all of them."""
+    from bench_flagships import cache_bytes, step_bytes
+
+    model = ours_on_meta(qwen3_next_fields(fp8=True))
+    sizes = {name: t.numel() * t.element_size() for name, t in model.named_parameters()}
+    experts = sum(size for name, size in sizes.items() if ".mlp.experts." in name)
+    embedding = sizes["model.embed_tokens.weight"]
+    rest = sum(sizes.values()) - experts - embedding
+    row = 2048 * 2  # one bfloat16 row of the embedding
+    assert step_bytes(model, 1, 0) == int(rest + experts * 10 / 512 + row + cache_bytes(model.config, 1, 0, 2))
+    # GDN: 36 layers of a float32 state 32 x 128 x 128 and a conv window (2 x 16 + 32) x 128 x 4 in bfloat16;
+    # attention: 12 layers of keys and values, 2 KV heads of 256, per token
+    gdn = 36 * (4 * 32 * 128 * 128 + 2 * 64 * 128 * 4)
+    assert cache_bytes(model.config, 1, 1000, 2) == gdn + 12 * 1000 * 2 * 2 * 256 * 2
+    every_expert = step_bytes(model, 100_000, 0) - cache_bytes(model.config, 100_000, 0, 2)
+    assert abs(every_expert - (rest + experts + 100_000 * row)) < 1e-6 * experts
