@@ -184,6 +184,10 @@ def measure(model, config, side: str, args, contexts: dict[str, int], device) ->
     ttft = time_to_first_token(model, {k: contexts[k] for k in args.contexts}, args.repeats, device, kwargs)
     decode = decoding(model, config, contexts, args, device, kwargs)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    graphs = getattr(model, "_graph_decoder", None)
+    if side == "ours" and device.type == "cuda":  # a step that cannot be captured runs eager: say so
+        failed = sorted({str(reason) for reason in getattr(graphs, "_failed", {}).values()})
+        print(f"  ours' decoding graphs: {'off (--eager)' if graphs is None else failed or 'captured'}", flush=True)
     return {"ttft": ttft, "decode": decode, "peak": peak}
 
 

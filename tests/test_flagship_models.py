@@ -159,7 +159,8 @@ def test_fp8_weights_are_the_bf16_draws_quantized(tiny_qwen, tiny_qwen_fp8):
             full = f"{name}.{weight}"
             real = dequantize_block_fp8(getattr(module, weight), getattr(module, weight + "_scale_inv"), module.block,
                                         torch.float64)
-            drawn = theirs[full].double()  # drawn in bfloat16, held in float32: exactly the bf16 values quantized
+            # transformers' float32 model holds the float32 draws; the FP8 path quantizes them rounded to bfloat16
+            drawn = theirs[full].to(torch.bfloat16).double()
             assert_within_e4m3_rounding(drawn, real, getattr(module, weight + "_scale_inv"), module.block)
 
 
