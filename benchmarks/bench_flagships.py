@@ -147,7 +147,7 @@ def decoding(model, config, contexts: dict[str, int], args, device, kwargs: dict
     """Decoding tok/s per (batch, context) cell; `config` ours (the cache sizes)."""
     results, new_tokens = {}, args.new_tokens
     element = model.lm_head.weight.element_size()
-    for label in DECODE_CONTEXTS:
+    for label in args.decode_contexts:
         length = contexts[label]
         for batch in args.batches:
             if label != "1K" and batch not in args.long_batches:
@@ -192,6 +192,8 @@ def measure(model, config, side: str, args, contexts: dict[str, int], device) ->
 
 
 def _text(value, scale: float = 1.0, digits: int = 1) -> str:
+    if value is None:
+        return "not run"
     return f"{value * scale:.{digits}f}" if isinstance(value, float | int) else str(value)
 
 
@@ -216,7 +218,7 @@ def report(name: str, results: dict, limits: dict, contexts: dict[str, int], arg
         print(f"  {label:>5}: " + " | ".join(cells) + ratio)
     print(f"{name}: decoding tok/s, {args.new_tokens} new tokens (limit: bytes per step over "
           f"{args.bandwidth_gbs:.0f} GB/s)")
-    for label in DECODE_CONTEXTS:
+    for label in args.decode_contexts:
         for batch in args.batches:
             cells = [f"{side} {_text(results[side]['decode'][batch, label])}" for side in sides]
             ours, limit = results[sides[0]]["decode"][batch, label], limits[batch, label]
@@ -252,7 +254,7 @@ def run_model(key: str, args, device: torch.device, dtype: torch.dtype, contexts
     else:
         fields, sides = kimi_linear_fields(tiny=args.tiny), ["ours", "transformers"]
     print(f"\n=== {key}: {fields['num_hidden_layers']} layers, {dtype}, {device}", flush=True)
-    results, limits, config = {}, {}, None
+    results, limits, config, logits = {}, {}, None, {}
     for side in sides:
         build = build_ours if side == "ours" else build_theirs
         start = time.perf_counter()
@@ -261,13 +263,22 @@ def run_model(key: str, args, device: torch.device, dtype: torch.dtype, contexts
         print(f"{side}: built in {time.perf_counter() - start:.1f} s", flush=True)
         if side == "ours":
             config = model.config
-            for label in DECODE_CONTEXTS:
+            for label in args.decode_contexts:
                 for batch in args.batches:
                     read = step_bytes(model, batch, contexts[label] + args.new_tokens // 2)
                     limits[batch, label] = batch * args.bandwidth_gbs * 1e9 / read
         results[side] = measure(model, config, side, args, contexts, device)
+        with torch.no_grad():  # the last positions' logits on a short input (after the first calls measured)
+            probe = model(_tokens(fields["vocab_size"], 1, 64, device), use_cache=False, logits_to_keep=8)
+            logits[side] = probe.logits.float().cpu()
         del model
         _free(device)
+    if len(logits) == 2:
+        ours, theirs = logits["ours"], logits["transformers"]
+        agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+        print(f"\nsame weights: max |logits ours - transformers'| = {(ours - theirs).abs().max().item():.3g} (logits "
+              f"up to {theirs.abs().max().item():.3g}), top-1 agreement {agree:.0%}, 64 tokens, {dtype} (in bfloat16 "
+              "a router's near ties may pick other experts: tests/test_flagship_models.py checks float32)")
     report(key, results, limits, contexts, args)
     if key == "qwen3-next-fp8":
         vllm_anchor(results["ours"])
@@ -279,7 +290,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (a smoke test of this script)")
     parser.add_argument("--qwen-layers", type=int, default=24, help="layers of the bf16 Qwen3-Next (of 48)")
     parser.add_argument("--contexts", nargs="*", choices=list(CONTEXTS), default=list(CONTEXTS),
-                        help="prompt lengths of the time-to-first-token rows")
+                        help="prompt lengths of the time-to-first-token rows (and of decoding: 1K, 256K)")
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--long-batches", type=int, nargs="*", default=[1],
                         help="the batches also decoded after 256K (default 1: batch 16 prefills 4M tokens)")
@@ -295,6 +306,7 @@ def main() -> None:
     contexts = TINY_CONTEXTS if args.tiny else CONTEXTS
     args.batches = args.batches or ([1, 2] if args.tiny else [1, 16])
     args.new_tokens = args.new_tokens or (4 if args.tiny else 64)
+    args.decode_contexts = [label for label in DECODE_CONTEXTS if label in args.contexts]
     if args.tiny:
         torch.set_num_threads(2)
     for key in args.models:

@@ -30,7 +30,7 @@ RUNS = [
     ("bench_delta_rule.py", ["--tiny"], ["theirs/ours", "GDN Hk=4 Hv=8 d=64", "KDA H=8 d=64"]),
     ("bench_flagships.py", ["--tiny", "--repeats", "1"],
      ["=== qwen3-next-fp8", "qwen3-next-fp8 beside vLLM", "qwen3-next-bf16: decoding tok/s",
-      "kimi-linear: time to first token", "warm ratio transformers / ours"]),
+      "kimi-linear: time to first token", "warm ratio transformers / ours", "same weights: max |logits"]),
     ("bench_generation.py", ["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "1"],
      ["GDN vs Qwen3-Next", "KDA vs Kimi-Linear", "prefill, batch 1"]),
     ("bench_kimi_linear.py", ["--size", "tiny", "--decode", "1", "--repeats", "1"],
