@@ -151,7 +151,7 @@ def decoding(model, config, contexts: dict[str, int], args, device, kwargs: dict
         length = contexts[label]
         for batch in args.batches:
             if label != "1K" and batch not in args.long_batches:
-                results[batch, label] = f"not run (--long-batches {batch}: a {batch * length}-token prefill)"
+                results[batch, label] = f"not run (a {batch * length}-token prefill; --long-batches {batch} runs it)"
                 continue
             needed = cache_bytes(config, batch, length + new_tokens, element) + MARGIN
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
