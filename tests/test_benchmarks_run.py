@@ -28,6 +28,9 @@ RUNS = [
     ("bench_decode_gemv.py", ["--tiny", "--batches", "1"],
      ["the Triton GEMV: skipped", "gdn in_proj, gathered", "mlp gate+up, with SwiGLU"]),
     ("bench_delta_rule.py", ["--tiny"], ["theirs/ours", "GDN Hk=4 Hv=8 d=64", "KDA H=8 d=64"]),
+    ("bench_flagships.py", ["--tiny", "--repeats", "1"],
+     ["=== qwen3-next-fp8", "qwen3-next-fp8 beside vLLM", "qwen3-next-bf16: decoding tok/s",
+      "kimi-linear: time to first token", "warm ratio transformers / ours", "same weights: max |logits"]),
     ("bench_fp8_linear.py", ["--tiny", "--rows", "1", "16"],
      ["the Triton kernels: skipped", "gdn in_proj_qkvz", "expert gate+up", "scaled_mm: not timed"]),
     ("bench_generation.py", ["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "1"],
@@ -55,9 +58,9 @@ RUNS = [
     ("profile_gpu.py", ["--tiny"], ["ours training step", "transformers eager decoding step",
                                     "graph decoding: skipped, a CUDA-graph replay needs a CUDA device"]),
 ]
-# model_configs.py is the others' module, not a script; make_finetune_example.py writes the data of
-# two_gpu_finetune.sh (a 109 MB model), not a benchmark
-NOT_RUN = {"model_configs.py", "make_finetune_example.py"}
+# model_configs.py and flagship_models.py are the others' modules, not scripts; make_finetune_example.py writes the
+# data of two_gpu_finetune.sh (a 109 MB model), not a benchmark
+NOT_RUN = {"model_configs.py", "make_finetune_example.py", "flagship_models.py"}
 
 
 def run(command: list[str], timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
