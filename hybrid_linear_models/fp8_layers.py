@@ -107,19 +107,24 @@ class Fp8Experts(_KeepsStoredDtypes):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if not self.num_experts:
+            return torch.zeros_like(hidden_states)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # the pairs grouped by expert
-        # experts numbered num_experts or above (expert parallelism's other ranks) sort last, past offsets[-1]
         counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
         offsets = torch.cumsum(counts, 0)
-        used = order[: int(offsets[-1])] if self.num_experts else order[:0]
-        token_of = used // k
+        # every pair keeps its row, so no count is read on the host (a CUDA graph captures this): the pairs of experts
+        # numbered num_experts or above (expert parallelism's other ranks) sort past offsets[-1], where no expert
+        # computes, and their rows are masked out of the sum
+        token_of = order // k
         gate_up = block_fp8_grouped_linear(hidden_states[token_of], self.gate_up_proj, self.gate_up_proj_scale_inv,
                                            offsets, self.block)
         gate, up = gate_up.chunk(2, dim=-1)
-        gated = self.act_fn(gate) * up * top_k_weights.reshape(-1, 1)[used].to(gate_up.dtype)
+        gated = self.act_fn(gate) * up * top_k_weights.reshape(-1, 1)[order].to(gate_up.dtype)
         out = block_fp8_grouped_linear(gated, self.down_proj, self.down_proj_scale_inv, offsets, self.block)
+        routed = torch.arange(order.numel(), device=order.device) < offsets[-1:]
+        out = torch.where(routed[:, None], out, 0)
         return torch.zeros_like(hidden_states).index_add_(0, token_of, out.to(hidden_states.dtype))
 
     def extra_repr(self) -> str:

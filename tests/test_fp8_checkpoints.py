@@ -183,6 +183,59 @@ def test_fp8_experts_match_a_float64_loop():
     weights = torch.rand(5, 2, generator=generator, dtype=torch.float64)
     expected = reference(x, top_k, weights)
     torch.testing.assert_close(experts(x, top_k, weights), expected, rtol=1e-12, atol=1e-12)
+    # expert parallelism's sentinel (index 4 = num_experts: a pair another rank's experts serve) adds nothing, and the
+    # forward reads no count on the host (what a CUDA graph needs)
+    top_k = torch.tensor([[0, 4], [3, 0], [4, 3], [0, 3], [4, 4]])
+    expected = reference(x, top_k, weights)
+    with _no_host_reads():
+        got = experts(x, top_k, weights)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+class _no_host_reads:
+    """Makes reading a tensor's value on the host (int, bool, item, tolist) raise, except inside the CPU reference
+    kernel (kernels_fp8), which takes its offsets on the host: the CUDA kernels do not."""
+
+    def __enter__(self):
+        import hybrid_linear_models.fp8_layers as layers
+        from hybrid_linear_models import kernels_fp8
+
+        self._patches = []
+        original = kernels_fp8.block_fp8_grouped_linear
+
+        def grouped(*args, **kwargs):
+            with _host_reads_allowed():
+                return original(*args, **kwargs)
+
+        self._patches.append((layers, "block_fp8_grouped_linear", layers.block_fp8_grouped_linear))
+        layers.block_fp8_grouped_linear = grouped
+        for name in ("__int__", "__bool__", "item", "tolist", "__index__"):
+            self._patches.append((torch.Tensor, name, getattr(torch.Tensor, name)))
+            setattr(torch.Tensor, name, _refused(getattr(torch.Tensor, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in reversed(self._patches):
+            setattr(owner, name, value)
+
+
+_ALLOWED = [False]
+
+
+class _host_reads_allowed:
+    def __enter__(self):
+        _ALLOWED[0] = True
+
+    def __exit__(self, *exc):
+        _ALLOWED[0] = False
+
+
+def _refused(method):
+    def read(self, *args, **kwargs):
+        if not _ALLOWED[0]:
+            raise AssertionError("a tensor value read on the host")
+        return method(self, *args, **kwargs)
+    return read
 
 
 def test_save_pretrained_writes_the_same_fp8_folder(folders, tmp_path):
