@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_decode_gemv import time_calls, time_replays  # (a sibling script: the same timing)
 
 BLOCK = (128, 128)
 # Qwen3-Next-80B-A3B's FP8 products, (out, in): hidden 2048; GDN's in_proj_qkvz and in_proj_ba and out_proj; the
@@ -49,36 +50,6 @@ DENSE = {
 # the routed experts: 512 of them, 10 per token, each (out, in)
 EXPERTS = {"expert gate+up": (1024, 2048), "expert down": (2048, 512)}
 NUM_EXPERTS, TOP_K = 512, 10
-
-
-def time_calls(fn, repeats: int) -> float:
-    """Microseconds per call of fn on the CPU, by the host clock (the --tiny smoke run)."""
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - start) * 1e6 / repeats
-
-
-def time_replays(fn, repeats: int) -> float:
-    """Microseconds per call of fn, from a CUDA graph of `repeats` calls (no launch overhead in the figure)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
 
 
 def fp8_weight(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
