@@ -847,7 +847,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             if valid is not None:  # (an entry from a pad's hidden state predicts nothing)
                 targets = targets.masked_fill(valid.to(targets.device) == 0, -100)
             loss = None
-            if self.training and self.config.fuse_linear_cross_entropy:
+            if self.training and self.config.fuse_linear_cross_entropy and isinstance(self.lm_head, nn.Linear):
                 loss = fused_causal_lm_loss(g, self.lm_head.weight, labels, shift_labels=targets,
                                             num_items_in_batch=kwargs.get("num_items_in_batch"))
             if loss is None:
