@@ -119,9 +119,10 @@ def _assert_same_as_plain(model, input_ids, new_tokens, **assisted):
     return plain
 
 
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic", "static"])
 @pytest.mark.parametrize("kind", ["wrong", "right", "random"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_with_a_drafter_equals_plain_greedy(name, kind, monkeypatch):
+def test_greedy_with_a_drafter_equals_plain_greedy(name, kind, cache, monkeypatch):
     model = _model(MODELS[name])
     input_ids = _ids((1, 9), 1)
     with torch.no_grad():
@@ -131,7 +132,8 @@ def test_greedy_with_a_drafter_equals_plain_greedy(name, kind, monkeypatch):
     crops = []
     original = LinearStateLayer.crop
     monkeypatch.setattr(LinearStateLayer, "crop", lambda self, n: (crops.append(n), original(self, n))[1])
-    _assert_same_as_plain(model, input_ids, 14, prompt_lookup_num_tokens=4)  # (mode switch; the drafter is ours)
+    # (prompt_lookup_num_tokens: the mode switch; the drafter is ours)
+    _assert_same_as_plain(model, input_ids, 14, prompt_lookup_num_tokens=4, **cache)
     if kind != "right":
         assert any(n < 0 for n in crops)  # drafts were rejected and the states restored
 
