@@ -25,7 +25,6 @@ not train (requires_grad False): an FP8 model runs inference.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -33,15 +32,11 @@ from torch import nn
 from transformers import initialization as init
 
 from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
-from .kernels_fp8 import block_fp8_grouped_linear, block_fp8_linear
+from .kernels_fp8 import block_fp8_grouped_linear, block_fp8_linear, scale_shape
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
-
-
-def _scale_shape(rows: int, cols: int, block: tuple[int, int], lead: tuple[int, ...] = ()) -> tuple[int, ...]:
-    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
 class _KeepsStoredDtypes(nn.Module):
@@ -75,7 +70,7 @@ class Fp8Linear(_KeepsStoredDtypes):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, settings.block
         self.weight = _frozen((out_features, in_features), getattr(torch, settings.dtype_name))
-        self.weight_scale_inv = _frozen(_scale_shape(out_features, in_features, self.block), torch.float32)
+        self.weight_scale_inv = _frozen(scale_shape(self.weight.shape, self.block), torch.float32)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,13 +92,11 @@ class Fp8Experts(_KeepsStoredDtypes):
         super().__init__()
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.act_fn, self.block = act_fn, settings.block
-        lead, fp8 = (num_experts,), getattr(torch, settings.dtype_name)
+        fp8 = getattr(torch, settings.dtype_name)
         self.gate_up_proj = _frozen((num_experts, 2 * intermediate_dim, hidden_dim), fp8)
-        self.gate_up_proj_scale_inv = _frozen(_scale_shape(2 * intermediate_dim, hidden_dim, self.block, lead),
-                                              torch.float32)
+        self.gate_up_proj_scale_inv = _frozen(scale_shape(self.gate_up_proj.shape, self.block), torch.float32)
         self.down_proj = _frozen((num_experts, hidden_dim, intermediate_dim), fp8)
-        self.down_proj_scale_inv = _frozen(_scale_shape(hidden_dim, intermediate_dim, self.block, lead),
-                                           torch.float32)
+        self.down_proj_scale_inv = _frozen(scale_shape(self.down_proj.shape, self.block), torch.float32)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,13 @@ def _has_e4m3(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale tensor's shape for a weight (..., out, in) (experts lead with their count): one entry per block of
+    the last two dimensions, partial blocks included."""
+    *lead, rows, cols = weight_shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The real weight of an FP8 `weight` (..., out, in) with its per-block `scale_inv` (block: rows, columns), exact
@@ -155,7 +162,7 @@ def check_block_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block:
                          "weight_block_size")
     if weight.shape[-1] != inputs:
         raise ValueError(f"FP8 weight of shape {tuple(weight.shape)} takes {weight.shape[-1]} inputs, x has {inputs}")
-    expected = (*weight.shape[:-2], -(-weight.shape[-2] // block[0]), -(-weight.shape[-1] // block[1]))
+    expected = scale_shape(tuple(weight.shape), block)
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"FP8 scale_inv of shape {tuple(scale_inv.shape)} for a {tuple(weight.shape)} weight in "
                          f"{block[0]}x{block[1]} blocks: expected {expected}, one scale per block")
@@ -181,4 +188,4 @@ def triton_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
 
 
 __all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "check_block_fp8_weight", "dequantize_block_fp8",
-           "triton_applies"]
+           "scale_shape", "triton_applies"]

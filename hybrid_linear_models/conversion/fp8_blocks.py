@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +43,7 @@ from ..fp8_settings import (
     BlockFp8Settings,
     read_block_fp8_settings,
 )
-from ..kernels_fp8 import dequantize_block_fp8
+from ..kernels_fp8 import dequantize_block_fp8, scale_shape
 from .converters import StackedExperts
 from .errors import ConversionError
 from .hf_layout import hf_tensor_shapes
@@ -78,13 +77,6 @@ def read_block_fp8_config(data: Mapping[str, Any], label: str) -> BlockFp8Config
 
 def block_fp8_config(settings: BlockFp8Settings) -> BlockFp8Config:
     return BlockFp8Config(getattr(torch, settings.dtype_name), settings.block)
-
-
-def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
-    """The scale tensor's shape for a weight (..., out, in) (fused experts lead with their count): one entry per
-    block of the last two dimensions, partial blocks included."""
-    *lead, rows, cols = weight_shape
-    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
 def scale_name(weight_name: str) -> str:
