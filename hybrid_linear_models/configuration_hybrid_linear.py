@@ -73,6 +73,8 @@ from typing import Any
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 
+from .transformers_requirement import check_transformers_version  # noqa: F401 (checks on import)
+
 from .component_registry import ConfigField, declarations_of, declared_fields, on_change
 from .fp8_settings import QUANTIZATION_KEY, BlockFp8Settings, read_block_fp8_settings
 from .mixer_registry import MIXERS, default_mixer

@@ -24,9 +24,11 @@ update leaves them (keys in order, the newest last once full), so eager steps, p
 from __future__ import annotations
 
 import logging
+import traceback
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
@@ -39,6 +41,18 @@ from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
 
 logger = logging.getLogger(__name__)
+
+
+def capture_failure(what: str, error: BaseException) -> str:
+    """The one-line reason a capture of `what` failed: the error's type and first line, the deepest line of this
+    package it passed through (where the uncapturable op was called), and the switch that skips the attempt."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    package = Path(__file__).resolve().parent
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if Path(frame.filename).resolve().is_relative_to(package)]
+    site = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return (f"capturing {what} failed ({type(error).__name__}{site}: {first_line}); "
+            "model.set_cuda_graph_decoding(False) skips the attempt")
 
 
 class WindowSteps:
@@ -413,9 +427,7 @@ class CudaGraphDecoder:
             try:
                 graph = self._capture(model, cache, key)
             except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
-                first_line = (str(error).strip().splitlines() or [""])[0][:200]
-                self._failed[key] = (f"capturing the step failed ({type(error).__name__}: {first_line}); "
-                                     "model.set_cuda_graph_decoding(False) skips the attempt")
+                self._failed[key] = capture_failure("the step", error)
                 return None
             self._graphs[key] = graph
             while len(self._graphs) > KEPT_STEP_GRAPHS:

@@ -51,6 +51,7 @@ from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 
 from .cuda_graph_decoding import (
     CacheLayout,
+    capture_failure,
     capture_obstacle,
     record_graph,
     records_past,
@@ -246,9 +247,7 @@ class CudaGraphPrefill:
             try:
                 graph = self._capture(model, cache, layout, key, input_ids, position_ids, attention_mask)
             except Exception as error:  # an op that cannot be captured (a host synchronisation, an unsupported call)
-                first_line = (str(error).strip().splitlines() or [""])[0][:200]
-                self._failed[key] = (f"capturing the prefill failed ({type(error).__name__}: {first_line}); "
-                                     "model.set_cuda_graph_decoding(False) skips the attempt")
+                self._failed[key] = capture_failure("the prefill", error)
                 _empty(layout)  # the warm-ups' writes: the plain forward starts from an empty cache
                 return None
             self._graphs[key] = graph

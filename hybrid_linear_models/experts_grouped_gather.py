@@ -28,7 +28,7 @@ unwritten (in the forward output and in the input gradient), the sentinel rows a
 exactly zero, and the all-reduce of the ranks' partial outputs sums each token's k expert outputs. (The all-to-all
 dispatch sends this rank only its own pairs, top-1 with local ids and unit weights: no sentinel.)
 
-No host synchronisation on CUDA (sort, histc, cumsum and gathers stay on the device, shapes depend on the token
+No host synchronisation on CUDA (sort, searchsorted and gathers stay on the device, shapes depend on the token
 count only), so a CUDA graph can capture it, as transformers' grouped_mm, for bfloat16 weights: torch's CUDA grouped
 GEMM takes no other dtype under torch.compile, and transformers' fallback for the others reads the group offsets on
 the host. So under torch.compile (as `generate` compiles a static-cache step, with CUDA graphs, when this package's
@@ -87,6 +87,14 @@ def _zero_rows(rows: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return rows if keep is None else rows.masked_fill(~keep, 0.0)
 
 
+def expert_offsets(sorted_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The int32 end of each expert's run in the sorted expert ids (grouped_mm's offsets): offsets[e] = the number of
+    ids <= e, a binary search on the device (bincount reads its length on the host: no CUDA graph could capture it).
+    Ids of num_experts or above (expert parallelism's sentinel) lie past offsets[-1]."""
+    ends = torch.arange(num_experts, device=sorted_experts.device, dtype=sorted_experts.dtype)
+    return torch.searchsorted(sorted_experts, ends, right=True, out_int32=True)
+
+
 def grouped_mm_gather_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' output [tokens, H] for hidden_states [tokens, H], top_k_index / top_k_weights [tokens, k]."""
@@ -99,12 +107,7 @@ def grouped_mm_gather_experts_forward(self: torch.nn.Module, hidden_states: torc
     sorted_experts, order = torch.sort(flat, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    if flat.device.type == "cuda":  # histc on the device: no host sync (bincount reads its length on the host);
-        # it leaves out the expert-parallel sentinel (num_experts, above max)
-        counts = torch.histc(flat.int(), bins=num_experts, min=0, max=num_experts - 1)
-    else:  # minlength num_experts + 1 then the first num_experts: the sentinel's count dropped
-        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    offsets = expert_offsets(sorted_experts, num_experts)
     # expert parallelism: the sorted pairs past offsets[-1] are the sentinel tail, which the grouped GEMMs skip and
     # leave unwritten (forward rows and input-gradient rows); zeroed before and after each GEMM
     keep = (sorted_experts < num_experts).unsqueeze(-1) if getattr(self, "_is_expert_parallel", False) else None

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
+from .experts_grouped_gather import expert_offsets
 from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
 from .kernels_fp8 import block_fp8_grouped_linear, block_fp8_linear, scale_shape
 
@@ -104,9 +105,8 @@ class Fp8Experts(_KeepsStoredDtypes):
             return torch.zeros_like(hidden_states)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
-        order = torch.sort(flat, stable=True).indices  # the pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
-        offsets = torch.cumsum(counts, 0)
+        sorted_experts, order = torch.sort(flat, stable=True)  # the pairs grouped by expert
+        offsets = expert_offsets(sorted_experts, self.num_experts)
         # every pair keeps its row, so no count is read on the host (a CUDA graph captures this): the pairs of experts
         # numbered num_experts or above (expert parallelism's other ranks) sort past offsets[-1], where no expert
         # computes, and their rows are masked out of the sum

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from distributed_helpers import SUBPROCESS_TIMEOUT
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
@@ -121,10 +124,16 @@ assert spec is None, "the package is still importable"
 
 
 def run_without_the_package(script: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
-    """Runs the Python `script` with `args` in a subprocess that sees the environment without PYTHONPATH (so the
-    checkout's package is importable only if the script allows it; see WITHOUT_THE_PACKAGE_PRELUDE), transformers'
-    remote-code modules cached under cwd/modules and the hub offline; asserts that it succeeded."""
-    environment = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    """Runs the Python `script` with `args` in a subprocess that sees the environment with PYTHONPATH stripped of
+    the entries that hold this package (so the checkout's package is importable only if the script allows it; see
+    WITHOUT_THE_PACKAGE_PRELUDE, while packages installed on PYTHONPATH, as a GPU machine's newer transformers, stay
+    seen), transformers' remote-code modules cached under cwd/modules and the hub offline; asserts that it
+    succeeded."""
+    environment = dict(os.environ)
+    kept = [p for p in environment.pop("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p) / "hybrid_linear_models").exists()]
+    if kept:
+        environment["PYTHONPATH"] = os.pathsep.join(kept)
     environment.update(HF_MODULES_CACHE=str(cwd / "modules"), HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, str(script), *map(str, args)], check=False, cwd=cwd, env=environment,
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
@@ -223,3 +232,54 @@ runs_triton_kernels = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
     or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs triton and CUDA (or TRITON_INTERPRET=1)")
+
+
+class HostReadsRefused(TorchDispatchMode):
+    """Inside it, every op that on a CUDA tensor would wait for the device to hand a value to the host raises (a CUDA
+    graph cannot capture such an op, and in eager decoding each one stalls the launch queue): the CPU stands in for
+    CUDA. It sees the aten ops (`item`'s `_local_scalar_dense`, `bincount`, which reads its length so, `nonzero`
+    behind a boolean index, ...) and Python's reads of a value (int, bool, tolist). `allowed()` lets a block through
+    (a CPU reference that reads its offsets on the host)."""
+
+    SYNCING_OPS = frozenset({"aten::_local_scalar_dense", "aten::bincount", "aten::nonzero", "aten::masked_select",
+                             "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive"})
+    PYTHON_READS = ("__int__", "__bool__", "__index__", "item", "tolist")
+
+    def __init__(self):
+        super().__init__()
+        self._allowing = 0
+        self._patched: list[tuple[str, Any]] = []
+
+    @contextlib.contextmanager
+    def allowed(self):
+        self._allowing += 1
+        try:
+            yield
+        finally:
+            self._allowing -= 1
+
+    def _refuse(self, what: str) -> None:
+        if not self._allowing:
+            raise AssertionError(f"{what} reads a device value on the host (a CUDA graph cannot capture it)")
+
+    def __enter__(self):
+        for name in self.PYTHON_READS:
+            method = getattr(torch.Tensor, name)
+            self._patched.append((name, method))
+
+            def read(tensor, *args, _method=method, _name=name, **kwargs):
+                self._refuse(f"Tensor.{_name}")
+                return _method(tensor, *args, **kwargs)
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in reversed(self._patched):
+            setattr(torch.Tensor, name, method)
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.SYNCING_OPS:
+            self._refuse(func._schema.name)
+        return func(*args, **(kwargs or {}))

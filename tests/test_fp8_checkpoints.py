@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import HostReadsRefused, greedy
 from safetensors.torch import load_file, save_file
 from test_convert_qwen3_next import tensors_of
 from test_fp8_blocks import TINY_MOE, quantize, reference_dequantize, write_fp8_folders
@@ -192,50 +193,27 @@ def test_fp8_experts_match_a_float64_loop():
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
-class _no_host_reads:
-    """Makes reading a tensor's value on the host (int, bool, item, tolist) raise, except inside the CPU reference
-    kernel (kernels_fp8), which takes its offsets on the host: the CUDA kernels do not."""
+class _no_host_reads(HostReadsRefused):
+    """HostReadsRefused, except inside the CPU reference kernel (kernels_fp8), which takes its offsets on the host:
+    the CUDA kernels do not."""
 
     def __enter__(self):
         import hybrid_linear_models.fp8_layers as layers
-        from hybrid_linear_models import kernels_fp8
 
-        self._patches = []
-        original = kernels_fp8.block_fp8_grouped_linear
+        original = self._original = layers.block_fp8_grouped_linear
 
         def grouped(*args, **kwargs):
-            with _host_reads_allowed():
+            with self.allowed():
                 return original(*args, **kwargs)
 
-        self._patches.append((layers, "block_fp8_grouped_linear", layers.block_fp8_grouped_linear))
         layers.block_fp8_grouped_linear = grouped
-        for name in ("__int__", "__bool__", "item", "tolist", "__index__"):
-            self._patches.append((torch.Tensor, name, getattr(torch.Tensor, name)))
-            setattr(torch.Tensor, name, _refused(getattr(torch.Tensor, name)))
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc):
-        for owner, name, value in reversed(self._patches):
-            setattr(owner, name, value)
+        import hybrid_linear_models.fp8_layers as layers
 
-
-_ALLOWED = [False]
-
-
-class _host_reads_allowed:
-    def __enter__(self):
-        _ALLOWED[0] = True
-
-    def __exit__(self, *exc):
-        _ALLOWED[0] = False
-
-
-def _refused(method):
-    def read(self, *args, **kwargs):
-        if not _ALLOWED[0]:
-            raise AssertionError("a tensor value read on the host")
-        return method(self, *args, **kwargs)
-    return read
+        layers.block_fp8_grouped_linear = self._original
+        return super().__exit__(*exc)
 
 
 def test_save_pretrained_writes_the_same_fp8_folder(folders, tmp_path):
@@ -311,3 +289,20 @@ def test_modules_to_not_convert_matches_as_transformers_does(pattern, name, kept
                                                      "modules_to_not_convert": [pattern]})
     assert config.block_fp8_settings.quantizes(name) is not kept
     assert should_convert_module(name, [pattern]) is not kept  # transformers' FineGrainedFP8 rule agrees
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fp8_model_decodes_captured_as_uncaptured(tmp_path):
+    """An FP8 MoE model's decoding step (FP8 linear layers and experts, on the Triton kernels: 16 x 16 blocks) is
+    captured in a CUDA graph, with no capture failure (a host read in the step would leave it eager, and at full size
+    some 30x slower), and decodes the tokens of the uncaptured step."""
+    write_fp8_folders(tmp_path, (16, 16))
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
+    model = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    captured = greedy(model, ids, 12, cache_implementation="static")
+    assert model._graph_decoder is not None and not model._graph_decoder._failed, model._graph_decoder._failed
+    model.set_cuda_graph_decoding(False)
+    eager = greedy(model, ids, 12, cache_implementation="static")
+    assert torch.equal(captured.sequences, eager.sequences)

@@ -1,7 +1,8 @@
 """What the wheel holds follows from the source tree, with no list to keep up to date: setuptools finds the packages
 by include patterns, so every folder of modules must be a package (an `__init__.py`), and every other file in a
 package must be package data. CI (.ci/run) builds the wheel, installs it without -e and converts and generates from
-that install; these checks catch the same omissions at once. README's test command is the one CI runs."""
+that install; these checks catch the same omissions at once. README's test command is the one CI runs. The oldest
+transformers is written twice, in pyproject and in the import-time check, and they agree."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import fnmatch
 import re
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -50,3 +53,21 @@ def test_readme_gives_the_test_command_ci_runs():
     commands = re.findall(r"^(python -m pytest[^\n]*)$", ci, flags=re.MULTILINE)
     assert len(commands) == 1, commands
     assert commands[0] in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_transformers_floor_is_pyproject_s_and_an_older_one_is_refused_in_one_line():
+    """The import-time check (what a remote-code folder on an older transformers meets first) and pyproject's
+    dependency name the same oldest transformers; older ones are refused naming both versions and the upgrade,
+    that version's own pre-releases are taken."""
+    from hybrid_linear_models.transformers_requirement import MINIMUM_TRANSFORMERS, check_transformers_version
+
+    dependencies = PYPROJECT["project"]["dependencies"]
+    floors = [re.search(r">=([\d.]+)", d).group(1) for d in dependencies if re.match(r"transformers\b", d)]
+    assert floors == [MINIMUM_TRANSFORMERS]
+    for older in ("5.17.0", "4.57.1", "5.23.9"):
+        with pytest.raises(ImportError) as refused:
+            check_transformers_version(older)
+        message = str(refused.value)
+        assert "\n" not in message and older in message and f"transformers>={MINIMUM_TRANSFORMERS}" in message
+    for taken in (MINIMUM_TRANSFORMERS, f"{MINIMUM_TRANSFORMERS}.0.dev0", f"{MINIMUM_TRANSFORMERS}.1", "5.30.0"):
+        check_transformers_version(taken)
