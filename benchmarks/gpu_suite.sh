@@ -28,7 +28,8 @@ if [ -z "${SKIP_SETUP:-}${DRY_RUN:-}" ] && [ ! -f $SITE/.installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE "${wheels[@]}" \
     2>&1 | grep -v "root user" | tail -3 && touch $SITE/.installed
 fi
-# fla's autotuning results for the test and benchmark shapes (fla 0.6.0, triton 3.7.1, H200) ship in the repository
+# fla's and this package's autotuning results for the test and benchmark shapes (the FP8 flagship's included; fla
+# 0.6.0, triton 3.7.1, H200) ship in the repository
 # (benchmarks/tuning/), so a fresh machine runs `pytest -m gpu tests` without minutes of first-use tuning; a newer
 # cache carried as the ignored ./.tuning/tuning.tgz (the `save-tuning` step's output) takes precedence.
 TUNING=benchmarks/tuning/fla-0.6.0_triton-3.7.1_h200.tgz

@@ -294,10 +294,10 @@ def test_modules_to_not_convert_matches_as_transformers_does(pattern, name, kept
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_fp8_model_decodes_captured_as_uncaptured(tmp_path):
-    """An FP8 MoE model's decoding step (FP8 linear layers and experts, on the Triton kernels: 16 x 16 blocks) is
+    """An FP8 MoE model's decoding step (FP8 linear layers and experts, on the Triton kernels: 12 x 16 blocks) is
     captured in a CUDA graph, with no capture failure (a host read in the step would leave it eager, and at full size
     some 30x slower), and decodes the tokens of the uncaptured step."""
-    write_fp8_folders(tmp_path, (16, 16))
+    write_fp8_folders(tmp_path, (12, 16))  # 12-row blocks: the experts' 12 gate and 12 up rows join blockwise
     convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
     model = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16).cuda().eval()
     ids = torch.randint(1, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()

@@ -138,7 +138,7 @@ def test_remote_folder_takes_the_package_kernels(tmp_path):
         assert remote["kernel"][0].startswith(report["package"] + "."), (name, remote)
         assert remote["kernel"][0].rpartition(".")[2] == package[name]["kernel"][0].rpartition(".")[2]
         assert remote["kernel"][1] == package[name]["kernel"][1]
-    model = model.to("cuda", torch.bfloat16)
+    model = HybridLinearForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()  # as loaded there
     with torch.no_grad():
         tokens = model.generate(torch.tensor(PROMPT, device="cuda"), max_new_tokens=NEW_TOKENS,
                                 min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
