@@ -36,6 +36,7 @@ from typing import Protocol
 
 import torch
 
+from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_safe_experts
 from .ops import recurrent_kernels_for_short_sequences
 from .sequence_info import SequenceInfo
@@ -115,7 +116,8 @@ def verify_round(model, cache: VerifyCache, input_ids: torch.Tensor,
 class CapturedVerifyRound:
     """`verify_round` for one (batch, k, cache) captured as a CUDA graph: the inputs copied into its buffers, the
     graph replayed, its outputs returned. The capture runs the round twice to warm up, from the same cache (saved
-    and put back: `VerifyCache.tensors`), so the cache is as it was after the capture."""
+    and put back: `VerifyCache.tensors`), so the cache is as it was after the capture. It is recorded as the
+    decoding step is: its linear layers of at most 16 rows (batch x k) on the decoding GEMV kernel."""
 
     def __init__(self, model, cache: VerifyCache, tokens: int, pool=None):
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
@@ -126,8 +128,10 @@ class CapturedVerifyRound:
             for tensor, value in zip(cache.tensors(), saved):
                 tensor.copy_(value)
 
-        def run():  # (sparse MoE layers: an experts implementation without host reads, as the decoding step's)
-            with graph_safe_experts(model.config, model.lm_head.weight.dtype, cache.device.type):
+        def run():  # as the decoding step's capture: sparse MoE layers on an experts implementation without host
+            # reads, and the products of at most 16 rows (batch x k) through this package's GEMV kernel (kernels_gemv)
+            with decode_gemv_mode(cache.device), graph_safe_experts(model.config, model.lm_head.weight.dtype,
+                                                                    cache.device.type):
                 return verify_round(model, cache, self.ids, self.live)
 
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import tiny_model
+from model_helpers import HostReadsRefused, tiny_model
 
 from hybrid_linear_models import speculative_decoding
 from hybrid_linear_models.speculative_decoding import (
@@ -172,25 +172,22 @@ def test_a_row_ends_at_its_end_of_sequence_token():
         assert (got[b, end:] == 0).all()
 
 
-def test_the_verify_round_reads_nothing_on_the_host(monkeypatch):
-    """What a CUDA graph captures reads no tensor value on the host: bool/int/item/tolist of a tensor raise while
-    a round runs (on the CPU here; on CUDA any such read is a synchronisation a capture refuses)."""
-    model = _named("sliding")
+@pytest.mark.parametrize("name", ["sliding", "gdn+attention", "kda+attention"])
+def test_the_verify_round_reads_nothing_on_the_host(name):
+    """What a CUDA graph captures reads no tensor value on the host: every op that would wait for the device to hand
+    a value over (bool/int/item/tolist of a tensor, bincount, nonzero, ...: HostReadsRefused) raises while a round
+    runs (on the CPU here; on CUDA any such read is a synchronisation a capture refuses)."""
+    model = _named(name)
     ids, mask = _batch()
     cache = speculative_decoding.VerifyCache(model, 3, 30, torch.device("cpu"))
     with torch.no_grad():
         first = speculative_decoding.prefill(model, cache, ids, mask)
         step = torch.cat([first[:, None], RandomDrafter().draft([None] * 3, 3)], dim=1)
-
-        def refuse(*args, **kwargs):
-            raise AssertionError("a host read of a tensor value")
-
-        with monkeypatch.context() as patch:
-            for name in ("__bool__", "__int__", "__index__", "item", "tolist", "__float__"):
-                patch.setattr(torch.Tensor, name, refuse)
+        live = torch.ones(3, dtype=torch.bool)
+        with HostReadsRefused():
             with pytest.raises(AssertionError):  # (the refusal is in place)
                 bool(torch.ones(()))
-            speculative_decoding.verify_round(model, cache, step, torch.ones(3, dtype=torch.bool))
+            speculative_decoding.verify_round(model, cache, step, live)
 
 
 def test_the_captured_round_equals_the_uncaptured_one(monkeypatch):
@@ -219,6 +216,59 @@ def test_the_captured_round_equals_the_uncaptured_one(monkeypatch):
                                attention_mask=mask, graphs=True)
     assert torch.equal(got[:, ids.shape[1]:], truth)
     assert replays
+
+
+def test_the_captured_round_takes_the_decoding_gemv_for_its_products(monkeypatch):
+    """The captured round runs its linear layers as the decoding step does: a product of at most 16 rows (batch x k)
+    through this package's GEMV kernel (stood in here by F.linear on the CPU, which it must equal), in bf16, and the
+    round's tokens, counts and cache are the uncaptured round's."""
+    from hybrid_linear_models import kernels_gemv
+
+    shapes = []
+
+    def kernel(x, weight, bias, rows=None, swiglu_pairs=False, convolution=None):
+        assert rows is None and not swiglu_pairs and convolution is None  # (none of these in a multi-token round)
+        shapes.append((x.shape[0], weight.shape[0]))
+        return torch.nn.functional.linear(x, weight, bias)
+
+    monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
+    monkeypatch.setattr(kernels_gemv, "_FAILED", {})
+
+    def record(run, device, reset, pool):  # the capture's run, then each replay runs the captured function again
+        out = run()
+        reset()
+
+        class Replay:
+            def replay(self):
+                for target, value in zip(out, run()):
+                    target.copy_(value)
+
+        return Replay(), out
+
+    monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
+    model = _named("gdn+attention").to(torch.bfloat16)
+    ids, mask = _batch()
+    results = []
+    for captured in (True, False):
+        cache = speculative_decoding.VerifyCache(model, 3, 30, torch.device("cpu"))
+        with torch.no_grad():
+            first = speculative_decoding.prefill(model, cache, ids, mask)
+            step = torch.cat([first[:, None], RandomDrafter().draft([None] * 3, 3)], dim=1)
+            live = torch.ones(3, dtype=torch.bool)
+            if captured:
+                round_ = CapturedVerifyRound(model, cache, 4)
+                shapes.clear()
+                outputs = round_(step, live)  # the replay
+                shapes_of_replay = list(shapes)
+            else:
+                outputs = speculative_decoding.verify_round(model, cache, step, live)
+        results.append((outputs, [t.clone() for t in cache.tensors()]))
+    assert shapes_of_replay and all(rows == 12 for rows, _ in shapes_of_replay)  # 3 rows x 4 tokens
+    assert shapes_of_replay[-1][1] == model.config.vocab_size  # the LM head too
+    (captured_out, captured_cache), (plain_out, plain_cache) = results
+    for a, b in zip([*captured_out, *captured_cache], [*plain_out, *plain_cache]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
