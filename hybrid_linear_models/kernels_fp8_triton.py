@@ -232,11 +232,18 @@ def _fits(form: str, block_n: int, block_k: int, bk: int) -> bool:
 
 
 def _pruned(configs: list, named_args: dict, **kwargs) -> list:
-    """The configurations that fit the call's block (`_fits`); at least the narrowest slice of each."""
+    """The configurations that fit the call's block (`_fits`). Where none does (block columns narrower than every
+    listed slice, as a 16-column block for scaled_dot), the narrowest one with its slice cut to the widest power of
+    two dividing the block's columns: a slice never spans two block columns, whose scales differ."""
     arguments = {**named_args, **kwargs}
     form, bk = FORMS[arguments["FORM"]], arguments["BK"]
     fitting = [c for c in configs if _fits(form, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], bk)]
-    return fitting or [min(configs, key=lambda c: c.kwargs["BLOCK_K"])]
+    if fitting:
+        return fitting
+    narrowest = min(configs, key=lambda c: c.kwargs["BLOCK_K"])
+    slice_k = min(bk & -bk, narrowest.kwargs["BLOCK_K"])  # (bk & -bk: the largest power of two dividing bk)
+    return [triton.Config({**narrowest.kwargs, "BLOCK_K": slice_k}, num_warps=narrowest.num_warps,
+                          num_stages=narrowest.num_stages)]
 
 
 def _timed(kernel_call, quantiles):

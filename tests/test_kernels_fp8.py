@@ -87,6 +87,22 @@ def _skip_bf16_on_interpreter(dtype: torch.dtype):
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
 
 
+@runs_triton_kernels
+@pytest.mark.parametrize("form", ["scaled_dot", "fp8_dot", "dequantized_dot", "one_row"])
+@pytest.mark.parametrize("bk", [16, 48, 128, 256])
+def test_autotuning_only_tries_slices_within_one_block_column(form, bk):
+    """Whatever the block's columns, the configurations the autotuner may pick for a form fit it (`_fits`): a
+    scaled_dot or fp8_dot slice of BLOCK_K columns never spans two block columns (one scale per slice), also where
+    the listed slices are all wider than the block (16 or 48 columns)."""
+    from hybrid_linear_models.kernels_fp8_triton import _CONFIGS, FORMS, _autotuned, _fits, _pruned
+
+    configs = _autotuned(form).configs
+    assert len(configs) == len(_CONFIGS[form])
+    picked = _pruned(configs, {"FORM": FORMS.index(form), "BK": bk})
+    assert picked and all(_fits(form, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], bk) for c in picked)
+    assert all(c.kwargs["BLOCK_K"] >= 16 for c in picked)  # (tl.dot's smallest K)
+
+
 @pytest.mark.gpu
 @runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
