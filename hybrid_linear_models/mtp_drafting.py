@@ -21,7 +21,14 @@ every position the model has verified, t = 0..L-2:
 
 The model's hidden states come from the verify forward itself (`output_hidden_states=-1`, the last one only). Sampling
 (`do_sample=True`) draws the drafts from the processed logits and hands them to transformers' speculative sampling.
-Drafting runs one MTP layer (Qwen3-Next's count); batch size 1, as transformers' assisted decoding requires.
+Drafting runs one MTP layer (Qwen3-Next's count).
+
+A batch of several rows (greedy) runs speculative_decoding's batched loop, each row accepting its own drafts, with
+`MtpBatchDrafter`: the same entries and drafts per row, in one head cache for the batch. Every row appends the same
+number of entries each time (a round's k, a prompt's P), and an entry that holds no accepted position (a rejected
+draft's, a pad's, a recursive draft's once its round is over) stays in the cache masked out of every later query: the
+head's 2-D attention mask is the bookkeeping, so rows of different lengths need no per-row cache length, and a masked
+entry adds exactly zero to each softmax.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ class MtpCandidateGenerator(CandidateGenerator):
         # the head's entries 1..L-1 (position t + 1: h_t and x_{t+1}), real where both tokens are (valid_entries)
         mask = valid_entries(mask[:, :length], 1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         tokens = input_ids[:, self.held + 1: length]
-        g = head(hidden.to(head.fc.weight.dtype), embed(tokens), positions[:, self.held + 1: length],
+        g = head(hidden.to(embed.weight.dtype), embed(tokens), positions[:, self.held + 1: length],
                  attention_mask=mask, cache=self.cache)[:, -1:]
         self.held = length - 1
         drafts_wanted = min(self.num_drafts, self.max_length - length - 1)
@@ -139,4 +146,70 @@ class MtpCandidateGenerator(CandidateGenerator):
         """The draft length is fixed (`use_mtp`)."""
 
 
-__all__ = ["MAX_MTP_DRAFT_TOKENS", "MtpCandidateGenerator", "check_mtp_generation", "draft_length"]
+class MtpBatchDrafter:
+    """The MTP head as a drafter of speculative_decoding's batched loop (`observes_hidden_states`; see the module
+    docstring): `start` takes the prompts' hidden states, `observe` each round's, `draft` runs the head recursively
+    from each row's last accepted position."""
+
+    observes_hidden_states = True
+
+    def __init__(self, model: PreTrainedModel):
+        self.model, self.head = model, model.mtp
+        self.embed = model.get_input_embeddings()
+        self.vocab_size = model.config.vocab_size
+        self.cache = DynamicCache(config=self.head.config)
+        self.mask: torch.Tensor | None = None  # [B, entries] bool: the entries later queries see
+        self.g: torch.Tensor | None = None  # [B, H]: the head's output at each row's last accepted position
+        self.position: torch.Tensor | None = None  # [B]: the position of each row's last token
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, hidden: torch.Tensor,
+              first: torch.Tensor) -> None:
+        """Entries t = 0..P-1 of the prompts [B, P]: (h_t, x_{t+1}) at x_{t+1}'s position, x_P the first new token;
+        real where token t is (left padding: the token after a real one is real)."""
+        batch, length = input_ids.shape
+        real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask.to(input_ids.device).bool())
+        pads = length - real.sum(-1)
+        steps = torch.arange(length, device=input_ids.device)
+        positions = (steps[None, :] + 1 - pads[:, None]).clamp(min=0)
+        tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
+        self.g = self._append(hidden, tokens, positions, real)[:, -1]
+        self.position = length - pads
+
+    def observe(self, greedy: torch.Tensor, kept: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Entries j = 0..k-1 of a round: (h of the round's token j, greedy[:, j]) at the position after it, real
+        for j < kept (the accepted drafts, then the model's own token); a row that keeps nothing keeps its state."""
+        batch, k = greedy.shape
+        steps = torch.arange(k, device=greedy.device)
+        positions = self.position[:, None] + 1 + steps[None, :]
+        g = self._append(hidden, greedy, positions, steps[None, :] < kept[:, None])
+        last = g[torch.arange(batch, device=g.device), (kept - 1).clamp(min=0)]
+        self.g = torch.where((kept > 0)[:, None], last, self.g)
+        self.position = self.position + kept
+
+    def draft(self, sequences, count: int) -> torch.Tensor:
+        """[B, count] greedy drafts: the first from each row's last accepted position, each next one from the head
+        applied to the previous draft step's output and token (entries seen by this recursion alone)."""
+        g, drafts = self.g, []
+        for step in range(count):
+            if step:
+                position = (self.position + step)[:, None]
+                g = self._append(g[:, None], drafts[-1][:, None], position, None)[:, -1]
+            drafts.append(self.model.lm_head(g).argmax(-1))
+        if count > 1:  # the recursion's entries: out of every later query's sight
+            self.mask[:, -(count - 1):] = False
+        return torch.stack(drafts, dim=1)
+
+    def _append(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                real: torch.Tensor | None) -> torch.Tensor:
+        """The head over T new entries per row ([B, T] tokens and positions, h [B, T, H]); real [B, T] marks the
+        entries later queries see (None: all, for now). Returns g [B, T, H]."""
+        real = torch.ones_like(tokens, dtype=torch.bool) if real is None else real
+        self.mask = real if self.mask is None else torch.cat([self.mask, real], dim=1)
+        dtype = self.embed.weight.dtype
+        return self.head(hidden.to(dtype), self.embed(tokens), positions, attention_mask=self.mask.long(),
+                         cache=self.cache)
+
+
+__all__ = ["MAX_MTP_DRAFT_TOKENS", "MtpBatchDrafter", "MtpCandidateGenerator", "check_mtp_generation",
+           "draft_length"]

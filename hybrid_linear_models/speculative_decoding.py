@@ -24,7 +24,10 @@ hand the drafter the rows' sequences.
 
 A drafter is any object with `draft(sequences, count) -> [B, count]` (sequences: each row's prompt and generated
 tokens, 1-D) and optionally `vocab_size`; `PromptLookupDrafter` (n-gram lookup in the row's own tokens) and
-`AssistantDrafter` (greedy drafts of a smaller model) are given.
+`AssistantDrafter` (greedy drafts of a smaller model) are given. A drafter with `observes_hidden_states` true is
+handed the model's final hidden states of every verified position: `start(input_ids, attention_mask, hidden [B, P,
+H], first [B])` after the prefill and `observe(greedy, kept, hidden [B, k, H])` after each round (the model's MTP
+head: `mtp_drafting.MtpBatchDrafter`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 
 from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_safe_experts
+from .mtp_drafting import MtpBatchDrafter, draft_length
 from .ops import recurrent_kernels_for_short_sequences
 from .sequence_info import SequenceInfo
 from .state_rollback import MAX_ROLLBACK_TOKENS
@@ -56,11 +60,12 @@ class Drafter(Protocol):
 
 
 def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: torch.Tensor | None = None,
-                   last_only: bool = False) -> torch.Tensor:
+                   last_only: bool = False, with_hidden: bool = False):
     """The logits [B, T, V] (or [B, 1, V] with `last_only`) of T tokens per row written at each row's next slots of
-    `cache` (`cache.lengths` is not moved: `VerifyCache.restore` does). real [B, T] bool marks a prompt's tokens that
-    are not padding (the GDN/KDA layers keep their states through pads); None: all are real. No host
-    synchronisation (capturable)."""
+    `cache` (`cache.lengths` is not moved: `VerifyCache.restore` does); with `with_hidden`, (logits, the final norm's
+    output [B, T, H] at every position: what an MTP head reads). real [B, T] bool marks a prompt's tokens that are
+    not padding (the GDN/KDA layers keep their states through pads); None: all are real. No host synchronisation
+    (capturable)."""
     base = model.model
     batch, tokens = input_ids.shape
     hidden = base.embed_tokens(input_ids)
@@ -80,37 +85,46 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
         hidden = layer(hidden, position_embeddings=position_embeddings[rotary] if rotary is not None else None,
                        attention_mask=masks[kv.window] if layer.mixer_state == "kv" else None,
                        sequence_info=info, cache=cache, position_ids=positions)
+    if with_hidden:
+        hidden = base.norm(hidden)
+        return model.lm_head(hidden[:, -1:] if last_only else hidden), hidden
     if last_only:
         hidden = hidden[:, -1:]
     return model.lm_head(base.norm(hidden))
 
 
-def prefill(model, cache: VerifyCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Runs the left-padded prompts [B, P] into the empty `cache`; returns each row's first new token [B]."""
+def prefill(model, cache: VerifyCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            with_hidden: bool = False):
+    """Runs the left-padded prompts [B, P] into the empty `cache`; returns each row's first new token [B] (and, with
+    `with_hidden`, the final norm's output [B, P, H] over the prompts)."""
     real = None if attention_mask is None else attention_mask.bool()
     if real is not None:
         cache.pads.copy_(input_ids.shape[1] - real.sum(-1))
     if real is not None and bool(real.all()):
         real = None
-    logits = forward_tokens(model, cache, input_ids, real, last_only=True)
+    out = forward_tokens(model, cache, input_ids, real, last_only=True, with_hidden=with_hidden)
+    logits, hidden = out if with_hidden else (out, None)
     for layer in cache.linear_layers:
         layer.rollback = None
     cache.lengths.fill_(input_ids.shape[1])
-    return logits[:, -1].argmax(-1)
+    first = logits[:, -1].argmax(-1)
+    return (first, hidden) if with_hidden else first
 
 
-def verify_round(model, cache: VerifyCache, input_ids: torch.Tensor,
-                 live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: torch.Tensor,
+                 with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
     """One verify step (see the module docstring): input_ids [B, k] = [last token | k - 1 drafts], live [B] bool.
     Returns greedy [B, k] (the argmax after each prefix) and kept [B] (the tokens each row gains: its accepted drafts
-    + 1; 0 for a row not live), the cache advanced by kept. No host synchronisation (capturable)."""
+    + 1; 0 for a row not live), the cache advanced by kept; with `with_hidden`, also the final norm's output
+    [B, k, H] at the k positions. No host synchronisation (capturable)."""
     with recurrent_kernels_for_short_sequences() if SHORT_RULE_KERNEL == "recurrent" else nullcontext():
-        logits = forward_tokens(model, cache, input_ids)
+        out = forward_tokens(model, cache, input_ids, with_hidden=with_hidden)
+        logits, hidden = out if with_hidden else (out, None)
         greedy = logits.argmax(-1)
         accepted = (input_ids[:, 1:] == greedy[:, :-1]).long().cumprod(-1).sum(-1)
         kept = torch.where(live, accepted + 1, torch.zeros_like(accepted))
         cache.restore(kept)
-    return greedy, kept
+    return (greedy, kept, hidden) if with_hidden else (greedy, kept)
 
 
 class CapturedVerifyRound:
@@ -119,7 +133,7 @@ class CapturedVerifyRound:
     and put back: `VerifyCache.tensors`), so the cache is as it was after the capture. It is recorded as the
     decoding step is: its linear layers of at most 16 rows (batch x k) on the decoding GEMV kernel."""
 
-    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None):
+    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False):
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
         self.live = torch.zeros(cache.batch, dtype=torch.bool, device=cache.device)
         saved = [t.clone() for t in cache.tensors()]
@@ -132,7 +146,7 @@ class CapturedVerifyRound:
             # reads, and the products of at most 16 rows (batch x k) through this package's GEMV kernel (kernels_gemv)
             with decode_gemv_mode(cache.device), graph_safe_experts(model.config, model.lm_head.weight.dtype,
                                                                     cache.device.type):
-                return verify_round(model, cache, self.ids, self.live)
+                return verify_round(model, cache, self.ids, self.live, with_hidden)
 
         try:
             self.graph, self.outputs = self._record(run, cache.device, reset, pool)
@@ -255,8 +269,14 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     generated: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
     round_ = None
+    observes = getattr(drafter, "observes_hidden_states", False)
     with torch.no_grad():
-        first = prefill(model, cache, input_ids, attention_mask).tolist()
+        if observes:  # (the MTP head's drafter: it reads the model's hidden states of every verified position)
+            first_tokens, hidden = prefill(model, cache, input_ids, attention_mask, with_hidden=True)
+            drafter.start(input_ids, attention_mask, hidden, first_tokens)
+            first = first_tokens.tolist()
+        else:
+            first = prefill(model, cache, input_ids, attention_mask).tolist()
         last = torch.tensor(first, device=device)
         for b, token in enumerate(first):
             generated[b].append(token)
@@ -267,8 +287,11 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
             ids = torch.cat([last[:, None], draft.to(device)], dim=1)
             live = torch.tensor([not d for d in done], device=device)
             if graphs and round_ is None:
-                round_ = CapturedVerifyRound(model, cache, num_tokens)
-            greedy, kept = round_(ids, live) if round_ is not None else verify_round(model, cache, ids, live)
+                round_ = CapturedVerifyRound(model, cache, num_tokens, with_hidden=observes)
+            outputs = round_(ids, live) if round_ is not None else verify_round(model, cache, ids, live, observes)
+            greedy, kept = outputs[:2]
+            if observes:
+                drafter.observe(greedy, kept, outputs[2])
             kept_host, greedy_host = kept.tolist(), greedy.tolist()
             for b in range(batch):
                 if done[b]:
@@ -310,11 +333,15 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
         raise ValueError(f"assisted generate of {input_ids.shape[0]} rows runs batched greedy speculative decoding, "
                          f"which does not take {', '.join(unsupported)}; leave those out, or generate one row at a "
                          "time.")
-    if assistant_model is not None:
+    if generation_config.use_mtp:  # (checked by mtp_drafting.check_mtp_generation before any work)
+        drafter = MtpBatchDrafter(model)
+        drafts = draft_length(generation_config.use_mtp, model.config.num_mtp_layers)
+    elif assistant_model is not None:
         drafter, drafts = AssistantDrafter(assistant_model), generation_config.num_assistant_tokens or 20
     elif not generation_config.prompt_lookup_num_tokens:
         raise ValueError(f"assisted generate of {input_ids.shape[0]} rows drafts by prompt lookup "
-                         "(prompt_lookup_num_tokens=) or an assistant model (assistant_model=); for another drafter, "
+                         "(prompt_lookup_num_tokens=), an assistant model (assistant_model=) or the model's MTP head "
+                         "(use_mtp=); for another drafter, "
                          "call speculative_decoding.speculative_generate with it, or generate one row at a time.")
     else:
         drafter = PromptLookupDrafter(generation_config.max_matching_ngram_size or 2)
