@@ -314,7 +314,8 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
                             assistant_model=None, streamer=None, **model_kwargs) -> torch.Tensor:
     """transformers' assisted `generate` (`prompt_lookup_num_tokens=` or `assistant_model=`) for a batch of several
     rows, which transformers refuses: `speculative_generate` with the matching drafter, the verify width the draft
-    length + 1 (at most MAX_VERIFY_TOKENS). Greedy only, with generate's length and end-of-sequence stops: anything
+    length + 1 (at most MAX_VERIFY_TOKENS), its rounds replayed from a CUDA graph where the model's graph decoding is
+    on for the device (`set_cuda_graph_decoding`; captured once per call, as the round's cache is the call's). Greedy only, with generate's length and end-of-sequence stops: anything
     else (sampling, logits processors, other stopping criteria, streaming, a dict output) is refused in one line.
     Returns the sequences as `generate` does: cut after the last column a row still generated."""
     from transformers.generation.stopping_criteria import (
@@ -355,7 +356,8 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
     out = speculative_generate(
         model, input_ids, drafter, num_tokens=min(int(drafts) + 1, MAX_VERIFY_TOKENS),
         max_new_tokens=generation_config.max_length - prompt, attention_mask=model_kwargs.get("attention_mask"),
-        eos_token_id=int(eos) if eos is not None else None, pad_token_id=int(pad) if pad is not None else 0)
+        eos_token_id=int(eos) if eos is not None else None, pad_token_id=int(pad) if pad is not None else 0,
+        graphs=model.captures_graphs_on(input_ids.device))  # (the rounds captured where the steps would be)
     if eos is not None:  # generate stops once every row has ended: the columns after that are cut
         ended = (out[:, prompt:] == int(eos)).long().cumsum(-1).clamp(max=1).cumsum(-1)  # 1 at each row's end
         ends = torch.where(ended.eq(1).any(-1), ended.eq(1).long().argmax(-1) + 1, out.shape[1] - prompt)

@@ -322,6 +322,38 @@ def test_captured_rounds_on_gpu_decode_each_row_as_alone(kernel, monkeypatch):
     assert torch.equal(got[:, ids.shape[1]:], truth)
 
 
+@pytest.mark.parametrize("graphs_on", [True, False])
+def test_generate_replays_captured_rounds_where_graph_decoding_is_on(monkeypatch, graphs_on):
+    """`generate` with a drafter and several rows captures its verify round where the model's graph decoding is on
+    for the device (the CPU stands in for CUDA, the capture by an eager replay), and the tokens are the same."""
+    from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
+
+    replays = []
+
+    def record(run, device, reset, pool):
+        out = run()
+        reset()
+
+        class Replay:
+            def replay(self):
+                replays.append(1)
+                for target, value in zip(out, run()):
+                    target.copy_(value)
+
+        return Replay(), out
+
+    monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
+    monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
+    model = _model(MODELS["gdn+attention"])  # (its own: its switch is set)
+    model.set_cuda_graph_decoding(graphs_on)
+    ids, mask = _batch()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             prompt_lookup_num_tokens=3)
+    assert torch.equal(out[:, ids.shape[1]:], _truth("gdn+attention", 1))
+    assert bool(replays) == graphs_on
+
+
 @pytest.mark.parametrize("num_tokens", [1, 0, speculative_decoding.MAX_VERIFY_TOKENS + 1, 2.5])
 def test_a_verify_width_out_of_range_is_refused_before_any_work(num_tokens):
     model = _model(MODELS["gdn+attention"])  # (its own: a hook is added)
