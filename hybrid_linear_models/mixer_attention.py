@@ -33,7 +33,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention_one_query import one_query_applies, one_query_attention
+from .attention_one_query import few_queries_apply, one_query_applies, one_query_attention
 from .attention_step import fused_attention_step
 from .fused_projections import FusedProjections
 from .mixer_registry import ConfigField, MixerSpec, register
@@ -293,8 +293,9 @@ class HybridLinearAttention(nn.Module):
             key, value = cache.update(key, value, self.layer_idx)
 
         implementation = self.config._attn_implementation
-        if T == 1 and not self.training and one_query_applies(query, attention_mask, implementation):
-            attention: Callable = one_query_attention  # a decoding step: two GEMMs (attention_one_query)
+        if not self.training and (T == 1 and one_query_applies(query, attention_mask, implementation)
+                                  or few_queries_apply(query, attention_mask, implementation, cache)):
+            attention: Callable = one_query_attention  # a decoding step or a verify round: two GEMMs
         else:
             attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         settings = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,

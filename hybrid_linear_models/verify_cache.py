@@ -75,6 +75,8 @@ class VerifyCache:
 
     model: a HybridLinearForCausalLM; batch rows; slots per row (the prompt, the new tokens and one verify step)."""
 
+    every_query_sees_a_key = True  # (`key_mask`: a pad's query sees its own slot; attention_one_query relies on it)
+
     def __init__(self, model, batch: int, slots: int, device: torch.device):
         config = model.config
         self.layers: list[VerifyKVLayer | VerifyLinearLayer] = []

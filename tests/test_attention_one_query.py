@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybrid_linear_models import attention_one_query
-from hybrid_linear_models.attention_one_query import one_query_applies, one_query_attention
+from hybrid_linear_models.attention_one_query import few_queries_apply, one_query_applies, one_query_attention
 from model_helpers import assert_cached_generation_equals_uncached, greedy, replay_graphs_eagerly, tiny_model
 
 
@@ -82,6 +82,72 @@ def test_applies_only_to_sdpa_on_the_listed_devices_with_one_mask_row(monkeypatc
     assert not one_query_applies(query, two_rows, "sdpa")
     assert not one_query_applies(query, torch.zeros(1, 4, 1, 5), "sdpa")  # a mask per head
     assert not one_query_applies(query, object(), "sdpa")  # a described mask (sliding windows' blocks)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("mask_kind", ["-inf", "bool"])
+def test_a_few_queries_each_under_its_own_mask_row(heads, kv_heads, mask_kind):
+    """A verify round's k query positions: each position's mask row (causal among them, padding, a window) applies to
+    that position in every query head of a KV head, not to another position."""
+    query, key, value, _ = inputs(3, heads, kv_heads, 5, 37, 16, 12, torch.float32, seed=3)
+    seen = torch.rand(3, 1, 5, 37, generator=torch.Generator().manual_seed(4)) < 0.6
+    seen[..., 32:] = torch.ones(5, 5).tril().bool()  # the round's own keys, causal; each position sees its own
+    mask = additive(seen, torch.float32, float("-inf")) if mask_kind == "-inf" else seen
+    got, _ = one_query_attention(None, query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(got.double(), reference(query, key, value, seen, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_a_few_queries_apply_only_where_the_cache_gives_every_query_a_key(monkeypatch):
+    monkeypatch.setattr(attention_one_query, "ONE_QUERY_DEVICES", ("cuda", "cpu"))
+
+    class Guaranteed:
+        every_query_sees_a_key = True
+
+    query = torch.zeros(2, 4, 3, 8)
+    rows = torch.zeros(2, 1, 3, 9)
+    assert few_queries_apply(query, rows, "sdpa", Guaranteed())
+    assert not few_queries_apply(query, rows, "sdpa", object())  # a mask whose rows may be empty (prompt padding)
+    assert not few_queries_apply(query, rows, "eager", Guaranteed())
+    assert not few_queries_apply(query, None, "sdpa", Guaranteed())  # no mask: causality is not the caller's
+    assert not few_queries_apply(query, torch.zeros(2, 1, 1, 9), "sdpa", Guaranteed())  # one row for 3 positions
+    assert not few_queries_apply(query, torch.zeros(2, 4, 3, 9), "sdpa", Guaranteed())  # a mask per head
+    many = torch.zeros(2, 4, attention_one_query.MAX_FEW_QUERIES + 1, 8)
+    assert not few_queries_apply(many, torch.zeros(2, 1, many.shape[2], 9), "sdpa", Guaranteed())
+    assert not few_queries_apply(query[:, :, :1], rows[:, :, :1], "sdpa", Guaranteed())  # one query: the step's
+    monkeypatch.setattr(attention_one_query, "ONE_QUERY_DEVICES", ("cuda",))
+    assert not few_queries_apply(query, rows, "sdpa", Guaranteed())
+
+
+def test_a_verify_round_attends_through_it_as_through_sdpa(one_query_on_cpu):
+    """The batched speculative round (k = 4 tokens a row, left-padded rows of different lengths, a sliding layer):
+    its attention layers take the two GEMMs, and the round's tokens, counts and cache are sdpa's to float64
+    rounding."""
+    from hybrid_linear_models import speculative_decoding
+    from hybrid_linear_models.verify_cache import VerifyCache
+
+    model = tiny_model(["full_attention", "gated_deltanet", "sliding_attention"], num_key_value_heads=2,
+                       sliding_window=3).double().eval()
+    ids = torch.randint(2, 128, (3, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3], mask[2, :5] = 0, 0
+    results = []
+    for few_queries in (True, False):
+        if not few_queries:
+            attention_one_query.ONE_QUERY_DEVICES = ("cuda",)  # (restored by the fixture's monkeypatch)
+        cache = VerifyCache(model, 3, 30, torch.device("cpu"))
+        with torch.no_grad():
+            first = speculative_decoding.prefill(model, cache, ids * mask, mask)
+            drafts = torch.randint(2, 128, (3, 3), generator=torch.Generator().manual_seed(6))
+            step = torch.cat([first[:, None], drafts], dim=1)
+            calls_before = len(one_query_on_cpu)
+            greedy, kept = speculative_decoding.verify_round(model, cache, step, torch.ones(3, dtype=torch.bool))
+            round_calls = one_query_on_cpu[calls_before:]
+        results.append((greedy, kept, [t.clone() for t in cache.tensors()], round_calls))
+    (greedy, kept, tensors, calls), (sdpa_greedy, sdpa_kept, sdpa_tensors, sdpa_calls) = results
+    assert calls == [(4, 4), (4, 4)] and not sdpa_calls  # (query heads, positions) of both attention layers
+    assert torch.equal(greedy, sdpa_greedy) and torch.equal(kept, sdpa_kept)
+    for ours, theirs in zip(tensors, sdpa_tensors):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)  # float64: the same sums, reordered
 
 
 # ------------------------------------------------------------------------------------------------ inside models
