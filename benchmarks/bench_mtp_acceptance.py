@@ -28,7 +28,7 @@ speculative output is compared with plain greedy decoding token for token (greed
 model's own argmax; in bf16 a verify forward of several tokens rounds differently from one-token steps, so a
 near-tie may flip: the check prints where).
 
-    python benchmarks/bench_mtp_acceptance.py                        # the full run, CUDA: ~4 min training + eval
+    python benchmarks/bench_mtp_acceptance.py                        # the full run on CUDA: 3.5 min training + eval
     python benchmarks/bench_mtp_acceptance.py --save /tmp/mtp-model  # ... and keep the model (safetensors)
     python benchmarks/bench_mtp_acceptance.py --load /tmp/mtp-model  # evaluate a kept model, no training
     python benchmarks/bench_mtp_acceptance.py --tiny                 # the CPU smoke run (figures meaningless)
@@ -44,6 +44,7 @@ import statistics
 import sys
 import sysconfig
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -360,6 +361,7 @@ def batched(rows: Sequence[list[int]], size: int) -> list[torch.Tensor]:
 
 def row_label(name: str, batch: int, k: str, run: Run, plain: Run, graphs: Run, check: str,
               acceptance: bool = True) -> str:
+    """A table row: tokens/s, its ratio to both plain runs, the acceptance length, the output check."""
     ratio = lambda base: f"{run.tokens_per_second / base.tokens_per_second:.2f}x"
     accepted = f"{run.acceptance:.2f}" if acceptance else "-"
     return (f"| {name} | {batch} | {k} | {run.tokens_per_second:,.0f} | {ratio(plain)} | {ratio(graphs)} | "
@@ -375,7 +377,7 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokenizer", choices=["bpe", "bytes"], default="bpe")
     parser.add_argument("--vocab-size", type=int, default=4096, help="the BPE's vocabulary")
-    parser.add_argument("--train-seconds", type=float, default=240.0)
+    parser.add_argument("--train-seconds", type=float, default=210.0, help="training wall time")
     parser.add_argument("--steps", type=int, default=0, help="train this many steps instead of --train-seconds")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--context", type=int, default=512, help="training window, tokens")
@@ -488,67 +490,86 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"saved: {args.save}")
 
     model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
-    evaluate(model, tokenizer, held_documents, instruction, args)
+    succeeded = evaluate(model, held_documents, instruction, args)
     print(f"total: {time.perf_counter() - wall:.0f} s")
+    if not succeeded:
+        raise SystemExit("bench_mtp_acceptance.py: a speculative configuration failed (its row and traceback above).")
 
 
-def evaluate(model: HybridLinearForCausalLM, tokenizer, held_documents: list[list[int]], instruction: list[int],
-             args) -> None:
-    """The plain, MTP and prompt-lookup runs and their table."""
-    long_enough = [d for d in held_documents if len(d) >= max(args.prompt_tokens, args.copy_chunk)]
+TABLE_HEADER = ("| decoding | batch | k | tokens/s | vs plain | vs plain, static cache | acceptance length | "
+                "output vs plain greedy |\n|---|---|---|---|---|---|---|---|")
+TABLE_FOOTER = ("vs plain: tokens/s over plain generate's (dynamic cache); vs plain, static cache: over "
+                "cache_implementation='static' (captured CUDA-graph steps on CUDA). MTP at batch 1 only (transformers' "
+                "assisted decoding takes one row). Goals: MTP >= 1.8x plain at batch 1, prompt lookup >= 2x on the copy "
+                "task.")
+
+
+class Table:
+    """The rows of one configuration group: plain decoding (dynamic and static cache) measured first, then each
+    speculative configuration against both, printed as it is measured (a later failure keeps the rows before it)."""
+
+    def __init__(self, model: HybridLinearForCausalLM, inputs: list[torch.Tensor], new_tokens: int, prefix: str):
+        self.model, self.inputs, self.new_tokens, self.prefix = model, inputs, new_tokens, prefix
+        self.batch, self.prompt = inputs[0].shape
+        self.plain = generate_runs(model, inputs, new_tokens)
+        self.graphs = generate_runs(model, inputs, new_tokens, cache_implementation="static")
+        print(row_label(f"{prefix}plain", self.batch, "-", self.plain, self.plain, self.graphs, "-", False), flush=True)
+        print(row_label(f"{prefix}plain, static cache", self.batch, "-", self.graphs, self.plain, self.graphs,
+                        first_difference(self.graphs.outputs, self.plain.outputs, self.prompt), False), flush=True)
+
+    def speculative(self, name: str, k: int, **options) -> bool:
+        """Measures `generate(**options)` and prints its row; a failure prints its row with the error (and the
+        traceback on stderr) and returns False."""
+        try:
+            run = generate_runs(self.model, self.inputs, self.new_tokens, **options)
+        except Exception as error:  # noqa: BLE001  (a failure is a result: printed, the others still run)
+            traceback.print_exc()
+            print(f"| {self.prefix}{name} | {self.batch} | {k} | failed: {type(error).__name__}: "
+                  f"{str(error).splitlines()[0] if str(error) else ''} |", flush=True)
+            return False
+        print(row_label(f"{self.prefix}{name}", self.batch, str(k), run, self.plain, self.graphs,
+                        first_difference(run.outputs, self.plain.outputs, self.prompt)), flush=True)
+        return True
+
+
+def evaluation_documents(held_documents: list[list[int]], args) -> list[list[int]]:
+    """`--prompts` held-out files long enough for both tasks, spread over the held-out list."""
+    needed = max(args.prompt_tokens, args.copy_chunk)
+    long_enough = [d for d in held_documents if len(d) >= needed]
     if len(long_enough) < args.prompts:
-        raise SystemExit(f"bench_mtp_acceptance.py: {len(long_enough)} held-out files have "
-                         f"{max(args.prompt_tokens, args.copy_chunk)} tokens, --prompts asks for {args.prompts}; "
-                         "pass fewer --prompts or shorter --prompt-tokens / --copy-chunk.")
-    documents = long_enough[:: len(long_enough) // args.prompts][: args.prompts]
+        raise SystemExit(f"bench_mtp_acceptance.py: {len(long_enough)} held-out files have {needed} tokens, "
+                         f"--prompts asks for {args.prompts}; pass fewer --prompts or shorter --prompt-tokens / "
+                         "--copy-chunk.")
+    return long_enough[:: len(long_enough) // args.prompts][: args.prompts]
+
+
+def evaluate(model: HybridLinearForCausalLM, held_documents: list[list[int]], instruction: list[int], args) -> bool:
+    """The plain, MTP and prompt-lookup runs, printed as one table; False when a configuration failed."""
+    documents = evaluation_documents(held_documents, args)
     batch = min(8, args.prompts)
-    print(f"\nevaluation: {args.prompts} held-out prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens,"
-          f" greedy, {model.dtype}")
-    header = ("| decoding | batch | k | tokens/s | vs plain | vs plain, static cache | acceptance length | "
-              "output vs plain greedy |")
-    rows = []
-
-    prompts = [d[: args.prompt_tokens] for d in documents]
-    singles, grouped = batched(prompts, 1), batched(prompts, batch)
-    for size, inputs in ((1, singles), (batch, grouped)):
-        plain = generate_runs(model, inputs, args.new_tokens)
-        graphs = generate_runs(model, inputs, args.new_tokens, cache_implementation="static")
-        rows.append(row_label("plain", size, "-", plain, plain, graphs, "-", acceptance=False))
-        rows.append(row_label("plain, static cache", size, "-", graphs, plain, graphs,
-                              first_difference(graphs.outputs, plain.outputs, args.prompt_tokens), acceptance=False))
-        if size == 1:
-            for k in args.mtp_k:
-                mtp = generate_runs(model, inputs, args.new_tokens, use_mtp=k)
-                rows.append(row_label("MTP", 1, str(k), mtp, plain, graphs,
-                                      first_difference(mtp.outputs, plain.outputs, args.prompt_tokens)))
-
     chunks = [d[: args.copy_chunk] for d in documents]
     copies = [copy_prompt(chunk, instruction, args.copy_lead) for chunk in chunks]
     copy_new = args.copy_chunk - args.copy_lead
-    copy_length = len(copies[0])
-    for size, inputs in ((1, batched(copies, 1)), (batch, batched(copies, batch))):
-        plain = generate_runs(model, inputs, copy_new)
-        graphs = generate_runs(model, inputs, copy_new, cache_implementation="static")
+    print(f"\nevaluation, greedy, {model.dtype}: {args.prompts} held-out prompts of {args.prompt_tokens} tokens, "
+          f"{args.new_tokens} new tokens; copy task: prompts of {len(copies[0])} tokens ({args.copy_chunk}-token "
+          f"chunk, instruction, its first {args.copy_lead}), {copy_new} new tokens")
+    print("speculative decoding against plain greedy decoding of the same model (k: drafts per round)")
+    print(TABLE_HEADER)
+    succeeded = []
+    prompts = [d[: args.prompt_tokens] for d in documents]
+    for size in (1, batch):
+        table = Table(model, batched(prompts, size), args.new_tokens, "")
         if size == 1:
-            print(f"copy task: prompts of {copy_length} tokens, {copy_new} new; plain greedy reproduces "
-                  f"{copied_fraction(plain.outputs, chunks, copy_length, args.copy_lead):.0%} of the chunks "
-                  "(mean leading tokens that match)")
-        rows.append(row_label("copy: plain", size, "-", plain, plain, graphs, "-", acceptance=False))
-        rows.append(row_label("copy: plain, static cache", size, "-", graphs, plain, graphs,
-                              first_difference(graphs.outputs, plain.outputs, copy_length), acceptance=False))
-        for n in args.lookup_tokens:
-            lookup = generate_runs(model, inputs, copy_new, prompt_lookup_num_tokens=n)
-            rows.append(row_label("copy: prompt lookup", size, str(n), lookup, plain, graphs,
-                                  first_difference(lookup.outputs, plain.outputs, copy_length)))
-
-    print("\nspeculative decoding against plain greedy decoding of the same model (k: drafts per round)")
-    print(header)
-    print("|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(row)
-    print("vs plain: tokens/s over plain generate's (dynamic cache); vs plain, static cache: over "
-          "cache_implementation='static' (captured CUDA-graph steps on CUDA). Goals: MTP >= 1.8x plain at batch 1, "
-          "prompt lookup >= 2x on the copy task.")
+            succeeded += [table.speculative("MTP", k, use_mtp=k) for k in args.mtp_k]
+    copied = None
+    for size in (1, batch):
+        table = Table(model, batched(copies, size), copy_new, "copy: ")
+        copied = copied if copied is not None else copied_fraction(table.plain.outputs, chunks, len(copies[0]),
+                                                                   args.copy_lead)
+        succeeded += [table.speculative("prompt lookup", n, prompt_lookup_num_tokens=n) for n in args.lookup_tokens]
+    print(TABLE_FOOTER)
+    print(f"copy task: plain greedy reproduces {copied:.0%} of the chunks (mean leading tokens that match)")
+    return all(succeeded)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ RUNS = [
      ["max_cache_len     64"]),
     ("bench_mtp_acceptance.py", ["--tiny"],
      ["held out: loss", "| plain | 1 | - |", "| plain, static cache | 2 | - |", "| MTP | 1 | 1 |", "| MTP | 1 | 4 |",
-      "| copy: prompt lookup | 1 | 4 |", "| copy: prompt lookup | 2 | 4 |", "acceptance length"]),
+      "| copy: prompt lookup | 1 | 4 |", "| copy: prompt lookup | 2 | 4 |", "acceptance length",
+      "copy task: plain greedy reproduces"]),
     ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4"],
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
     ("bench_trace.py", ["--tiny", "--static", "--requests", "8"], ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
@@ -233,3 +234,17 @@ def test_acceptance_of_a_head_that_always_agrees_is_every_draft_plus_one(use_mtp
     changed = [plain.outputs[0], plain.outputs[1].clone()]
     changed[1][0, 8] += 1
     assert bench.first_difference(changed, plain.outputs, 5) == "1/2 rows equal (row 1: new token 3)"
+
+
+def test_acceptance_table_prints_a_failed_configuration_and_goes_on(capsys):
+    from test_mtp import _ids, _model
+
+    bench = bench_mtp_acceptance()
+    table = bench.Table(_model(), [_ids((1, 5), seed=2)], 4, "copy: ")
+    assert not table.speculative("MTP", 5, use_mtp=5)
+    assert table.speculative("MTP", 1, use_mtp=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| copy: plain | 1 | - |") and lines[1].startswith("| copy: plain, static cache | 1 |")
+    assert lines[2] == ("| copy: MTP | 1 | 5 | failed: ValueError: use_mtp must be True or a number of draft tokens "
+                        "from 1 to 4, got 5. |")
+    assert lines[3].startswith("| copy: MTP | 1 | 1 |") and lines[3].endswith("| equal |")
