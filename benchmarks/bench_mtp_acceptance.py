@@ -199,8 +199,9 @@ def learning_rate(peak: float, progress: float, warmup: float = 0.05) -> float:
 
 
 def train(model: HybridLinearForCausalLM, stream: torch.Tensor, instruction: Sequence[int], args,
-          device: torch.device) -> TrainingResult:
-    """AdamW on random windows (a `copy_fraction` of them copy-task rows) for `train_seconds` or `steps`."""
+          device: torch.device, held_windows: torch.Tensor) -> TrainingResult:
+    """AdamW on random windows (a `copy_fraction` of them copy-task rows) for `train_seconds` or `steps`; each of
+    the ten progress lines gives the held-out loss of `held_windows` too (where training starts to overfit)."""
     generator = torch.Generator().manual_seed(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     weight = model.config.mtp_loss_weight
@@ -229,8 +230,11 @@ def train(model: HybridLinearForCausalLM, stream: torch.Tensor, instruction: Seq
         elapsed = time.perf_counter() - start
         if (step % log_every == 0) if log_every else (elapsed >= next_log):
             loss, mtp = last[-1].tolist()
+            held, held_mtp = held_out_losses(model, held_windows, device)
+            model.train()
             print(f"  step {step:5d}  {elapsed:6.1f} s  lr {optimizer.param_groups[0]['lr']:.1e}  loss {loss:.3f}  "
-                  f"MTP loss {mtp:.3f}  {tokens / elapsed:,.0f} tokens/s", flush=True)
+                  f"MTP loss {mtp:.3f}  held out {held:.3f} / {held_mtp:.3f}  {tokens / elapsed:,.0f} tokens/s",
+                  flush=True)
             next_log = elapsed + args.train_seconds / 10
     loss, mtp = torch.stack(last).float().mean(0).tolist()
     return TrainingResult(step, time.perf_counter() - start, tokens, loss, mtp)
@@ -476,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"training: batch {args.batch_size} x {args.context} tokens, "
               f"{f'{args.steps} steps' if args.steps else f'{args.train_seconds:.0f} s'}, lr {args.lr}, "
               f"mtp_loss_weight {model.config.mtp_loss_weight}, copy rows {args.copy_fraction:.0%}, seed {args.seed}")
-        result = train(model, train_stream, instruction, args, device)
+        result = train(model, train_stream, instruction, args, device, held_out_windows(held_stream, 8, args.context))
         print(f"trained: {result.steps} steps, {result.seconds:.0f} s, {result.tokens:,} tokens "
               f"({result.tokens / train_stream.numel():.1f} epochs); train loss {result.loss:.3f}, "
               f"train MTP loss {result.mtp_loss:.3f} (mean of the last steps)")
