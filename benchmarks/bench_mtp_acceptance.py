@@ -12,8 +12,9 @@ Model: 6 Gated DeltaNet + 2 full-attention layers (hidden 512), one MTP layer (`
 scratch for `--train-seconds` (wall clock, first-call kernel compilation included) with AdamW, bf16 autocast on CUDA
 and a fixed seed, on random windows of the training files; a fraction of the windows (`--copy-fraction`) are the
 copy task below, built from training files, so that the model learns the task prompt lookup is measured on. The
-loss is the next-token loss plus `mtp_loss_weight` x the MTP head's (token after next). Printed at the end: the
-train losses, and the held-out next-token and MTP losses.
+loss is the next-token loss plus `mtp_loss_weight` x the MTP head's (token after next). Printed: ten progress lines
+with the held-out losses of a few windows (the stdlib is ~3M tokens: a long run overfits), then the train losses and
+the held-out next-token and MTP losses.
 
 Evaluation, greedy, the model in bf16 on CUDA (float32 on the CPU), prompts from held-out files:
 - plain decoding: `generate` with its default (dynamic) cache, eager; and with `cache_implementation="static"`,
@@ -22,8 +23,9 @@ Evaluation, greedy, the model in bf16 on CUDA (float32 on the CPU), prompts from
 - prompt lookup on the copy task (prompt = a held-out chunk, an instruction line, the chunk's first tokens; the model
   goes on copying): `generate(prompt_lookup_num_tokens=n)` at batch 1 and 8 (8 rows: batched speculative decoding).
 tokens/s counts new tokens over wall time (after an untimed warm-up run of each configuration). Acceptance length:
-tokens gained per verify forward of the model (the accepted drafts + 1), from a hook counting the model's forwards
-(its final norm) less the prompt's; at batch 8, the tokens each row gains per round the batch runs. Each
+tokens gained per verify forward of the model (the accepted drafts + 1), from a hook on the model's final norm that
+records each forward's tokens; the prompt's forward is a round only where it holds drafts too (transformers' prompt
+lookup drafts from the prompt); at batch 8, the tokens each row gains per round the batch runs. Each
 speculative output is compared with plain greedy decoding token for token (greedy speculative decoding keeps the
 model's own argmax; in bf16 a verify forward of several tokens rounds differently from one-token steps, so a
 near-tie may flip: the check prints where).
