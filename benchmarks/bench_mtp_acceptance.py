@@ -28,7 +28,7 @@ records each forward's tokens; the prompt's forward is a round only where it hol
 lookup drafts from the prompt); at batch 8, the tokens each row gains per round the batch runs. Each
 speculative output is compared with plain greedy decoding token for token (greedy speculative decoding keeps the
 model's own argmax; in bf16 a verify forward of several tokens rounds differently from one-token steps, so a
-near-tie may flip: the check prints where).
+near-tie may flip: the check prints where; `--eval-dtype float32` makes that rarer).
 
     python benchmarks/bench_mtp_acceptance.py                        # the full run on CUDA: 3.5 min training + eval
     python benchmarks/bench_mtp_acceptance.py --save /tmp/mtp-model  # ... and keep the model (safetensors)
@@ -398,6 +398,8 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--copy-chunk", type=int, default=256, help="the copy task's chunk, tokens")
     parser.add_argument("--copy-lead", type=int, default=16, help="chunk tokens repeated in the copy prompt")
     parser.add_argument("--lookup-tokens", type=int, nargs="+", default=[10], help="prompt lookup's draft length")
+    parser.add_argument("--eval-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the model's dtype in the evaluation on CUDA (float32 on the CPU)")
     parser.add_argument("--save", type=Path, help="save the trained model and tokenizer here (safetensors)")
     parser.add_argument("--load", type=Path, help="evaluate the model and tokenizer saved here (no training)")
     args = parser.parse_args(argv)
@@ -495,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         (args.save / "benchmark_settings.json").write_text(json.dumps({k: str(v) for k, v in vars(args).items()}))
         print(f"saved: {args.save}")
 
-    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    model = model.to(getattr(torch, args.eval_dtype) if device.type == "cuda" else torch.float32).eval()
     succeeded = evaluate(model, held_documents, instruction, args)
     print(f"total: {time.perf_counter() - wall:.0f} s")
     if not succeeded:
