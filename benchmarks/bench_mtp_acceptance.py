@@ -361,6 +361,19 @@ def copied_fraction(outputs: Sequence[torch.Tensor], chunks: Sequence[list[int]]
     return statistics.mean(fractions)
 
 
+def repeated_ngrams(outputs: Sequence[torch.Tensor], prompt: int, n: int = 4) -> float:
+    """The fraction of the new tokens' n-grams that occurred earlier in the same row (prompt included): a model
+    that loops repeats most, and its drafts are then easy to accept (a high acceptance from a weak model)."""
+    repeated = total = 0
+    for row in (row.tolist() for out in outputs for row in out):
+        seen = {tuple(row[i: i + n]) for i in range(max(0, prompt - n + 1))}
+        for i in range(max(0, prompt - n + 1), len(row) - n + 1):
+            gram = tuple(row[i: i + n])
+            repeated, total = repeated + (gram in seen), total + 1
+            seen.add(gram)
+    return repeated / total if total else 0.0
+
+
 def batched(rows: Sequence[list[int]], size: int) -> list[torch.Tensor]:
     return [torch.tensor(rows[i: i + size], dtype=torch.long) for i in range(0, len(rows), size)]
 
@@ -568,6 +581,7 @@ def evaluate(model: HybridLinearForCausalLM, held_documents: list[list[int]], in
     for size in (1, batch):
         table = Table(model, batched(prompts, size), args.new_tokens, "")
         if size == 1:
+            repetition = repeated_ngrams(table.plain.outputs, args.prompt_tokens)
             succeeded += [table.speculative("MTP", k, use_mtp=k) for k in args.mtp_k]
     copied = None
     for size in (1, batch):
@@ -576,6 +590,8 @@ def evaluate(model: HybridLinearForCausalLM, held_documents: list[list[int]], in
                                                                    args.copy_lead)
         succeeded += [table.speculative("prompt lookup", n, prompt_lookup_num_tokens=n) for n in args.lookup_tokens]
     print(TABLE_FOOTER)
+    print(f"plain greedy outputs of the MTP prompts: {repetition:.0%} of their new 4-grams occurred earlier in the row "
+          "(a looping model's drafts are easy to accept)")
     print(f"copy task: plain greedy reproduces {copied:.0%} of the chunks (mean leading tokens that match)")
     return all(succeeded)
 

@@ -46,7 +46,7 @@ RUNS = [
     ("bench_mtp_acceptance.py", ["--tiny"],
      ["held out: loss", "| plain | 1 | - |", "| plain, static cache | 2 | - |", "| MTP | 1 | 1 |", "| MTP | 1 | 4 |",
       "| copy: prompt lookup | 1 | 4 |", "| copy: prompt lookup | 2 | 4 |", "acceptance length",
-      "copy task: plain greedy reproduces"]),
+      "copy task: plain greedy reproduces", "of their new 4-grams occurred earlier"]),
     ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4"],
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
     ("bench_trace.py", ["--tiny", "--static", "--requests", "8"], ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
@@ -214,6 +214,13 @@ def test_acceptance_counts_the_rounds_that_verify_drafts():
     assert bench.verify_rounds([7, 3, 3, 2], prompt=7, new_tokens=9) == (3, 8)  # the prompt's forward: 1 token
     assert bench.verify_rounds([11, 5, 5], prompt=7, new_tokens=14) == (3, 14)  # the prompt's forward drafted too
     assert bench.verify_rounds([1, 4, 4], prompt=7, new_tokens=9) == (2, 8)  # batched: its last position only
+
+
+def test_acceptance_repetition_counts_new_ngrams_seen_earlier_in_the_row():
+    bench = bench_mtp_acceptance()
+    looping = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3]])  # prompt 3; new 4-grams from index 0 (0..5): 6, 3 repeated
+    assert bench.repeated_ngrams([looping], prompt=3, n=4) == 0.5
+    assert bench.repeated_ngrams([torch.arange(10)[None]], prompt=3, n=4) == 0.0
 
 
 @pytest.mark.parametrize("use_mtp", [1, 3])
