@@ -408,7 +408,8 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--mtp-k", type=int, nargs="+", default=[1, 2, 3, 4])
-    parser.add_argument("--copy-chunk", type=int, default=256, help="the copy task's chunk, tokens")
+    parser.add_argument("--copy-chunk", type=int, default=224,
+                        help="the copy task's chunk, tokens (its prompt and copy within the training context)")
     parser.add_argument("--copy-lead", type=int, default=16, help="chunk tokens repeated in the copy prompt")
     parser.add_argument("--lookup-tokens", type=int, nargs="+", default=[10], help="prompt lookup's draft length")
     parser.add_argument("--eval-dtype", choices=["bfloat16", "float32"], default="bfloat16",
