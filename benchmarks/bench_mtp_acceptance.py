@@ -186,6 +186,8 @@ def build_config(size: str, vocab_size: int, mtp_loss_weight: float) -> HybridLi
 
 @dataclass
 class TrainingResult:
+    """What a training run did: its steps, seconds and tokens, and its mean losses over the last steps."""
+
     steps: int
     seconds: float
     tokens: int
@@ -501,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = train(model, train_stream, instruction, args, device, held_out_windows(held_stream, 8, args.context))
         print(f"trained: {result.steps} steps, {result.seconds:.0f} s, {result.tokens:,} tokens "
               f"({result.tokens / train_stream.numel():.1f} epochs); train loss {result.loss:.3f}, "
-              f"train MTP loss {result.mtp_loss:.3f} (mean of the last steps)")
+              f"train MTP loss {result.mtp_loss:.3f} (mean of the last steps, copy rows included)")
     loss, mtp_loss = held_out_losses(model, held_out_windows(held_stream, 64, args.context), device)
     print(f"held out: loss {loss:.3f}, MTP loss {mtp_loss:.3f} (token after next)")
     if args.save is not None:
