@@ -351,8 +351,8 @@ def first_difference(outputs: Sequence[torch.Tensor], reference: Sequence[torch.
 
 
 def copied_fraction(outputs: Sequence[torch.Tensor], chunks: Sequence[list[int]], prompt: int, lead: int) -> float:
-    """The fraction of the copy task's rows whose new tokens reproduce the rest of their chunk, mean over rows of
-    the leading tokens that match."""
+    """How much of the rest of each chunk the copy task's new tokens reproduce before their first difference, mean
+    over the rows."""
     fractions = []
     rows = [row for out in outputs for row in out]
     for row, chunk in zip(rows, chunks):
@@ -361,6 +361,19 @@ def copied_fraction(outputs: Sequence[torch.Tensor], chunks: Sequence[list[int]]
         match = (new == target[: new.numel()]).long().cumprod(0).sum().item()
         fractions.append(match / target.numel())
     return statistics.mean(fractions)
+
+
+def ngrams_from_chunks(outputs: Sequence[torch.Tensor], chunks: Sequence[list[int]], prompt: int, n: int = 4) -> float:
+    """The fraction of the new tokens' n-grams found in the row's chunk: copying, also where the copy skips or
+    repeats a part (which `copied_fraction` stops at)."""
+    found = total = 0
+    rows = [row.tolist() for out in outputs for row in out]
+    for row, chunk in zip(rows, chunks):
+        grams = {tuple(chunk[i: i + n]) for i in range(len(chunk) - n + 1)}
+        new = row[prompt:]
+        for i in range(len(new) - n + 1):
+            found, total = found + (tuple(new[i: i + n]) in grams), total + 1
+    return found / total if total else 0.0
 
 
 def repeated_ngrams(outputs: Sequence[torch.Tensor], prompt: int, n: int = 4) -> float:
@@ -589,13 +602,15 @@ def evaluate(model: HybridLinearForCausalLM, held_documents: list[list[int]], in
     copied = None
     for size in (1, batch):
         table = Table(model, batched(copies, size), copy_new, "copy: ")
-        copied = copied if copied is not None else copied_fraction(table.plain.outputs, chunks, len(copies[0]),
-                                                                   args.copy_lead)
+        if copied is None:
+            copied = (copied_fraction(table.plain.outputs, chunks, len(copies[0]), args.copy_lead),
+                      ngrams_from_chunks(table.plain.outputs, chunks, len(copies[0])))
         succeeded += [table.speculative("prompt lookup", n, prompt_lookup_num_tokens=n) for n in args.lookup_tokens]
     print(TABLE_FOOTER)
     print(f"plain greedy outputs of the MTP prompts: {repetition:.0%} of their new 4-grams occurred earlier in the row "
           "(a looping model's drafts are easy to accept)")
-    print(f"copy task: plain greedy reproduces {copied:.0%} of the chunks (mean leading tokens that match)")
+    print(f"copy task: plain greedy reproduces {copied[0]:.0%} of the chunks' rest before its first difference; "
+          f"{copied[1]:.0%} of its new 4-grams are in the chunk")
     return all(succeeded)
 
 

@@ -46,7 +46,8 @@ RUNS = [
     ("bench_mtp_acceptance.py", ["--tiny"],
      ["held out: loss", "| plain | 1 | - |", "| plain, static cache | 2 | - |", "| MTP | 1 | 1 |", "| MTP | 1 | 4 |",
       "| copy: prompt lookup | 1 | 4 |", "| copy: prompt lookup | 2 | 4 |", "acceptance length",
-      "copy task: plain greedy reproduces", "of their new 4-grams occurred earlier"]),
+      "copy task: plain greedy reproduces", "of its new 4-grams are in the chunk",
+      "of their new 4-grams occurred earlier"]),
     ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4"],
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
     ("bench_trace.py", ["--tiny", "--static", "--requests", "8"], ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
@@ -221,6 +222,18 @@ def test_acceptance_repetition_counts_new_ngrams_seen_earlier_in_the_row():
     looping = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3]])  # prompt 3; new 4-grams from index 0 (0..5): 6, 3 repeated
     assert bench.repeated_ngrams([looping], prompt=3, n=4) == 0.5
     assert bench.repeated_ngrams([torch.arange(10)[None]], prompt=3, n=4) == 0.0
+
+
+def test_acceptance_copy_measures_the_leading_match_and_the_copied_ngrams():
+    bench = bench_mtp_acceptance()
+    chunk = [10, 11, 12, 13, 14, 15, 16, 17]
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 90, 10, 11]  # the chunk, an instruction, its first 2 (lead 2)
+    skipping = torch.tensor([prompt + [12, 13, 16, 17, 14, 15]])  # 2 right, then parts out of order
+    assert bench.copied_fraction([skipping], [chunk], len(prompt), 2) == 2 / 6
+    assert bench.ngrams_from_chunks([skipping], [chunk], len(prompt), n=2) == 3 / 5  # (12 13), (16 17), (14 15)
+    exact = torch.tensor([prompt + chunk[2:]])
+    assert bench.copied_fraction([exact], [chunk], len(prompt), 2) == 1.0
+    assert bench.ngrams_from_chunks([exact], [chunk], len(prompt), n=2) == 1.0
 
 
 @pytest.mark.parametrize("use_mtp", [1, 3])
