@@ -263,7 +263,10 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     input_ids = input_ids.to(device)
     attention_mask = attention_mask.to(device) if attention_mask is not None else None
     batch, prompt = input_ids.shape
-    cache = VerifyCache(model, batch, prompt + max_new_tokens + num_tokens, device)
+    # slots: a live row writes at most up to slot prompt + max_new_tokens - 2 + num_tokens - 1; a row that ended
+    # with its last round's drafts all accepted has a length up to prompt + max_new_tokens - 2 + num_tokens, and its
+    # verify tokens are still written after it in the rounds the other rows go on with: num_tokens more slots
+    cache = VerifyCache(model, batch, prompt + max_new_tokens + 2 * num_tokens, device)
     real = attention_mask.bool().cpu() if attention_mask is not None else torch.ones(batch, prompt, dtype=torch.bool)
     sequences = [row[mask] for row, mask in zip(input_ids.cpu(), real)]
     generated: list[list[int]] = [[] for _ in range(batch)]

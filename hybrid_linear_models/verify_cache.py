@@ -73,7 +73,8 @@ class VerifyKVLayer:
 class VerifyCache:
     """Fixed-size device state of batched speculative decoding with per-row lengths (see the module docstring).
 
-    model: a HybridLinearForCausalLM; batch rows; slots per row (the prompt, the new tokens and one verify step)."""
+    model: a HybridLinearForCausalLM; batch rows; slots per row (the prompt, the new tokens and two verify steps:
+    speculative_generate says why)."""
 
     every_query_sees_a_key = True  # (`key_mask`: a pad's query sees its own slot; attention_one_query relies on it)
 

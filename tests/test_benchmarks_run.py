@@ -43,6 +43,11 @@ RUNS = [
     ("bench_mla_cache.py", [], ["| Kimi-Linear 48B-A3B |"]),
     ("bench_mla_static_prefill.py", ["--prompt", "16", "--slots", "16", "64", "--repeats", "1"],
      ["max_cache_len     64"]),
+    ("bench_mtp_acceptance.py", ["--tiny"],
+     ["held out: loss", "| plain | 1 | - |", "| plain, static cache | 2 | - |", "| MTP | 1 | 1 |", "| MTP | 1 | 4 |",
+      "| copy: prompt lookup | 1 | 4 |", "| copy: prompt lookup | 2 | 4 |", "acceptance length",
+      "copy task: plain greedy reproduces", "of its new 4-grams are in the chunk",
+      "of their new 4-grams occurred earlier"]),
     ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4"],
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
     ("bench_trace.py", ["--tiny", "--static", "--requests", "8"], ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
@@ -166,3 +171,100 @@ def test_trace_refuses_a_file_it_did_not_write_in_one_line(tmp_path, monkeypatch
     monkeypatch.setattr(sys, "argv", ["bench_trace.py", "--combine", str(tmp_path / "other.json")])
     with pytest.raises(SystemExit, match=r"other.json is not a --json file of this script \(a result without"):
         bench_trace().main()
+
+
+def bench_mtp_acceptance():
+    """benchmarks/bench_mtp_acceptance.py as a module (its helpers; its run is the subprocess test above)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_mtp_acceptance
+
+    return bench_mtp_acceptance
+
+
+def test_acceptance_split_is_by_file_deterministic_and_disjoint(tmp_path):
+    names = [f"m{i:02d}.py" for i in range(25)] + ["pkg/a.py", "site-packages/x.py", "test/t.py", "pkg/tests/u.py",
+                                                    "notes.txt"]
+    for name in reversed(names):  # (created out of order: the listing sorts)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    bench = bench_mtp_acceptance()
+    files = bench.stdlib_files(tmp_path)
+    assert [path.relative_to(tmp_path).as_posix() for path in files] == [f"m{i:02d}.py" for i in range(25)] + [
+        "pkg/a.py"]
+    train, held = bench.split_files(files)
+    assert [path.name for path in held] == ["m09.py", "m19.py"]
+    assert set(train).isdisjoint(held) and sorted(train + held) == files
+    assert bench.split_files(list(reversed(files))) == (train, held)
+
+
+def test_acceptance_copy_prompt_and_training_rows():
+    bench = bench_mtp_acceptance()
+    assert bench.copy_prompt([5, 6, 7, 8], [90, 91], 2) == [5, 6, 7, 8, 90, 91, 5, 6]
+    with pytest.raises(ValueError, match=r"lead=4: the copy prompt repeats 1 to 3 tokens of a 4-token chunk"):
+        bench.copy_prompt([5, 6, 7, 8], [90], 4)
+    stream = torch.arange(2, 202)
+    rows = bench.copy_windows(stream, [0, 1], 3, 12, torch.Generator().manual_seed(0))
+    assert rows.shape == (3, 12)
+    for row in rows.tolist():  # a chunk of 6 consecutive tokens, the instruction, the chunk again (cut at 12)
+        assert row[:6] == list(range(row[0], row[0] + 6)) and row[6:8] == [0, 1] and row[8:] == row[:4]
+    assert bench.copy_windows(stream, [0, 1], 0, 12, torch.Generator()).shape == (0, 12)
+
+
+def test_acceptance_counts_the_rounds_that_verify_drafts():
+    bench = bench_mtp_acceptance()
+    assert bench.verify_rounds([7, 3, 3, 2], prompt=7, new_tokens=9) == (3, 8)  # the prompt's forward: 1 token
+    assert bench.verify_rounds([11, 5, 5], prompt=7, new_tokens=14) == (3, 14)  # the prompt's forward drafted too
+    assert bench.verify_rounds([1, 4, 4], prompt=7, new_tokens=9) == (2, 8)  # batched: its last position only
+
+
+def test_acceptance_repetition_counts_new_ngrams_seen_earlier_in_the_row():
+    bench = bench_mtp_acceptance()
+    looping = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2, 3]])  # prompt 3; new 4-grams from index 0 (0..5): 6, 3 repeated
+    assert bench.repeated_ngrams([looping], prompt=3, n=4) == 0.5
+    assert bench.repeated_ngrams([torch.arange(10)[None]], prompt=3, n=4) == 0.0
+
+
+def test_acceptance_copy_measures_the_leading_match_and_the_copied_ngrams():
+    bench = bench_mtp_acceptance()
+    chunk = [10, 11, 12, 13, 14, 15, 16, 17]
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 90, 10, 11]  # the chunk, an instruction, its first 2 (lead 2)
+    skipping = torch.tensor([prompt + [12, 13, 16, 17, 14, 15]])  # 2 right, then parts out of order
+    assert bench.copied_fraction([skipping], [chunk], len(prompt), 2) == 2 / 6
+    assert bench.ngrams_from_chunks([skipping], [chunk], len(prompt), n=2) == 3 / 5  # (12 13), (16 17), (14 15)
+    exact = torch.tensor([prompt + chunk[2:]])
+    assert bench.copied_fraction([exact], [chunk], len(prompt), 2) == 1.0
+    assert bench.ngrams_from_chunks([exact], [chunk], len(prompt), n=2) == 1.0
+
+
+@pytest.mark.parametrize("use_mtp", [1, 3])
+def test_acceptance_of_a_head_that_always_agrees_is_every_draft_plus_one(use_mtp):
+    """The counting run end to end: each verify round gains use_mtp + 1 tokens; the output is plain greedy's."""
+    from test_mtp import _head_that_agrees, _ids, _model
+
+    model = _model()
+    _head_that_agrees(model, 1.0)
+    bench = bench_mtp_acceptance()
+    prompts = [_ids((1, 5), seed=2), _ids((1, 5), seed=3)]
+    new_tokens = 1 + 3 * (use_mtp + 1)  # the prompt's token, then three full rounds
+    plain = bench.generate_runs(model, prompts, new_tokens)
+    drafted = bench.generate_runs(model, prompts, new_tokens, use_mtp=use_mtp)
+    assert drafted.acceptance == use_mtp + 1 and (drafted.rounds, drafted.new_tokens) == (6, 2 * new_tokens)
+    assert bench.first_difference(drafted.outputs, plain.outputs, 5) == "equal"
+    assert plain.acceptance == 1.0
+    changed = [plain.outputs[0], plain.outputs[1].clone()]
+    changed[1][0, 8] += 1
+    assert bench.first_difference(changed, plain.outputs, 5) == "1/2 rows equal (row 1: new token 3)"
+
+
+def test_acceptance_table_prints_a_failed_configuration_and_goes_on(capsys):
+    from test_mtp import _ids, _model
+
+    bench = bench_mtp_acceptance()
+    table = bench.Table(_model(), [_ids((1, 5), seed=2)], 4, "copy: ")
+    assert not table.speculative("MTP", 5, use_mtp=5)
+    assert table.speculative("MTP", 1, use_mtp=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| copy: plain | 1 | - |") and lines[1].startswith("| copy: plain, static cache | 1 |")
+    assert lines[2] == ("| copy: MTP | 1 | 5 | failed: ValueError: use_mtp must be True or a number of draft tokens "
+                        "from 1 to 4, got 5. |")
+    assert lines[3].startswith("| copy: MTP | 1 | 1 |") and lines[3].endswith("| equal |")

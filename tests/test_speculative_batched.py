@@ -158,6 +158,27 @@ def test_prompt_lookup_and_assistant_drafters():
     assert torch.equal(got[:, ids.shape[1]:], truth)
 
 
+def test_a_row_that_ends_with_every_draft_accepted_while_others_go_on():
+    """Row 0 accepts all 7 drafts of each round and ends 7 tokens past max_new_tokens in its second round; row 1
+    accepts none and goes on for 7 more rounds, in which row 0's verify tokens are still written after its cache's
+    length (its slots hold them), and row 1 is still its greedy decoding alone."""
+    model = _named("gdn+attention")
+    ids = torch.randint(2, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    new = 10
+    truth = _alone(model, ids, mask, new=new + 8)  # (the drafter knows the tokens past max_new_tokens too)
+    right = TruthDrafter(truth, [6, 6], "right")
+
+    class FirstRowRight:
+        def draft(self, sequences, count):
+            drafts = right.draft(sequences, count)
+            drafts[1] = (drafts[1] + 1) % 128
+            return drafts
+
+    got = speculative_generate(model, ids, FirstRowRight(), num_tokens=8, max_new_tokens=new, attention_mask=mask)
+    assert torch.equal(got[:, ids.shape[1]:], truth[:, :new])
+
+
 def test_a_row_ends_at_its_end_of_sequence_token():
     model = _named("gdn+attention")
     ids, mask = _batch()
