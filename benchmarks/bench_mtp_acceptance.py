@@ -19,7 +19,8 @@ the held-out next-token and MTP losses.
 Evaluation, greedy, the model in bf16 on CUDA (float32 on the CPU), prompts from held-out files:
 - plain decoding: `generate` with its default (dynamic) cache, eager; and with `cache_implementation="static"`,
   whose one-token steps replay captured CUDA graphs on CUDA (the package's fastest plain path);
-- MTP, batch 1 (transformers' assisted decoding takes one row): `generate(use_mtp=k)`, k = 1..4 drafts a round;
+- MTP: `generate(use_mtp=k)`, k = 1..4 drafts a round, at batch 1 (transformers' assisted decoding) and 8 (batched
+  speculative decoding);
 - prompt lookup on the copy task (prompt = a held-out chunk, an instruction line, the chunk's first tokens; the model
   goes on copying): `generate(prompt_lookup_num_tokens=n)` at batch 1 and 8 (8 rows: batched speculative decoding).
 tokens/s counts new tokens over wall time (after an untimed warm-up run of each configuration). Acceptance length:
@@ -598,7 +599,7 @@ def evaluate(model: HybridLinearForCausalLM, held_documents: list[list[int]], in
         table = Table(model, batched(prompts, size), args.new_tokens, "")
         if size == 1:
             repetition = repeated_ngrams(table.plain.outputs, args.prompt_tokens)
-            succeeded += [table.speculative("MTP", k, use_mtp=k) for k in args.mtp_k]
+        succeeded += [table.speculative("MTP", k, use_mtp=k) for k in args.mtp_k]
     copied = None
     for size in (1, batch):
         table = Table(model, batched(copies, size), copy_new, "copy: ")
