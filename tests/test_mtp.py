@@ -225,6 +225,15 @@ def _head_that_agrees(model: HybridLinearForCausalLM, sign: float) -> None:
         model.mtp.fc.weight[:, :hidden] = sign * torch.eye(hidden, dtype=model.mtp.fc.weight.dtype)
 
 
+def _head_that_nearly_agrees(model: HybridLinearForCausalLM) -> None:
+    """The agreeing head with its fc perturbed: it accepts some drafts of a round and not the rest (partial
+    acceptance)."""
+    _head_that_agrees(model, 1.0)
+    with torch.no_grad():
+        noise = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        model.mtp.fc.weight[:, :64] += 0.05 * noise
+
+
 def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
     """(drafted, accepted) of every round of MtpCandidateGenerator."""
     rounds, drafted = [], []
@@ -313,11 +322,8 @@ def test_every_first_draft_is_the_head_run_afresh_over_the_accepted_tokens(monke
     the head run from scratch over the accepted sequence (the model's hidden states of a fresh forward), to float64
     rounding (the verify forwards and the fresh one differ in kernel summation order only)."""
     model = _model()
-    if head == "nearly_right":  # (accepts some drafts of a round and not the rest: partial acceptance)
-        _head_that_agrees(model, 1.0)
-        with torch.no_grad():
-            noise = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-            model.mtp.fc.weight[:, :64] += 0.05 * noise
+    if head == "nearly_right":
+        _head_that_nearly_agrees(model)
     rounds = _record_rounds(monkeypatch)
     checked = []
     get_candidates = MtpCandidateGenerator.get_candidates

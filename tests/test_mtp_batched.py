@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_helpers import tiny_model
-from test_mtp import _head_that_agrees
+from test_mtp import _head_that_agrees, _head_that_nearly_agrees
 from test_speculative_batched import _alone, _batch
 
 from hybrid_linear_models.mtp_drafting import MtpBatchDrafter
@@ -84,11 +84,8 @@ def test_every_first_draft_is_the_head_run_afresh_over_the_rows_accepted_tokens(
     """The bookkeeping of the shared head cache: after rounds of full, partial and no acceptance, rows of different
     lengths, each row's first draft logits equal the head over that row's accepted sequence alone, from scratch."""
     model = _model()
-    if head == "nearly_right":  # (some drafts of a round accepted and not the rest: partial acceptance)
-        _head_that_agrees(model, 1.0)
-        with torch.no_grad():
-            noise = torch.randn(64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-            model.mtp.fc.weight[:, :64] += 0.05 * noise
+    if head == "nearly_right":
+        _head_that_nearly_agrees(model)
     ids, mask = _batch()
     rows = [row[real].tolist() for row, real in zip(ids, mask.bool())]  # each row's accepted tokens so far
     errors, kept_seen = [], []

@@ -211,9 +211,10 @@ def test_the_verify_round_reads_nothing_on_the_host(name):
             speculative_decoding.verify_round(model, cache, step, live)
 
 
-def test_the_captured_round_equals_the_uncaptured_one(monkeypatch):
-    """`graphs=True` with the capture stood in by an eager replay of the captured function (the CPU): the capture's
-    warm-up leaves the cache as it found it, and every round replays."""
+def _replay_rounds_eagerly(monkeypatch) -> list:
+    """CapturedVerifyRound's capture stood in on the CPU: its warm-up run and its run (the cache put back between
+    them, as around a capture), then each replay runs the captured function again into the outputs. Returns the list
+    that counts the replays."""
     replays = []
 
     def record(run, device, reset, pool):
@@ -230,6 +231,13 @@ def test_the_captured_round_equals_the_uncaptured_one(monkeypatch):
         return Replay(), out
 
     monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
+    return replays
+
+
+def test_the_captured_round_equals_the_uncaptured_one(monkeypatch):
+    """`graphs=True` with the capture stood in by an eager replay of the captured function (the CPU): the capture's
+    warm-up leaves the cache as it found it, and every round replays."""
+    replays = _replay_rounds_eagerly(monkeypatch)
     ids, mask = _batch()
     truth = _truth("kda+attention", 1)
     drafter = TruthDrafter(truth, mask.sum(-1).tolist(), "random", seed=1)
@@ -255,20 +263,8 @@ def test_the_captured_round_takes_the_decoding_gemv_for_its_products(monkeypatch
     monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
     monkeypatch.setattr(kernels_gemv, "_FAILED", {})
-
-    def record(run, device, reset, pool):  # the capture's run, then each replay runs the captured function again
-        out = run()
-        reset()
-
-        class Replay:
-            def replay(self):
-                for target, value in zip(out, run()):
-                    target.copy_(value)
-
-        return Replay(), out
-
-    monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
-    model = _named("gdn+attention").to(torch.bfloat16)
+    _replay_rounds_eagerly(monkeypatch)
+    model = _model(MODELS["gdn+attention"]).to(torch.bfloat16)  # (its own: cast)
     ids, mask = _batch()
     results = []
     for captured in (True, False):
@@ -349,21 +345,7 @@ def test_generate_replays_captured_rounds_where_graph_decoding_is_on(monkeypatch
     for the device (the CPU stands in for CUDA, the capture by an eager replay), and the tokens are the same."""
     from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 
-    replays = []
-
-    def record(run, device, reset, pool):
-        out = run()
-        reset()
-
-        class Replay:
-            def replay(self):
-                replays.append(1)
-                for target, value in zip(out, run()):
-                    target.copy_(value)
-
-        return Replay(), out
-
-    monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
+    replays = _replay_rounds_eagerly(monkeypatch)
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
     model = _model(MODELS["gdn+attention"])  # (its own: its switch is set)
     model.set_cuda_graph_decoding(graphs_on)
