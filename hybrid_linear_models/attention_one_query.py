@@ -14,8 +14,8 @@ Every row of a KV head must see the same keys: one query position per row (T_q =
 step, heads as rows of a single KV head (G = 1) under a mask with one query row: the caller knows which, and
 `one_query_applies` checks the rest. A few query positions (a speculative verify round's k tokens, 2 <= T_q <=
 MAX_FEW_QUERIES) take the same two GEMMs with one mask row per position, broadcast over the G heads of a KV head
-(`few_queries_apply`): there too the fused kernels plan for long query blocks (cuDNN's flash kernel takes some 70 us a
-layer for 4 queries on an H200, bench_verify_step's round). That path is taken only where the caller guarantees
+(`few_queries_apply`): there too the fused kernels plan for long query blocks (cuDNN's flash kernel took some 70 us a
+layer for a 4-token round of the 1.2B benchmark model on an H200). That path is taken only where the caller guarantees
 that every query sees at least one key (a row with none would be NaN, and a NaN key poisons every query's sums even
 where masked): `VerifyCache`'s masks do. Takes transformers' attention-interface arguments and returns
 (output [B, T_q, H, dv], None).

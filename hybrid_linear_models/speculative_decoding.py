@@ -318,8 +318,9 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
     """transformers' assisted `generate` (`prompt_lookup_num_tokens=` or `assistant_model=`) for a batch of several
     rows, which transformers refuses: `speculative_generate` with the matching drafter, the verify width the draft
     length + 1 (at most MAX_VERIFY_TOKENS), its rounds replayed from a CUDA graph where the model's graph decoding is
-    on for the device (`set_cuda_graph_decoding`; captured once per call, as the round's cache is the call's). Greedy only, with generate's length and end-of-sequence stops: anything
-    else (sampling, logits processors, other stopping criteria, streaming, a dict output) is refused in one line.
+    on for the device (`set_cuda_graph_decoding`; captured once per call, as the round's cache is the call's).
+    Greedy only, with generate's length and end-of-sequence stops: anything else (sampling, logits processors, other
+    stopping criteria, streaming, a dict output) is refused in one line.
     Returns the sequences as `generate` does: cut after the last column a row still generated."""
     from transformers.generation.stopping_criteria import (
         EosTokenCriteria,
@@ -345,8 +346,8 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
     elif not generation_config.prompt_lookup_num_tokens:
         raise ValueError(f"assisted generate of {input_ids.shape[0]} rows drafts by prompt lookup "
                          "(prompt_lookup_num_tokens=), an assistant model (assistant_model=) or the model's MTP head "
-                         "(use_mtp=); for another drafter, "
-                         "call speculative_decoding.speculative_generate with it, or generate one row at a time.")
+                         "(use_mtp=); for another drafter, call speculative_decoding.speculative_generate with it, "
+                         "or generate one row at a time.")
     else:
         drafter = PromptLookupDrafter(generation_config.max_matching_ngram_size or 2)
         drafts = generation_config.prompt_lookup_num_tokens
