@@ -4,6 +4,7 @@ per-block `weight_scale_inv`, as the checkpoint stores them (`fp8_settings`, `ke
     Fp8Linear:   y = x @ W.T (+ b),   W = W_fp8 * scale_inv (per bn x bk block)    -> kernels_fp8.block_fp8_linear
     Fp8Experts:  the (token, expert) pairs sorted by expert, then per expert e
                  y = down_e( act(gate_e x) * up_e x * w )                           -> block_fp8_grouped_linear
+                 and each token's k outputs summed in float32
                  (gate_up_proj [E, 2I, H] and down_proj [E, H, I] in FP8, each with its scale_inv)
 
 How a folder with a quantization_config loads. transformers' `from_pretrained` hands a config that has a
@@ -116,9 +117,14 @@ class Fp8Experts(_KeepsStoredDtypes):
         gate, up = gate_up.chunk(2, dim=-1)
         gated = self.act_fn(gate) * up * top_k_weights.reshape(-1, 1)[order].to(gate_up.dtype)
         out = block_fp8_grouped_linear(gated, self.down_proj, self.down_proj_scale_inv, offsets, self.block)
-        routed = torch.arange(order.numel(), device=order.device) < offsets[-1:]
-        out = torch.where(routed[:, None], out, 0)
-        return torch.zeros_like(hidden_states).index_add_(0, token_of, out.to(hidden_states.dtype))
+        slots = torch.arange(order.numel(), device=order.device)
+        out = torch.where((slots < offsets[-1:])[:, None], out, 0)
+        # each token's k rows gathered back to (token, slot) order and summed in float32 (float64 for float64), as the
+        # float experts sum them: no atomics (index_add on CUDA adds in the output's dtype, in no fixed order)
+        inverse = torch.empty_like(order)
+        inverse[order] = slots
+        total = torch.promote_types(out.dtype, torch.float32)
+        return out[inverse].view(-1, k, out.shape[-1]).sum(1, dtype=total).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
