@@ -781,13 +781,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
-        loss = logits = None
-        # (an FP8 head, fp8_layers, has no float weight to fuse: its logits, then the loss)
-        if (labels is not None and self.training and self.config.fuse_linear_cross_entropy
-                and isinstance(self.lm_head, nn.Linear)):
-            loss = fused_causal_lm_loss(hidden_states, self.lm_head.weight, labels,
-                                        shift_labels=kwargs.get("shift_labels"),
-                                        num_items_in_batch=kwargs.get("num_items_in_batch"))
+        logits = None
+        loss = self._fused_loss(hidden_states, labels, kwargs.get("shift_labels"),
+                                kwargs.get("num_items_in_batch")) if labels is not None else None
         if loss is None:
             logits = self.lm_head(hidden_states)
             if labels is not None:
@@ -816,6 +812,16 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,
         )
+
+    def _fused_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None,
+                    num_items_in_batch) -> torch.Tensor | None:
+        """The loss of the LM head over `hidden_states` by fla's fused linear + cross-entropy (no [tokens, vocab]
+        logits kept), or None where it is not taken: not training, `fuse_linear_cross_entropy` off, or an FP8 head
+        (fp8_layers), which has no float weight to fuse (the caller then computes the logits, then the loss)."""
+        if not (self.training and self.config.fuse_linear_cross_entropy and isinstance(self.lm_head, nn.Linear)):
+            return None
+        return fused_causal_lm_loss(hidden_states, self.lm_head.weight, labels, shift_labels=shift_labels,
+                                    num_items_in_batch=num_items_in_batch)
 
     def _mtp_loss_weight(self, given: float | None, labels, position_ids, attention_mask, kwargs: dict) -> float:
         """The MTP loss weight of this forward (0: no MTP loss), its inputs checked before any work."""
@@ -846,10 +852,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             valid = valid_entries(attention_mask, depth)
             if valid is not None:  # (an entry from a pad's hidden state predicts nothing)
                 targets = targets.masked_fill(valid.to(targets.device) == 0, -100)
-            loss = None
-            if self.training and self.config.fuse_linear_cross_entropy and isinstance(self.lm_head, nn.Linear):
-                loss = fused_causal_lm_loss(g, self.lm_head.weight, labels, shift_labels=targets,
-                                            num_items_in_batch=kwargs.get("num_items_in_batch"))
+            loss = self._fused_loss(g, labels, targets, kwargs.get("num_items_in_batch"))
             if loss is None:
                 loss = self.loss_function(logits=self.lm_head(g), labels=None, vocab_size=self.config.vocab_size,
                                           shift_labels=targets, num_items_in_batch=kwargs.get("num_items_in_batch"))
