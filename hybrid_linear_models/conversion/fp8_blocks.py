@@ -131,6 +131,11 @@ def _is_fp8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
+def _fp8_weights(source: SourceCheckpoint) -> list[str]:
+    """The names of the source's stored FP8 tensors (its quantized weights, carried ones included)."""
+    return [key for key in source.tensors.keys() if _is_fp8(source.tensors.info(key).dtype)]
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -220,7 +225,7 @@ def kept_fp8_source(source: SourceCheckpoint, to_format: str,
         raise ConversionError(f"{source.path} holds FP8 weights, which the {to_format} format cannot hold (FP8 is "
                               f"kept by {' and '.join(FP8_FORMATS)}); pass --dequantize-fp8 to convert them to "
                               "bfloat16.")
-    quantized = [key for key in source.tensors.keys() if source.tensors.info(key).dtype.itemsize == 1]
+    quantized = _fp8_weights(source)
     _check_matches_config(source, quantized)
     shapes = hf_tensor_shapes(source.config)
     block = source.config.block_fp8_settings.block
@@ -233,7 +238,7 @@ def dequantized_source(source: SourceCheckpoint) -> SourceCheckpoint:
     """An FP8 `source` read as the floating-point model: each FP8 weight (carried ones too) dequantized to bfloat16,
     the scales consumed, and the config without its FP8 setting."""
     settings = source.config.block_fp8_settings
-    quantized = [key for key in source.tensors.keys() if source.tensors.info(key).dtype.itemsize == 1]
+    quantized = _fp8_weights(source)
     scales = {scale_name(name) for name in quantized}
     config = copy.deepcopy(source.config)
     config.block_fp8 = None
