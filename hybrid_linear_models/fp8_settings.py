@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .shown_values import brief
+
 QUANTIZATION_KEY = "quantization_config"
 SCALE_SUFFIX = "_scale_inv"  # a quantized weight `<name>` has its scales in `<name>_scale_inv`
 FP8_DTYPES = {"e4m3": "float8_e4m3fn"}  # torch dtype names (this module imports no torch: the config reads it)
@@ -61,8 +63,8 @@ def _matches(pattern: str, name: str) -> bool:
 
 
 def _unsupported(setting: str, value: Any) -> ValueError:
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    return ValueError(f"{QUANTIZATION_KEY}.{setting} is {shown}; this package runs FP8 checkpoints with {SUPPORTED}.")
+    return ValueError(f"{QUANTIZATION_KEY}.{setting} is {brief(value, 80)}; this package runs FP8 checkpoints with "
+                      f"{SUPPORTED}.")
 
 
 def read_block_fp8_settings(fields: Any) -> BlockFp8Settings | None:
