@@ -126,10 +126,6 @@ def shifted_labels(labels: torch.Tensor, depth: int, ignore_index: int = -100) -
     return nn.functional.pad(labels[:, depth + 1:], (0, 1), value=ignore_index)
 
 
-__all__ = ["MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config", "mtp_positions",
-           "shifted_labels", "valid_entries"]
-
-
 def mtp_positions(position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, length: int,
                   device: torch.device) -> torch.Tensor:
     """The positions of a training forward's tokens as the model takes them: given, else counting the real tokens of
@@ -152,3 +148,7 @@ def check_mtp_loss_inputs(position_ids: torch.Tensor | None, attention_mask, kwa
                          "unpacked rows (padding is fine), or set mtp_loss_weight=0.")
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         raise ValueError("mtp_loss_weight > 0 needs a 2-D attention_mask (or none); pass the [batch, tokens] mask.")
+
+
+__all__ = ["MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config", "mtp_positions",
+           "shifted_labels", "valid_entries"]
