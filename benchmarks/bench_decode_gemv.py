@@ -43,6 +43,18 @@ SHAPES = {
 FORMS = {}  # form -> fn(x, w, rows, swiglu); filled in main, once the package is importable
 
 
+def bench_device(script: str, tiny: bool, what: str) -> tuple[torch.device, object] | None:
+    """The device a kernel benchmark times on and its timer: CUDA with `time_replays`, or with `tiny` the CPU with
+    `time_calls`; None (one line printed: `script` skipped, it times `what`) without CUDA or `tiny`."""
+    print("command: python " + " ".join(sys.argv))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not tiny:
+        print(f"{script}: skipped, it times {what} against a GPU's bandwidth and needs a CUDA device (--tiny runs its "
+              "forms on the CPU)")
+        return None
+    return device, time_replays if device.type == "cuda" else time_calls
+
+
 def time_calls(fn, repeats: int) -> float:
     """Microseconds per call of fn on the CPU, by the host clock (the --tiny smoke run)."""
     fn()
@@ -92,14 +104,11 @@ def main() -> None:
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0)
     parser.add_argument("--tiny", action="store_true", help="without CUDA: narrow shapes on the CPU (a smoke test)")
     args = parser.parse_args()
-    print("command: python " + " ".join(sys.argv))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("bench_decode_gemv.py: skipped, it times GEMVs against a GPU's bandwidth and needs a CUDA device "
-              "(--tiny runs its forms on the CPU)")
+    chosen = bench_device("bench_decode_gemv.py", args.tiny, "GEMVs")
+    if chosen is None:
         return
+    device, timer = chosen
     dtype, narrow = (torch.bfloat16, 1) if device.type == "cuda" else (torch.float32, 16)
-    timer = time_replays if device.type == "cuda" else time_calls
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from hybrid_linear_models.kernels_gemv import (swiglu_pair_rows, torch_linear_rows, torch_linear_swiglu,
                                                    triton_gemv_kernel)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_decode_gemv import time_calls, time_replays  # (a sibling script: the same timing)
+from bench_decode_gemv import bench_device  # (a sibling script: the same device choice and timing)
 
 BLOCK = (128, 128)
 # Qwen3-Next-80B-A3B's FP8 products, (out, in): hidden 2048; GDN's in_proj_qkvz and in_proj_ba and out_proj; the
@@ -134,14 +134,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="without CUDA: narrow shapes on the CPU (a smoke test)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers' Hub kernel only where it is cached: no network
-    print("command: python " + " ".join(sys.argv))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("bench_fp8_linear.py: skipped, it times FP8 kernels against a GPU's bandwidth and needs a CUDA device "
-              "(--tiny runs its forms on the CPU)")
+    chosen = bench_device("bench_fp8_linear.py", args.tiny, "FP8 kernels")
+    if chosen is None:
         return
+    device, timer = chosen
     dtype, narrow, experts = (torch.bfloat16, 1, NUM_EXPERTS) if device.type == "cuda" else (torch.float32, 16, 16)
-    timer = time_replays if device.type == "cuda" else time_calls
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from transformers.integrations.moe import _grouped_mm
 
