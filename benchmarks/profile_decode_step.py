@@ -3,7 +3,10 @@ replayed steps, grouped by kernel name, against the step's wall time (what to fu
 launches are from the weight-read limit).
 
 For each model (the GDN and KDA benchmark models of bench_generation.py, the Kimi-Linear MoE model of
-bench_kimi_linear.py; random weights, bfloat16): a `--prompt`-token prefill into a static cache, one step to capture
+bench_kimi_linear.py; random weights, bfloat16; and the released flagships at their real widths with the first
+`--flagship-layers` of their layers, the pattern's full period by default, so a step's per-layer kernels are the full
+model's: `qwen3-next-fp8`, Qwen3-Next-80B-A3B in its released FP8 layout, and `kimi-48b`, Kimi-Linear-48B-A3B in
+bfloat16, from flagship_models.py): a `--prompt`-token prefill into a static cache, one step to capture
 the graph, then `--steps` replayed steps under torch.profiler. Printed per model:
 - wall ms per step (CUDA events around the replays) and the sum of kernel durations per step; their difference is
   the time the GPU idles between kernels (launch gaps: what fewer, fuller kernels win back). With programmatic
@@ -23,16 +26,19 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   (this package's decoding kernels launched plainly, or with programmatic dependent launch: kernels_launch_triton),
   `conv` (GDN/KDA's short convolution on fla's kernel after the input projection's GEMV, or in that GEMV's epilogue:
   kernels_gemv.linear_conv_step), `gated_norm` (the GDN/KDA output norm on fla's kernel, or on this package's,
-  launched dependently: inference_norm);
+  launched dependently: inference_norm), `routed` (the FP8 experts' routes sorted by expert for the grouped kernel,
+  or each route's product in the routed kernel: kernels_fp8.ROUTED_MAX_ROUTES; the qwen3-next-fp8 model);
 - with `--generate N`, instead, batch-1 generate of N new tokens against the step alone, with generate's stop check
   synchronous (a cache of one's own: transformers' loop reads each step's tokens on the host, and the GPU waits for
   the host's work before the next replay) and deferred (`cache_implementation="static"`: deferred_stop_check): ms
   per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel time,
   its kernels (the graph's and those outside it), and the time the GPU idles.
 
-    python benchmarks/profile_decode_step.py [--models gdn kda kimi] [--prompt 512] [--steps 20] [--top 25]
-        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place norm pdl conv gated_norm] [--generate 64]
-        [--batch 16]
+    python benchmarks/profile_decode_step.py [--models gdn kda kimi qwen3-next-fp8 kimi-48b] [--prompt 512]
+        [--steps 20] [--top 25]
+        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place norm pdl conv gated_norm
+        routed] [--generate 64]
+        [--batch 16] [--flagship-layers 4]
 """
 
 from __future__ import annotations
@@ -48,19 +54,29 @@ from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flagship_models import build_ours, kimi_linear_fields, qwen3_next_fields  # noqa: E402
 from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 
 
 CONFIGS = {"gdn": lambda: gdn_pair(**GPU_GDN)[0], "kda": lambda: kda_pair(**GPU_KDA)[0], "kimi": kimi_linear_config}
+# the flagships' fields with their first `layers` layers (flagship_models draws them on the device, layer by layer)
+FLAGSHIPS = {"qwen3-next-fp8": lambda layers: qwen3_next_fields(layers=layers, fp8=True),
+             "kimi-48b": lambda layers: kimi_linear_fields(layers=layers)}
+FLAGSHIP_LAYERS = 4  # one period of each pattern (3 linear-attention layers, then one attention layer)
 
 
-def model_and_prompt(name: str, prompt: int, batch: int = 1) -> tuple[HybridLinearForCausalLM, torch.Tensor]:
-    """The benchmark model `name` (random weights, seed 0, bfloat16, on CUDA) and `batch` random prompts."""
+def model_and_prompt(name: str, prompt: int, batch: int = 1, layers: int = FLAGSHIP_LAYERS
+                     ) -> tuple[HybridLinearForCausalLM, torch.Tensor]:
+    """The benchmark model `name` (random weights, seed 0, bfloat16, on CUDA; a flagship's first `layers` layers)
+    and `batch` random prompts."""
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
+    if name in FLAGSHIPS:
+        model = build_ours(FLAGSHIPS[name](layers), torch.device("cuda"))
+    else:
+        with torch.device("cuda"):
+            model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
     return model, torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
 
 
@@ -158,7 +174,8 @@ def replayed_ms(model, cache, token, steps: int) -> float:
     return step_ms(model, cache, token, steps)
 
 
-# what `--ab` switches: the module, its device-types tuple (emptied: the kernel off), the two sides' names
+# what `--ab` switches: the module, its setting (a device-types tuple, emptied to turn the kernel off, or set to
+# OFF_VALUES'), the two sides' names
 SWITCHES = {
     "gemv": ("kernels_gemv", "GEMV_DEVICE_TYPES", "cuBLAS", "Triton GEMV"),
     "attention": ("attention_step", "STEP_DEVICE_TYPES", "torch attention", "fused attention step"),
@@ -167,24 +184,26 @@ SWITCHES = {
     "pdl": ("kernels_launch_triton", "PDL_DEVICE_TYPES", "plain launches", "dependent launches"),
     "conv": ("kernels_gemv", "CONV_STEP_DEVICE_TYPES", "convolution's kernel", "convolution in the GEMV"),
     "gated_norm": ("inference_norm", "GATED_NORM_DEVICE_TYPES", "fla's gated RMSNorm", "gated RMSNorm kernel"),
+    "routed": ("kernels_fp8", "ROUTED_MAX_ROUTES", "experts sorted and grouped", "experts routed"),
 }
+OFF_VALUES = {"routed": 0}  # (the other switches' off value: no device type)
 
 
-def compare(name: str, prompt: int, steps: int, kind: str) -> None:
+def compare(name: str, prompt: int, steps: int, kind: str, layers: int = FLAGSHIP_LAYERS) -> None:
     """The same model and cache, its step captured without and with the kernels `kind` switches (SWITCHES), in turn
     (A B A B): wall ms per replayed step of each."""
     import importlib
 
     module_name, attribute, off_name, on_name = SWITCHES[kind]
     module = importlib.import_module(f"hybrid_linear_models.{module_name}")
-    model, input_ids = model_and_prompt(name, prompt)
+    model, input_ids = model_and_prompt(name, prompt, layers=layers)
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 * (3 + steps) + 1)
     with torch.no_grad():
         model(input_ids=input_ids, cache=cache, use_cache=True)
     devices, times = getattr(module, attribute), {off_name: [], on_name: []}
     try:
         for _ in range(2):
-            for side, types in ((off_name, ()), (on_name, devices)):
+            for side, types in ((off_name, OFF_VALUES.get(kind, ())), (on_name, devices)):
                 setattr(module, attribute, types)
                 times[side].append(replayed_ms(model, cache, input_ids[:, -1:], steps))
     finally:
@@ -196,14 +215,14 @@ def compare(name: str, prompt: int, steps: int, kind: str) -> None:
     torch.cuda.empty_cache()
 
 
-def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
+def profile_generate(name: str, prompt: int, tokens: int, steps: int, layers: int = FLAGSHIP_LAYERS) -> None:
     """Batch-1 generate against its step alone, with the stop check synchronous (a static cache of one's own, which
     generate hands back: GDN/KDA states cannot undo the extra step a deferred check runs) and deferred
     (`cache_implementation="static"`: deferred_stop_check); see the module docstring."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    model, input_ids = model_and_prompt(name, prompt)
+    model, input_ids = model_and_prompt(name, prompt, layers=layers)
     length = prompt + max(tokens, steps + 8) + 1
     cache = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
@@ -243,8 +262,8 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int) -> None:
 
 
 def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,
-                  prefills: tuple[int, ...] = (), batch: int = 1) -> None:
-    model, input_ids = model_and_prompt(name, prompt, batch)
+                  prefills: tuple[int, ...] = (), batch: int = 1, layers: int = FLAGSHIP_LAYERS) -> None:
+    model, input_ids = model_and_prompt(name, prompt, batch, layers)
     # every step below writes one slot: the capture, 3 warm-ups, `steps` timed and `steps` profiled
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 + 2 * steps)
     token = input_ids[:, -1:]
@@ -283,11 +302,13 @@ def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--models", nargs="*", default=list(CONFIGS), choices=[*CONFIGS, *FLAGSHIPS])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--batch", type=int, default=1, help="rows of the profiled step (not --ab, --generate)")
+    parser.add_argument("--flagship-layers", type=int, default=FLAGSHIP_LAYERS,
+                        help="the first layers of a flagship (qwen3-next-fp8, kimi-48b) to build")
     parser.add_argument("--trace", type=Path, default=None, help="folder for each model's kernels of one step")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="also profile prefills of these lengths")
     parser.add_argument("--ab", nargs="*", default=[], choices=sorted(SWITCHES),
@@ -303,13 +324,14 @@ def main() -> None:
         try:
             if args.ab:
                 for kind in args.ab:
-                    compare(name, args.prompt, args.steps, kind)
+                    compare(name, args.prompt, args.steps, kind, args.flagship_layers)
                 continue
             if args.generate:
-                profile_generate(name, args.prompt, args.generate, args.steps)
+                profile_generate(name, args.prompt, args.generate, args.steps, args.flagship_layers)
                 torch.cuda.empty_cache()
                 continue
-            profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill), args.batch)
+            profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill), args.batch,
+                          args.flagship_layers)
         except Exception as error:  # one model's failure must not cost the others' figures in a GPU call
             print(f"\n{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             torch.cuda.empty_cache()

@@ -4,6 +4,7 @@ per-block `weight_scale_inv`, as the checkpoint stores them (`fp8_settings`, `ke
     Fp8Linear:   y = x @ W.T (+ b),   W = W_fp8 * scale_inv (per bn x bk block)    -> kernels_fp8.block_fp8_linear
     Fp8Experts:  the (token, expert) pairs sorted by expert, then per expert e
                  y = down_e( act(gate_e x) * up_e x * w )                           -> block_fp8_grouped_linear
+                 (a decoding step's few pairs unsorted, each its expert's product   -> block_fp8_routed_linear)
                  and each token's k outputs summed in float32
                  (gate_up_proj [E, 2I, H] and down_proj [E, H, I] in FP8, each with its scale_inv)
 
@@ -34,7 +35,13 @@ from transformers import initialization as init
 
 from .experts_grouped_gather import expert_offsets
 from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
-from .kernels_fp8 import block_fp8_grouped_linear, block_fp8_linear, scale_shape
+from .kernels_fp8 import (
+    block_fp8_grouped_linear,
+    block_fp8_linear,
+    block_fp8_routed_linear,
+    routed_applies,
+    scale_shape,
+)
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -104,6 +111,8 @@ class Fp8Experts(_KeepsStoredDtypes):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if not self.num_experts:
             return torch.zeros_like(hidden_states)
+        if routed_applies(hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv, top_k_index.numel()):
+            return self._routed(hidden_states, top_k_index, top_k_weights)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         sorted_experts, order = torch.sort(flat, stable=True)  # the pairs grouped by expert
@@ -125,6 +134,20 @@ class Fp8Experts(_KeepsStoredDtypes):
         inverse[order] = slots
         total = torch.promote_types(out.dtype, torch.float32)
         return out[inverse].view(-1, k, out.shape[-1]).sum(1, dtype=total).to(hidden_states.dtype)
+
+    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A decoding step's experts: each (token, slot) pair's products in (token, slot) order, with no sort and no
+        gather, each token's k rows summed in float32 as the sorted path sums them (an expert of another rank gives a
+        row of zeros)."""
+        routes, k = top_k_index.reshape(-1), top_k_index.shape[1]
+        gate_up = block_fp8_routed_linear(hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv, routes,
+                                          self.block)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gated = self.act_fn(gate) * up * top_k_weights.reshape(-1, 1).to(gate_up.dtype)
+        out = block_fp8_routed_linear(gated, self.down_proj, self.down_proj_scale_inv, routes, self.block)
+        total = torch.promote_types(out.dtype, torch.float32)
+        return out.view(-1, k, out.shape[-1]).sum(1, dtype=total).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

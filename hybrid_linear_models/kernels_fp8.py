@@ -11,8 +11,9 @@ through float32, so for those the weight is float32's product w * s rounded to t
 (fp16) or 2^16 (bf16) one unit off a single rounding of the exact product); float32 gets one rounding. The Triton
 kernels' dequantized weights round the same way, bit for bit.
 
-`block_fp8_linear` (x @ W.T) and `block_fp8_grouped_linear` (the experts: rows of expert e times W_e.T) are the
-entry points the model's FP8 layers call. On CUDA tensors they run this package's Triton kernels
+`block_fp8_linear` (x @ W.T), `block_fp8_grouped_linear` (the experts: rows sorted by expert, rows of expert e times
+W_e.T) and `block_fp8_routed_linear` (the experts of a decoding step: each route's row times its expert's W.T, no sort)
+are the entry points the model's FP8 layers call. On CUDA tensors they run this package's Triton kernels
 (`kernels_fp8_triton`: the FP8 weight read once, scaled per block as it is loaded, float32 sums) where
 `triton_applies`; anything else (the CPU, a gradient wanted for x, triton missing, a GPU older than compute capability
 8.9, whose triton has no e4m3) dequantizes and runs the dense op: the plain reference the kernels are checked against.
@@ -44,6 +45,10 @@ FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 PREFILL_FORM = "dequantized_dot"
 PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
 OFFSET_DTYPES = (torch.int32, torch.int64)
+# routes (tokens x top-k) up to which the experts take `block_fp8_routed_linear` on CUDA: a decoding step's. Each
+# route reads its expert's weight, so two routes to one expert read it twice; past this, rows sorted by expert
+# (`block_fp8_grouped_linear`) read each expert once, for the price of the sort and gathers.
+ROUTED_MAX_ROUTES = 64
 
 
 @triton_kernel
@@ -60,6 +65,14 @@ def fp8_grouped_linear_kernel():
     from .kernels_fp8_triton import fp8_grouped_linear
 
     return fp8_grouped_linear
+
+
+@triton_kernel
+def fp8_routed_linear_kernel():
+    """`kernels_fp8_triton.fp8_routed_linear`, or None where triton cannot be imported (CPU machines)."""
+    from .kernels_fp8_triton import fp8_routed_linear
+
+    return fp8_routed_linear
 
 
 @functools.cache
@@ -134,6 +147,41 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
     return out
 
 
+def routed_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, routes: int) -> bool:
+    """Whether experts of `routes` routes over rows x run as `block_fp8_routed_linear`'s kernel: at most
+    ROUTED_MAX_ROUTES routes, where the Triton kernels apply (`triton_applies`)."""
+    return routes <= ROUTED_MAX_ROUTES and triton_applies(x, weight, scale_inv, None)
+
+
+def block_fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, routes: torch.Tensor,
+                            block: tuple[int, int]) -> torch.Tensor:
+    """x [T, in] and `routes` [T * R] (an int32/int64 tensor, route r's expert for row r // R of x): [T * R, out],
+    row r = x[r // R] @ W_e.T, W (E, out, in) FP8 with `scale_inv` (E, ...); a route to an expert outside 0..E-1
+    (expert parallelism's other ranks) is a row of zeros. On CUDA one launch with no host synchronization; elsewhere
+    each route's dequantized weight (the reference)."""
+    check_block_fp8_weight(weight, scale_inv, block, x.shape[-1], grouped=True)
+    if (x.dim() != 2 or routes.dim() != 1 or routes.dtype not in OFFSET_DTYPES
+            or (x.shape[0] and routes.shape[0] % x.shape[0])):
+        raise ValueError(f"block_fp8_routed_linear: x {tuple(x.shape)} must be [T, in] and routes "
+                         f"{tuple(routes.shape)} {routes.dtype} one int32/int64 expert per route, the same number of "
+                         "routes per row of x")
+    if triton_applies(x, weight, scale_inv, None) and routes.device == x.device:
+        out = kernel_result(_FAILED, ("routed", tuple(weight.shape), tuple(block), x.dtype, x.device), x,
+                            f"the FP8 Triton routed kernel failed for a {tuple(weight.shape)} weight; the experts "
+                            "dequantize each route's weight",
+                            lambda: fp8_routed_linear_kernel()(x if x.stride(-1) == 1 else x.contiguous(),
+                                                               _unit_stride(weight), scale_inv, routes, block))
+        if out is not None:
+            return out
+    experts = weight.shape[0]
+    served = (routes >= 0) & (routes < experts)
+    chosen = routes.clamp(0, max(experts - 1, 0))
+    weights = dequantize_block_fp8(weight[chosen], scale_inv[chosen], block, x.dtype)  # [T * R, out, in]
+    rows = x.repeat_interleave(routes.shape[0] // max(x.shape[0], 1), dim=0)
+    out = torch.bmm(weights, rows.unsqueeze(-1)).squeeze(-1)
+    return torch.where(served[:, None], out, 0)
+
+
 _FAILED: dict = {}  # (kind, weight shape, block, dtype, device) -> the first error: the reference from then on
 
 
@@ -187,5 +235,5 @@ def triton_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     return fp8_linear_kernel() is not None and _has_e4m3(x.device)
 
 
-__all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "check_block_fp8_weight", "dequantize_block_fp8",
-           "scale_shape", "triton_applies"]
+__all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "block_fp8_routed_linear", "check_block_fp8_weight",
+           "dequantize_block_fp8", "routed_applies", "scale_shape", "triton_applies"]

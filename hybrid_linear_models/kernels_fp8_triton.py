@@ -68,15 +68,25 @@ _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M, N, E,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M, N, E, R,
                        stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
                        K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       GROUPED: tl.constexpr, E_POW2: tl.constexpr, FORM: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       GROUPED: tl.constexpr, ROUTED: tl.constexpr, E_POW2: tl.constexpr, FORM: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y tile (row tile program_id(1), BLOCK_N output columns program_id(0)) of FORM (an index into FORMS); x_ptr
-    holds e4m3 values and xs_ptr their scales for fp8_dot (see the module docstring)."""
+    holds e4m3 values and xs_ptr their scales for fp8_dot (see the module docstring). offsets_ptr holds the experts'
+    end rows (GROUPED) or each route's expert (ROUTED, R routes per row of x)."""
     tile = tl.program_id(1)  # (output columns on axis 0, whose grid may exceed axis 1's 65,535 programs)
-    if GROUPED:  # which expert's rows this tile is (see the module docstring)
+    y_start = tile * BLOCK_M  # (the first row of y the tile writes; grouped tiles write their rows of x)
+    if ROUTED:  # route `tile`: row tile // R of x times its expert's weight, into row `tile` of y (BLOCK_M is 1)
+        expert = tl.load(offsets_ptr + tile).to(tl.int32)
+        served = (expert >= 0) & (expert < E)  # (an expert of another rank: a row of zeros)
+        expert = tl.where(served, expert, 0)
+        w_ptr += expert.to(tl.int64) * stride_we
+        s_ptr += expert.to(tl.int64) * stride_se
+        row_start = tile // R
+        row_end = tl.where(served, row_start + 1, row_start)
+    elif GROUPED:  # which expert's rows this tile is (see the module docstring)
         experts = tl.arange(0, E_POW2)
         ends = tl.load(offsets_ptr + experts, mask=experts < E, other=0).to(tl.int32)
         starts = tl.load(offsets_ptr + experts - 1, mask=(experts > 0) & (experts < E), other=0).to(tl.int32)
@@ -91,6 +101,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M
         row_end = tl.minimum(tl.sum(tl.where(mine, ends, 0), axis=0), M)  # (offsets past S: no row beyond x's)
         w_ptr += expert.to(tl.int64) * stride_we
         s_ptr += expert.to(tl.int64) * stride_se
+        y_start = row_start
     else:
         row_start = tile * BLOCK_M
         row_end = M
@@ -146,8 +157,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M
                 acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=live_cols, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=live_rows[:, None] & live_cols[None, :])
+    y_rows = y_start + tl.arange(0, BLOCK_M)
+    written = (y_rows < M * R) if ROUTED else live_rows  # (a route's row is written even where no expert serves it)
+    tl.store(y_ptr + y_rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=written[:, None] & live_cols[None, :])
 
 
 @triton.jit
@@ -261,30 +274,32 @@ def _autotuned(form: str) -> triton.runtime.Autotuner:
                            **options)(_fp8_linear_kernel)
 
 
-_KEY = ["N", "K", "E", "BN", "BK", "HAS_BIAS", "GROUPED", "FORM", "BLOCK_M"]
+_KEY = ["N", "K", "E", "BN", "BK", "HAS_BIAS", "GROUPED", "ROUTED", "FORM", "BLOCK_M"]
 _TUNED = {form: _autotuned(form) for form in FORMS}
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
             offsets: torch.Tensor | None, block: tuple[int, int], form: str, block_m: int,
-            config: tuple[int, int] | None) -> torch.Tensor:
-    """y [S, out] in x's dtype for x [S, in] (unit stride along in), weight [(E,) out, in], scale_inv [(E,) ...]."""
+            config: tuple[int, int] | None, routes: torch.Tensor | None = None) -> torch.Tensor:
+    """y [S, out] in x's dtype for x [S, in] (unit stride along in), weight [(E,) out, in], scale_inv [(E,) ...];
+    with `routes` [S * R] (each route's expert), y [S * R, out], route r the product of row r // R."""
     rows, out, inp = x.shape[0], weight.shape[-2], weight.shape[-1]
-    y = torch.empty(rows, out, device=x.device, dtype=x.dtype)
-    if rows == 0 or out == 0:
+    per_row = routes.shape[0] // max(rows, 1) if routes is not None else 1
+    y = torch.empty(rows * per_row, out, device=x.device, dtype=x.dtype)
+    if rows == 0 or out == 0 or per_row == 0:
         return y
     x_scales = scale_inv  # (unread but by fp8_dot)
     if form == "fp8_dot":
         x, x_scales = quantize_activations(x, block[1])
-    grouped = offsets is not None
-    experts = weight.shape[0] if grouped else 1
-    tiles = triton.cdiv(rows, block_m) + (min(experts, rows) if grouped else 0)
+    grouped, routed = offsets is not None, routes is not None
+    experts = weight.shape[0] if grouped or routed else 1
+    tiles = rows * per_row if routed else triton.cdiv(rows, block_m) + (min(experts, rows) if grouped else 0)
     args = (x, weight, scale_inv, bias if bias is not None else scale_inv, y,
-            offsets if grouped else scale_inv, x_scales, rows, out, experts, x.stride(0), x_scales.stride(0),
-            weight.stride(0) if grouped else 0, weight.stride(-2),
-            scale_inv.stride(0) if grouped else 0, scale_inv.stride(-2), scale_inv.stride(-1), y.stride(0))
+            offsets if grouped else routes if routed else scale_inv, x_scales, rows, out, experts, per_row,
+            x.stride(0), x_scales.stride(0), weight.stride(0) if grouped or routed else 0, weight.stride(-2),
+            scale_inv.stride(0) if grouped or routed else 0, scale_inv.stride(-2), scale_inv.stride(-1), y.stride(0))
     flags = {"K": inp, "BN": block[0], "BK": block[1], "HAS_BIAS": bias is not None, "GROUPED": grouped,
-             "E_POW2": triton.next_power_of_2(experts), "FORM": _FORM_IDS[form],
+             "ROUTED": routed, "E_POW2": triton.next_power_of_2(experts) if grouped else 1, "FORM": _FORM_IDS[form],
              "PRECISION": "ieee" if y.dtype == torch.float32 else "tf32", "BLOCK_M": block_m}
     if config is None and _INTERPRETED:
         config = _INTERPRETED_CONFIG[form]
@@ -356,5 +371,18 @@ def fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torc
     return _launch(rows, weight, scale_inv, None, offsets, block, form, _tile_rows(per_expert), config)
 
 
-__all__ = ["DECODING_ROWS", "FORMS", "PREFILL_FORMS", "dequantize", "fp8_grouped_linear", "fp8_linear", "linear_form",
-           "quantize_activations"]
+def fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, routes: torch.Tensor,
+                      block: tuple[int, int], config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [T, in] (unit stride along in) and `routes` [T * R] (int32/int64 on the device: route r's expert, for row
+    r // R of x): y [T * R, out], route r's row x[r // R] @ W_e.T, W [E, out, in] FP8 (unit stride along in) with
+    scale_inv [E, ...]; a route to an expert outside 0..E-1 (another rank's) gets a row of zeros. One launch of the
+    one_row form with a program row per route: no sort, no gather of x, no host synchronization (see the module
+    docstring)."""
+    if routes.dim() != 1 or (x.shape[0] and routes.shape[0] % x.shape[0]):
+        raise ValueError(f"FP8 kernel: routes {tuple(routes.shape)} must be 1-D, the same number for each of the "
+                         f"{x.shape[0]} rows of x")
+    return _launch(x, weight, scale_inv, None, None, block, "one_row", 1, config, routes=routes)
+
+
+__all__ = ["DECODING_ROWS", "FORMS", "PREFILL_FORMS", "dequantize", "fp8_grouped_linear", "fp8_linear",
+           "fp8_routed_linear", "linear_form", "quantize_activations"]

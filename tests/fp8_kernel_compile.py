@@ -1,7 +1,7 @@
 """Compiles the FP8 kernel (kernels_fp8_triton) for a GPU target ahead of time, with no GPU: every autotuning
-configuration of every form and tile height, bf16 activations (e4m3 for fp8_dot), Qwen3-Next's 128 x 128 blocks and
-K = 2,048, and prints one JSON line per configuration with its registers, its spilled bytes (the stack frame) and its
-shared memory.
+configuration of every form and tile height (one_row also routed: a program row per expert route), bf16 activations
+(e4m3 for fp8_dot), Qwen3-Next's 128 x 128 blocks and K = 2,048, and prints one JSON line per configuration with its
+registers, its spilled bytes (the stack frame) and its shared memory.
 
 A launch specializes its arguments (16-byte aligned pointers, strides that are multiples of 16, a unit stride as the
 constant 1), and so does this compile: without those hints the loads do not vectorize and the kernel spills, which
@@ -30,23 +30,25 @@ from triton.compiler import ASTSource
 
 from hybrid_linear_models import kernels_fp8_triton as kernel
 
-INTEGERS = ("M", "N", "E", "stride_xm", "stride_xsm", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_sk",
-            "stride_ym")
+INTEGERS = ("M", "N", "E", "R", "stride_xm", "stride_xsm", "stride_we", "stride_wn", "stride_se", "stride_sn",
+            "stride_sk", "stride_ym")
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "offsets_ptr", "xs_ptr", "stride_xm", "stride_xsm",
            "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_ym")
 
 
-def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], arch: int, block_m: int) -> dict:
+def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], arch: int, block_m: int,
+                   routed: bool = False) -> dict:
     """The compiled kernel's resources for one configuration (BLOCK_N, BLOCK_K, warps, stages) and rows per tile."""
     fn = kernel._fp8_linear_kernel
     block_n, block_k, warps, stages = config
     pointers = {"x_ptr": "*fp8e4nv" if form == "fp8_dot" else "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                "b_ptr": "*fp32", "y_ptr": "*bf16", "offsets_ptr": "*i32" if grouped else "*fp32", "xs_ptr": "*fp32"}
+                "b_ptr": "*fp32", "y_ptr": "*bf16", "offsets_ptr": "*i32" if grouped or routed else "*fp32",
+                "xs_ptr": "*fp32"}
     constants = {"K": 2048, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped,
-                 "E_POW2": 512 if grouped else 1,
+                 "ROUTED": routed, "E_POW2": 512 if grouped else 1,
                  "FORM": kernel.FORMS.index(form), "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k, "stride_sk": 1}
-    if not grouped:
+    if not grouped and not routed:
         constants.update(stride_we=0, stride_se=0)
     signature = {name: pointers.get(name, "i32" if name in INTEGERS and name not in constants else "constexpr")
                  for name in fn.arg_names}
@@ -63,8 +65,8 @@ def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], 
     finally:
         os.unlink(cubin.name)
     registers, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
-    return {"form": form, "grouped": grouped, "config": list(config), "block_m": block_m, "registers": registers,
-            "stack": stack, "shared": compiled.metadata.shared}
+    return {"form": form, "grouped": grouped, "routed": routed, "config": list(config), "block_m": block_m,
+            "registers": registers, "stack": stack, "shared": compiled.metadata.shared}
 
 
 def main() -> None:
@@ -76,7 +78,9 @@ def main() -> None:
             # rows per tile: one row, 16 (decoding), 64 and 128 (prefill: `kernel._tile_rows`)
             for block_m in {"one_row": (1,), "scaled_dot": (16,)}.get(form, (64, 128)):
                 for config in configs:
-                    print(json.dumps(compile_config(form, grouped, config, args.arch, block_m)), flush=True)
+                    for routed in (False, True) if form == "one_row" else (False,):
+                        print(json.dumps(compile_config(form, grouped, config, args.arch, block_m, routed)),
+                              flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from hybrid_linear_models import kernels_fp8
 from hybrid_linear_models.kernels_fp8 import (
     block_fp8_grouped_linear,
     block_fp8_linear,
+    block_fp8_routed_linear,
     dequantize_block_fp8,
     triton_applies,
 )
@@ -287,6 +288,46 @@ def test_grouped_offsets_past_the_rows_stay_within_them():
         _assert_within(got[start:end], x[start:end], weight, None, f"expert {expert}")
 
 
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routes_dtype", [torch.int32, torch.int64])
+def test_routed_against_float64(dtype, routes_dtype):
+    """Each route's row (row r // 3 of x, 3 routes per row) against its expert's real weight in float64 (32 x 16
+    blocks, partial last blocks): an expert routed twice, experts routed by no route, and routes to experts of
+    another rank (5 = E and -1), whose rows are exactly zero."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import fp8_routed_linear
+
+    block = (32, 16)
+    w, scale = _weight(40, 72, block, experts=5, seed=13)
+    x = _x(4, 72, dtype, seed=14)
+    routes = torch.tensor([3, 0, 3, 5, 1, 4, 2, -1, 0, 4, 4, 1], dtype=routes_dtype, device=DEVICE)
+    got = fp8_routed_linear(x, w, scale, routes, block, config=(4, 16))
+    assert got.shape == (12, 40)
+    for route, expert in enumerate(routes.tolist()):
+        if not 0 <= expert < 5:
+            assert (got[route] == 0).all(), f"route {route} to expert {expert} of another rank"
+            continue
+        weight = _reference_weight(w[expert], scale[expert], block, torch.float64)
+        _assert_within(got[route:route + 1], x[route // 3:route // 3 + 1], weight, None, f"route {route}")
+
+
+def test_the_routed_reference_is_each_routes_linear():
+    """On the CPU (no kernel), block_fp8_routed_linear is F.linear of each route's row on its expert's dequantized
+    weight, bit for bit, and a route outside the experts is a row of zeros."""
+    block = (32, 32)
+    w, scale = _weight(40, 64, block, experts=3, seed=15)
+    w, scale = w.cpu(), scale.cpu()
+    x = torch.randn(2, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(16))
+    routes = torch.tensor([2, 0, 3, 2])
+    got = block_fp8_routed_linear(x, w, scale, routes, block)
+    for route, expert in enumerate(routes.tolist()):
+        expected = (F.linear(x[route // 2], dequantize_block_fp8(w[expert], scale[expert], block, torch.bfloat16))
+                    if expert < 3 else torch.zeros(40, dtype=torch.bfloat16))
+        assert torch.equal(got[route], expected), route
+
+
 @pytest.fixture
 def on_the_cpu(monkeypatch):
     """The dispatch taking CPU tensors to the kernels (run by triton's interpreter), with its failure record empty."""
@@ -341,6 +382,49 @@ def test_the_dispatch_runs_the_grouped_kernel(on_the_cpu, monkeypatch):
     for expert, (start, end) in enumerate([(0, 2), (2, 2), (2, 6), (6, 7)]):
         weight = dequantize_block_fp8(w[expert], scale[expert], block, torch.float64)
         _assert_within(got[start:end], rows[start:end], weight, None, f"expert {expert}")
+
+
+@runs_triton_kernels
+def test_decoding_experts_take_the_routed_kernel_and_agree_with_the_sorted_path(on_the_cpu, monkeypatch):
+    """Fp8Experts with a decoding step's routes (2 tokens x top-3 of 6 experts, one route to another rank's expert)
+    runs the routed kernel twice (gate+up, down) and no sort; with ROUTED_MAX_ROUTES below its routes it runs the
+    sorted grouped path instead. Both sum float32 products of the same real weights in another order (the one_row
+    form against scaled_dot's tiles), so they agree within float32's rounding of those sums."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU dispatch through triton's interpreter")
+    from hybrid_linear_models import fp8_layers
+    from hybrid_linear_models.configuration_hybrid_linear import HybridLinearConfig
+    from hybrid_linear_models.kernels_fp8_triton import fp8_routed_linear
+
+    settings = HybridLinearConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    experts = fp8_layers.Fp8Experts(6, 32, 16, F.silu, settings.block_fp8_settings)
+    for name in experts._stored:
+        param = getattr(experts, name)
+        if name.endswith("_scale_inv"):
+            param.data.copy_(torch.rand(param.shape, generator=torch.Generator().manual_seed(17)).add(0.5) / 256)
+        else:
+            param.data.copy_(_weight(*param.shape[1:], (16, 16), experts=6, seed=18)[0].cpu())
+    x = _x(2, 32, torch.float32, seed=19).cpu()
+    top_k = torch.tensor([[4, 0, 6], [2, 4, 5]])
+    weights = torch.rand(2, 3, generator=torch.Generator().manual_seed(20))
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[3].tolist())
+        return fp8_routed_linear(*args, **kwargs)
+
+    monkeypatch.setattr(kernels_fp8, "fp8_routed_linear_kernel", lambda: counted)
+    monkeypatch.setattr(torch, "sort", None)  # (the routed path sorts nothing)
+    with torch.no_grad():
+        routed = experts(x, top_k, weights)
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels_fp8, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    assert calls == [[4, 0, 6, 2, 4, 5]] * 2
+    monkeypatch.setattr(kernels_fp8, "ROUTED_MAX_ROUTES", 5)
+    with torch.no_grad():
+        grouped = experts(x, top_k, weights)
+    assert calls == [[4, 0, 6, 2, 4, 5]] * 2
+    torch.testing.assert_close(routed, grouped, rtol=1e-5, atol=1e-5 * grouped.abs().max().item())
 
 
 def test_the_cpu_runs_the_reference_exactly():
@@ -439,8 +523,9 @@ def test_every_configuration_compiles_for_an_h200_without_spilling():
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert {(r["form"], r["grouped"]) for r in results} == {("one_row", False)} | {
-        (form, grouped) for form in ("scaled_dot", "dequantized_dot", "fp8_dot") for grouped in (False, True)}
+    assert {(r["form"], r["grouped"], r["routed"]) for r in results} == {("one_row", False, False),
+                                                                          ("one_row", False, True)} | {
+        (form, grouped, False) for form in ("scaled_dot", "dequantized_dot", "fp8_dot") for grouped in (False, True)}
     assert [r for r in results if r["stack"] or r["shared"] > SHARED_MEMORY_PER_BLOCK] == []
 
 
@@ -509,3 +594,38 @@ def test_gpu_experts_captured_in_a_graph(dtype, tokens):
             weight = _reference_weight(w[expert], scale[expert], block, rounded)
             _assert_within(y[start:start + count], x[start:start + count], weight, None, f"expert {expert}")
             start += count
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_gpu_routed_experts_captured_in_a_graph(tokens):
+    """Qwen3-Next's experts (512, an expert's gate+up 1024 x 2048, top-10) for a decoding step's `tokens` tokens:
+    block_fp8_routed_linear captured once in a CUDA graph, then replayed with other routes and rows written into the
+    same tensors (the graph reads them on the device), each route's row against float64."""
+    experts, top_k, block, dtype = 512, 10, (128, 128), torch.bfloat16
+    w, scale = _weight(1024, 2048, block, experts=experts, seed=21)
+    g = torch.Generator().manual_seed(22)
+
+    def routing():
+        chosen = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).flatten()
+        return chosen.to(DEVICE), torch.randn(tokens, 2048, generator=g).to(DEVICE, dtype)
+
+    routes, x = routing()
+    assert kernels_fp8.routed_applies(x, w, scale, routes.numel())
+    with torch.no_grad():
+        block_fp8_routed_linear(x, w, scale, routes, block)  # autotunes, outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = block_fp8_routed_linear(x, w, scale, routes, block)
+    assert not kernels_fp8._FAILED
+    for _ in range(2):
+        new_routes, new_x = routing()
+        routes.copy_(new_routes)
+        x.copy_(new_x)
+        graph.replay()
+        torch.cuda.synchronize()
+        for route, expert in enumerate(routes.tolist()):
+            weight = _reference_weight(w[expert], scale[expert], block, torch.float64)
+            _assert_within(y[route:route + 1], x[route // top_k:route // top_k + 1], weight, None, f"route {route}")
