@@ -32,10 +32,12 @@ why, once per model and reason. The cache is bound to the storage of its shape, 
 shares (graph_cache_storage): a replayed prompt leaves the cache where the step reads it.
 
 Off by default (`CudaGraphPrefill.on_by_default`; `model.set_cuda_graph_decoding(True, prompts=True)` turns it on):
-on an H200, after `warm_up` has captured every bucket up to 2,048 or 4,096 tokens, the first static generate whose
-prompt is shorter than its bucket (1,000 tokens in the 1,024 bucket) raises an illegal memory access in the bucket's
-replay, with one memory pool for all the buckets or one each; the same replay right after capturing that bucket
-alone, or after two buckets, runs. tests/test_gpu_warm_up_prompt_graphs.py reproduces it. Until its cause is found,
+on an H200, after `warm_up` has captured every bucket up to 2,048 or 4,096 tokens, a static generate whose prompt is
+shorter than its bucket (1,000 tokens in the 1,024 bucket) can raise an illegal memory access, with one memory pool
+for all the buckets or one each; the same replay right after capturing that bucket alone, or after two buckets, runs.
+It does not fault on every run: a warm-up of batch sizes 1 and 4 up to 4,096 tokens, then prompts of 16 lengths
+from 43 to 3,858 tokens at batch 1 and 4, faulted; the warm-up of batch 1 up to 2,048 tokens, then 1,000 tokens
+(tests/test_gpu_warm_up_prompt_graphs.py), has faulted and has run clean. Until its cause is found,
 prompts run the plain forward (at batch 1 a 1k-token prompt then takes some 44 ms of host time where its graph
 takes under 10: docs/performance.md).
 """
