@@ -555,6 +555,18 @@ def test_gpu_real_shapes(dtype, shape, rows):
     _assert_within(got, x, _reference_weight(w, scale, block, rounded), None, f"{rows} rows")
 
 
+def _captured(product) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """product() run once outside a capture (its kernel autotunes there), then captured in a CUDA graph: the graph and
+    the output it refills."""
+    with torch.no_grad():
+        product()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = product()
+    return graph, out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -575,12 +587,7 @@ def test_gpu_experts_captured_in_a_graph(dtype, tokens):
     counts, rows = routing()
     offsets = counts.cumsum(0).to(DEVICE, torch.int32)
     x = rows.to(DEVICE)
-    with torch.no_grad():
-        block_fp8_grouped_linear(x, w, scale, offsets, block)  # autotunes, outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = block_fp8_grouped_linear(x, w, scale, offsets, block)
+    graph, y = _captured(lambda: block_fp8_grouped_linear(x, w, scale, offsets, block))
     for _ in range(2):
         counts, rows = routing()
         offsets.copy_(counts.cumsum(0))
@@ -613,12 +620,7 @@ def test_gpu_routed_experts_captured_in_a_graph(tokens):
 
     routes, x = routing()
     assert kernels_fp8.routed_applies(x, w, scale, routes.numel())
-    with torch.no_grad():
-        block_fp8_routed_linear(x, w, scale, routes, block)  # autotunes, outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = block_fp8_routed_linear(x, w, scale, routes, block)
+    graph, y = _captured(lambda: block_fp8_routed_linear(x, w, scale, routes, block))
     assert not kernels_fp8._FAILED
     for _ in range(2):
         new_routes, new_x = routing()
