@@ -37,6 +37,12 @@ sum_e cdiv(rows_e, BLOCK_M); each program loads the E offsets, counts every expe
 An empty expert has no tile. Rows past offsets[E - 1] are not written (as the reference leaves them), and no row past
 S is read or written whatever the offsets say.
 
+The experts of a decoding step (`fp8_routed_linear`): a few (token, expert) routes, unsorted. The one_row form with a
+program row per route: route r reads its expert's id from `routes` and multiplies row r // R of x (R routes per token)
+into row r of y, so the routes need no sort, no offsets and no gather of x (a dozen small kernels a layer at batch 1);
+two routes to one expert read its weight twice, which a decoding step's few routes seldom do. A route to an expert
+outside 0..E-1 (expert parallelism's other ranks) gets a row of zeros.
+
 K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width:
 a few per model). Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is
 captured, never inside the capture), each timed over 25 ms with the L2 cache cleared before each run (triton's
@@ -274,6 +280,7 @@ def _autotuned(form: str) -> triton.runtime.Autotuner:
                            **options)(_fp8_linear_kernel)
 
 
+_MAX_GRID_ROWS = 65535  # programs along the grid's second axis (row tiles, or routes)
 _KEY = ["N", "K", "E", "BN", "BK", "HAS_BIAS", "GROUPED", "ROUTED", "FORM", "BLOCK_M"]
 _TUNED = {form: _autotuned(form) for form in FORMS}
 
@@ -378,9 +385,10 @@ def fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
     scale_inv [E, ...]; a route to an expert outside 0..E-1 (another rank's) gets a row of zeros. One launch of the
     one_row form with a program row per route: no sort, no gather of x, no host synchronization (see the module
     docstring)."""
-    if routes.dim() != 1 or (x.shape[0] and routes.shape[0] % x.shape[0]):
+    if routes.dim() != 1 or (x.shape[0] and routes.shape[0] % x.shape[0]) or routes.shape[0] > _MAX_GRID_ROWS:
         raise ValueError(f"FP8 kernel: routes {tuple(routes.shape)} must be 1-D, the same number for each of the "
-                         f"{x.shape[0]} rows of x")
+                         f"{x.shape[0]} rows of x, and at most {_MAX_GRID_ROWS} (a program row each); sort more routes "
+                         "by expert for fp8_grouped_linear")
     return _launch(x, weight, scale_inv, None, None, block, "one_row", 1, config, routes=routes)
 
 

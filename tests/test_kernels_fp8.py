@@ -492,6 +492,13 @@ def test_a_prefill_form_that_names_none_is_refused(on_the_cpu, monkeypatch):
      "one int32/int64 end per expert"),
     (lambda w, s, x: block_fp8_grouped_linear(x, w[None], s[None], torch.tensor([2.0]), (32, 32)),
      "one int32/int64 end per expert"),
+    (lambda w, s, x: block_fp8_routed_linear(x, w, s, torch.tensor([0, 0]), (32, 32)), "expected 3 dimensions"),
+    (lambda w, s, x: block_fp8_routed_linear(x, w[None], s[None], torch.tensor([0, 0, 0]), (32, 32)),
+     "the same number of routes per row of x"),
+    (lambda w, s, x: block_fp8_routed_linear(x, w[None], s[None], torch.tensor([[0], [0]]), (32, 32)),
+     "one int32/int64 expert per route"),
+    (lambda w, s, x: block_fp8_routed_linear(x, w[None], s[None], torch.tensor([0.0, 0.0]), (32, 32)),
+     "one int32/int64 expert per route"),
 ])
 def test_bad_input_is_refused_in_one_line(call, message):
     w, scale = _weight(40, 64, (32, 32))
