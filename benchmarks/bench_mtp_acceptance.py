@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_configs import hybrid_layer_types
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models.fla_backend import fla_training_refusal
 
 PAD, EOS = 0, 1  # the special tokens: padding, and the end of a file in the training stream
 SPECIAL_TOKENS = ["<pad>", "<eos>"]
@@ -491,6 +492,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_arguments(argv)
     check_arguments(args)
     device = torch.device(args.device)
+    refusal = fla_training_refusal(device) if args.load is None else None
+    if refusal is not None:  # (in the first backward otherwise, after minutes of the forward's first-use tuning)
+        raise SystemExit(f"bench_mtp_acceptance: {refusal}.")
     wall = time.perf_counter()
     files = stdlib_files()
     train_files, held_files = split_files(files)

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, count_parameters, gdn_pair, kda_pair  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM, ops  # noqa: E402
+from hybrid_linear_models.fla_backend import fla_training_refusal  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
 
@@ -116,6 +117,9 @@ def main() -> None:
     if device.type == "cpu" and not args.tiny:
         print("no CUDA device: this benchmark measures GPU training throughput (--tiny runs its steps on the CPU)")
         return
+    refusal = fla_training_refusal(device)
+    if refusal is not None:  # (in the first backward otherwise, after the forward's first-use tuning)
+        raise SystemExit(f"bench_training: {refusal}.")
     cpu_smoke = device.type == "cpu"
     if device.type == "cpu":
         torch.set_num_threads(2)

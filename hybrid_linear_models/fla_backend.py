@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 
 import torch
@@ -94,6 +95,26 @@ def fla_kernel(name: str, tensor: torch.Tensor, *others: torch.Tensor):
     if fla is None or tensor.dtype == torch.float64 or any(device_mesh(t) is not None for t in (tensor, *others)):
         return None
     return getattr(fla, name, None)
+
+
+def fla_training_refusal(device: torch.device) -> str | None:
+    """Why fla's gated backward kernels would refuse to train on `device` (None where they run, or fla does not
+    serve it): fla 0.6 raises in the first backward on Hopper with triton 3.4 to 3.7.0 (incorrect results, its issue
+    #640), after a forward that can take minutes of first-use autotuning; a training script asks here first."""
+    if torch.device(device).type != "cuda" or fla_kernels() is None:
+        return None
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except ImportError:  # (a version without these flags has no such refusal)
+        return None
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:  # (fla's other backend for that kernel)
+        return None
+    import triton
+
+    return (f"fla's gated backward refuses triton {triton.__version__} on this Hopper GPU (incorrect results, fla "
+            "#640): install triton>=3.7.1 (`pip install -U 'triton>=3.7.1'`) or tilelang before training")
 
 
 def fla_available_for(tensor: torch.Tensor) -> bool:

@@ -165,3 +165,37 @@ def test_fla_kernel_is_the_one_choice_of_backend(monkeypatch):
                                x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: None)
     assert fla_backend.fla_kernel("swiglu", x) is None  # CPU tensor, or fla not importable
+
+
+@pytest.mark.parametrize("hopper, above_3_4, above_3_7_1, tilelang, refused", [
+    (True, True, False, False, True),  # fla 0.6's refusal: Hopper, triton 3.4 to 3.7.0, no tilelang
+    (True, True, True, False, False),  # triton 3.7.1 or later
+    (True, True, False, True, False),  # tilelang serves the kernel
+    (False, True, False, False, False),  # not Hopper
+    (True, False, False, False, False),  # triton older than 3.4
+])
+def test_training_refusal_names_fla_s_triton_condition_before_a_forward(monkeypatch, hopper, above_3_4, above_3_7_1,
+                                                                        tilelang, refused):
+    """fla_training_refusal states, before any training step, the condition under which fla's gated backward raises
+    in the first backward (fla.utils' flags, stood in here), and the fix; None elsewhere and off CUDA."""
+    import importlib.util
+    import sys
+
+    monkeypatch.setattr(fla_backend, "fla_kernels", lambda: object())
+    monkeypatch.setitem(sys.modules, "fla", SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "fla.utils", SimpleNamespace(
+        IS_NVIDIA_HOPPER=hopper, TRITON_ABOVE_3_4_0=above_3_4, TRITON_ABOVE_3_7_1=above_3_7_1))
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="3.6.0"))
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "tilelang":
+            return object() if tilelang else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    reason = fla_backend.fla_training_refusal(torch.device("cuda"))
+    assert (reason is not None) == refused
+    if refused:
+        assert "triton 3.6.0" in reason and "triton>=3.7.1" in reason and "\n" not in reason
+    assert fla_backend.fla_training_refusal(torch.device("cpu")) is None
