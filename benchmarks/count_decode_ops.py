@@ -8,8 +8,11 @@ By default it counts what `generate(..., cache_implementation="static")` runs pe
 the CUDA graph (`HybridLinearModel.decode_step` and the LM head, through `CudaGraphDecoder`), and, separately, the
 few kernels `CudaGraphDecoder.step` launches around each replay (inputs copied into the graph's buffers, the logits
 copied out). `--eager` counts the uncaptured one-token forward instead (a dynamic cache, or the graph turned off).
+`--verify K` counts a speculative verify round of K tokens (speculative_decoding.verify_round: the forward of K
+tokens, the acceptance and the restore of every layer; the ops `CapturedVerifyRound` captures), beside the captured
+step: at a few microseconds a kernel, what a round's count adds over the step's is most of its extra time.
 
-    python benchmarks/count_decode_ops.py [--model gdn|kda|kimi] [--eager] [--by-site]
+    python benchmarks/count_decode_ops.py [--model gdn|kda|kimi] [--eager] [--by-site] [--verify 4]
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_conf
 from hybrid_linear_models import HybridLinearForCausalLM, fla_backend  # noqa: E402
 from hybrid_linear_models import attention_step, block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder  # noqa: E402
+from hybrid_linear_models.speculative_decoding import prefill, verify_round  # noqa: E402
+from hybrid_linear_models.verify_cache import VerifyCache  # noqa: E402
 
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
              "_local_scalar_dense", "set_", "resize_", "_unsafe_view", "promote_types", "scalar_tensor"}
@@ -230,6 +235,31 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
     return counted
 
 
+def count_verify_round(kind: str = "gdn", width: int = 4, by_site: bool = False) -> KernelCounter:
+    """The kernels of one batch-1 verify round of `width` tokens (one draft kept, as random drafts mostly are) after
+    an 8-token prompt, on a VerifyCache, fla's ops stood in as for the step (a warm-up round first: kept tensors
+    built)."""
+    global COUNTER
+    model = _model(kind)
+    ids = torch.randint(1, 1000, (1, 8))
+    previous = fla_backend.fla_for
+    try:
+        with torch.no_grad():
+            cache = VerifyCache(model, 1, 8 + 4 * width, torch.device("cpu"))
+            first = prefill(model, cache, ids, None)
+            drafts = torch.cat([first[:, None], torch.randint(0, 1000, (1, width - 1))], dim=1)
+            live = torch.ones(1, dtype=torch.bool)
+            COUNTER = KernelCounter(by_site)
+            fla_backend.fla_for = lambda tensor: None if COUNTER.paused else STAND_INS
+            verify_round(model, cache, drafts, live)
+            COUNTER = counted = KernelCounter(by_site)
+            with COUNTER:
+                verify_round(model, cache, drafts, live)
+    finally:
+        fla_backend.fla_for = previous
+    return counted
+
+
 def _show(label: str, counter: KernelCounter) -> None:
     print(f"  {label}: {sum(counter.counts.values())}")
     for name, n in counter.counts.most_common():
@@ -244,8 +274,17 @@ def main() -> None:
     parser.add_argument("--kda", action="store_true", help="--model kda")
     parser.add_argument("--eager", action="store_true", help="the uncaptured one-token forward")
     parser.add_argument("--by-site", action="store_true", help="also list kernels by source line")
+    parser.add_argument("--verify", type=int, default=0, metavar="K",
+                        help="instead: a verify round of K tokens beside the captured step")
     args = parser.parse_args()
     kind = "kda" if args.kda else args.model
+    if args.verify:
+        step = sum(count_step(kind)["graph"].counts.values())
+        round_ = count_verify_round(kind, args.verify, args.by_site)
+        print(f"{kind}: {sum(round_.counts.values())} kernels in a verify round of {args.verify} tokens, "
+              f"{step} in the captured decoding step")
+        _show(f"verify round of {args.verify}", round_)
+        return
     counted = count_step(kind, args.eager, args.by_site)
     layers = len(MODELS[kind]().layer_types)
     if args.eager:
