@@ -155,6 +155,9 @@ STAND_INS = SimpleNamespace(
         ops.causal_conv1d_step(x, weight, cache, activation=activation), cache)),
     fused_recurrent_gated_delta_rule=_fused("fused_recurrent_gated_delta_rule", _rule(False)),
     fused_recurrent_kda=_fused("fused_recurrent_kda", _rule(True)),
+    # (a prompt's chunked rules, counted as one kernel each; their presence is what says the rules go to fla)
+    chunk_gated_delta_rule=_fused("chunk_gated_delta_rule", _rule(False)),
+    chunk_kda=_fused("chunk_kda", _rule(True)),
     fused_recurrent_gated_delta_rule_fwd_kernel=_RecurrentKernel(),
     fused_recurrent_kda_fwd=_kda_in_place,
 )

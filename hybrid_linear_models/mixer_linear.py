@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache_hybrid_linear import LinearStateLayer
+from .fla_backend import fla_available_for
 from .fused_projections import FusedProjections
 from .ops import causal_conv1d, causal_conv1d_step, gate_log_decay
 from .sequence_info import SequenceInfo
@@ -119,6 +120,11 @@ def convolve_and_recur(
                                        inputs.transpose(1, 2)], dim=-1))
     q, k, v = split(mixed)
     tokens = q.shape[1]
+    # a kept window's rule runs twice over q, k, v (this forward, then a restore: state_rollback), and fla copies
+    # strided inputs (slices of `mixed`) to contiguous ones before each run: copied once here instead, and kept
+    fresh = plan in ("new", "append") and fla_available_for(q)
+    if fresh:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     options = {**gate_args, **({"beta_logits": True} if beta_logits else {})}
     if plan == "split":  # the rule up to the window, whose start state is kept, then over it
         cut = tokens - MAX_ROLLBACK_TOKENS
@@ -139,7 +145,9 @@ def convolve_and_recur(
     if plan is not None:
         kept = slice(tokens - min(tokens, MAX_ROLLBACK_TOKENS), None)
         own = (lambda t: t.clone()) if cache.window_copies else (lambda t: t)
+        own_qkv = (lambda t: t) if fresh else own  # (the copies above are the window's own already)
         cache.keep_window(RollbackWindow(
-            rule, gate_args, base, own(conv_inputs[..., kept]), own(q[:, kept]), own(k[:, kept]), own(v[:, kept]),
-            own(g[:, kept]), own((beta.sigmoid() if beta_logits else beta)[:, kept]), start=0), plan)
+            rule, gate_args, base, own(conv_inputs[..., kept]), own_qkv(q[:, kept]), own_qkv(k[:, kept]),
+            own_qkv(v[:, kept]), own(g[:, kept]), own((beta.sigmoid() if beta_logits else beta)[:, kept]), start=0),
+            plan)
     return info.unflatten(out)

@@ -25,6 +25,7 @@ MODELS = {
     "sliding": ["gated_deltanet", "sliding_attention", "kimi_delta_attention"],  # window 6: passed while decoding
 }
 NEW = 12
+NUM_TOKENS = 3  # tokens a verify round checks, where a test fixes it
 GPU_DIMS = {"gdn_value_head_dim": 16, "gdn_key_head_dim": 16, "kda_head_dim": 16, "head_dim": 16}  # fla's smallest
 
 
@@ -444,3 +445,39 @@ def test_latent_attention_and_sparse_moe_models(layer_types, extra):
     ids, mask = _batch()
     got = speculative_generate(model, ids, RandomDrafter(), num_tokens=3, max_new_tokens=8, attention_mask=mask)
     assert torch.equal(got[:, ids.shape[1]:], _alone(model, ids, mask, new=8))
+
+
+@pytest.mark.parametrize("name", ["gdn+attention", "kda+attention"])
+def test_fla_s_rule_gets_contiguous_qkv_in_a_round_and_its_restore(monkeypatch, name):
+    """Where fla runs the delta rule, a verify round hands it q, k and v contiguous, in the forward and in the restore
+    that replays the accepted prefix (fla's input_guard would otherwise copy each strided slice of the convolution's
+    output, twice a layer a round); with fla's kernels stood in by their contract, the tokens are the torch path's."""
+    from types import SimpleNamespace
+
+    from hybrid_linear_models import fla_backend, ops
+    from hybrid_linear_models.kernels_delta_rule import recurrent_delta_rule
+
+    layouts = []
+
+    def contract(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 cu_seqlens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                 use_beta_sigmoid_in_kernel=False):
+        if q.shape[1] <= NUM_TOKENS:  # (the rounds' rules; the prompt's is one call of its own)
+            layouts.append(tuple(t.is_contiguous() for t in (q, k, v)))
+        beta = beta.sigmoid() if use_beta_sigmoid_in_kernel else beta
+        g = ops.gate_log_decay(g, A_log, dt_bias) if use_gate_in_kernel else g
+        return recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel)
+
+    model = tiny_model(MODELS[name], seed=2)  # float32: fla takes no float64
+    ids, mask = _batch()
+    expected = speculative_generate(model, ids, RandomDrafter(), num_tokens=NUM_TOKENS, max_new_tokens=6,
+                                    attention_mask=mask)
+    kernels = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_kda", "fused_recurrent_kda")
+    fake = SimpleNamespace(**dict.fromkeys(kernels, contract))
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: fake)
+    got = speculative_generate(model, ids, RandomDrafter(), num_tokens=NUM_TOKENS, max_new_tokens=6,
+                               attention_mask=mask)
+    assert torch.equal(got, expected)
+    assert len(layouts) >= 4 and all(layout == (True, True, True) for layout in layouts), layouts
+
