@@ -1,4 +1,4 @@
-"""Several projections of one input run as one GEMM at decoding time.
+"""Several projections of one input run as one GEMM at decoding time, and for any few rows without gradients.
 
 A decoding step at batch 1 is a few hundred small kernels, and each linear layer is one of them: the attention's q, k
 and v projections, the MLP's gate and up projections, GDN's in_proj_qkvz and in_proj_ba, KDA's six input
@@ -9,6 +9,10 @@ which a BLAS sums it may differ with the matrix width: the same float result up 
 The stacked weight is not a copy: the parameters become views of its row blocks (`derived_weights.SharedRows`), so
 it costs no memory and in-place updates (optimiser steps, `load_state_dict`) are in it by construction; a parameter
 given new data (`module.to`) is stacked again on the next use.
+
+The mixers and the MLP stack them for a forward of few rows (`stacks_projections`): a decoding step (one token per
+row), or at most kernels_gemv.MAX_ROWS rows in all (a speculative verify round of a few tokens, a short prompt), the
+products a captured round runs on the decoding GEMV. Longer prompts keep the layers' own GEMMs.
 
 Only plain `nn.Linear` layers are stacked: a subclass (quantised layers), a wrapper (peft's LoRA layers replace
 the module), hooks, sharded (DTensor) weights or a compiler tracing the step keep the projections separate, as do
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .derived_weights import SharedRows
-from .kernels_gemv import linear_conv_step, linear_rows, linear_swiglu
+from .kernels_gemv import MAX_ROWS, linear_conv_step, linear_rows, linear_swiglu
 from .tensor_parallel_heads import device_mesh
 
 
@@ -33,6 +37,12 @@ def is_plain_linear(linear: nn.Module) -> bool:
     F.linear(x, weight, bias), so a fused kernel may compute it."""
     return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
             and "forward" not in vars(linear) and device_mesh(linear.weight) is None)
+
+
+def stacks_projections(x: torch.Tensor) -> bool:
+    """Whether a forward of x [B, T, in] stacks its projections (when `FusedProjections.applies`): one token per row,
+    or at most MAX_ROWS rows in all (see the module docstring)."""
+    return x.dim() == 3 and (x.shape[1] == 1 or x.shape[0] * x.shape[1] <= MAX_ROWS)
 
 
 class FusedProjections:

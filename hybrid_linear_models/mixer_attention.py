@@ -14,11 +14,11 @@ and `sliding_window_attention` runs the same attention function over blocks of q
 its window can reach, with that block's slice of the mask: O(T * window) memory. The keys it skips are exactly those
 the full mask hides, so the result is the same up to floating-point summation order.
 
-A decoding step (one token per row, no gradient) runs q_proj, k_proj and v_proj as one GEMM (`fused_projections`),
-rotates q and k together (one concatenation, then x * cos + swap(x) * sin over whole heads with the step's tables,
-`RotaryTables.whole_head`, built once per step: the same products and sums, element for element, as
-`apply_rotary`), attends by two GEMMs on a GPU under sdpa (`attention_one_query`: the fused SDPA kernels are slow for
-one query) and gates the output without copying the gate out of the projection.
+A decoding step (one token per row, no gradient) runs q_proj, k_proj and v_proj as one GEMM (`fused_projections`; so
+does a forward of a few rows: `stacks_projections`), rotates q and k together (one concatenation, then x * cos + swap(x)
+* sin over whole heads with the step's tables, `RotaryTables.whole_head`, built once per step: the same products and
+sums, element for element, as `apply_rotary`), attends by two GEMMs on a GPU under sdpa (`attention_one_query`: the
+fused SDPA kernels are slow for one query) and gates the output without copying the gate out of the projection.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_one_query import few_queries_apply, one_query_applies, one_query_attention
 from .attention_step import fused_attention_step
-from .fused_projections import FusedProjections
+from .fused_projections import FusedProjections, stacks_projections
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
 from .shown_values import brief
@@ -251,13 +251,13 @@ class HybridLinearAttention(nn.Module):
         or None."""
         B, T = hidden_states.shape[:2]
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        decoding = T == 1 and isinstance(position_embeddings, RotaryTables)
-        if decoding and self._qkv.applies(hidden_states, projections):
+        stacked = stacks_projections(hidden_states) and self._qkv.applies(hidden_states, projections)
+        decoding = stacked and T == 1 and isinstance(position_embeddings, RotaryTables)
+        if stacked:
             widths = [m.out_features for m in projections]
             query, key, value = self._qkv(hidden_states, projections).split(widths, dim=-1)
             query = query.view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
         else:
-            decoding = False
             query = self.q_proj(hidden_states).view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
             key, value = self.k_proj(hidden_states), self.v_proj(hidden_states)
         gate = None

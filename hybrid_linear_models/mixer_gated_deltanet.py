@@ -11,7 +11,8 @@ token, and a checkpoint that stores them in float32 keeps their values (a bf16 o
 head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads: under tensor parallelism a
 rank computes a block of key heads with their value heads (see `tensor_parallel_heads`).
 
-A decoding step (one token per row, no gradient) runs both projections as one GEMM (`fused_projections`) whose
+A forward of a few rows (`fused_projections.stacks_projections`) runs both projections as one GEMM. A decoding step
+(one token per row, no gradient) runs them as one GEMM (`fused_projections`) whose
 outputs are taken in the flat order [q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as
 contiguous slices (the grouped split would need a copy for z and for a): a gather after the GEMM, or none in a
 captured step, whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`) and runs the
@@ -27,7 +28,7 @@ from torch import nn
 from typing import TYPE_CHECKING, Any
 
 from .cache_hybrid_linear import LinearStateLayer
-from .fused_projections import FusedProjections
+from .fused_projections import FusedProjections, stacks_projections
 from .mixer_linear import DecayGate, convolve_and_recur, mask_padding, project_for_convolution
 from .norms import GatedRMSNorm
 from .ops import gated_delta_rule
@@ -126,9 +127,13 @@ class HybridLinearGatedDeltaNet(nn.Module):
         if T == 1 and not heads.sharded and self._in_proj.applies(hidden_states, (self.in_proj_qkvz, self.in_proj_ba)):
             return self._decoding_step(hidden_states, info, cache)
         nk, nv = heads.count, heads.count * r
-        projected = self.in_proj_qkvz(hidden_states)
+        linears = (self.in_proj_qkvz, self.in_proj_ba)
+        if not heads.sharded and stacks_projections(hidden_states) and self._in_proj.applies(hidden_states, linears):
+            projected, ba = self._in_proj(hidden_states, linears).split([m.out_features for m in linears], dim=-1)
+        else:
+            projected, ba = self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
         q, k, v, z = projected.view(B, T, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(hidden_states).view(B, T, nk, 2 * r).split([r, r], dim=-1)
+        b, a = ba.view(B, T, nk, 2 * r).split([r, r], dim=-1)
         if torch.is_grad_enabled():
             mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         else:  # one gather instead of three copies and a cat (training keeps the cat: index_select's backward is slow)

@@ -2,12 +2,12 @@
 
     y = down_proj(act(gate_proj(x)) * up_proj(x))
 
-act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient)
-runs gate_proj and up_proj as one GEMM (`fused_projections`), with SwiGLU as `linear_swiglu` (in a captured step, one
-GEMV kernel that reads the stacked weight's rows in (gate, up) pairs and stores their SwiGLU: `kernels_gemv`). A long
-prompt without gradients runs a chunk of tokens at a time (`token_chunks`: gate, up and their product, 3 x T x width
-values, are held for one chunk, not for the prompt). The module (`GatedMLP`) is also the MoE blocks' shared experts
-(mlp_sparse_moe, mlp_kimi_moe), which so decode the same way.
+act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient), or
+any forward of a few rows (`fused_projections.stacks_projections`), runs gate_proj and up_proj as one GEMM, with SwiGLU
+as `linear_swiglu` (in a captured step, one GEMV kernel that reads the stacked weight's rows in (gate, up) pairs and
+stores their SwiGLU: `kernels_gemv`). A long prompt without gradients runs a chunk of tokens at a time (`token_chunks`:
+gate, up and their product, 3 x T x width values, are held for one chunk, not for the prompt). The module (`GatedMLP`)
+is also the MoE blocks' shared experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same way.
 Tensor names `mlp.gate_proj`, `mlp.up_proj`, `mlp.down_proj` (each Linear stores (out_features, in_features)), as every
 checkpoint of this family has them.
 """
@@ -21,7 +21,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .block_ops import silu_and_mul
-from .fused_projections import FusedProjections
+from .fused_projections import FusedProjections, stacks_projections
 from .mlp_registry import ConfigField, MlpSpec, register
 from .token_chunks import chunks_apply, token_chunked
 
@@ -44,7 +44,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         projections = (self.gate_proj, self.up_proj)
-        if x.dim() == 3 and x.shape[1] == 1 and self._gate_up.applies(x, projections):  # a decoding step
+        if stacks_projections(x) and self._gate_up.applies(x, projections):  # a decoding step, or a few rows
             if self.swiglu:  # (gate and up have one width: `width`)
                 return self.down_proj(self._gate_up.swiglu(x, projections))
             gate, up = self._gate_up(x, projections).split([self.gate_proj.out_features, self.up_proj.out_features], -1)
