@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import DerivedWeight
-from .fused_projections import FusedProjections
+from .fused_projections import FusedProjections, stacks_projections
 from .mixer_linear import DecayGate, convolve_and_recur, mask_padding, project_for_convolution
 from .norms import GatedRMSNorm
 from .ops import kimi_delta_rule
@@ -70,10 +70,10 @@ class HybridLinearKimiDeltaAttention(nn.Module):
     def _input_projections(self, hidden_states: torch.Tensor, conv_weight: torch.Tensor, info: SequenceInfo,
                            cache: LinearStateLayer | None):
         """[q | k | v] (flat), f_a(x), g_a(x), b(x) and the conv weight for `convolve_and_recur`: one GEMM at
-        decoding time (None for the conv weight where the convolution ran with it: `project_for_convolution`), else
-        one each."""
+        decoding time and for a few rows (`stacks_projections`; None for the conv weight where the convolution ran
+        with it: `project_for_convolution`), else one each."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
-        if hidden_states.shape[1] == 1 and self._in_proj.applies(hidden_states, linears):
+        if stacks_projections(hidden_states) and self._in_proj.applies(hidden_states, linears):
             mixed, rest, conv_weight = project_for_convolution(self._in_proj, hidden_states, linears, None,
                                                                conv_weight, info, cache)
             return mixed, *rest.split([m.out_features for m in linears[3:]], dim=-1), conv_weight
