@@ -35,10 +35,8 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   its kernels (the graph's and those outside it), and the time the GPU idles.
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi qwen3-next-fp8 kimi-48b] [--prompt 512]
-        [--steps 20] [--top 25]
-        [--trace DIR] [--prefill 1024 8192] [--ab gemv attention in_place norm pdl conv gated_norm
-        routed] [--generate 64]
-        [--batch 16] [--flagship-layers 4]
+        [--steps 20] [--top 25] [--trace DIR] [--prefill 1024 8192] [--generate 64] [--batch 16]
+        [--ab gemv attention in_place norm pdl conv gated_norm routed] [--flagship-layers 4]
 """
 
 from __future__ import annotations
@@ -175,7 +173,7 @@ def replayed_ms(model, cache, token, steps: int) -> float:
 
 
 # what `--ab` switches: the module, its setting (a device-types tuple, emptied to turn the kernel off, or set to
-# OFF_VALUES'), the two sides' names
+# OFF_VALUES), the two sides' names
 SWITCHES = {
     "gemv": ("kernels_gemv", "GEMV_DEVICE_TYPES", "cuBLAS", "Triton GEMV"),
     "attention": ("attention_step", "STEP_DEVICE_TYPES", "torch attention", "fused attention step"),
