@@ -1,4 +1,4 @@
-"""Several projections of one input run as one GEMM at decoding time, and for any few rows without gradients.
+"""Several projections of one input run as one GEMM at decoding time (and in speculative verify rounds).
 
 A decoding step at batch 1 is a few hundred small kernels, and each linear layer is one of them: the attention's q, k
 and v projections, the MLP's gate and up projections, GDN's in_proj_qkvz and in_proj_ba, KDA's six input
@@ -10,9 +10,11 @@ The stacked weight is not a copy: the parameters become views of its row blocks 
 it costs no memory and in-place updates (optimiser steps, `load_state_dict`) are in it by construction; a parameter
 given new data (`module.to`) is stacked again on the next use.
 
-The mixers and the MLP stack them for a forward of few rows (`stacks_projections`): a decoding step (one token per
-row), or at most kernels_gemv.MAX_ROWS rows in all (a speculative verify round of a few tokens, a short prompt), the
-products a captured round runs on the decoding GEMV. Longer prompts keep the layers' own GEMMs.
+The mixers and the MLP stack them (`stacks_projections`) in a decoding step (one token per row) and, inside
+`projections_stacked_for_few_rows()`, in any forward of at most kernels_gemv.MAX_ROWS rows in all: a speculative
+verify round of a few tokens (speculative_decoding), whose products a captured round runs on the decoding GEMV.
+Other forwards keep the layers' own GEMMs, so a prompt's logits are bit for bit those of the same model with its
+projections wrapped (LoRA) or compiled.
 
 Only plain `nn.Linear` layers are stacked: a subclass (quantised layers), a wrapper (peft's LoRA layers replace
 the module), hooks, sharded (DTensor) weights or a compiler tracing the step keep the projections separate, as do
@@ -21,7 +23,8 @@ steps that need gradients (training keeps the parameters' own storage untouched)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +42,24 @@ def is_plain_linear(linear: nn.Module) -> bool:
             and "forward" not in vars(linear) and device_mesh(linear.weight) is None)
 
 
+_FEW_ROWS = [0]  # rows up to which any forward stacks its projections; raised by `projections_stacked_for_few_rows`
+
+
+@contextlib.contextmanager
+def projections_stacked_for_few_rows(max_rows: int = MAX_ROWS) -> Iterator[None]:
+    """Inside: a forward of at most `max_rows` rows (batch x tokens) stacks its projections as a decoding step does
+    (see the module docstring)."""
+    _FEW_ROWS.append(max_rows)
+    try:
+        yield
+    finally:
+        _FEW_ROWS.pop()
+
+
 def stacks_projections(x: torch.Tensor) -> bool:
     """Whether a forward of x [B, T, in] stacks its projections (when `FusedProjections.applies`): one token per row,
-    or at most MAX_ROWS rows in all (see the module docstring)."""
-    return x.dim() == 3 and (x.shape[1] == 1 or x.shape[0] * x.shape[1] <= MAX_ROWS)
+    or few rows in all inside `projections_stacked_for_few_rows` (see the module docstring)."""
+    return x.dim() == 3 and (x.shape[1] == 1 or x.shape[0] * x.shape[1] <= _FEW_ROWS[-1])
 
 
 class FusedProjections:

@@ -15,9 +15,9 @@ its window can reach, with that block's slice of the mask: O(T * window) memory.
 the full mask hides, so the result is the same up to floating-point summation order.
 
 A decoding step (one token per row, no gradient) runs q_proj, k_proj and v_proj as one GEMM (`fused_projections`; so
-does a forward of a few rows: `stacks_projections`), rotates q and k together (one concatenation, then x * cos + swap(x)
-* sin over whole heads with the step's tables, `RotaryTables.whole_head`, built once per step: the same products and
-sums, element for element, as `apply_rotary`), attends by two GEMMs on a GPU under sdpa (`attention_one_query`: the
+does a speculative verify round: `stacks_projections`), rotates q and k together (one concatenation, then x * cos +
+swap(x) * sin over whole heads with the step's tables, `RotaryTables.whole_head`, built once per step: the same products
+and sums, element for element, as `apply_rotary`), attends by two GEMMs on a GPU under sdpa (`attention_one_query`: the
 fused SDPA kernels are slow for one query) and gates the output without copying the gate out of the projection.
 """
 

@@ -11,13 +11,12 @@ token, and a checkpoint that stores them in float32 keeps their values (a bf16 o
 head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads: under tensor parallelism a
 rank computes a block of key heads with their value heads (see `tensor_parallel_heads`).
 
-A forward of a few rows (`fused_projections.stacks_projections`) runs both projections as one GEMM. A decoding step
-(one token per row, no gradient) runs them as one GEMM (`fused_projections`) whose
-outputs are taken in the flat order [q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as
-contiguous slices (the grouped split would need a copy for z and for a): a gather after the GEMM, or none in a
-captured step, whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`) and runs the
-convolution's step on the [q | k | v] outputs in its epilogue (`kernels_gemv.linear_conv_step`); beta's sigmoid runs
-inside the recurrent kernel.
+A speculative verify round (`fused_projections.stacks_projections`) runs both projections as one GEMM. A decoding step
+(one token per row, no gradient) runs them as one GEMM (`fused_projections`) whose outputs are taken in the flat order
+[q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as contiguous slices (the grouped split
+would need a copy for z and for a): a gather after the GEMM, or none in a captured step, whose GEMV kernel reads the
+weight rows in that order (`kernels_gemv.linear_rows`) and runs the convolution's step on the [q | k | v] outputs in its
+epilogue (`kernels_gemv.linear_conv_step`); beta's sigmoid runs inside the recurrent kernel.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
     def _input_projections(self, hidden_states: torch.Tensor, conv_weight: torch.Tensor, info: SequenceInfo,
                            cache: LinearStateLayer | None):
         """[q | k | v] (flat), f_a(x), g_a(x), b(x) and the conv weight for `convolve_and_recur`: one GEMM at
-        decoding time and for a few rows (`stacks_projections`; None for the conv weight where the convolution ran
+        decoding time and in a verify round (`stacks_projections`; None for the conv weight where the convolution ran
         with it: `project_for_convolution`), else one each."""
         linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
         if stacks_projections(hidden_states) and self._in_proj.applies(hidden_states, linears):

@@ -2,12 +2,12 @@
 
     y = down_proj(act(gate_proj(x)) * up_proj(x))
 
-act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient), or
-any forward of a few rows (`fused_projections.stacks_projections`), runs gate_proj and up_proj as one GEMM, with SwiGLU
-as `linear_swiglu` (in a captured step, one GEMV kernel that reads the stacked weight's rows in (gate, up) pairs and
-stores their SwiGLU: `kernels_gemv`). A long prompt without gradients runs a chunk of tokens at a time (`token_chunks`:
-gate, up and their product, 3 x T x width values, are held for one chunk, not for the prompt). The module (`GatedMLP`)
-is also the MoE blocks' shared experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same way.
+act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient), or a
+speculative verify round's few rows (`fused_projections.stacks_projections`), runs gate_proj and up_proj as one GEMM,
+with SwiGLU as `linear_swiglu` (in a captured step, one GEMV kernel that reads the stacked weight's rows in (gate, up)
+pairs and stores their SwiGLU: `kernels_gemv`). A long prompt without gradients runs a chunk of tokens at a time
+(`token_chunks`: gate, up and their product, 3 x T x width values, are held for one chunk, not for the prompt). The
+module (`GatedMLP`) is also the MoE blocks' shared experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same way.
 Tensor names `mlp.gate_proj`, `mlp.up_proj`, `mlp.down_proj` (each Linear stores (out_features, in_features)), as every
 checkpoint of this family has them.
 """

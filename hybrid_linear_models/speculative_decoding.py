@@ -39,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from .fused_projections import projections_stacked_for_few_rows
 from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_safe_experts
 from .mtp_drafting import MtpBatchDrafter, draft_length
@@ -117,7 +118,8 @@ def verify_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: torch
     Returns greedy [B, k] (the argmax after each prefix) and kept [B] (the tokens each row gains: its accepted drafts
     + 1; 0 for a row not live), the cache advanced by kept; with `with_hidden`, also the final norm's output
     [B, k, H] at the k positions. No host synchronisation (capturable)."""
-    with recurrent_kernels_for_short_sequences() if SHORT_RULE_KERNEL == "recurrent" else nullcontext():
+    with (recurrent_kernels_for_short_sequences() if SHORT_RULE_KERNEL == "recurrent" else nullcontext(),
+          projections_stacked_for_few_rows()):  # (the round's few rows, as a decoding step's: fused_projections)
         out = forward_tokens(model, cache, input_ids, with_hidden=with_hidden)
         logits, hidden = out if with_hidden else (out, None)
         greedy = logits.argmax(-1)
