@@ -104,8 +104,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     """x (..., in) @ W.T (+ bias) in x's dtype, W the real weight of the FP8 `weight` (out, in) and `scale_inv`."""
     check_block_fp8_weight(weight, scale_inv, block, x.shape[-1], grouped=False)
     if triton_applies(x, weight, scale_inv, bias) and _checked_prefill_form():
-        flat = x.reshape(-1, x.shape[-1])
-        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        flat = _unit_stride(x.reshape(-1, x.shape[-1]))
         out = kernel_result(_FAILED, ("linear", tuple(weight.shape), tuple(block), x.dtype, x.device), x,
                             f"the FP8 Triton kernel failed for a {tuple(weight.shape)} weight; that product "
                             "dequantizes and runs F.linear",
@@ -133,9 +132,8 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
         out = kernel_result(_FAILED, ("grouped", tuple(weight.shape), tuple(block), rows.dtype, rows.device), rows,
                             f"the FP8 Triton grouped kernel failed for a {tuple(weight.shape)} weight; the experts "
                             "dequantize and run F.linear one by one",
-                            lambda: fp8_grouped_linear_kernel()(rows if rows.stride(-1) == 1 else rows.contiguous(),
-                                                            _unit_stride(weight), scale_inv, offsets, block,
-                                                            prefill=PREFILL_FORM))
+                            lambda: fp8_grouped_linear_kernel()(_unit_stride(rows), _unit_stride(weight), scale_inv,
+                                                                offsets, block, prefill=PREFILL_FORM))
         if out is not None:
             return out
     out = rows.new_empty(rows.shape[0], weight.shape[-2])
@@ -160,17 +158,13 @@ def block_fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
     (expert parallelism's other ranks) is a row of zeros. On CUDA one launch with no host synchronization; elsewhere
     each route's dequantized weight (the reference)."""
     check_block_fp8_weight(weight, scale_inv, block, x.shape[-1], grouped=True)
-    if (x.dim() != 2 or routes.dim() != 1 or routes.dtype not in OFFSET_DTYPES
-            or (x.shape[0] and routes.shape[0] % x.shape[0])):
-        raise ValueError(f"block_fp8_routed_linear: x {tuple(x.shape)} must be [T, in] and routes "
-                         f"{tuple(routes.shape)} {routes.dtype} one int32/int64 expert per route, the same number of "
-                         "routes per row of x")
+    check_routes(x, routes)
     if triton_applies(x, weight, scale_inv, None) and routes.device == x.device:
         out = kernel_result(_FAILED, ("routed", tuple(weight.shape), tuple(block), x.dtype, x.device), x,
                             f"the FP8 Triton routed kernel failed for a {tuple(weight.shape)} weight; the experts "
                             "dequantize each route's weight",
-                            lambda: fp8_routed_linear_kernel()(x if x.stride(-1) == 1 else x.contiguous(),
-                                                               _unit_stride(weight), scale_inv, routes, block))
+                            lambda: fp8_routed_linear_kernel()(_unit_stride(x), _unit_stride(weight), scale_inv,
+                                                               routes, block))
         if out is not None:
             return out
     experts = weight.shape[0]
@@ -192,9 +186,19 @@ def _checked_prefill_form() -> bool:
     return True
 
 
-def _unit_stride(weight: torch.Tensor) -> torch.Tensor:
-    """The weight with unit stride along its inputs (the kernels read its rows so)."""
-    return weight if weight.stride(-1) == 1 else weight.contiguous()
+def _unit_stride(matrix: torch.Tensor) -> torch.Tensor:
+    """The matrix (a weight or rows of x) with unit stride along its inputs (the kernels read its rows so)."""
+    return matrix if matrix.stride(-1) == 1 else matrix.contiguous()
+
+
+def check_routes(x: torch.Tensor, routes: torch.Tensor, most: int | None = None) -> None:
+    """A ValueError line unless x is [T, in] and `routes` [T * R] one int32/int64 expert per route (at most `most`)."""
+    if (x.dim() != 2 or routes.dim() != 1 or routes.dtype not in OFFSET_DTYPES
+            or (x.shape[0] and routes.shape[0] % x.shape[0]) or (most is not None and routes.shape[0] > most)):
+        limit = f", at most {most} (a kernel program row each; sort more routes by expert)" if most else ""
+        raise ValueError(f"routed experts: x {tuple(x.shape)} must be [T, in] and routes {tuple(routes.shape)} "
+                         f"{routes.dtype} one int32/int64 expert per route, the same number of routes per row of x"
+                         f"{limit}")
 
 
 def check_block_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], inputs: int,

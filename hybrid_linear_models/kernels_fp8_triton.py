@@ -65,10 +65,9 @@ except ImportError as error:
     raise ImportError("the FP8 Triton kernels need triton (a CUDA machine); FP8 linear layers then dequantize the "
                       "weight and run F.linear") from error
 
+from .kernels_fp8 import PREFILL_FORMS, check_routes  # (kernels_fp8 imports this module only when it is called)
+
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
-# what a product of more than DECODING_ROWS rows may run (`kernels_fp8.PREFILL_FORMS`, which picks one; not imported
-# from there: kernels_fp8 imports this module)
-PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
 
@@ -385,10 +384,7 @@ def fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
     scale_inv [E, ...]; a route to an expert outside 0..E-1 (another rank's) gets a row of zeros. One launch of the
     one_row form with a program row per route: no sort, no gather of x, no host synchronization (see the module
     docstring)."""
-    if routes.dim() != 1 or (x.shape[0] and routes.shape[0] % x.shape[0]) or routes.shape[0] > _MAX_GRID_ROWS:
-        raise ValueError(f"FP8 kernel: routes {tuple(routes.shape)} must be 1-D, the same number for each of the "
-                         f"{x.shape[0]} rows of x, and at most {_MAX_GRID_ROWS} (a program row each); sort more routes "
-                         "by expert for fp8_grouped_linear")
+    check_routes(x, routes, most=_MAX_GRID_ROWS)
     return _launch(x, weight, scale_inv, None, None, block, "one_row", 1, config, routes=routes)
 
 
