@@ -15,6 +15,10 @@ set -uo pipefail
 # TRITON_CACHE_AUTOTUNING keeps fla's autotuning results in the cache (*.autotune.json): the `save-tuning` step packs
 # them into $OUT/tuning.tgz; carried back as ./.tuning/tuning.tgz they spare a fresh machine the minutes of tuning.
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
+# this package's Triton kernels autotune only inside warm_up unless HYBRID_LINEAR_AUTOTUNE=1 (kernel_tuning): the
+# benchmarks compare tuned kernels, so it is on here unless set (HYBRID_LINEAR_AUTOTUNE=0: what a process without
+# warm_up runs, its kernels' default configurations)
+export HYBRID_LINEAR_AUTOTUNE=${HYBRID_LINEAR_AUTOTUNE-1}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # Wheels go into /tmp/site (kept while the machine stays warm), ahead of the image's packages on PYTHONPATH.

@@ -36,6 +36,7 @@ from transformers import initialization as init
 from .experts_grouped_gather import expert_offsets
 from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
 from .kernels_fp8 import (
+    TILE_ROW_BOUNDS,
     block_fp8_grouped_linear,
     block_fp8_linear,
     block_fp8_routed_linear,
@@ -152,6 +153,21 @@ class Fp8Experts(_KeepsStoredDtypes):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
                 f"intermediate_dim={self.intermediate_dim}, block={list(self.block)}")
+
+
+def fp8_tuning_prompt_lengths(model: nn.Module) -> list[int]:
+    """Prompt lengths (one row) whose forward meets every row tile of the model's FP8 products (TILE_ROW_BOUNDS): a
+    prompt of TILE_ROW_BOUNDS[0] tokens for the dense layers' small-row form and, for each FP8 experts module behind a
+    router of `top_k` routes a token, the shortest prompts whose routes average past each bound per expert. `warm_up`
+    runs them (each tile is a tuning key of its own; the larger dense tiles its other prompts reach)."""
+    lengths = set()
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            lengths.add(TILE_ROW_BOUNDS[0])
+        experts, top_k = getattr(module, "experts", None), getattr(getattr(module, "gate", None), "top_k", None)
+        if isinstance(experts, Fp8Experts) and experts.num_experts and isinstance(top_k, int) and top_k > 0:
+            lengths.update(bound * experts.num_experts // top_k + 1 for bound in TILE_ROW_BOUNDS)
+    return sorted(lengths)
 
 
 def _is_experts(name: str, module: nn.Module) -> bool:

@@ -49,6 +49,9 @@ OFFSET_DTYPES = (torch.int32, torch.int64)
 # route reads its expert's weight, so two routes to one expert read it twice; past this, rows sorted by expert
 # (`block_fp8_grouped_linear`) read each expert once, for the price of the sort and gathers.
 ROUTED_MAX_ROUTES = 64
+# rows of x (per expert, on average, for the experts) past which a product takes the next larger row tile of 16, 64
+# and 128 rows (`kernels_fp8_triton._tile_rows`; up to the first, the decoding form): each tile is its own tuning key
+TILE_ROW_BOUNDS = (16, 64)
 
 
 @triton_kernel

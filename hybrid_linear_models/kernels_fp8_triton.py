@@ -43,11 +43,11 @@ into row r of y, so the routes need no sort, no offsets and no gather of x (a do
 two routes to one expert read its weight twice, which a decoding step's few routes seldom do. A route to an expert
 outside 0..E-1 (expert parallelism's other ranks) gets a row of zeros.
 
-K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width:
-a few per model). Configurations are autotuned per weight shape and block (in warm-up steps before a CUDA graph is
-captured, never inside the capture), each timed over 25 ms with the L2 cache cleared before each run (triton's
-do_bench), and kept in triton's cache folder. Imported only for CUDA tensors (`kernels_fp8`), since importing triton
-needs a GPU driver.
+K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width: a
+few per model). Configurations are autotuned per weight shape and block inside `kernel_tuning.autotuning()` (`warm_up`
+enters it; never inside a CUDA graph's capture), each timed over 25 ms with the L2 cache cleared before each run
+(triton's do_bench), and kept in triton's cache folder; elsewhere a call runs its form's default (`_UNTUNED`). Imported
+only for CUDA tensors (`kernels_fp8`), since importing triton needs a GPU driver.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ except ImportError as error:
     raise ImportError("the FP8 Triton kernels need triton (a CUDA machine); FP8 linear layers then dequantize the "
                       "weight and run F.linear") from error
 
-from .kernels_fp8 import PREFILL_FORMS, check_routes  # (kernels_fp8 imports this module only when it is called)
+from .kernel_tuning import launch
+from .kernels_fp8 import PREFILL_FORMS, TILE_ROW_BOUNDS, check_routes  # (kernels_fp8 imports this module only when it is called)
 
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
@@ -238,6 +239,13 @@ _CONFIGS = {
     "dequantized_dot": [(128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 4), (256, 64, 8, 3), (128, 32, 4, 5),
                         (64, 128, 4, 3)],
 }
+# what a call outside `kernel_tuning.autotuning()` runs, per (form, grouped): of the configurations above, the one
+# with the least geometric-mean slowdown against each key's tuned best over the benchmark and flagship shapes an H200
+# tuned (benchmarks/tuning: one_row 1.27x, scaled_dot 1.28x, dense dequantized_dot 1.08-1.19x, the experts' 1.0-1.02x)
+_UNTUNED = {("one_row", False): (8, 256, 4, 3), ("one_row", True): (8, 256, 4, 3),
+            ("scaled_dot", False): (32, 64, 4, 5), ("scaled_dot", True): (16, 128, 4, 4),
+            ("dequantized_dot", False): (64, 64, 4, 4), ("dequantized_dot", True): (128, 64, 4, 4),
+            ("fp8_dot", False): (64, 128, 4, 4), ("fp8_dot", True): (64, 128, 4, 4)}
 # the configuration triton's interpreter runs (tests on CPUs: no timing); tiny, so the interpreter takes seconds
 _INTERPRETED_CONFIG = {"one_row": (4, 16), "scaled_dot": (16, 16), "dequantized_dot": (16, 16), "fp8_dot": (16, 32)}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -316,8 +324,18 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
         _fp8_linear_kernel[(triton.cdiv(out, config[0]), tiles)](*args, **flags, BLOCK_N=config[0],
                                                                   BLOCK_K=config[1])
     else:
-        _TUNED[form][lambda meta: (triton.cdiv(out, meta["BLOCK_N"]), tiles)](*args, **flags)
+        key = ("fp8", form, out, inp, experts, block, bias is not None, grouped, routed, block_m)
+        launch(_TUNED[form], _fp8_linear_kernel, lambda meta: (triton.cdiv(out, meta["BLOCK_N"]), tiles), key,
+               _untuned_config(form, grouped or routed, block[1]), args, flags)
     return y
+
+
+def _untuned_config(form: str, experts: bool, bk: int) -> triton.Config:
+    """The configuration a call outside autotuning runs (`_UNTUNED`), or where its slice does not fit the block's
+    columns, the one `_pruned` keeps first."""
+    n, k, warps, stages = _UNTUNED[form, experts]
+    preferred = triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+    return preferred if _fits(form, n, k, bk) else _pruned([preferred], {"FORM": _FORM_IDS[form], "BK": bk})[0]
 
 
 def _scaled_dot_serves(bk: int) -> bool:
@@ -338,8 +356,10 @@ def linear_form(rows: int, bk: int, prefill: str = "dequantized_dot") -> str:
 
 
 def _tile_rows(rows: int) -> int:
-    """Rows per tile of the dot forms for `rows` rows (of one expert, on average): 16 (tl.dot's least), 64 or 128."""
-    return 16 if rows <= 16 else 64 if rows <= 64 else 128
+    """Rows per tile of the dot forms for `rows` rows (of one expert, on average): 16 (tl.dot's least), 64 or 128, the
+    larger past each of TILE_ROW_BOUNDS."""
+    small, middle = TILE_ROW_BOUNDS
+    return small if rows <= small else middle if rows <= middle else 128
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

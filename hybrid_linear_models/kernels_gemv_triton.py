@@ -20,16 +20,17 @@ With a convolution (`kernels_gemv.linear_conv_step`), output columns below C are
 step of the products, run in the epilogue (`_store_convolved`); each program reads its channels' kernels and window
 before its sums, and writes the stepped window back.
 With programmatic dependent launch (`kernels_launch_triton`, Hopper on) a program reads its row index and its first
-weight slice, which no kernel of a decoding step writes, before it waits for the kernel ahead of it (x is that
-kernel's output): the weight's bytes move while that kernel ends (docs/performance.md, `--ab pdl`). The row index and the weight
-must therefore not be written inside the step that runs the GEMV (decoding steps read fixed weights and index rows
-made before the capture). The loop then loads each next slice after using the current one.
-Configurations are autotuned per (N, K) on first use (in the warm-up steps before a CUDA graph is captured, never
-inside the capture), each timed over 25 ms (the kernels take microseconds: thousands of runs, the L2 cache cleared
-before each by triton's do_bench), and the timings are kept in triton's cache folder, so a machine tunes a shape once,
-not once per process. On an H200 the one-row form takes BLOCK_N = 2, BLOCK_K = 1,024, 4 warps for most weights of
-the benchmark models (`benchmarks/bench_decode_gemv.py` prints the choice): 1,024 programs for a 2,048-wide weight,
-each streaming two rows; the configurations listed are those the tuning chooses for some shape of those models.
+weight slice, which no kernel of a decoding step writes, before it waits for the kernel ahead of it (x is that kernel's
+output): the weight's bytes move while that kernel ends (docs/performance.md, `--ab pdl`). The row index and the weight
+must therefore not be written inside the step that runs the GEMV (decoding steps read fixed weights and index rows made
+before the capture). The loop then loads each next slice after using the current one.
+Configurations are autotuned per (N, K) inside `kernel_tuning.autotuning()` (`warm_up` enters it; never inside a CUDA
+graph's capture; elsewhere a call runs the form's first configuration, `_DEFAULTS`), each timed over 25 ms (the kernels
+take microseconds: thousands of runs, the L2 cache cleared before each by triton's do_bench), and the timings are kept
+in triton's cache folder, so a machine tunes a shape once, not once per process. On an H200 the one-row form takes
+BLOCK_N = 2, BLOCK_K = 1,024, 4 warps for most weights of the benchmark models (`benchmarks/bench_decode_gemv.py` prints
+the choice): 1,024 programs for a 2,048-wide weight, each streaming two rows; the configurations listed are those the
+tuning chooses for some shape of those models.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ try:  # (in a try: transformers' remote-code check then does not require triton 
 except ImportError as error:
     raise ImportError("the Triton GEMV needs triton (a CUDA machine); decoding GEMVs run through cuBLAS") from error
 
+from .kernel_tuning import launch
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 ROWS = 16  # x rows handled by the tl.dot form (padded to this many)
@@ -174,6 +176,9 @@ def _autotuned(configs: list) -> triton.runtime.Autotuner:
 _KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX", "SWIGLU_PAIRS", "KW"]
 _tuned_one_row = _autotuned(_ONE_ROW_CONFIGS)
 _tuned_rows = _autotuned(_ROWS_CONFIGS)
+# what a call outside `kernel_tuning.autotuning()` runs: the first configuration of each form (the one-row form's is
+# the tuning's usual H200 choice, see the module docstring)
+_DEFAULTS = {True: _ONE_ROW_CONFIGS[0], False: _ROWS_CONFIGS[0]}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one fixed configuration, no timing
 
 
@@ -205,6 +210,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if blocks is not None:
         _gemv_kernel[(triton.cdiv(N, blocks[0]),)](*args, **flags, BLOCK_N=blocks[0], BLOCK_K=blocks[1])
     else:
-        tuned = _tuned_one_row if M == 1 else _tuned_rows
-        tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+        key = ("gemv", M == 1, N, K, bias is not None, rows is not None, swiglu_pairs, width)
+        launch(_tuned_one_row if M == 1 else _tuned_rows, _gemv_kernel, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),),
+               key, _DEFAULTS[M == 1], args, flags)
     return y

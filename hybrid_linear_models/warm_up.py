@@ -1,7 +1,8 @@
 """`HybridLinearForCausalLM.warm_up`: what generation will need, compiled, tuned and captured at process start.
 
 A process's first call of a kind pays for work later calls of that kind do not: Triton kernels compiled and autotuned
-for their first shapes (fla's, this package's), and with `cache_implementation="static"` on CUDA the decoding step's
+for their first shapes (fla's; this package's tune only here, inside `kernel_tuning.autotuning()`, and elsewhere run
+a default configuration), and with `cache_implementation="static"` on CUDA the decoding step's
 graph per batch size and cache size, and the prompts' graphs per length bucket. None of it is keyed on the exact
 prompt length (static caches come in few sizes: static_cache_slots; prompt graphs in 4 buckets per doubling up to
 cuda_graph_prefill.LARGEST_CAPTURED_TOKENS; the kernels' compile and tuning keys hold widths, batch sizes and flags,
@@ -14,7 +15,8 @@ not token counts), so one call up front takes all of it for the requests it cove
 - the default cache: a prompt of each divisibility Triton specialises an integer argument on (a multiple of 16, and
   not), for each batch size, left-padded too above batch 1 (fla's variable-length kernels), each with decoding steps;
   where `max_length` allows, also the shortest prompts that run in pieces of tokens (token_chunks; fla's kernels then
-  take the state carried from the piece before, a tuning key of theirs), their last piece of each divisibility.
+  take the state carried from the piece before, a tuning key of theirs), their last piece of each divisibility; and
+  with FP8 weights, the prompts that reach each row tile of their products (`fp8_layers.fp8_tuning_prompt_lengths`).
 
 It refuses, in one line and before allocating anything, a length past the model's positions or a static cache that
 would not fit in memory, and prints what it did and the seconds it took.
@@ -23,6 +25,7 @@ would not fit in memory, and prints what it did and the seconds it took.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,8 @@ from transformers import StaticCache
 
 from .cache_checks import check_static_cache_size
 from .cuda_graph_prefill import captured_buckets
+from .fp8_layers import fp8_tuning_prompt_lengths
+from .kernel_tuning import autotuning
 from .position_limit import model_position_limit
 from .static_cache_slots import static_cache_slots
 from .token_chunks import shortest_chunked_length
@@ -84,12 +89,12 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autotuning():
             # the default cache first: its decoding steps stack projection weights into shared storage once
             # (fused_projections), which graphs captured before would read as moved weights and capture again
             for batch in sizes:
                 for padded in (False, True) if batch > 1 else (False,):
-                    for length in _default_cache_lengths(max_length):
+                    for length in _default_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)):
                         _generate(model, batch, length, padded, device, None)
                         calls += 1
             if graphs:
@@ -133,9 +138,10 @@ def _capture_steps_and_prompts(model, sizes, slots: int, device: torch.device, p
     return calls
 
 
-def _default_cache_lengths(max_length: int) -> list[int]:
-    """The prompt lengths of the default cache's warm-up (see the module docstring) that fit in `max_length`."""
-    lengths = list(DEFAULT_CACHE_LENGTHS)
+def _default_cache_lengths(max_length: int, tiles: Sequence[int] = ()) -> list[int]:
+    """The prompt lengths of the default cache's warm-up (see the module docstring), with `tiles` (the lengths that
+    reach the FP8 products' row tiles), that fit in `max_length`."""
+    lengths = [*DEFAULT_CACHE_LENGTHS, *tiles]
     chunked = shortest_chunked_length()
     if chunked + 1 + NEW_TOKENS <= max_length:
         lengths += [chunked, chunked + 1]
