@@ -51,6 +51,9 @@ class LinearStateLayer(LinearAttentionLayer):
     # whether a kept window copies its tensors (views of the forward's, which a later forward may reuse); a verify
     # cache's windows are read within their round (verify_cache.py)
     window_copies = True
+    # whether every forward that keeps a new window is followed by `restore` in the same round (a verify cache): the
+    # forward then leaves the states as they were, its window's base is the state itself, and `restore` writes them
+    restores_every_window = False
 
     def __init__(self, **kwargs):
         super().__init__(number_of_states=1)
@@ -92,14 +95,16 @@ class LinearStateLayer(LinearAttentionLayer):
             raise AttributeError("batch_size")
         return self.recurrent_states[0].shape[0]
 
-    def store(self, conv_state: torch.Tensor | None, recurrent_state: torch.Tensor, new_tokens: int) -> None:
-        """Keeps the states after `new_tokens` more tokens (conv_state None: `conv_window` was updated in place)."""
+    def store(self, conv_state: torch.Tensor | None, recurrent_state: torch.Tensor | None, new_tokens: int) -> None:
+        """Keeps the states after `new_tokens` more tokens (conv_state None: `conv_window` was updated in place;
+        recurrent_state None: both kept as they are, for `restore` to write: `restores_every_window`)."""
         if conv_state is not None:
             self.update_conv_state(conv_state)
-        self.update_recurrent_state(recurrent_state)
+        if recurrent_state is not None:
+            self.update_recurrent_state(recurrent_state)
         self.has_previous_state[0] = True
         if self._device_count is None:  # (made by the first store, before any compiled step reads it)
-            self._device_count = torch.zeros((), dtype=torch.int64, device=recurrent_state.device)
+            self._device_count = torch.zeros((), dtype=torch.int64, device=self.recurrent_states[0].device)
         if torch.compiler.is_compiling():
             self._device_count.add_(new_tokens)
             self._counted_on_device = True  # (written, never read, under compile: no guard)

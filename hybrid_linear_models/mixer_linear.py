@@ -103,21 +103,30 @@ def convolve_and_recur(
     mixed, g, beta = info.flatten(mixed), info.flatten(g), info.flatten(beta)
     recurrent_state = cache.recurrent_state if cache is not None else None
     plan = cache.window_plan(mixed.shape[1], info.cu_seqlens is not None) if cache is not None else None
-    base = recurrent_state.clone() if plan == "new" and recurrent_state is not None else None  # (updated in place)
-    if conv_weight is None:  # convolved with its projection
+    # a cache whose kept windows are all restored in their round keeps its states until `restore` writes them: the
+    # window's base is the state itself, and this forward's final states are neither computed nor stored
+    deferred = plan == "new" and cache.restores_every_window
+    base = None if plan != "new" or recurrent_state is None else recurrent_state if deferred else \
+        recurrent_state.clone()  # (the state is updated in place)
+    final_states = cache is not None and not deferred
+    window_step = conv_weight is None or steps_conv_window(cache, info, mixed.shape[1])  # stepped in place
+    if window_step:  # (conv_weight None: convolved with its projection)
+        if conv_weight is not None:
+            mixed = causal_conv1d_step(mixed, conv_weight, cache.conv_window, activation="silu")
         conv_state = None
-    elif steps_conv_window(cache, info, mixed.shape[1]):
-        mixed, conv_state = causal_conv1d_step(mixed, conv_weight, cache.conv_window, activation="silu"), None
     else:
         inputs, initial = mixed, cache.conv_state if cache is not None else None
         mixed, conv_state = causal_conv1d(mixed, conv_weight, activation="silu", initial_state=initial,
-                                          output_final_state=cache is not None, cu_seqlens=info.cu_seqlens)
+                                          output_final_state=final_states, cu_seqlens=info.cu_seqlens)
         if conv_state is not None and info.padding_mask is not None:  # rows padded on the right too
             conv_state = conv_state_at_last_real(inputs, info.padding_mask, conv_state.shape[-1], initial)
     if plan is not None:  # the K-1 conv inputs before the tokens, then theirs
-        conv_inputs = (cache.conv_window.clone() if conv_state is None  # a step: [the K-1 before | its input]
-                       else torch.cat([initial if initial is not None else inputs.new_zeros(conv_state.shape),
-                                       inputs.transpose(1, 2)], dim=-1))
+        if window_step:  # [the K-1 before | its input]
+            conv_inputs = cache.conv_window.clone()
+        else:
+            before = initial if initial is not None else inputs.new_zeros(
+                inputs.shape[0], inputs.shape[-1], conv_weight.shape[-1] - 1)
+            conv_inputs = torch.cat([before, inputs.transpose(1, 2)], dim=-1)
     q, k, v = split(mixed)
     tokens = q.shape[1]
     # a kept window's rule runs twice over q, k, v (this forward, then a restore: state_rollback), and fla copies
@@ -135,13 +144,13 @@ def convolve_and_recur(
         out = torch.cat([head, tail], dim=1)
     else:
         out, recurrent_state = rule(
-            q, k, v, g, beta, initial_state=recurrent_state, output_final_state=cache is not None,
+            q, k, v, g, beta, initial_state=recurrent_state, output_final_state=final_states,
             cu_seqlens=info.cu_seqlens, use_qk_l2norm=True, **options,
             # a decoding step may update the cache's state in place (no copy of it afterwards: recurrent_in_place.py)
             state_in_place=cache is not None and mixed.shape[1] == 1,
         )
     if cache is not None:  # (a decoding step updated the conv window in place: conv_state None)
-        cache.store(conv_state, recurrent_state, new_tokens=mixed.shape[1])
+        cache.store(conv_state, None if deferred else recurrent_state, new_tokens=mixed.shape[1])
     if plan is not None:
         kept = slice(tokens - min(tokens, MAX_ROLLBACK_TOKENS), None)
         own = (lambda t: t.clone()) if cache.window_copies else (lambda t: t)

@@ -13,12 +13,13 @@ function, hence the same kernels, a forward of those tokens runs) and takes the 
 there. Exact: the restored state is the state a forward of the kept prefix computes, to the summation order of the
 kernel (tests/test_speculative_rollback.py).
 
-Why not each position's state, written by the verify forward: that writes T states for T tokens (T x S, S = Hv x dk x
-dv float32, 2 MiB per row for 32 heads of 128 x 128), where the window writes one (the base, a copy of the state
-before the forward) plus the inputs, about 2C values a token (C the q | k | v channels: for 8K channels 32 KiB a token
-in bf16, S / 64); a crop then reads the base and runs at most T steps of the recurrence with the state held in
-registers, and a fully accepted draft (`crop(0)`) recomputes nothing. The verify forward keeps its own kernels (fla's
-chunked and recurrent kernels return only the final state).
+Why not each position's state, written by the verify forward: that writes T states for T tokens (T x S, S = Hv x dk x dv
+float32, 2 MiB per row for 32 heads of 128 x 128), where the window writes at most one (the base, a copy of the state
+before the forward; a verify cache's forward leaves the state itself as the base, `restores_every_window`) plus the
+inputs, about 2C values a token (C the q | k | v channels: for 8K channels 32 KiB a token in bf16, S / 64); a crop then
+reads the base and runs at most T steps of the recurrence with the state held in registers, and a fully accepted draft
+(`crop(0)`) recomputes nothing. The verify forward keeps its own kernels (fla's chunked and recurrent kernels return
+only the final state).
 
 When a forward keeps a window (`keeps_window`, `LinearStateLayer.window_plan`): no gradient, not traced or captured,
 no packed documents, and either the cache records its past (`cache.activate_past_recording()`, which transformers

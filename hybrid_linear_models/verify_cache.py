@@ -35,9 +35,12 @@ class VerifyLinearLayer(LinearStateLayer):
     """A GDN/KDA layer's states in a `VerifyCache`: a forward of 2 to MAX_ROLLBACK_TOKENS tokens onto a filled state
     keeps its window (also while a CUDA graph captures it: the window's tensors are the graph's, refilled by each
     replay, and read by `restore` in the same graph); a prompt keeps none. The window holds the forward's own tensors,
-    not copies: nothing writes them before `restore` reads them in the same round."""
+    not copies: nothing writes them before `restore` reads them in the same round. Such a forward leaves the states
+    as they were (its window's base is the recurrent state itself, its own final states are not stored): `restore`,
+    which `verify_round` runs after it, writes each row's."""
 
     window_copies = False
+    restores_every_window = True
 
     def window_plan(self, tokens: int, packed: bool) -> str | None:
         if (packed or torch.is_grad_enabled() or not self.has_previous_state[0]

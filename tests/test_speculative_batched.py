@@ -481,3 +481,27 @@ def test_fla_s_rule_gets_contiguous_qkv_in_a_round_and_its_restore(monkeypatch, 
     assert torch.equal(got, expected)
     assert len(layouts) >= 4 and all(layout == (True, True, True) for layout in layouts), layouts
 
+
+
+@pytest.mark.parametrize("name", ["gdn+attention", "kda+attention"])
+def test_a_verify_forward_leaves_the_states_for_restore_to_write(name):
+    """A verify forward onto a VerifyCache keeps its GDN/KDA states as they were (its window's base is the state
+    itself, its final states unstored); `restore` then writes each row's: all tokens kept, the states a plain
+    forward of the same tokens onto the same cache stores (float64: the same sums)."""
+    model = _named(name)
+    ids, mask = _batch()
+    cache = speculative_decoding.VerifyCache(model, 3, 30, torch.device("cpu"))
+    step = torch.randint(2, 128, (3, NUM_TOKENS), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        speculative_decoding.prefill(model, cache, ids, mask)
+        before = [(layer.conv_window.clone(), layer.recurrent_state.clone()) for layer in cache.linear_layers]
+        speculative_decoding.forward_tokens(model, cache, step)
+        for layer, (conv, state) in zip(cache.linear_layers, before):
+            assert torch.equal(layer.conv_window, conv) and torch.equal(layer.recurrent_state, state)
+            assert layer.rollback.base is layer.recurrent_state
+        cache.restore(torch.full((3,), NUM_TOKENS))
+        plain = model(ids, attention_mask=mask, use_cache=True).past_key_values
+        model(step, attention_mask=torch.cat([mask, torch.ones_like(step)], dim=1), cache=plain, use_cache=True)
+    for layer, index in zip(cache.linear_layers, [i for i, t in enumerate(MODELS[name]) if t != "full_attention"]):
+        torch.testing.assert_close(layer.recurrent_state, plain.layers[index].recurrent_state, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(layer.conv_state, plain.layers[index].conv_state, rtol=1e-12, atol=1e-12)
