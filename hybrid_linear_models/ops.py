@@ -223,9 +223,9 @@ def gated_delta_rule(
     With `A_log` ([Hv]) given, g holds the gate's raw input and the log decay is -exp(A_log) * softplus(g + dt_bias)
     (`gate_log_decay`, dt_bias [Hv] optional), which fla computes inside its kernels. With `beta_logits`, beta holds
     logits and the rule uses sigmoid(beta) (inside fla's recurrent kernel when decoding: one kernel less a step).
-    With `state_in_place` (a one-token step with `output_final_state`), the final state may be written over
-    `initial_state` (a float32 buffer, the cache's) and returned as it: fla's kernels do so (recurrent_in_place.py),
-    other paths return a new tensor.
+    With `state_in_place` (with `output_final_state`, where fla's recurrent kernel runs), the final state may be written
+    over `initial_state` (a float32 buffer, the cache's) and returned as it: fla's kernels do so
+    (recurrent_in_place.py), other paths return a new tensor.
     """
     return _delta_rule("gated_delta_rule", ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
                        q, k, v, g, beta, per_channel=False, scale=scale, initial_state=initial_state,

@@ -1,4 +1,5 @@
-"""A decoding step's delta rule with the cache's recurrent state read and written in place by fla's recurrent kernels.
+"""A decoding step's delta rule with the cache's recurrent state read and written in place by fla's recurrent kernels
+(and a verify round's restore: the tokens a row keeps, run from the state before the round, into it).
 
 fla's public recurrent functions return a new final state, which the cache then copies into its own buffer: a kernel
 per GDN/KDA layer and step that moves the whole state twice more (per row: 2 MiB read and 2 MiB written for 32 GDN
@@ -7,8 +8,8 @@ kernels write the final state over the initial one, the cache's own buffer:
 - KDA through `fused_recurrent_kda_fwd(..., inplace_final_state=True)`, fla's own decoding entry for serving;
 - GDN by launching fla's recurrent kernel, as its Python wrapper does, with the state as both its initial and its
   final pointer (the wrapper allocates a new final state). Each program of that kernel reads its [BK, BV] tile of the
-  state once, before the token, and writes that tile once, after it; no program reads another's tile, so one buffer
-  can be both.
+  state once, before its first token, and writes that tile once, after its last (the tile stays in registers between
+  tokens); no program reads another's tile, so one buffer can be both.
 Same kernels, same arguments otherwise: the same output and state, bit for bit (tests/test_recurrent_in_place.py).
 The inputs are made contiguous first, as fla's `input_guard` does for its public functions.
 """
@@ -58,12 +59,13 @@ _STEPS = {False: ("fused_recurrent_gated_delta_rule_fwd_kernel", _gdn_step),
 def step_in_place(per_channel: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, scale: float, state: torch.Tensor, use_qk_l2norm: bool,
                   A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, beta_logits: bool) -> torch.Tensor | None:
-    """The output [B, 1, HV, V] of one token of the GDN (KDA with `per_channel`) rule, `state` [B, HV, K, V]
-    (float32, contiguous) updated in place; None where fla's kernel is not importable or the state is not such a
-    buffer (the caller then runs the public kernel and keeps the returned state)."""
+    """The output [B, T, HV, V] of T tokens of the GDN (KDA with `per_channel`) rule, `state` [B, HV, K, V] (float32,
+    contiguous) updated in place (a decoding step's token; a verify round's restore, `state_rollback`); None where fla's
+    kernel is not importable or the state is not such a buffer (the caller then runs the public kernel and keeps the
+    returned state)."""
     name, run = _STEPS[per_channel]
     kernel = fla_backend.fla_kernel(name, q)
-    if (kernel is None or q.device.type not in IN_PLACE_DEVICE_TYPES or q.shape[1] != 1
+    if (kernel is None or q.device.type not in IN_PLACE_DEVICE_TYPES or q.shape[1] < 1
             or state.dtype != torch.float32 or not state.is_contiguous()
             or state.shape != (q.shape[0], v.shape[2], q.shape[3], v.shape[3])):
         return None

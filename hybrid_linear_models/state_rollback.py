@@ -93,11 +93,13 @@ class RollbackWindow:
         return self.conv_inputs[..., m: m + keep]
 
     def restore_rows(self, kept: torch.Tensor, dropped: torch.Tensor | None = None,
-                     columns: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     columns: torch.Tensor | None = None, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The recurrent state [B, Hv, dk, dv] and the last K-1 convolution inputs [B, C, K-1] after each row's first
         kept[b] tokens of the window (kept [B] on the window's device, 0 to `tokens`), with no host synchronisation
         and shapes that do not depend on `kept` (what a captured verify step runs: speculative_decoding.py).
         dropped [B, T] (t >= kept[b]) and columns [B, K-1] (kept[b] + j), where the caller has them for every layer.
+        With `in_place`, the state may be written over the base, which is then returned (fla's recurrent kernels:
+        recurrent_in_place.py); the window cannot be restored again.
 
         The delta rule runs over all the window's tokens from the base, the tokens past a row's count made neutral
         as pads are (beta 0, log decay 0: S <- S exactly), and the convolution inputs are gathered per row."""
@@ -109,7 +111,7 @@ class RollbackWindow:
         # a raw gate of -inf is a log decay of exactly 0 (-exp(A_log) * softplus(-inf)); an evaluated one is set to 0
         g = self.g.masked_fill(g_mask, -math.inf if self.gate_args else 0.0)
         _, state = self.rule(self.q, self.k, self.v, g, beta, initial_state=self.base, output_final_state=True,
-                             use_qk_l2norm=True, **self.gate_args)
+                             use_qk_l2norm=True, state_in_place=in_place, **self.gate_args)
         keep = self.conv_inputs.shape[-1] - tokens
         if columns is None or columns.shape[-1] != keep:
             columns = kept[:, None] + torch.arange(keep, device=kept.device)  # [B, K-1]

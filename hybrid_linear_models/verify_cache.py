@@ -59,8 +59,11 @@ class VerifyLinearLayer(LinearStateLayer):
         if self.rollback is None:
             raise ValueError("restore: this GDN/KDA layer's last forward kept no window (a verify step of 2 to "
                              f"{MAX_ROLLBACK_TOKENS} tokens onto the prompt's state keeps one).")
-        state, conv = self.rollback.restore_rows(kept, dropped, columns)
-        self.recurrent_states[0].copy_(state)
+        buffer = self.recurrent_states[0]
+        # the base is the state itself (restores_every_window): the rule may write the restored state over it
+        state, conv = self.rollback.restore_rows(kept, dropped, columns, in_place=self.rollback.base is buffer)
+        if state is not buffer:
+            buffer.copy_(state)
         self.conv_states[0][..., 1:].copy_(conv)
 
 
