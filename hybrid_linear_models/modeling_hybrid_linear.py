@@ -33,7 +33,7 @@ from .block_ops import fused_causal_lm_loss
 from .cache_checks import check_cache, check_static_cache_size
 from .checkpoint_dtypes import check_checkpoint_dtypes
 from .cache_hybrid_linear import adopt_linear_layers, generation_cache, linear_layer_cache, past_length
-from .speculative_decoding import assisted_generate_batch
+from .speculative_decoding import assisted_generate_batch, batched_loop_refuses
 from .static_window_rollback import adopt_static_window_layers
 from .chunked_recurrence import recur_in_token_chunks, recurrence_chunks_apply
 from .configuration_hybrid_linear import HybridLinearConfig
@@ -688,9 +688,15 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
 
     def _assisted_decoding(self, input_ids, *args, **kwargs):
         # transformers' assisted decoding takes one row; a batch runs this package's batched greedy speculative
-        # decoding, each row accepting its own drafts (speculative_decoding.py)
-        if input_ids.shape[0] > 1:
-            names = ("logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer")
+        # decoding, each row accepting its own drafts (speculative_decoding.py), and so does one row where its rounds
+        # replay a captured CUDA graph (graph decoding on for the device) and it takes the request: transformers'
+        # loop runs each verify forward eagerly, slower than the captured plain step it should beat
+        names = ("logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer")
+        request = {**dict(zip(names, args)), **kwargs}
+        captured_row = self.captures_graphs_on(input_ids.device) and not batched_loop_refuses(
+            request.get("logits_processor"), request.get("stopping_criteria"), request["generation_config"],
+            request.get("streamer"))
+        if input_ids.shape[0] > 1 or captured_row:
             kwargs.update(zip(names, args))
             kwargs.pop("synced_gpus", None)
             for name in ("inputs_tensor", "assistant_tokenizer", "tokenizer", "cache", "use_cache", "logits_to_keep"):

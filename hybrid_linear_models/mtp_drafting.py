@@ -23,7 +23,8 @@ The model's hidden states come from the verify forward itself (`output_hidden_st
 (`do_sample=True`) draws the drafts from the processed logits and hands them to transformers' speculative sampling.
 Drafting runs one MTP layer (Qwen3-Next's count).
 
-A batch of several rows (greedy) runs speculative_decoding's batched loop, each row accepting its own drafts, with
+A batch of several rows (greedy) runs speculative_decoding's batched loop, each row accepting its own drafts (so does
+one row where the model's graph decoding is on for the device: its rounds replay a captured CUDA graph), with
 `MtpBatchDrafter`: the same entries and drafts per row, in one head cache for the batch. Every row appends the same
 number of entries each time (a round's k, a prompt's P), and an entry that holds no accepted position (a rejected
 draft's, a pad's, a recursive draft's once its round is over) stays in the cache masked out of every later query: the

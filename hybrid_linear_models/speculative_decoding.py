@@ -315,6 +315,19 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     return torch.cat([input_ids.cpu(), out], dim=1).to(device)
 
 
+def batched_loop_refuses(logits_processor, stopping_criteria, generation_config, streamer) -> list[str]:
+    """What of an assisted `generate` request `assisted_generate_batch` does not take (empty: it takes it all)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    return [name for name, present in (
+        ("do_sample=True", generation_config.do_sample),
+        ("logits processors (repetition penalty, min_new_tokens, bad words, ...)", len(logits_processor or []) > 0),
+        ("stopping criteria other than max_length and eos_token_id",
+         any(not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria or [])),
+        ("a streamer", streamer is not None),
+        ("return_dict_in_generate=True", generation_config.return_dict_in_generate)) if present]
+
+
 def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                             assistant_model=None, streamer=None, **model_kwargs) -> torch.Tensor:
     """transformers' assisted `generate` (`prompt_lookup_num_tokens=` or `assistant_model=`) for a batch of several
@@ -324,18 +337,7 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
     Greedy only, with generate's length and end-of-sequence stops: anything else (sampling, logits processors, other
     stopping criteria, streaming, a dict output) is refused in one line.
     Returns the sequences as `generate` does: cut after the last column a row still generated."""
-    from transformers.generation.stopping_criteria import (
-        EosTokenCriteria,
-        MaxLengthCriteria,
-    )
-
-    unsupported = [name for name, present in (
-        ("do_sample=True", generation_config.do_sample),
-        ("logits processors (repetition penalty, min_new_tokens, bad words, ...)", len(logits_processor) > 0),
-        ("stopping criteria other than max_length and eos_token_id",
-         any(not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria)),
-        ("a streamer", streamer is not None),
-        ("return_dict_in_generate=True", generation_config.return_dict_in_generate)) if present]
+    unsupported = batched_loop_refuses(logits_processor, stopping_criteria, generation_config, streamer)
     if unsupported:
         raise ValueError(f"assisted generate of {input_ids.shape[0]} rows runs batched greedy speculative decoding, "
                          f"which does not take {', '.join(unsupported)}; leave those out, or generate one row at a "
@@ -377,6 +379,8 @@ __all__ = [
     "AssistantDrafter",
     "CapturedVerifyRound",
     "PromptLookupDrafter",
+    "assisted_generate_batch",
+    "batched_loop_refuses",
     "check_speculative_inputs",
     "forward_tokens",
     "prefill",

@@ -505,3 +505,29 @@ def test_a_verify_forward_leaves_the_states_for_restore_to_write(name):
     for layer, index in zip(cache.linear_layers, [i for i, t in enumerate(MODELS[name]) if t != "full_attention"]):
         torch.testing.assert_close(layer.recurrent_state, plain.layers[index].recurrent_state, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(layer.conv_state, plain.layers[index].conv_state, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_one_row_runs_the_captured_loop_where_graphs_are_on(monkeypatch, sample):
+    """A one-row assisted generate (here prompt lookup) runs the batched loop, its rounds replayed from a captured
+    graph (stood in: `_replay_rounds_eagerly`), where the model captures graphs on the device and the loop takes the
+    request; greedy, it equals plain greedy decoding. Sampling stays on transformers' loop."""
+    from hybrid_linear_models import modeling_hybrid_linear
+
+    replays = _replay_rounds_eagerly(monkeypatch)
+    model = _named("gdn+attention")
+    calls = []
+    batched = modeling_hybrid_linear.assisted_generate_batch
+    monkeypatch.setattr(modeling_hybrid_linear, "assisted_generate_batch",
+                        lambda *args, **kwargs: calls.append(1) or batched(*args, **kwargs))
+    monkeypatch.setattr(type(model), "captures_graphs_on", lambda self, device: True)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    options = dict(max_new_tokens=NEW, pad_token_id=0, do_sample=sample)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), prompt_lookup_num_tokens=3, **options)
+    assert bool(calls) is not sample and bool(replays) is not sample
+    if not sample:
+        monkeypatch.undo()
+        with torch.no_grad():
+            plain = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        assert torch.equal(got, plain)
