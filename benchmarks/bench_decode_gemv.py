@@ -24,6 +24,7 @@ shares of the bandwidth mean nothing there.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,6 +111,9 @@ def main() -> None:
     device, timer = chosen
     dtype, narrow = (torch.bfloat16, 1) if device.type == "cuda" else (torch.float32, 16)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # the kernels' tuned configurations are what this compares (kernel_tuning); HYBRID_LINEAR_AUTOTUNE=0 times the
+    # default ones instead
+    os.environ.setdefault("HYBRID_LINEAR_AUTOTUNE", "1")
     from hybrid_linear_models.kernels_gemv import (swiglu_pair_rows, torch_linear_rows, torch_linear_swiglu,
                                                    triton_gemv_kernel)
 
