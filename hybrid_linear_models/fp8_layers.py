@@ -34,9 +34,9 @@ from torch import nn
 from transformers import initialization as init
 
 from .experts_grouped_gather import expert_offsets
+from .fp8_kernel_contract import TILE_ROW_BOUNDS
 from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
 from .kernels_fp8 import (
-    TILE_ROW_BOUNDS,
     block_fp8_grouped_linear,
     block_fp8_linear,
     block_fp8_routed_linear,

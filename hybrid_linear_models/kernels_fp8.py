@@ -31,27 +31,23 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .fp8_kernel_contract import OFFSET_DTYPES, PREFILL_FORMS, check_routes
 from .tensor_parallel_heads import device_mesh
 from .triton_loading import kernel_result, triton_kernel
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations the Triton kernels take
 KERNEL_DEVICE_TYPES = ("cuda",)
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
-# what products of more than 16 rows (prefill) run (`kernels_fp8_triton.PREFILL_FORMS`): "dequantized_dot" (the
+# what products of more than 16 rows (prefill) run (`fp8_kernel_contract.PREFILL_FORMS`): "dequantized_dot" (the
 # weight dequantized on load to x's dtype, tl.dot: the reference's product up to the order of its float32 sums),
 # "dequantize_then_linear" (dense layers: the weight dequantized by a kernel, then F.linear: the reference's product;
 # the experts take "dequantized_dot") or "fp8_dot" (x quantized to e4m3 per row and block column, FP8 tensor cores:
 # not the reference's product, each term within 2^-4 of itself)
 PREFILL_FORM = "dequantized_dot"
-PREFILL_FORMS = ("dequantized_dot", "fp8_dot", "dequantize_then_linear")
-OFFSET_DTYPES = (torch.int32, torch.int64)
 # routes (tokens x top-k) up to which the experts take `block_fp8_routed_linear` on CUDA: a decoding step's. Each
 # route reads its expert's weight, so two routes to one expert read it twice; past this, rows sorted by expert
 # (`block_fp8_grouped_linear`) read each expert once, for the price of the sort and gathers.
 ROUTED_MAX_ROUTES = 64
-# rows of x (per expert, on average, for the experts) past which a product takes the next larger row tile of 16, 64
-# and 128 rows (`kernels_fp8_triton._tile_rows`; up to the first, the decoding form): each tile is its own tuning key
-TILE_ROW_BOUNDS = (16, 64)
 
 
 @triton_kernel
@@ -192,16 +188,6 @@ def _checked_prefill_form() -> bool:
 def _unit_stride(matrix: torch.Tensor) -> torch.Tensor:
     """The matrix (a weight or rows of x) with unit stride along its inputs (the kernels read its rows so)."""
     return matrix if matrix.stride(-1) == 1 else matrix.contiguous()
-
-
-def check_routes(x: torch.Tensor, routes: torch.Tensor, most: int | None = None) -> None:
-    """A ValueError line unless x is [T, in] and `routes` [T * R] one int32/int64 expert per route (at most `most`)."""
-    if (x.dim() != 2 or routes.dim() != 1 or routes.dtype not in OFFSET_DTYPES
-            or (x.shape[0] and routes.shape[0] % x.shape[0]) or (most is not None and routes.shape[0] > most)):
-        limit = f", at most {most} (a kernel program row each; sort more routes by expert)" if most else ""
-        raise ValueError(f"routed experts: x {tuple(x.shape)} must be [T, in] and routes {tuple(routes.shape)} "
-                         f"{routes.dtype} one int32/int64 expert per route, the same number of routes per row of x"
-                         f"{limit}")
 
 
 def check_block_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], inputs: int,

@@ -65,8 +65,8 @@ except ImportError as error:
     raise ImportError("the FP8 Triton kernels need triton (a CUDA machine); FP8 linear layers then dequantize the "
                       "weight and run F.linear") from error
 
+from .fp8_kernel_contract import PREFILL_FORMS, TILE_ROW_BOUNDS, check_routes
 from .kernel_tuning import launch
-from .kernels_fp8 import PREFILL_FORMS, TILE_ROW_BOUNDS, check_routes  # (kernels_fp8 imports this module only when it is called)
 
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken

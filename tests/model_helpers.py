@@ -12,14 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from distributed_helpers import SUBPROCESS_TIMEOUT
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PreTrainedTokenizerFast
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 from hybrid_linear_models.cuda_graph_prefill import CudaGraphPrefill
+from hybrid_linear_models.speculative_decoding import CapturedVerifyRound
 
 ALL_TYPES = ["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"]
 
@@ -224,6 +225,29 @@ def replay_prefills_eagerly(monkeypatch) -> list[EagerReplay]:
 
     monkeypatch.setattr(CudaGraphPrefill, "_record", staticmethod(record))
     return captured
+
+
+def replay_rounds_eagerly(monkeypatch) -> list:
+    """CapturedVerifyRound's capture stood in on the CPU: its warm-up run and its run (the cache put back between
+    them, as around a capture), then each replay runs the captured function again into the outputs. Returns the list
+    that counts the replays."""
+    replays = []
+
+    def record(run, device, reset, pool):
+        run()
+        reset()
+        out = run()
+
+        class Replay:
+            def replay(self):
+                replays.append(1)
+                for target, value in zip(out, run()):
+                    target.copy_(value)
+
+        return Replay(), out
+
+    monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
+    return replays
 
 
 # this package's Triton kernels run on a GPU, or on a CPU under triton's interpreter (TRITON_INTERPRET=1, triton

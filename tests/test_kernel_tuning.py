@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
+from model_helpers import tiny_config
 
 from hybrid_linear_models import HybridLinearForCausalLM, kernel_tuning, warm_up
+from hybrid_linear_models.fp8_kernel_contract import TILE_ROW_BOUNDS
 from hybrid_linear_models.fp8_layers import fp8_tuning_prompt_lengths
-from hybrid_linear_models.kernels_fp8 import TILE_ROW_BOUNDS
-from model_helpers import tiny_config
 
 
 class Recorder:

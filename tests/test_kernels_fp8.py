@@ -170,9 +170,8 @@ def test_dequantize_then_linear_is_the_reference(dtype, block):
 
 @runs_triton_kernels
 def test_a_prefill_form_is_checked_by_name():
-    from hybrid_linear_models.kernels_fp8_triton import PREFILL_FORMS, linear_form
+    from hybrid_linear_models.kernels_fp8_triton import linear_form
 
-    assert PREFILL_FORMS == kernels_fp8.PREFILL_FORMS
     assert [linear_form(rows, 128) for rows in (1, 16, 17)] == ["one_row", "scaled_dot", "dequantized_dot"]
     assert linear_form(17, 128, "fp8_dot") == "fp8_dot" and linear_form(17, 48, "fp8_dot") == "dequantized_dot"
     with pytest.raises(ValueError, match="FP8 prefill form 'fp16_dot': expected one of dequantized_dot, fp8_dot"):

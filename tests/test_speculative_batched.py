@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import HostReadsRefused, tiny_model
+from model_helpers import HostReadsRefused, replay_rounds_eagerly, tiny_model
 
 from hybrid_linear_models import speculative_decoding
 from hybrid_linear_models.speculative_decoding import (
@@ -212,33 +212,10 @@ def test_the_verify_round_reads_nothing_on_the_host(name):
             speculative_decoding.verify_round(model, cache, step, live)
 
 
-def _replay_rounds_eagerly(monkeypatch) -> list:
-    """CapturedVerifyRound's capture stood in on the CPU: its warm-up run and its run (the cache put back between
-    them, as around a capture), then each replay runs the captured function again into the outputs. Returns the list
-    that counts the replays."""
-    replays = []
-
-    def record(run, device, reset, pool):
-        run()
-        reset()
-        out = run()
-
-        class Replay:
-            def replay(self):
-                replays.append(1)
-                for target, value in zip(out, run()):
-                    target.copy_(value)
-
-        return Replay(), out
-
-    monkeypatch.setattr(CapturedVerifyRound, "_record", staticmethod(record))
-    return replays
-
-
 def test_the_captured_round_equals_the_uncaptured_one(monkeypatch):
     """`graphs=True` with the capture stood in by an eager replay of the captured function (the CPU): the capture's
     warm-up leaves the cache as it found it, and every round replays."""
-    replays = _replay_rounds_eagerly(monkeypatch)
+    replays = replay_rounds_eagerly(monkeypatch)
     ids, mask = _batch()
     truth = _truth("kda+attention", 1)
     drafter = TruthDrafter(truth, mask.sum(-1).tolist(), "random", seed=1)
@@ -264,7 +241,7 @@ def test_the_captured_round_takes_the_decoding_gemv_for_its_products(monkeypatch
     monkeypatch.setattr(kernels_gemv, "GEMV_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(kernels_gemv, "triton_gemv_kernel", lambda: kernel)
     monkeypatch.setattr(kernels_gemv, "_FAILED", {})
-    _replay_rounds_eagerly(monkeypatch)
+    replay_rounds_eagerly(monkeypatch)
     model = _model(MODELS["gdn+attention"]).to(torch.bfloat16)  # (its own: cast)
     ids, mask = _batch()
     results = []
@@ -346,7 +323,7 @@ def test_generate_replays_captured_rounds_where_graph_decoding_is_on(monkeypatch
     for the device (the CPU stands in for CUDA, the capture by an eager replay), and the tokens are the same."""
     from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder
 
-    replays = _replay_rounds_eagerly(monkeypatch)
+    replays = replay_rounds_eagerly(monkeypatch)
     monkeypatch.setattr(CudaGraphDecoder, "device_types", ("cuda", "cpu"))
     model = _model(MODELS["gdn+attention"])  # (its own: its switch is set)
     model.set_cuda_graph_decoding(graphs_on)
@@ -510,11 +487,11 @@ def test_a_verify_forward_leaves_the_states_for_restore_to_write(name):
 @pytest.mark.parametrize("sample", [False, True])
 def test_one_row_runs_the_captured_loop_where_graphs_are_on(monkeypatch, sample):
     """A one-row assisted generate (here prompt lookup) runs the batched loop, its rounds replayed from a captured
-    graph (stood in: `_replay_rounds_eagerly`), where the model captures graphs on the device and the loop takes the
+    graph (stood in: `replay_rounds_eagerly`), where the model captures graphs on the device and the loop takes the
     request; greedy, it equals plain greedy decoding. Sampling stays on transformers' loop."""
     from hybrid_linear_models import modeling_hybrid_linear
 
-    replays = _replay_rounds_eagerly(monkeypatch)
+    replays = replay_rounds_eagerly(monkeypatch)
     model = _named("gdn+attention")
     calls = []
     batched = modeling_hybrid_linear.assisted_generate_batch

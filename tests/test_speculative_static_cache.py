@@ -13,7 +13,12 @@ import copy
 
 import pytest
 import torch
-from model_helpers import replay_graphs_eagerly, replay_prefills_eagerly, tiny_model
+from model_helpers import (
+    replay_graphs_eagerly,
+    replay_prefills_eagerly,
+    replay_rounds_eagerly,
+    tiny_model,
+)
 from test_speculative_rollback import (
     MODELS,
     _assert_same_as_plain,
@@ -23,6 +28,10 @@ from test_speculative_rollback import (
 from transformers import StaticCache
 from transformers.cache_utils import StaticSlidingWindowLayer
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import (
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from hybrid_linear_models.state_rollback import MAX_ROLLBACK_TOKENS
 from hybrid_linear_models.static_window_rollback import RollbackSlidingWindowLayer
@@ -57,7 +66,7 @@ def test_static_cache_with_random_token_drafts_equals_plain_greedy(name, monkeyp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", list(MODELS))
 def test_static_cache_assisted_decoding_on_gpu_equals_plain_greedy(name):
-    """On CUDA (fla's kernels, float32, graph decoding on: it steps aside while the cache records its past):
+    """On CUDA (fla's kernels, float32, graph decoding on: the row runs the batched loop's captured verify rounds):
     prompt lookup and an assistant model with a static cache give plain static greedy decoding's tokens."""
     dims = {"gdn_value_head_dim": 16, "gdn_key_head_dim": 16, "kda_head_dim": 16, "head_dim": 16}  # fla's smallest
     model = tiny_model(MODELS[name], seed=0, **dims).cuda()
@@ -87,18 +96,45 @@ def test_static_cache_assistant_model_equals_plain_greedy(name):
     _assert_same_as_plain(model, input_ids, 12, assistant_model=copy.deepcopy(model), **STATIC)
 
 
+class NeverStops(StoppingCriteria):
+    """A stopping criterion of the caller's own: the batched speculative loop refuses it, so transformers' runs."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def test_graph_paths_step_aside_while_the_cache_records(monkeypatch):
-    """With graph decoding and prefill on (replayed eagerly on the CPU), assisted decoding captures nothing: a
-    replayed graph keeps nothing a crop restores. Prompt lookup finds no draft in a prompt without repeats, so every
-    round is a one-token step, which plain static decoding captures."""
+    """With graph decoding and prefill on (replayed eagerly on the CPU), a request the batched loop refuses (here a
+    stopping criterion of the caller's) runs transformers' assisted loop, which captures nothing: a replayed graph
+    keeps nothing a crop restores. Prompt lookup finds no draft in a prompt without repeats, so every round is a
+    one-token step, which plain static decoding captures."""
     steps, prefills = replay_graphs_eagerly(monkeypatch), replay_prefills_eagerly(monkeypatch)
+    rounds = replay_rounds_eagerly(monkeypatch)
     model = _model(MODELS["gdn+attention"])
     input_ids = torch.arange(10, 18)[None]
-    _assert_same_as_plain(model, input_ids, 6, prompt_lookup_num_tokens=3, **STATIC)
-    assert not steps and not prefills
+    _assert_same_as_plain(model, input_ids, 6, prompt_lookup_num_tokens=3,
+                          stopping_criteria=StoppingCriteriaList([NeverStops()]), **STATIC)
+    assert not steps and not prefills and not rounds
     with torch.no_grad():
         model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **STATIC)
     assert steps  # (the stand-in captures plain static decoding's steps)
+
+
+def test_one_row_with_graphs_on_replays_its_verify_rounds_not_the_step_graphs(monkeypatch):
+    """The same request with generate's own stops only: the batched speculative loop takes the row and replays its
+    captured verify round (stood in), the plain step and prefill graphs capture nothing, and the tokens are plain
+    greedy decoding's."""
+    steps, prefills = replay_graphs_eagerly(monkeypatch), replay_prefills_eagerly(monkeypatch)
+    rounds = replay_rounds_eagerly(monkeypatch)
+    model = _model(MODELS["gdn+attention"])
+    input_ids = torch.tensor([[10, 11, 12, 13, 10, 11, 12, 13]])  # (a repeat: prompt lookup drafts)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, **STATIC)
+    with torch.no_grad():
+        got = model.generate(input_ids, prompt_lookup_num_tokens=3, **options)
+    assert rounds and not steps and not prefills
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(got, model.generate(input_ids, **options))
 
 
 def _sliding_keys(cache):
