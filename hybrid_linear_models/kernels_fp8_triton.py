@@ -73,7 +73,9 @@ DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) u
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
 
 
-@triton.jit
+# M (rows of x) and R (routes per row) only bound the rows, so they are not specialised: triton would otherwise
+# compile the kernel again for each new class of them (1, multiples of 16, others), seconds on a new prompt length
+@triton.jit(do_not_specialize=["M", "R"])
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M, N, E, R,
                        stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
                        K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -99,7 +99,9 @@ def _store_convolved(acc, y_ptr, rows, cols, M, N, stride_ym, window, taps_w, wi
              mask=live[:, :, None] & convolved[None, :, None] & (taps < KW)[None, None, :])
 
 
-@triton.jit
+# M (rows of x) only bounds the rows (ROWS pads them), so it is not specialised: a batch of another class (1,
+# multiples of 16, others) under the same ROWS then compiles nothing new
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  conv_w_ptr, window_ptr, stride_window, C,
                  HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, SWIGLU_PAIRS: tl.constexpr, ROWS: tl.constexpr,

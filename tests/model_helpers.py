@@ -250,6 +250,12 @@ def replay_rounds_eagerly(monkeypatch) -> list:
     return replays
 
 
+def compiled_variants(kernel) -> int:
+    """How many compiled variants (one per specialisation of its arguments and constexprs) a Triton JIT function
+    holds in this process, over every device."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
 # this package's Triton kernels run on a GPU, or on a CPU under triton's interpreter (TRITON_INTERPRET=1, triton
 # installed): their numeric tests are marked so
 runs_triton_kernels = pytest.mark.skipif(

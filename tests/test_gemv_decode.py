@@ -222,6 +222,26 @@ def test_swiglu_epilogue_against_float64(shape, dtype, bias):
         assert ((got.double() - expected).abs() <= bound).all(), blocks
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled variants are counted on CUDA")
+def test_a_batch_of_another_size_compiles_nothing_new():
+    """Batches of 2 to ROWS rows share one row tile, and the batch size only bounds the rows: after the first, a
+    batch of another size (a multiple of 16 or not) runs the variant compiled (triton would otherwise compile again
+    per class of the integer: 1, multiples of 16, others)."""
+    from model_helpers import compiled_variants
+
+    from hybrid_linear_models.kernels_gemv_triton import _gemv_kernel, triton_gemv
+
+    x, w, _ = _inputs(16, 256, 512, torch.bfloat16, False, seed=3)
+    triton_gemv(x[:9], w, None, blocks=(16, 128))
+    torch.cuda.synchronize()
+    compiled = compiled_variants(_gemv_kernel)
+    for rows in (16, 2, 13):
+        triton_gemv(x[:rows], w, None, blocks=(16, 128))
+        torch.cuda.synchronize()
+        assert compiled_variants(_gemv_kernel) == compiled, f"a batch of {rows} rows compiled again"
+
+
 def test_linear_conv_step_is_the_projection_then_the_convolution_step(stand_in):
     """`linear_conv_step` outside the mode is linear_rows, then causal_conv1d_step on the first C outputs (the window
     stepped in place), the rest as they are; inside the mode, the stand-in kernel (the same math) takes it, and

@@ -312,6 +312,47 @@ def test_routed_against_float64(dtype, routes_dtype):
         _assert_within(got[route:route + 1], x[route // 3:route // 3 + 1], weight, None, f"route {route}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled variants are counted on CUDA")
+def test_a_new_class_of_row_counts_compiles_nothing_new():
+    """Triton specialises an integer argument on being 1 and on being a multiple of 16 unless told not to, and
+    compiles a kernel again for each class met. The kernel's row counts only bound its rows, so after the first call
+    of a form and tile, other counts (1, multiples of 16, others) run the variant compiled: a prompt of a new length
+    pays no compilation."""
+    from model_helpers import compiled_variants
+
+    from hybrid_linear_models.kernels_fp8_triton import (
+        _fp8_linear_kernel,
+        fp8_grouped_linear,
+        fp8_linear,
+        fp8_routed_linear,
+    )
+
+    block = (128, 128)
+    w, scale = _weight(256, 256, block, seed=21)
+    experts, experts_scale = _weight(256, 256, block, experts=4, seed=22)
+    calls = {  # (rows of x) -> the call; each family's rows share one form and one row tile
+        "dense, tile 64": (lambda rows: fp8_linear(_x(rows, 256, torch.bfloat16), w, scale, block, config=(32, 128)),
+                           (20, 32, 47, 64)),
+        "grouped, tile 16": (lambda rows: fp8_grouped_linear(
+            _x(rows, 256, torch.bfloat16), experts, experts_scale, _routing([rows // 2, 0, rows - rows // 2, 0],
+                                                                             torch.int32), block, config=(32, 128)),
+                             (9, 16, 33, 64)),
+        "routed": (lambda rows: fp8_routed_linear(_x(rows, 256, torch.bfloat16), experts, experts_scale,
+                                                  torch.arange(rows * 2, device=DEVICE, dtype=torch.int32) % 4, block,
+                                                  config=(32, 128)),
+                   (1, 3, 8, 16)),
+    }
+    for family, (call, row_counts) in calls.items():
+        call(row_counts[0])
+        torch.cuda.synchronize()
+        compiled = compiled_variants(_fp8_linear_kernel)
+        for rows in row_counts[1:]:
+            call(rows)
+            torch.cuda.synchronize()
+            assert compiled_variants(_fp8_linear_kernel) == compiled, f"{family}: {rows} rows compiled again"
+
+
 def test_the_routed_reference_is_each_routes_linear():
     """On the CPU (no kernel), block_fp8_routed_linear is F.linear of each route's row on its expert's dequantized
     weight, bit for bit, and a route outside the experts is a row of zeros."""
