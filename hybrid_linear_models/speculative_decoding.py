@@ -328,6 +328,17 @@ def batched_loop_refuses(logits_processor, stopping_criteria, generation_config,
         ("return_dict_in_generate=True", generation_config.return_dict_in_generate)) if present]
 
 
+def _requested_drafts(name: str, value: object, default: int | None = None) -> int:
+    """generate's draft length `name` (prompt_lookup_num_tokens, num_assistant_tokens): a positive integer (None: the
+    default); a round verifies at most MAX_VERIFY_TOKENS - 1 of them (more are cut to that)."""
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: the tokens drafted a round must be a positive integer (a round verifies "
+                         f"up to {MAX_VERIFY_TOKENS - 1}); pass one in that range (3 to 5 is usual).")
+    return value
+
+
 def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                             assistant_model=None, streamer=None, **model_kwargs) -> torch.Tensor:
     """transformers' assisted `generate` (`prompt_lookup_num_tokens=` or `assistant_model=`) for a batch of several
@@ -337,24 +348,24 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
     Greedy only, with generate's length and end-of-sequence stops: anything else (sampling, logits processors, other
     stopping criteria, streaming, a dict output) is refused in one line.
     Returns the sequences as `generate` does: cut after the last column a row still generated."""
+    rows = "one row" if input_ids.shape[0] == 1 else f"{input_ids.shape[0]} rows"
     unsupported = batched_loop_refuses(logits_processor, stopping_criteria, generation_config, streamer)
     if unsupported:
-        raise ValueError(f"assisted generate of {input_ids.shape[0]} rows runs batched greedy speculative decoding, "
-                         f"which does not take {', '.join(unsupported)}; leave those out, or generate one row at a "
-                         "time.")
+        raise ValueError(f"assisted generate of {rows} runs batched greedy speculative decoding, which does not take "
+                         f"{', '.join(unsupported)}; leave those out, or generate one row at a time.")
     if generation_config.use_mtp:  # (checked by mtp_drafting.check_mtp_generation before any work)
         drafter = MtpBatchDrafter(model)
         drafts = draft_length(generation_config.use_mtp, model.config.num_mtp_layers)
     elif assistant_model is not None:
-        drafter, drafts = AssistantDrafter(assistant_model), generation_config.num_assistant_tokens or 20
-    elif not generation_config.prompt_lookup_num_tokens:
-        raise ValueError(f"assisted generate of {input_ids.shape[0]} rows drafts by prompt lookup "
-                         "(prompt_lookup_num_tokens=), an assistant model (assistant_model=) or the model's MTP head "
-                         "(use_mtp=); for another drafter, call speculative_decoding.speculative_generate with it, "
-                         "or generate one row at a time.")
+        drafter = AssistantDrafter(assistant_model)
+        drafts = _requested_drafts("num_assistant_tokens", generation_config.num_assistant_tokens, default=20)
+    elif generation_config.prompt_lookup_num_tokens is None:
+        raise ValueError(f"assisted generate of {rows} drafts by prompt lookup (prompt_lookup_num_tokens=), an "
+                         "assistant model (assistant_model=) or the model's MTP head (use_mtp=); for another drafter, "
+                         "call speculative_decoding.speculative_generate with it, or generate one row at a time.")
     else:
         drafter = PromptLookupDrafter(generation_config.max_matching_ngram_size or 2)
-        drafts = generation_config.prompt_lookup_num_tokens
+        drafts = _requested_drafts("prompt_lookup_num_tokens", generation_config.prompt_lookup_num_tokens)
     eos = generation_config._eos_token_tensor
     if eos is not None and eos.numel() > 1:
         raise ValueError("assisted generate of several rows takes one eos_token_id; pass one, or generate one row "

@@ -413,6 +413,22 @@ def test_generate_of_a_batch_refuses_what_it_does_not_take_in_one_line():
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("value", [0, -2, 2.5, True, "3"])
+@pytest.mark.parametrize("argument", ["prompt_lookup_num_tokens", "num_assistant_tokens"])
+def test_a_draft_length_that_is_not_a_positive_integer_is_refused_by_name(monkeypatch, argument, value):
+    """The batched loop (a batch, or one row where graphs are on) checks generate's draft length itself: one line
+    naming the argument, before any work (the loop's own verify width, num_tokens, is not what the caller passed)."""
+    model = _named("gdn+attention")
+    ids, mask = _batch()
+    drafter = {"assistant_model": _model(["gated_deltanet", "full_attention"], seed=3)} if "assistant" in argument \
+        else {}
+    for rows, graphs in ((slice(None), False), (slice(0, 1), True)):
+        monkeypatch.setattr(type(model), "captures_graphs_on", lambda self, device, graphs=graphs: graphs)
+        with pytest.raises(ValueError, match=f"{argument}={value!r}: the tokens drafted a round must be a positive"):
+            model.generate(ids[rows], attention_mask=mask[rows], max_new_tokens=4, pad_token_id=0,
+                           **{argument: value}, **drafter)
+
+
 @pytest.mark.parametrize(("layer_types", "extra"), [
     (["kimi_delta_attention", "mla_attention"], {}),  # latent attention: its latent cached as keys, no values
     (["gated_deltanet", "full_attention"], {"mlp_types": ["sparse_moe", "sparse_moe"]}),
