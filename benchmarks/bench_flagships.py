@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -59,6 +58,7 @@ from flagship_models import (
     kimi_linear_fields,
     qwen3_next_fields,
 )
+from timing import timed
 
 CONTEXTS = {"1K": 1024, "32K": 32768, "256K": 262144}
 TINY_CONTEXTS = {"1K": 16, "32K": 32, "256K": 64}
@@ -67,11 +67,6 @@ DECODE_CONTEXTS = ("1K", "256K")
 VLLM_H200 = {"decode tok/s, 1K": 210.8, "decode tok/s, 256K": 152.8, "TTFT s, 1K": 0.379, "TTFT s, 256K": 20.4}
 MODELS = ("qwen3-next-fp8", "qwen3-next-bf16", "kimi-linear")
 MARGIN = 2 * 2**30  # activations of a decoding step, kept free beside the cache
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
@@ -263,10 +258,8 @@ def run_model(key: str, args, device: torch.device, dtype: torch.dtype, contexts
     results, limits, config, logits = {}, {}, None, {}
     for side in sides:
         build = build_ours if side == "ours" else build_theirs
-        start = time.perf_counter()
-        model = build(fields, device, dtype)
-        _sync(device)
-        print(f"{side}: built in {time.perf_counter() - start:.1f} s", flush=True)
+        model, seconds = timed(lambda: build(fields, device, dtype), device)
+        print(f"{side}: built in {seconds:.1f} s", flush=True)
         if side == "ours":
             config = model.config
             for label in args.decode_contexts:

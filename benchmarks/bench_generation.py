@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,25 +33,18 @@ from transformers import KimiLinearForCausalLM, Qwen3NextForCausalLM, StaticCach
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import CPU_DECODE, GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, count_parameters, gdn_pair, kda_pair  # noqa: E402
+from timing import timed  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed_generate(model, input_ids, new_tokens, **kwargs) -> float:
     """Seconds for one greedy `generate`."""
-    _sync(input_ids.device)
-    start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, **kwargs)
-    _sync(input_ids.device)
+        out, seconds = timed(lambda: model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                    do_sample=False, pad_token_id=0, **kwargs), input_ids.device)
     assert out.shape[1] == input_ids.shape[1] + new_tokens
-    return time.perf_counter() - start
+    return seconds
 
 
 def measure(model, input_ids, new_tokens, repeats, **kwargs) -> dict:
@@ -139,12 +131,9 @@ def step_alone_tok_s(model, input_ids, steps: int = 64) -> str:
     with torch.no_grad():
         model(input_ids=input_ids, cache=cache, use_cache=True)
         model(input_ids=token, cache=cache, use_cache=True)  # captured here
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            model(input_ids=token, cache=cache, use_cache=True)
-        torch.cuda.synchronize()
-    return f"{input_ids.shape[0] * steps / (time.perf_counter() - start):.0f}"
+        _, seconds = timed(lambda: [model(input_ids=token, cache=cache, use_cache=True) for _ in range(steps)],
+                           input_ids.device)
+    return f"{input_ids.shape[0] * steps / seconds:.0f}"
 
 
 def prefill(ours, theirs, lengths, repeats: int, device) -> None:
@@ -177,13 +166,7 @@ def prefill(ours, theirs, lengths, repeats: int, device) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
-                best = float("inf")
-                for _ in range(repeats):
-                    _sync(device)
-                    start = time.perf_counter()
-                    forward(model, input_ids, static)
-                    _sync(device)
-                    best = min(best, time.perf_counter() - start)
+                best = min(timed(lambda: forward(model, input_ids, static), device)[1] for _ in range(repeats))
             memory = ((torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30)
                       if device.type == "cuda" else (float("nan"), float("nan")))
             results.append((name, length / best, *memory))

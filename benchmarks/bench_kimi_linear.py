@@ -15,7 +15,7 @@ one shared expert, the first layer dense):
 
 Measurements:
 1. training: forward + backward tokens/s at B=4, T=4096 (tiny: B=2, T=128), ours vs theirs, the ratio and (CUDA)
-   peak memory of each; the fastest of `--repeats` runs taken in turn (bench_moe.timed);
+   peak memory of each; the fastest of `--repeats` runs taken in turn (bench_moe.fastest_of);
 2. decoding: greedy, batch 1 and 16 (`--decode`), prompt 512, 64 new tokens (tiny: 32 / 8): ours with a static cache
    (its one-token steps replayed from a captured CUDA graph on CUDA), theirs with its default cache (bench_generation
    .measure: decoding tokens/s from the time of prompt + N tokens minus prompt + 1 token); then the MLA cache bytes
@@ -38,7 +38,7 @@ from transformers import KimiLinearForCausalLM, StaticCache
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_generation import measure  # noqa: E402
-from bench_moe import peak_memory, timed  # noqa: E402
+from bench_moe import fastest_of, peak_memory  # noqa: E402
 from model_configs import SIZES, kimi_config  # noqa: E402
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM  # noqa: E402
@@ -111,7 +111,7 @@ def bench_training(ours, theirs, size: dict, device: torch.device, dtype: torch.
             model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
             model.zero_grad(set_to_none=True)  # the gradients of one model only, not both at once
         steps[name] = step
-    seconds = timed(steps, device, repeats)
+    seconds = fastest_of(steps, device, repeats)
     tokens = batch * seq
     print(f"\ntraining, fwd+bwd, B={batch} T={seq}, {dtype}, {device}")
     if device.type == "cuda":  # both models stay resident, so each peak includes the other's weights

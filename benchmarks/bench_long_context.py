@@ -42,13 +42,13 @@ import math
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from timing import timed  # noqa: E402
 
 MODELS = ("gdn", "kda")
 SIDES = ("ours", "transformers")
@@ -106,11 +106,6 @@ def build(model: str, side: str, tiny: bool, longest: int, device: torch.device,
     return theirs.to(dtype).eval()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
@@ -120,14 +115,11 @@ def prefill(model, input_ids: torch.Tensor, repeats: int) -> dict:
     device = input_ids.device
 
     def once() -> float:
-        sync(device)
-        start = time.perf_counter()
         with torch.no_grad():
-            out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-        sync(device)
+            out, seconds = timed(lambda: model(input_ids=input_ids, use_cache=True, logits_to_keep=1), device)
         assert out.logits.shape[1] == 1
         del out
-        return time.perf_counter() - start
+        return seconds
 
     first = once()
     if device.type == "cuda":
@@ -160,12 +152,8 @@ def decode(model, side: str, input_ids: torch.Tensor, steps: int) -> float:
                 state["past"] = model(input_ids=token, past_key_values=state["past"], use_cache=True).past_key_values
 
             step()
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync(device)
-    return steps / (time.perf_counter() - start)
+        _, seconds = timed(lambda: [step() for _ in range(steps)], device)
+    return steps / seconds
 
 
 def child(args) -> None:

@@ -32,6 +32,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import timed  # noqa: E402
+
 from hybrid_linear_models import experts_grouped_gather  # noqa: E402
 from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock  # noqa: E402
 
@@ -52,30 +54,21 @@ SIZES = {
 }
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 # The clock: wall time, except on a CPU shared with other work (--cpu-time), where the process's CPU time (one thread)
 # counts the work of the step and not the time other processes held the cores.
 CLOCK = {"clock": time.perf_counter}
 
 
-def timed(steps: dict, device: torch.device, repeats: int, warmup: int = 1) -> dict:
+def fastest_of(steps: dict, device: torch.device, repeats: int, warmup: int = 1) -> dict:
     """Seconds of each `steps[name]()` (forward + backward): the fastest of `repeats` runs, the candidates taken in
     turn (round robin) so that a load from other processes falls on them alike; the minimum is the least disturbed
     figure of a step that does the same work every time."""
-    clock = CLOCK["clock"]
     times = {name: [] for name in steps}
     for i in range(warmup + repeats):
         for name, step in steps.items():
-            _sync(device)
-            start = clock()
-            step()
-            _sync(device)
+            _, seconds = timed(step, device, CLOCK["clock"])
             if i >= warmup:
-                times[name].append(clock() - start)
+                times[name].append(seconds)
     return {name: min(values) for name, values in times.items()}
 
 
@@ -83,8 +76,7 @@ def peak_memory(device: torch.device, step) -> str:
     if device.type != "cuda":
         return "-"
     torch.cuda.reset_peak_memory_stats(device)
-    step()
-    _sync(device)
+    timed(step, device)
     return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
 
 
@@ -203,7 +195,7 @@ def compare_blocks(title: str, size: dict, device: torch.device, dtype: torch.dt
     if getattr(blocks[default], "shared_expert", None) is not None or getattr(
             blocks[default], "shared_experts", None) is not None:
         steps["shared expert"] = shared_expert_step(blocks[default], x)
-    seconds = timed(steps, device, repeats)
+    seconds = fastest_of(steps, device, repeats)
     print(f"{'implementation':<20} {'ours tok/s':>12} {'transformers tok/s':>19} {'ours / tf eager':>16} "
           f"{'ours / tf same':>15} {'peak ours':>10}")
     for implementation in EXPERTS_IMPLEMENTATIONS:
@@ -277,7 +269,7 @@ def bench_model(size: dict, device: torch.device, dtype: torch.dtype, repeats: i
             model.set_experts_implementation(implementation)
             model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward()
         steps[name, implementation] = step
-    seconds = timed(steps, device, repeats)
+    seconds = fastest_of(steps, device, repeats)
     reference = seconds["Qwen3NextForCausalLM", "eager"]
     for (name, implementation), value in seconds.items():
         print(f"{name:<28} {implementation:<18} {tokens / value:>10.0f} {reference / value:>10.2f}x "

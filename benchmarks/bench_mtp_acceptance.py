@@ -59,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_configs import hybrid_layer_types
+from timing import timed
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.fla_backend import fla_training_refusal
@@ -326,11 +327,6 @@ def counted_forwards(model: HybridLinearForCausalLM) -> Iterator[list[int]]:
         handle.remove()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def generate_runs(model: HybridLinearForCausalLM, batches: Sequence[torch.Tensor], new_tokens: int,
                   **options) -> Run:
     """Greedy `generate` of each batch of prompts [B, P] (equal lengths, no padding): an untimed warm-up call on the
@@ -343,12 +339,9 @@ def generate_runs(model: HybridLinearForCausalLM, batches: Sequence[torch.Tensor
         outputs, seconds, rounds, round_tokens = [], 0.0, 0, 0
         for ids in batches:
             ids = ids.to(device)
-            _sync(device)
             with counted_forwards(model) as lengths:
-                start = time.perf_counter()
-                out = model.generate(ids, **settings)
-                _sync(device)
-                seconds += time.perf_counter() - start
+                out, elapsed = timed(lambda: model.generate(ids, **settings), device)
+            seconds += elapsed
             call_rounds, call_tokens = verify_rounds(lengths, ids.shape[1], out.shape[1] - ids.shape[1])
             rounds, round_tokens = rounds + call_rounds, round_tokens + call_tokens
             outputs.append(out.cpu())

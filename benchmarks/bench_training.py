@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from transformers import KimiLinearForCausalLM, Qwen3NextForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, count_parameters, gdn_pair, kda_pair  # noqa: E402
+from timing import timed  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM, ops  # noqa: E402
 from hybrid_linear_models.fla_backend import fla_training_refusal  # noqa: E402
@@ -41,23 +41,15 @@ def model_flops_per_token(model, config, seq_len: int) -> float:
     return dense + attention
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def train_steps(model, input_ids, steps: int) -> tuple[float, float]:
     """Median seconds per forward + backward, and peak memory in GiB (nan off CUDA)."""
     times = []
     device = input_ids.device
     for step in range(steps + 2):
-        _sync(device)
-        start = time.perf_counter()
-        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-        loss.backward()
-        _sync(device)
+        _, seconds = timed(lambda: model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.backward(),
+                           device)
         if step >= 2:  # the first steps autotune fla's kernels
-            times.append(time.perf_counter() - start)
+            times.append(seconds)
         model.zero_grad(set_to_none=True)
     times.sort()
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from transformers import StaticCache
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_configs import GPU_GDN, TINY_GDN, gdn_pair
+from timing import timed
 
 from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding
 from hybrid_linear_models.speculative_decoding import (
@@ -35,21 +35,9 @@ from hybrid_linear_models.speculative_decoding import (
 from hybrid_linear_models.verify_cache import VerifyCache
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(run, repeats: int, device: torch.device) -> float:
-    """Median milliseconds of `run()` over `repeats` calls (each timed after a synchronisation)."""
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        run()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _median_ms(run, repeats: int, device: torch.device) -> float:
+    """Median milliseconds of `run()` over `repeats` calls."""
+    return statistics.median(timed(run, device)[1] * 1e3 for _ in range(repeats))
 
 
 def one_token_step_ms(model, prompt_ids, slots: int, repeats: int) -> float:
@@ -59,7 +47,7 @@ def one_token_step_ms(model, prompt_ids, slots: int, repeats: int) -> float:
         token = model(prompt_ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(3):  # the capture, then warm replays
             token = model(token, cache=cache, use_cache=True).logits.argmax(-1)
-        return _timed(lambda: model(token, cache=cache, use_cache=True), repeats, prompt_ids.device)
+        return _median_ms(lambda: model(token, cache=cache, use_cache=True), repeats, prompt_ids.device)
 
 
 def verify_ms(model, prompt_ids, slots: int, width: int, repeats: int, captured: bool) -> float:
@@ -77,7 +65,7 @@ def verify_ms(model, prompt_ids, slots: int, width: int, repeats: int, captured:
             lambda i, a: verify_round(model, cache, i, a))
         for _ in range(3):
             run(ids, live)
-        return _timed(lambda: run(ids, live), repeats, device)
+        return _median_ms(lambda: run(ids, live), repeats, device)
 
 
 def main() -> None:

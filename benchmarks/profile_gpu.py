@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from transformers import DynamicCache, KimiLinearForCausalLM, Qwen3NextForCausal
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, gdn_pair, kda_pair  # noqa: E402
+from timing import synchronize, timed  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 
@@ -46,21 +46,16 @@ def decode_step(model, token, cache):
         model(input_ids=token, cache=cache, use_cache=True)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test with --tiny
 
 
 def profiled(label: str, fn, rows: int, cpu_rows: int = 0) -> None:
     for _ in range(2):  # warm-up: fla autotuning, cuBLAS handles
         fn()
-    _sync()
+    synchronize(DEVICE)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        fn()
-        _sync()
-        wall = time.perf_counter() - start
+        _, wall = timed(fn, DEVICE)
     events = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in events) / 1e3
     kernels = sum(e.count for e in events if e.self_device_time_total > 0)
@@ -79,19 +74,11 @@ def time_graph_decoding(model, ids, new_tokens: int = 128) -> None:
         times = []
         for tokens in (1, new_tokens):
             cache.reset()
-            _sync()
-            start = time.perf_counter()
-            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-            _sync()
-            times.append(time.perf_counter() - start)
+            times.append(timed(lambda: model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs),
+                               ids.device)[1])
         per_token = (times[1] - times[0]) / (new_tokens - 1)
         graph = model._graph_decoder.last_graph
-        _sync()
-        start = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        _sync()
-        replay = (time.perf_counter() - start) / replays
+        replay = timed(lambda: [graph.replay() for _ in range(replays)], ids.device)[1] / replays
     print(f"\n===== ours graph decoding B=1: {per_token * 1e3:.3f} ms per token in generate, "
           f"{replay * 1e3:.3f} ms per graph replay (host share {100 * (1 - replay / per_token):.0f}%)")
 
@@ -104,7 +91,7 @@ def main() -> None:
     parser.add_argument("--what", nargs="*", default=["training", "prefill", "decode", "graph"])
     args = parser.parse_args()
     torch.manual_seed(0)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test with --tiny
+    device = DEVICE
     if args.kda:
         ours_cfg, theirs_cfg = kda_pair(**(TINY_KDA if args.tiny else GPU_KDA))
         models = {"ours": HybridLinearForCausalLM(ours_cfg), "transformers": KimiLinearForCausalLM(theirs_cfg)}
