@@ -23,7 +23,7 @@ exit when it does not fit), then `to_empty` on the device and every tensor drawn
 The names are transformers' checkpoint names, so ours and transformers' models get the same weights one at a time
 (never both on the device): Qwen3-Next's names are ours too; Kimi-Linear's reach ours through the kimi_linear
 converter's rows (`build_kimi_rows`, each row's `converter.forward`). A weight the FP8 setting quantizes is drawn
-in bfloat16 (expert by expert for the experts) and quantized per block (`quantize_block_fp8`):
+in bfloat16 (expert by expert for the experts) and quantized per block (`kernels_fp8.quantize_block_fp8`):
 
     scale[b] = amax(|W_b|) / 448 (float32),   W_fp8 = e4m3(W_b / scale[b]),   W ~ W_fp8 * scale (`weight_scale_inv`)
 
@@ -33,7 +33,6 @@ so that the largest value of each block lands on e4m3's largest finite value, 44
 from __future__ import annotations
 
 import copy
-import math
 import re
 import zlib
 from collections.abc import Callable, Iterator
@@ -55,8 +54,8 @@ from hybrid_linear_models.conversion.qwen3_next.config import (
     qwen3_next_to_hybrid_config,
 )
 from hybrid_linear_models.fp8_layers import Fp8Experts, Fp8Linear
+from hybrid_linear_models.kernels_fp8 import quantize_block_fp8
 
-E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 FP8_BLOCK = (128, 128)  # the released build's weight_block_size
 TINY_FP8_BLOCK = (16, 16)
 
@@ -206,21 +205,6 @@ def drawn(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
           seed: int = 0) -> torch.Tensor:
     parts = list(draw(name, shape, dtype, device, model_type, seed))
     return torch.stack(parts) if len(shape) == 3 else parts[0]
-
-
-def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight (..., out, in) -> (float8_e4m3fn weight, float32 scale_inv (..., ceil(out/bn), ceil(in/bk))): each
-    block divided by amax / 448 and rounded to e4m3 (the last blocks may be partial)."""
-    rows, cols = weight.shape[-2:]
-    bn, bk = block
-    grid = (math.ceil(rows / bn), math.ceil(cols / bk))
-    padded = torch.zeros(*weight.shape[:-2], grid[0] * bn, grid[1] * bk, dtype=torch.float32, device=weight.device)
-    padded[..., :rows, :cols] = weight
-    blocks = padded.unflatten(-1, (grid[1], bk)).unflatten(-3, (grid[0], bn))  # (..., R, bn, C, bk)
-    scale = blocks.abs().amax(dim=(-3, -1)).div_(E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    values = (blocks / scale[..., :, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
-    fp8 = values.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].to(torch.float8_e4m3fn)
-    return fp8, scale
 
 
 # ------------------------------------------------------------------------------------------------ building models

@@ -38,6 +38,7 @@ from .triton_loading import kernel_result, triton_kernel
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations the Triton kernels take
 KERNEL_DEVICE_TYPES = ("cuda",)
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 # what products of more than 16 rows (prefill) run (`fp8_kernel_contract.PREFILL_FORMS`): "dequantized_dot" (the
 # weight dequantized on load to x's dtype, tl.dot: the reference's product up to the order of its float32 sums),
 # "dequantize_then_linear" (dense layers: the weight dequantized by a kernel, then F.linear: the reference's product;
@@ -96,6 +97,26 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     scale = scale_inv.to(torch.float64)
     scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
     return (weight.to(torch.float64) * scale).to(dtype)
+
+
+def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dequantize_block_fp8`'s inverse up to e4m3's rounding: weight (..., out, in) -> (float8_e4m3fn weight, float32
+    scale_inv (..., ceil(out / bn), ceil(in / bk))), each block divided by its amax / 448 (as the released FP8
+    builds scale; an all-zero block gets the smallest normal scale) and rounded to e4m3, the last blocks possibly
+    partial. With `power_of_two`, each scale is rounded up to a power of two (every real weight value is then exact
+    in bfloat16 too)."""
+    rows, cols = weight.shape[-2:]
+    bn, bk = block
+    grid = scale_shape(tuple(weight.shape), block)[-2:]
+    padded = weight.new_zeros(*weight.shape[:-2], grid[0] * bn, grid[1] * bk, dtype=torch.float32)
+    padded[..., :rows, :cols] = weight
+    blocks = padded.unflatten(-1, (grid[1], bk)).unflatten(-3, (grid[0], bn))  # (..., R, bn, C, bk)
+    scale = blocks.abs().amax(dim=(-3, -1)).div_(E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    values = (blocks / scale[..., :, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+    return values.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].to(FP8_WEIGHT_DTYPE), scale
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -229,4 +250,4 @@ def triton_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
 
 
 __all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "block_fp8_routed_linear", "check_block_fp8_weight",
-           "dequantize_block_fp8", "routed_applies", "scale_shape", "triton_applies"]
+           "dequantize_block_fp8", "quantize_block_fp8", "routed_applies", "scale_shape", "triton_applies"]

@@ -34,13 +34,12 @@ from flagship_models import (
     kimi_linear_fields,
     model_bytes,
     ours_on_meta,
-    quantize_block_fp8,
     qwen3_next_fields,
     theirs_on_meta,
 )
 
 from hybrid_linear_models.fp8_layers import Fp8Experts, Fp8Linear
-from hybrid_linear_models.kernels_fp8 import dequantize_block_fp8
+from hybrid_linear_models.kernels_fp8 import dequantize_block_fp8, quantize_block_fp8
 
 CPU = torch.device("cpu")
 LOGITS_TOLERANCE = 1e-5
@@ -192,6 +191,21 @@ def test_quantize_round_trip_is_exact_to_e4m3_rounding(shape):
     assert_within_e4m3_rounding(weight, real, scale, block)
     # each block's largest magnitude lands on e4m3's largest value, 448
     assert fp8.float().abs().amax() == 448
+
+
+def test_power_of_two_scales_make_every_real_weight_exact_in_bfloat16():
+    """`power_of_two`: each scale is the power of two at or above amax / 448, so an e4m3 value (4 significant bits)
+    times it is exact in bfloat16 (8 significant bits), and the values stay within e4m3's rounding of the weight."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(70, 90, generator=generator, dtype=torch.float64) * torch.logspace(-3, 2, 70,
+                                                                                            dtype=torch.float64)[:, None]
+    fp8, scale = quantize_block_fp8(weight, (16, 32), power_of_two=True)
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
+    plain_scale = quantize_block_fp8(weight, (16, 32))[1]
+    assert (scale >= plain_scale).all() and (scale < 2 * plain_scale).all()
+    real = dequantize_block_fp8(fp8, scale, (16, 32), torch.float64)
+    assert torch.equal(real.to(torch.bfloat16).double(), real)
+    assert_within_e4m3_rounding(weight, real, scale, (16, 32))
 
 
 def test_quantize_bound_fails_on_a_wrong_scale():

@@ -25,6 +25,7 @@ from transformers import Qwen3NextForCausalLM
 from hybrid_linear_models import HybridLinearForCausalLM
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.fp8_blocks import dequantize_block_fp8
+from hybrid_linear_models.kernels_fp8 import quantize_block_fp8
 from hybrid_linear_models.conversion.safetensors_io import SafetensorsFile
 from hybrid_linear_cli.convert import main as cli_main
 
@@ -41,23 +42,6 @@ def reference_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple
     rows = torch.arange(weight.shape[-2]) // block[0]
     cols = torch.arange(weight.shape[-1]) // block[1]
     return weight.to(torch.float64) * scale.to(torch.float64)[..., rows[:, None], cols[None, :]]
-
-
-def quantize(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 weight and float32 scales, one per block (amax / 448, as the released build makes them; rounded up to a
-    power of two with `power_of_two`, which makes every real weight value exact in bfloat16 too)."""
-    out, inp = weight.shape
-    grid = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
-    scale = torch.empty(grid, dtype=torch.float32)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            part = weight[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
-            scale[i, j] = part.abs().max().clamp(min=1e-12) / 448
-    if power_of_two:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    full = scale.repeat_interleave(block[0], 0)[:out].repeat_interleave(block[1], 1)[:, :inp]
-    return (weight.float() / full).to(FP8), scale
 
 
 BLOCKS = [(16, 16), (12, 20), (128, 128)]
@@ -93,7 +77,7 @@ def write_fp8_folders(tmp_path: Path, block: tuple[int, int], power_of_two: bool
     not_converted = []  # as the released config lists them: every module kept in bf16, by its full name
     for name, tensor in [*((name, stored.read(name)) for name in stored.keys()), *mtp.items()]:
         if tensor.dim() == 2 and not any(part in name for part in KEPT):
-            weight, scale = quantize(tensor, block, power_of_two)
+            weight, scale = quantize_block_fp8(tensor, block, power_of_two)
             fp8[name], fp8[name + "_scale_inv"] = weight, scale
             reference[name] = reference_dequantize(weight, scale, block).to(torch.bfloat16)
         else:

@@ -21,7 +21,7 @@ import torch
 from model_helpers import HostReadsRefused, greedy
 from safetensors.torch import load_file, save_file
 from test_convert_qwen3_next import tensors_of
-from test_fp8_blocks import TINY_MOE, quantize, reference_dequantize, write_fp8_folders
+from test_fp8_blocks import TINY_MOE, reference_dequantize, write_fp8_folders
 from torch import nn
 from transformers.quantizers.quantizers_utils import should_convert_module
 
@@ -29,6 +29,7 @@ from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.conversion import ConversionError, convert_checkpoint
 from hybrid_linear_models.conversion.extra_tensors import EXTRA_TENSORS_FILE
 from hybrid_linear_models.fp8_layers import Fp8Experts, Fp8Linear
+from hybrid_linear_models.kernels_fp8 import quantize_block_fp8
 from hybrid_linear_models.mlp_sparse_moe import HybridLinearExperts
 
 FP8 = torch.float8_e4m3fn
@@ -110,7 +111,7 @@ def test_fused_fp8_experts_across_blocks_keep_but_do_not_split(tmp_path):
             part_scales = [tensors.pop(f"{prefix}{expert}.{part}.weight_scale_inv")
                            for part in ("gate_proj", "up_proj")]
             real = torch.cat([reference_dequantize(w, s, block) for w, s in zip(parts, part_scales)])
-            weight, scale = quantize(real, block)  # the fused weight quantized whole: a block spans gate and up
+            weight, scale = quantize_block_fp8(real, block)  # the fused weight whole: a block spans gate and up
             fused.append(weight)
             scales.append(scale)
         tensors[prefix + "gate_up_proj"] = torch.stack(fused)
