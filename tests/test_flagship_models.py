@@ -197,8 +197,8 @@ def test_power_of_two_scales_make_every_real_weight_exact_in_bfloat16():
     """`power_of_two`: each scale is the power of two at or above amax / 448, so an e4m3 value (4 significant bits)
     times it is exact in bfloat16 (8 significant bits), and the values stay within e4m3's rounding of the weight."""
     generator = torch.Generator().manual_seed(2)
-    weight = torch.randn(70, 90, generator=generator, dtype=torch.float64) * torch.logspace(-3, 2, 70,
-                                                                                            dtype=torch.float64)[:, None]
+    magnitude = torch.logspace(-3, 2, 70, dtype=torch.float64)[:, None]  # (rows of blocks 1e-3 .. 1e2)
+    weight = torch.randn(70, 90, generator=generator, dtype=torch.float64) * magnitude
     fp8, scale = quantize_block_fp8(weight, (16, 32), power_of_two=True)
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
     plain_scale = quantize_block_fp8(weight, (16, 32))[1]
