@@ -347,5 +347,5 @@ def _fill_through_rows(model: HybridLinearForCausalLM, fields: dict, seed: int, 
 
 
 __all__ = ["FP8_BLOCK", "KIMI_LINEAR_48B", "QWEN3_NEXT_80B", "build_ours", "build_theirs", "check_fits", "draw",
-           "kimi_linear_fields", "model_bytes", "ours_config", "ours_on_meta", "quantize_block_fp8",
-           "qwen3_next_fields", "theirs_config", "theirs_on_meta"]
+           "kimi_linear_fields", "model_bytes", "ours_config", "ours_on_meta", "qwen3_next_fields", "theirs_config",
+           "theirs_on_meta"]
