@@ -319,13 +319,15 @@ def batched_loop_refuses(logits_processor, stopping_criteria, generation_config,
     """What of an assisted `generate` request `assisted_generate_batch` does not take (empty: it takes it all)."""
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+    eos = generation_config._eos_token_tensor
     return [name for name, present in (
         ("do_sample=True", generation_config.do_sample),
         ("logits processors (repetition penalty, min_new_tokens, bad words, ...)", len(logits_processor or []) > 0),
         ("stopping criteria other than max_length and eos_token_id",
          any(not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria or [])),
         ("a streamer", streamer is not None),
-        ("return_dict_in_generate=True", generation_config.return_dict_in_generate)) if present]
+        ("return_dict_in_generate=True", generation_config.return_dict_in_generate),
+        ("several eos_token_id values", eos is not None and eos.numel() > 1)) if present]
 
 
 def _requested_drafts(name: str, value: object, default: int | None = None) -> int:
@@ -345,8 +347,8 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
     rows, which transformers refuses: `speculative_generate` with the matching drafter, the verify width the draft
     length + 1 (at most MAX_VERIFY_TOKENS), its rounds replayed from a CUDA graph where the model's graph decoding is
     on for the device (`set_cuda_graph_decoding`; captured once per call, as the round's cache is the call's).
-    Greedy only, with generate's length and end-of-sequence stops: anything else (sampling, logits processors, other
-    stopping criteria, streaming, a dict output) is refused in one line.
+    Greedy only, with generate's length and one end-of-sequence stop: anything else (sampling, logits processors,
+    other stopping criteria, streaming, a dict output, several eos_token_id values) is refused in one line.
     Returns the sequences as `generate` does: cut after the last column a row still generated."""
     rows = "one row" if input_ids.shape[0] == 1 else f"{input_ids.shape[0]} rows"
     unsupported = batched_loop_refuses(logits_processor, stopping_criteria, generation_config, streamer)
@@ -367,9 +369,6 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
         drafter = PromptLookupDrafter(generation_config.max_matching_ngram_size or 2)
         drafts = _requested_drafts("prompt_lookup_num_tokens", generation_config.prompt_lookup_num_tokens)
     eos = generation_config._eos_token_tensor
-    if eos is not None and eos.numel() > 1:
-        raise ValueError("assisted generate of several rows takes one eos_token_id; pass one, or generate one row "
-                         "at a time.")
     pad = generation_config._pad_token_tensor
     prompt = input_ids.shape[1]
     out = speculative_generate(

@@ -406,11 +406,30 @@ def test_generate_of_a_batch_refuses_what_it_does_not_take_in_one_line():
     model = _named("gdn+attention")
     ids, mask = _batch()
     for extra, words in (({"do_sample": True}, "do_sample=True"),
-                         ({"repetition_penalty": 1.3}, "logits processors")):
+                         ({"repetition_penalty": 1.3}, "logits processors"),
+                         ({"eos_token_id": [3, 4]}, "several eos_token_id values")):
         with pytest.raises(ValueError, match=words) as error:
             model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, prompt_lookup_num_tokens=3,
                            **extra)
         assert "\n" not in str(error.value)
+
+
+def test_one_row_with_several_eos_ids_runs_transformers_loop_where_graphs_are_on(monkeypatch):
+    """The batched loop takes one end-of-sequence id; one row with several, graphs on, runs transformers' loop (as
+    it does with graphs off) instead of being refused, and gives the same tokens."""
+    from hybrid_linear_models import modeling_hybrid_linear
+
+    model = _named("gdn+attention")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    options = dict(max_new_tokens=NEW, pad_token_id=0, do_sample=False, eos_token_id=[3, 4], prompt_lookup_num_tokens=3)
+    with torch.no_grad():
+        plain = model.generate(ids, **options)
+    calls = []
+    monkeypatch.setattr(modeling_hybrid_linear, "assisted_generate_batch", lambda *args, **kwargs: calls.append(1))
+    monkeypatch.setattr(type(model), "captures_graphs_on", lambda self, device: True)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **options), plain)
+    assert not calls
 
 
 @pytest.mark.parametrize("value", [0, -2, 2.5, True, "3"])
