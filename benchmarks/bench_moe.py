@@ -32,7 +32,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import timed  # noqa: E402
+from timing import synchronize, timed  # noqa: E402
 
 from hybrid_linear_models import experts_grouped_gather  # noqa: E402
 from hybrid_linear_models.mlp_sparse_moe import EXPERTS_IMPLEMENTATIONS, HybridLinearSparseMoeBlock  # noqa: E402
@@ -76,7 +76,8 @@ def peak_memory(device: torch.device, step) -> str:
     if device.type != "cuda":
         return "-"
     torch.cuda.reset_peak_memory_stats(device)
-    timed(step, device)
+    step()
+    synchronize(device)
     return f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
 
 
