@@ -25,11 +25,11 @@ Drafting runs one MTP layer (Qwen3-Next's count).
 
 A batch of several rows (greedy) runs speculative_decoding's batched loop, each row accepting its own drafts (so does
 one row where the model's graph decoding is on for the device: its rounds replay a captured CUDA graph), with
-`MtpBatchDrafter`: the same entries and drafts per row, in one head cache for the batch. Every row appends the same
-number of entries each time (a round's k, a prompt's P), and an entry that holds no accepted position (a rejected
-draft's, a pad's, a recursive draft's once its round is over) stays in the cache masked out of every later query: the
-head's 2-D attention mask is the bookkeeping, so rows of different lengths need no per-row cache length, and a masked
-entry adds exactly zero to each softmax.
+`MtpBatchDrafter`: the same entries and drafts per row, in a head cache with per-row lengths (a `VerifyCache`, as the
+model's): a row's entries are those of its accepted positions, contiguous, so rows of different lengths need no
+mask of rejected entries; a rejected draft's entry and the recursion's lie past the row's length, unseen, until the
+next round's overwrite them. Its bookkeeping being device tensors, a captured verify round drafts the next round's
+tokens in the same graph (no host work between rounds but reading the tokens gained).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .mtp_head import valid_entries
+from .verify_cache import VerifyCache
 
 MAX_MTP_DRAFT_TOKENS = 4  # drafts per round: the head's accuracy falls with each recursive step (vLLM uses 1 to 4)
 
@@ -150,66 +151,69 @@ class MtpCandidateGenerator(CandidateGenerator):
 class MtpBatchDrafter:
     """The MTP head as a drafter of speculative_decoding's batched loop (`observes_hidden_states`; see the module
     docstring): `start` takes the prompts' hidden states, `observe` each round's, `draft` runs the head recursively
-    from each row's last accepted position."""
+    from each row's last accepted position.
+
+    The head's entries sit in a `VerifyCache` of its own, row b's entry for position p + 1 at the slot of the model's
+    token at position p: per-row lengths that move with the model's cache (both keep each row's accepted tokens), the
+    row's padding as the model's. So the head's bookkeeping is device tensors of fixed size, and `observe` and `draft`
+    read nothing on the host (`drafts_on_device`): a captured verify round runs them too (CapturedVerifyRound)."""
 
     observes_hidden_states = True
+    drafts_on_device = True
 
     def __init__(self, model: PreTrainedModel):
         self.model, self.head = model, model.mtp
         self.embed = model.get_input_embeddings()
         self.vocab_size = model.config.vocab_size
-        self.cache = DynamicCache(config=self.head.config)
-        self.mask: torch.Tensor | None = None  # [B, entries] bool: the entries later queries see
+        self.cache: VerifyCache | None = None
         self.g: torch.Tensor | None = None  # [B, H]: the head's output at each row's last accepted position
-        self.position: torch.Tensor | None = None  # [B]: the position of each row's last token
 
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, hidden: torch.Tensor,
-              first: torch.Tensor) -> None:
+              first: torch.Tensor, slots: int) -> None:
         """Entries t = 0..P-1 of the prompts [B, P]: (h_t, x_{t+1}) at x_{t+1}'s position, x_P the first new token;
-        real where token t is (left padding: the token after a real one is real)."""
-        batch, length = input_ids.shape
-        real = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-                else attention_mask.to(input_ids.device).bool())
-        pads = length - real.sum(-1)
-        steps = torch.arange(length, device=input_ids.device)
-        positions = (steps[None, :] + 1 - pads[:, None]).clamp(min=0)
+        real where token t is (left padding: the token after a real one is real). slots: the model's cache's."""
+        length = input_ids.shape[1]
+        self.cache = VerifyCache(self.head, input_ids.shape[0], slots, input_ids.device, layers=self.head.layers)
+        if attention_mask is not None:
+            self.cache.pads.copy_(length - attention_mask.to(input_ids.device).long().sum(-1))
         tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
-        self.g = self._append(hidden, tokens, positions, real)[:, -1]
-        self.position = length - pads
+        self.g = self._run(hidden, tokens)[:, -1].clone()
+        self.cache.lengths.fill_(length)
 
     def observe(self, greedy: torch.Tensor, kept: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Entries j = 0..k-1 of a round: (h of the round's token j, greedy[:, j]) at the position after it, real
+        """Entries j = 0..k-1 of a round: (h of the round's token j, greedy[:, j]) at the position after it, kept
         for j < kept (the accepted drafts, then the model's own token); a row that keeps nothing keeps its state."""
-        batch, k = greedy.shape
-        steps = torch.arange(k, device=greedy.device)
-        positions = self.position[:, None] + 1 + steps[None, :]
-        g = self._append(hidden, greedy, positions, steps[None, :] < kept[:, None])
-        last = g[torch.arange(batch, device=g.device), (kept - 1).clamp(min=0)]
-        self.g = torch.where((kept > 0)[:, None], last, self.g)
-        self.position = self.position + kept
+        g = self._run(hidden, greedy)
+        last = g[torch.arange(g.shape[0], device=g.device), (kept - 1).clamp(min=0)]
+        self.g.copy_(torch.where((kept > 0)[:, None], last, self.g))
+        self.cache.lengths.add_(kept)
 
     def draft(self, sequences, count: int) -> torch.Tensor:
         """[B, count] greedy drafts: the first from each row's last accepted position, each next one from the head
-        applied to the previous draft step's output and token (entries seen by this recursion alone)."""
+        applied to the previous draft step's output and token, its entry written past the row's length (seen by
+        this recursion alone: the next round's entries overwrite it)."""
         g, drafts = self.g, []
         for step in range(count):
             if step:
-                position = (self.position + step)[:, None]
-                g = self._append(g[:, None], drafts[-1][:, None], position, None)[:, -1]
+                g = self._run(g[:, None], drafts[-1][:, None])[:, -1]
+                self.cache.lengths.add_(1)
             drafts.append(self.model.lm_head(g).argmax(-1))
-        if count > 1:  # the recursion's entries: out of every later query's sight
-            self.mask[:, -(count - 1):] = False
+        self.cache.lengths.sub_(count - 1)
         return torch.stack(drafts, dim=1)
 
-    def _append(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                real: torch.Tensor | None) -> torch.Tensor:
-        """The head over T new entries per row ([B, T] tokens and positions, h [B, T, H]); real [B, T] marks the
-        entries later queries see (None: all, for now). Returns g [B, T, H]."""
-        real = torch.ones_like(tokens, dtype=torch.bool) if real is None else real
-        self.mask = real if self.mask is None else torch.cat([self.mask, real], dim=1)
-        dtype = self.embed.weight.dtype
-        return self.head(hidden.to(dtype), self.embed(tokens), positions, attention_mask=self.mask.long(),
-                         cache=self.cache)
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor `observe` and `draft` read and write (what a capture saves and puts back)."""
+        return [*self.cache.tensors(), self.g]
+
+    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The head over T new entries per row (h [B, T, H], the tokens [B, T]) at each row's next slots; an
+        entry's position is its slot's less the padding, plus one (the token it embeds is the next one). Returns g
+        [B, T, H]."""
+        cache, dtype = self.cache, self.embed.weight.dtype
+        eager = self.model.config._attn_implementation == "eager"
+        mask = cache.attention_mask(tokens.shape[1], None, dtype, eager)
+        return self.head(hidden.to(dtype), self.embed(tokens), cache.positions(tokens.shape[1]) + 1,
+                         attention_mask=mask, cache=cache)
 
 
 __all__ = ["MAX_MTP_DRAFT_TOKENS", "MtpBatchDrafter", "MtpCandidateGenerator", "check_mtp_generation",

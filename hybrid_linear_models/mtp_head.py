@@ -81,12 +81,15 @@ class HybridLinearMtpHead(nn.Module):
                 ) -> torch.Tensor:
         """One MTP layer (`layers[depth]`) over T positions: hidden_states [B, T, H] (h or the previous depth's g),
         next_embeddings [B, T, H] (the embeddings of the tokens one position on), position_ids [B or 1, T] (those
-        tokens' positions); attention_mask: the 2-D padding mask over the cache's tokens and these, or None.
-        Returns g [B, T, H], normed (what the LM head reads)."""
+        tokens' positions); attention_mask: the 2-D padding mask over the cache's tokens and these, the 4-D
+        additive mask [B, 1, T, cache slots] of a cache that keeps its own bookkeeping (drafting's VerifyCache), or
+        None. Returns g [B, T, H], normed (what the LM head reads)."""
         fused = torch.cat([self.pre_fc_norm_embedding(next_embeddings), self.pre_fc_norm_hidden(hidden_states)], -1)
         x = self.fc(fused)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
-                                  position_ids=position_ids, layer_idx=depth)
+        mask = attention_mask
+        if mask is None or mask.dim() != 4:
+            mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask, cache=cache,
+                                      position_ids=position_ids, layer_idx=depth)
         tables = self.rotary_emb(x, position_ids)
         layer = self.layers[depth]
         x = layer(x, position_embeddings=tables if torch.compiler.is_compiling() else RotaryTables(pair=tables),

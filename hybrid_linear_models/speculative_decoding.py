@@ -26,13 +26,14 @@ A drafter is any object with `draft(sequences, count) -> [B, count]` (sequences:
 tokens, 1-D) and optionally `vocab_size`; `PromptLookupDrafter` (n-gram lookup in the row's own tokens) and
 `AssistantDrafter` (greedy drafts of a smaller model) are given. A drafter with `observes_hidden_states` true is
 handed the model's final hidden states of every verified position: `start(input_ids, attention_mask, hidden [B, P,
-H], first [B])` after the prefill and `observe(greedy, kept, hidden [B, k, H])` after each round (the model's MTP
-head: `mtp_drafting.MtpBatchDrafter`).
+H], first [B], slots)` after the prefill and `observe(greedy, kept, hidden [B, k, H])` after each round (the model's
+MTP head: `mtp_drafting.MtpBatchDrafter`). One that also has `drafts_on_device` true (the MTP head) drafts from its
+device state alone, without the sequences: each round is `drafting_round`, the next round's drafts made after the
+acceptance in the same forward pass, and in the same captured graph, so the host reads nothing but the tokens gained.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Protocol
@@ -73,12 +74,8 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     positions = cache.positions(tokens)
     position_embeddings = base._position_embeddings(hidden, positions)
     eager = model.config._attn_implementation == "eager"
-    masked = torch.finfo(hidden.dtype).min if eager else -math.inf
-    masks = {}  # the additive mask of each distinct window (None: full attention), built once
-    for window in cache.windows:
-        visible = cache.key_mask(tokens, window)
-        masks[window] = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(~visible,
-                                                                                                         masked)
+    # the additive mask of each distinct window (None: full attention), built once
+    masks = {window: cache.attention_mask(tokens, window, hidden.dtype, eager) for window in cache.windows}
     info = SequenceInfo(batch, tokens, padding_mask=real)
     for layer in base.layers[: model.config.num_hidden_layers]:
         kv = cache.layers[layer.layer_idx]
@@ -129,25 +126,40 @@ def verify_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: torch
     return (greedy, kept, hidden) if with_hidden else (greedy, kept)
 
 
+def drafting_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: torch.Tensor,
+                   drafter) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`verify_round`, then the round handed to a drafter that drafts on the device (`drafts_on_device`: the MTP
+    head) and its drafts for the next round: (greedy [B, k], kept [B], drafts [B, k - 1]). No host synchronisation
+    (capturable)."""
+    greedy, kept, hidden = verify_round(model, cache, input_ids, live, with_hidden=True)
+    drafter.observe(greedy, kept, hidden)
+    return greedy, kept, drafter.draft(None, input_ids.shape[1] - 1)
+
+
 class CapturedVerifyRound:
     """`verify_round` for one (batch, k, cache) captured as a CUDA graph: the inputs copied into its buffers, the
-    graph replayed, its outputs returned. The capture runs the round twice to warm up, from the same cache (saved
-    and put back: `VerifyCache.tensors`), so the cache is as it was after the capture. It is recorded as the
-    decoding step is: its linear layers of at most 16 rows (batch x k) on the decoding GEMV kernel."""
+    graph replayed, its outputs returned; with a drafter that drafts on the device, `drafting_round` (the next
+    round's drafts made in the same graph). The capture runs the round twice to warm up, from the same cache and
+    drafter (saved and put back: `VerifyCache.tensors`, the drafter's `tensors`), so they are as they were after the
+    capture. It is recorded as the decoding step is: its linear layers of at most 16 rows (batch x k) on the
+    decoding GEMV kernel."""
 
-    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False):
+    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False, drafter=None):
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
         self.live = torch.zeros(cache.batch, dtype=torch.bool, device=cache.device)
-        saved = [t.clone() for t in cache.tensors()]
+        state = lambda: cache.tensors() + (drafter.tensors() if drafter is not None else [])
+        saved = [t.clone() for t in state()]
 
         def reset():
-            for tensor, value in zip(cache.tensors(), saved):
+            for tensor, value in zip(state(), saved):
                 tensor.copy_(value)
 
         def run():  # as the decoding step's capture: sparse MoE layers on an experts implementation without host
             # reads, and the products of at most 16 rows (batch x k) through this package's GEMV kernel (kernels_gemv)
             with decode_gemv_mode(cache.device), graph_safe_experts(model.config, model.lm_head.weight.dtype,
                                                                     cache.device.type):
+                if drafter is not None:
+                    return drafting_round(model, cache, self.ids, self.live, drafter)
                 return verify_round(model, cache, self.ids, self.live, with_hidden)
 
         try:
@@ -273,13 +285,17 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     sequences = [row[mask] for row, mask in zip(input_ids.cpu(), real)]
     generated: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
-    round_ = None
+    round_ = draft = None
     observes = getattr(drafter, "observes_hidden_states", False)
+    # a drafter that drafts from device state alone (the MTP head) drafts inside each round: drafting_round
+    on_device = observes and getattr(drafter, "drafts_on_device", False)
     with torch.no_grad():
         if observes:  # (the MTP head's drafter: it reads the model's hidden states of every verified position)
             first_tokens, hidden = prefill(model, cache, input_ids, attention_mask, with_hidden=True)
-            drafter.start(input_ids, attention_mask, hidden, first_tokens)
+            drafter.start(input_ids, attention_mask, hidden, first_tokens, cache.slots)
             first = first_tokens.tolist()
+            if on_device:
+                draft = drafter.draft(None, num_tokens - 1)
         else:
             first = prefill(model, cache, input_ids, attention_mask).tolist()
         last = torch.tensor(first, device=device)
@@ -287,15 +303,25 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
             generated[b].append(token)
             done[b] = token == eos_token_id or max_new_tokens <= 1
         while not all(done):
-            rows = [torch.cat([s, torch.tensor(g, dtype=s.dtype)]) for s, g in zip(sequences, generated)]
-            draft = _check_draft(drafter.draft(rows, num_tokens - 1), batch, num_tokens - 1, model.config.vocab_size)
+            if not on_device:
+                rows = [torch.cat([s, torch.tensor(g, dtype=s.dtype)]) for s, g in zip(sequences, generated)]
+                draft = _check_draft(drafter.draft(rows, num_tokens - 1), batch, num_tokens - 1,
+                                     model.config.vocab_size)
             ids = torch.cat([last[:, None], draft.to(device)], dim=1)
             live = torch.tensor([not d for d in done], device=device)
             if graphs and round_ is None:
-                round_ = CapturedVerifyRound(model, cache, num_tokens, with_hidden=observes)
-            outputs = round_(ids, live) if round_ is not None else verify_round(model, cache, ids, live, observes)
+                round_ = CapturedVerifyRound(model, cache, num_tokens, with_hidden=observes,
+                                             drafter=drafter if on_device else None)
+            if round_ is not None:
+                outputs = round_(ids, live)
+            elif on_device:
+                outputs = drafting_round(model, cache, ids, live, drafter)
+            else:
+                outputs = verify_round(model, cache, ids, live, observes)
             greedy, kept = outputs[:2]
-            if observes:
+            if on_device:
+                draft = outputs[2]
+            elif observes:
                 drafter.observe(greedy, kept, outputs[2])
             kept_host, greedy_host = kept.tolist(), greedy.tolist()
             for b in range(batch):
@@ -392,6 +418,7 @@ __all__ = [
     "assisted_generate_batch",
     "batched_loop_refuses",
     "check_speculative_inputs",
+    "drafting_round",
     "forward_tokens",
     "prefill",
     "speculative_generate",

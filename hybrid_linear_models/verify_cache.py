@@ -25,6 +25,8 @@ a verify step, its acceptance and its restore can be captured in one CUDA graph 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .cache_hybrid_linear import LinearStateLayer
@@ -80,14 +82,16 @@ class VerifyCache:
     """Fixed-size device state of batched speculative decoding with per-row lengths (see the module docstring).
 
     model: a HybridLinearForCausalLM; batch rows; slots per row (the prompt, the new tokens and two verify steps:
-    speculative_generate says why)."""
+    speculative_generate says why); layers: the decoder layers whose states it holds, by their layer_idx (default:
+    the model's; an MTP head passes its own, with the head as `model`: mtp_drafting.MtpBatchDrafter)."""
 
     every_query_sees_a_key = True  # (`key_mask`: a pad's query sees its own slot; attention_one_query relies on it)
 
-    def __init__(self, model, batch: int, slots: int, device: torch.device):
+    def __init__(self, model, batch: int, slots: int, device: torch.device, layers=None):
         config = model.config
+        layers = model.model.layers[: config.num_hidden_layers] if layers is None else layers
         self.layers: list[VerifyKVLayer | VerifyLinearLayer] = []
-        for i, layer in enumerate(model.model.layers[: config.num_hidden_layers]):
+        for i, layer in enumerate(layers):
             if layer.mixer_state == "kv":
                 window = (config.per_layer_config[i].sliding_window
                           if config.layer_types[i] == "sliding_attention" else None)
@@ -139,6 +143,13 @@ class VerifyCache:
         if window is not None:
             visible &= slots > query - window
         return (visible | (slots == query))[:, None]
+
+    def attention_mask(self, tokens: int, window: int | None, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+        """`key_mask` as the additive [B, 1, T, slots] mask the attention layers take: 0 where a query sees a slot,
+        -inf elsewhere (eager attention: the dtype's lowest finite value, as transformers' eager masks)."""
+        visible = self.key_mask(tokens, window)
+        masked = torch.finfo(dtype).min if eager else -math.inf
+        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, masked)
 
     def restore(self, kept: torch.Tensor) -> None:
         """Keeps the first kept[b] tokens of the last forward in row b ([B] on the device, 0 to its tokens)."""

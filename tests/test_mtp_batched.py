@@ -4,21 +4,28 @@ greedy speculative decoding (speculative_decoding.py) with `MtpBatchDrafter` (mt
 What must hold, float64 models:
 - each row's tokens are its plain greedy decoding alone (any drafts: the batched rule), for k = 1..4;
 - a head that always agrees has every draft of every live row accepted; one that never agrees, none;
-- the head's shared cache, with its masked entries (pads, rejected drafts, last round's recursion), gives each row
-  the head's output of a fresh run over that row's accepted tokens alone: every round's first-draft logits equal
-  the head run afresh over the row (the model's hidden states of an uncached forward), to float64 rounding.
+- the head's shared cache, with its per-row lengths (pads, rejected drafts and last round's recursion out of sight),
+  gives each row the head's output of a fresh run over that row's accepted tokens alone: every round's first-draft
+  logits equal the head run afresh over the row (the model's hidden states of an uncached forward), to float64
+  rounding;
+- a round drafts the next round's tokens without reading a device value on the host, so a captured round (CUDA
+  graph; stood in by an eager replay on the CPU) drafts them too, and its rounds are the uncaptured loop's.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import tiny_model
+from model_helpers import HostReadsRefused, replay_rounds_eagerly, tiny_model
 from test_mtp import _head_that_agrees, _head_that_nearly_agrees
-from test_speculative_batched import _alone, _batch
+from test_speculative_batched import GPU_DIMS, _alone, _batch
 
+from hybrid_linear_models import speculative_decoding
 from hybrid_linear_models.mtp_drafting import MtpBatchDrafter
-from hybrid_linear_models.speculative_decoding import speculative_generate
+from hybrid_linear_models.speculative_decoding import (
+    CapturedVerifyRound,
+    speculative_generate,
+)
 
 LAYERS = ["gated_deltanet", "full_attention", "kimi_delta_attention"]
 NEW = 12
@@ -100,8 +107,8 @@ def test_every_first_draft_is_the_head_run_afresh_over_the_rows_accepted_tokens(
             g = model.mtp(hidden[:, :-1], model.model.embed_tokens(sequence[:, 1:]), positions[:, 1:])
             errors.append((got[b] - model.lm_head(g[0, -1]).float()).abs().max().item())
 
-    def checking_start(self, input_ids, attention_mask, hidden, first):
-        start(self, input_ids, attention_mask, hidden, first)
+    def checking_start(self, input_ids, attention_mask, hidden, first, slots):
+        start(self, input_ids, attention_mask, hidden, first, slots)
         for b, token in enumerate(first.tolist()):
             rows[b].append(token)
         check(self)
@@ -132,3 +139,98 @@ def test_batched_mtp_refuses_sampling_in_one_line():
     with pytest.raises(ValueError, match="does not take do_sample=True") as caught:
         model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=True, use_mtp=2)
     assert "\n" not in str(caught.value)
+
+
+def _started(model, ids, mask, num_tokens, slots=40):
+    """A verify cache and an MTP drafter after the prompts, and the first round's tokens [B, num_tokens]."""
+    cache = speculative_decoding.VerifyCache(model, ids.shape[0], slots, ids.device)
+    drafter = MtpBatchDrafter(model)
+    first, hidden = speculative_decoding.prefill(model, cache, ids, mask, with_hidden=True)
+    drafter.start(ids, mask, hidden, first, cache.slots)
+    return cache, drafter, torch.cat([first[:, None], drafter.draft(None, num_tokens - 1)], dim=1)
+
+
+def test_a_drafting_round_reads_nothing_on_the_host():
+    """The round, the head's entries and its next drafts read no device value on the host (what a CUDA graph
+    captures: see test_speculative_batched's verify-round test)."""
+    model = _model()
+    _head_that_nearly_agrees(model)
+    ids, mask = _batch()
+    with torch.no_grad():
+        cache, drafter, step = _started(model, ids, mask, 4)
+        live = torch.ones(3, dtype=torch.bool)
+        with HostReadsRefused():
+            with pytest.raises(AssertionError):  # (the refusal is in place)
+                bool(torch.ones(()))
+            greedy, _kept, drafts = speculative_decoding.drafting_round(model, cache, step, live, drafter)
+    assert drafts.shape == (3, 3) and greedy.shape == (3, 4)
+
+
+def _head_outputs(monkeypatch) -> list[torch.Tensor]:
+    """The head's output g [B, H] at each row's last accepted position after every `MtpBatchDrafter.observe`: what
+    the next drafts are made from (a cache entry at a wrong slot or position, or a stale one in sight, moves it)."""
+    seen = []
+    observe = MtpBatchDrafter.observe
+
+    def recording(self, greedy, kept, hidden):
+        observe(self, greedy, kept, hidden)
+        seen.append(self.g.clone())
+
+    monkeypatch.setattr(MtpBatchDrafter, "observe", recording)
+    return seen
+
+
+@pytest.mark.parametrize("use_mtp", [1, 3])
+@pytest.mark.parametrize("head", ["random", "nearly_right"])
+def test_captured_drafting_rounds_are_the_uncaptured_ones(monkeypatch, use_mtp, head):
+    """`graphs=True` (the capture stood in by an eager replay of the captured function): every round after the first
+    is a replay, which drafts the next round's tokens itself; its head outputs and counts are the uncaptured loop's, and
+    each row is its plain greedy decoding alone."""
+    model = _model()
+    if head == "nearly_right":
+        _head_that_nearly_agrees(model)
+    ids, mask = _batch()
+    runs = {}
+    for graphs in (False, True):
+        outputs, rounds = _head_outputs(monkeypatch), _rounds(monkeypatch)
+        replays = replay_rounds_eagerly(monkeypatch) if graphs else []
+        with torch.no_grad():
+            out = speculative_generate(model, ids, MtpBatchDrafter(model), num_tokens=use_mtp + 1,
+                                       max_new_tokens=NEW, attention_mask=mask, graphs=graphs)
+        runs[graphs] = (out, list(rounds), list(outputs), len(replays))
+    (plain, plain_rounds, plain_g, _), (captured, captured_rounds, captured_g, replayed) = runs.values()
+    assert torch.equal(plain[:, ids.shape[1]:], _alone(model, ids, mask))
+    assert torch.equal(captured, plain)
+    assert replayed == len(plain_rounds) > 1
+    # the captured run's rounds: its capture's two runs (put back after), then one per replay; the same ops on the
+    # same values, so the head's outputs are equal bit for bit
+    assert captured_rounds[2:] == plain_rounds, (captured_rounds, plain_rounds)
+    assert len(captured_g[2:]) == len(plain_g)
+    assert all(torch.equal(a, b) for a, b in zip(captured_g[2:], plain_g))
+    if head == "nearly_right" and use_mtp > 1:
+        assert any(1 < kept < use_mtp + 1 for round_ in plain_rounds for kept in round_), plain_rounds
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_captured_drafting_round_equals_the_uncaptured_one_on_gpu():
+    """On CUDA, bf16: three drafting rounds replayed from their CUDA graph give the tokens, counts, drafts, caches
+    and head state of the same rounds run eagerly from the same start (the same kernels: bit for bit)."""
+    torch.manual_seed(0)
+    model = tiny_model(LAYERS, seed=0, num_mtp_layers=1, **GPU_DIMS).to("cuda", torch.bfloat16)
+    ids, mask = (t.cuda() for t in _batch(seed=7))
+    results = []
+    for captured in (False, True):
+        with torch.no_grad():
+            cache, drafter, step = _started(model, ids, mask, 4)
+            round_ = CapturedVerifyRound(model, cache, 4, drafter=drafter) if captured else None
+            outputs = []
+            live = torch.ones(3, dtype=torch.bool, device="cuda")
+            for _ in range(3):
+                greedy, kept, drafts = (round_(step, live) if captured else
+                                        speculative_decoding.drafting_round(model, cache, step, live, drafter))
+                outputs += [greedy, kept, drafts]
+                step = torch.cat([greedy[torch.arange(3, device="cuda"), kept - 1][:, None], drafts], dim=1)
+        results.append((outputs, [t.clone() for t in cache.tensors() + drafter.tensors()]))
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
+        assert torch.equal(a, b)
