@@ -323,17 +323,17 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
                 draft = outputs[2]
             elif observes:
                 drafter.observe(greedy, kept, outputs[2])
-            kept_host, greedy_host = kept.tolist(), greedy.tolist()
+            last = greedy[torch.arange(batch, device=device), (kept - 1).clamp(min=0)]
+            rows_host = torch.cat([kept[:, None], greedy], dim=1).tolist()  # (one read: the round's only wait)
             for b in range(batch):
                 if done[b]:
                     continue
-                gained = greedy_host[b][: kept_host[b]]
+                gained = rows_host[b][1: 1 + rows_host[b][0]]
                 if eos_token_id is not None and eos_token_id in gained:
                     gained, done[b] = gained[: gained.index(eos_token_id) + 1], True
                 generated[b] += gained
                 if len(generated[b]) >= max_new_tokens:
                     done[b] = True
-            last = greedy[torch.arange(batch, device=device), (kept - 1).clamp(min=0)]
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype)
     for b, tokens in enumerate(generated):
         tokens = tokens[:max_new_tokens]
