@@ -10,7 +10,8 @@ at that length), and counts what ran during the call:
 - the seconds spent in this package's graph decoder and graph prefill captures (their `_capture` methods).
 The difference between first and warm is the stall; the counts say what it is made of.
 
-    python benchmarks/diagnose_first_calls.py [--device cuda] [--model gdn|kda] [--lengths 1000 1537 3000 ...]
+    python benchmarks/diagnose_first_calls.py [--device cuda] [--model gdn|kda|qwen3-next-fp8|kimi-linear]
+        [--lengths 1000 1537 3000 ...]
         [--caches default static] [--new-tokens 2] [--batch 1] [--package-warm-up MAX_LENGTH] [--tiny]
 
 `--package-warm-up MAX_LENGTH` calls `model.warm_up(max_batch_size=--batch, max_length=MAX_LENGTH)` first: the rows
@@ -31,6 +32,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+FLAGSHIPS = ("qwen3-next-fp8", "kimi-linear")  # the released flagships at full size (flagship_models.py)
+
+
+def flagship_fields(name: str, tiny: bool) -> dict:
+    from flagship_models import kimi_linear_fields, qwen3_next_fields
+
+    return qwen3_next_fields(tiny=tiny, fp8=True) if name == "qwen3-next-fp8" else kimi_linear_fields(tiny=tiny)
 
 
 class Counters:
@@ -119,6 +129,11 @@ def build(name: str, tiny: bool, device, dtype, on_device: bool = False):
     from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, gdn_pair, kda_pair
 
     torch.manual_seed(0)
+    if name in FLAGSHIPS:  # (flagship_models: random weights drawn on the device, FP8 where the config says)
+        from flagship_models import build_ours
+
+        model = build_ours(flagship_fields(name, tiny), device, dtype)
+        return model, model.config.vocab_size
     sizes = {"gdn": (gdn_pair, TINY_GDN, GPU_GDN), "kda": (kda_pair, TINY_KDA, GPU_KDA)}[name]
     config, _ = sizes[0](**(sizes[1] if tiny else sizes[2]))
     with torch.device(device if on_device else "cpu"):
@@ -130,7 +145,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--model", choices=("gdn", "kda"), default="gdn")
+    parser.add_argument("--model", choices=("gdn", "kda", *FLAGSHIPS), default="gdn",
+                        help="a benchmark model, or a released flagship at full size (random weights)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 1537, 3000, 7000, 16000])
     parser.add_argument("--caches", nargs="+", choices=("default", "static"), default=["static", "default"])
     parser.add_argument("--new-tokens", type=int, default=2)

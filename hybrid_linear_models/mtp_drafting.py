@@ -210,7 +210,7 @@ class MtpBatchDrafter:
         entry's position is its slot's less the padding, plus one (the token it embeds is the next one). Returns g
         [B, T, H]."""
         cache, dtype = self.cache, self.embed.weight.dtype
-        eager = self.model.config._attn_implementation == "eager"
+        eager = self.head.config._attn_implementation == "eager"  # (what the head's attention runs)
         mask = cache.attention_mask(tokens.shape[1], None, dtype, eager)
         return self.head(hidden.to(dtype), self.embed(tokens), cache.positions(tokens.shape[1]) + 1,
                          attention_mask=mask, cache=cache)

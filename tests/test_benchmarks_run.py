@@ -59,6 +59,8 @@ RUNS = [
     ("count_decode_ops.py", ["--model", "kimi", "--eager"], ["kernels per eager decoding step"]),
     ("count_decode_ops.py", ["--verify", "4"], ["kernels in a verify round of 4 tokens", "in the captured decoding"]),
     ("diagnose_first_calls.py", ["--tiny"], ["pkg capture s", "forward      40 |"]),
+    ("diagnose_first_calls.py", ["--tiny", "--model", "qwen3-next-fp8", "--caches", "static"],
+     ["model qwen3-next-fp8", "  static      33 |"]),
     ("decode_host_overhead.py", ["--tokens", "4", "--models", "gdn"], ["of host time per token around the replay"]),
     ("profile_decode_step.py", [], ["skipped, it profiles replays of captured CUDA graphs and needs a CUDA device"]),
     ("profile_gpu.py", ["--tiny"], ["ours training step", "transformers eager decoding step",
