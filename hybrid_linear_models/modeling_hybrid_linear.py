@@ -165,15 +165,16 @@ class HybridLinearDecoderLayer(GradientCheckpointingLayer):
 
     def decode(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, position_embeddings,
                attention_mask: torch.Tensor | None, sequence_info: SequenceInfo,
-               cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a decoding step, its last residual add left to the next norm: takes the previous layer's
-        (MLP output, residual) (residual None for the first layer: hidden_states is the embedding) and returns its own,
-        whose sum is what `forward` returns. The input norm adds them in its kernel (one kernel less per layer)."""
+               cache: Cache, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decoding step (and a speculative round: speculative_decoding.forward_tokens), its last
+        residual add left to the next norm: takes the previous layer's (MLP output, residual) (residual None for the
+        first layer: hidden_states is the embedding) and returns its own, whose sum is what `forward` returns. The
+        input norm adds them in its kernel (one kernel less per layer)."""
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual=residual)
-        hidden_states = self._mix(hidden_states, position_embeddings, attention_mask, sequence_info, cache)
+        hidden_states = self._mix(hidden_states, position_embeddings, attention_mask, sequence_info, cache, **kwargs)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
         return self.mlp(hidden_states), residual
 

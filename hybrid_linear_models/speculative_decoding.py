@@ -77,18 +77,24 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     # the additive mask of each distinct window (None: full attention), built once
     masks = {window: cache.attention_mask(tokens, window, hidden.dtype, eager) for window in cache.windows}
     info = SequenceInfo(batch, tokens, padding_mask=real)
+    residual = None  # each layer's last residual add is done by the next norm, as in a decoding step
     for layer in base.layers[: model.config.num_hidden_layers]:
         kv = cache.layers[layer.layer_idx]
         rotary = base.rotary_of_layer[layer.layer_idx]
-        hidden = layer(hidden, position_embeddings=position_embeddings[rotary] if rotary is not None else None,
-                       attention_mask=masks[kv.window] if layer.mixer_state == "kv" else None,
-                       sequence_info=info, cache=cache, position_ids=positions)
+        hidden, residual = layer.decode(hidden, residual, position_embeddings[rotary] if rotary is not None else None,
+                                        masks[kv.window] if layer.mixer_state == "kv" else None, info, cache,
+                                        position_ids=positions)
     if with_hidden:
-        hidden = base.norm(hidden)
+        hidden = _final_norm(base, hidden, residual)
         return model.lm_head(hidden[:, -1:] if last_only else hidden), hidden
     if last_only:
-        hidden = hidden[:, -1:]
-    return model.lm_head(base.norm(hidden))
+        hidden, residual = hidden[:, -1:], residual[:, -1:] if residual is not None else None
+    return model.lm_head(_final_norm(base, hidden, residual))
+
+
+def _final_norm(base, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The model's final norm of the last layer's (MLP output, residual), their sum done in the norm's kernel."""
+    return base.norm(hidden) if residual is None else base.norm(hidden, residual=residual)[0]
 
 
 def prefill(model, cache: VerifyCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
