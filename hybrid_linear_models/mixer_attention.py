@@ -46,6 +46,14 @@ if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype, eager: bool) -> torch.Tensor:
+    """A bool attention mask (True: attended) as the additive one the attention layers add: 0 where visible, else
+    -inf, or for eager attention the dtype's lowest finite value (transformers' eager masks; sdpa gives the same scores
+    either way)."""
+    masked = torch.finfo(dtype).min if eager else -math.inf
+    return torch.full(visible.shape, masked, dtype=dtype, device=visible.device).masked_fill_(visible, 0.0)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

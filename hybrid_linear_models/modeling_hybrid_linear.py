@@ -46,6 +46,7 @@ from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
 from .fp8_layers import init_fp8_weights, quantize_module, quantize_modules
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
+from .mixer_attention import additive_mask
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
 from .mlp_dense import HybridLinearMLP  # noqa: F401  (defined with its registration in mlp_dense; importable here too)
@@ -294,11 +295,6 @@ def _is_padded(attention_mask) -> bool:
     return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and may_hold_padding(attention_mask)
 
 
-def _additive_mask(visible: torch.Tensor, dtype: torch.dtype, masked: float) -> torch.Tensor:
-    """A bool attention mask (True: attended) as the additive one: 0 where visible, `masked` elsewhere."""
-    return torch.full(visible.shape, masked, dtype=dtype, device=visible.device).masked_fill_(visible, 0.0)
-
-
 def _positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Positions restarting at 0 at every document start, so attention masks keep packed documents apart."""
     starts = cu_seqlens[:-1].long()
@@ -514,7 +510,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 real_keys = torch.nn.functional.pad(real, (0, slots - length))[:, None, None, :]
                 mask = (mask & real_keys) | (keys == queries)  # [B, 1, T, slots]
             if self.config._attn_implementation == "eager":  # (an additive mask; sdpa takes the bool one)
-                mask = _additive_mask(mask, hidden_states.dtype, torch.finfo(hidden_states.dtype).min)
+                mask = additive_mask(mask, hidden_states.dtype, eager=True)
         info = SequenceInfo(batch, length, padding_mask=real)
         for layer in self.layers[: self.config.num_hidden_layers]:
             rotary = self.rotary_of_layer[layer.layer_idx]
@@ -536,9 +532,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             """The additive mask each attention layer of the step adds, built once per step: eager attention's (finfo
             min where masked), or for sdpa the -inf/0 mask sdpa would otherwise build from a bool mask in every
             layer (the same values: the same scores)."""
-            eager = self.config._attn_implementation == "eager"
-            return _additive_mask(mask[:, None, None, :], hidden_states.dtype,
-                                  torch.finfo(hidden_states.dtype).min if eager else -math.inf)
+            return additive_mask(mask[:, None, None, :], hidden_states.dtype,
+                                 eager=self.config._attn_implementation == "eager")
 
         full_mask = attention_mask_of(key_mask)
         window_masks = windows.masks(attention_mask_of) if windows is not None else {}

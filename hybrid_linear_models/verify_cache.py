@@ -25,11 +25,10 @@ a verify step, its acceptance and its restore can be captured in one CUDA graph 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .cache_hybrid_linear import LinearStateLayer
+from .mixer_attention import additive_mask
 from .state_rollback import MAX_ROLLBACK_TOKENS
 
 
@@ -147,9 +146,7 @@ class VerifyCache:
     def attention_mask(self, tokens: int, window: int | None, dtype: torch.dtype, eager: bool) -> torch.Tensor:
         """`key_mask` as the additive [B, 1, T, slots] mask the attention layers take: 0 where a query sees a slot,
         -inf elsewhere (eager attention: the dtype's lowest finite value, as transformers' eager masks)."""
-        visible = self.key_mask(tokens, window)
-        masked = torch.finfo(dtype).min if eager else -math.inf
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, masked)
+        return additive_mask(self.key_mask(tokens, window), dtype, eager)
 
     def restore(self, kept: torch.Tensor) -> None:
         """Keeps the first kept[b] tokens of the last forward in row b ([B] on the device, 0 to its tokens)."""
