@@ -198,7 +198,8 @@ class MtpBatchDrafter:
                 g = self._run(g[:, None], drafts[-1][:, None])[:, -1]
                 self.cache.lengths.add_(1)
             drafts.append(self.model.lm_head(g).argmax(-1))
-        self.cache.lengths.sub_(count - 1)
+        if count > 1:
+            self.cache.lengths.sub_(count - 1)
         return torch.stack(drafts, dim=1)
 
     def tensors(self) -> list[torch.Tensor]:
