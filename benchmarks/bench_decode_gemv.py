@@ -5,8 +5,10 @@ time against the GPU's bandwidth. cuBLAS picks a kernel per problem layout: prof
 product running at 3.3 TB/s for one width and 0.33 TB/s for another (Kimi-Linear's shared expert, 1024 x 2048, 12.7
 us). For each weight shape of the benchmark models this times, in one run, CUDA-graph replays of:
 - linear: F.linear(x, W)  (cuBLAS, what nn.Linear does);
-- triton: this package's Triton GEMV (`kernels_gemv_triton`: at batch 1 its one-row form, else its tl.dot form;
-  captured decoding steps run it within the widths of `kernels_gemv.WIDEST_OUTPUTS`), autotuned first;
+- triton: this package's Triton GEMV in the form `kernels_gemv.form` picks (`kernels_gemv_triton`: at batch 1 its
+  one-row form; 2 to 8 rows its elementwise form up to 2,048 outputs; else its tl.dot form; captured decoding steps
+  run it within the widths of `kernels_gemv.WIDEST_OUTPUTS`), autotuned first;
+- elementwise (batches of 2 to 8): the elementwise form at every width, whether it should take wider products;
 and prints microseconds per product, the share of `--bandwidth-gbs` (bf16) and which is faster. The "gathered" row is
 GDN's decoding input projection with its outputs regrouped (a permutation): F.linear then index_select against the
 kernel reading the weight rows in that order (`kernels_gemv.linear_rows`); the "with SwiGLU" row is the MLP's gate
@@ -18,7 +20,7 @@ Without CUDA it says so and exits; `--tiny` then runs its forms on the CPU inste
 float32, timed by the host clock; the Triton form only where triton imports): a smoke test of this script, whose
 shares of the bandwidth mean nothing there.
 
-    python benchmarks/bench_decode_gemv.py [--batches 1 16] [--bandwidth-gbs 4800] [--tiny]
+    python benchmarks/bench_decode_gemv.py [--batches 1 4 16] [--bandwidth-gbs 4800] [--tiny]
 """
 
 from __future__ import annotations
@@ -86,17 +88,31 @@ def time_replays(fn, repeats: int) -> float:
     return start.elapsed_time(end) * 1e3 / repeats
 
 
-def tuned_config(batch: int) -> str:
-    """The configuration the Triton GEMV's autotuner chose last for this batch's form (BLOCK_N, BLOCK_K, warps,
-    stages), or '' without triton."""
+def elementwise_at_any_width(run):
+    """run() with the Triton GEMV's elementwise form of a few rows taken at any width (the "elementwise" column:
+    where it beats the form `kernels_gemv.WIDEST_OUTPUTS` picks past its widest outputs)."""
+    from hybrid_linear_models import kernels_gemv
+
+    widest = kernels_gemv.WIDEST_OUTPUTS["few_rows"]
+    kernels_gemv.WIDEST_OUTPUTS["few_rows"] = None
+    try:
+        return run()
+    finally:
+        kernels_gemv.WIDEST_OUTPUTS["few_rows"] = widest
+
+
+def tuned_config(batch: int, outputs: int) -> str:
+    """The form of the Triton GEMV for this batch and width (kernels_gemv.form) and the configuration its autotuner
+    chose last (BLOCK_N, BLOCK_K, warps, stages), or '' without triton."""
     try:
         from hybrid_linear_models import kernels_gemv_triton as kernel
     except ImportError:
         return ""
-    config = getattr(kernel._tuned_one_row if batch == 1 else kernel._tuned_rows, "best_config", None)
+    kind = kernel.form(batch, outputs)
+    config = getattr(kernel._FORMS[kind][0], "best_config", None)
     if config is None:
         return ""
-    return f"{config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
+    return f"{kind} {config.kwargs['BLOCK_N']}x{config.kwargs['BLOCK_K']} w{config.num_warps} s{config.num_stages}"
 
 
 def main() -> None:
@@ -114,6 +130,7 @@ def main() -> None:
     # the kernels' tuned configurations are what this compares (kernel_tuning); HYBRID_LINEAR_AUTOTUNE=0 times the
     # default ones instead
     os.environ.setdefault("HYBRID_LINEAR_AUTOTUNE", "1")
+    from hybrid_linear_models import kernels_gemv
     from hybrid_linear_models.kernels_gemv import (swiglu_pair_rows, torch_linear_rows, torch_linear_swiglu,
                                                    triton_gemv_kernel)
 
@@ -121,6 +138,9 @@ def main() -> None:
                                                   else torch_linear_rows(x, w, None, rows))
     if device.type == "cuda" and triton_gemv_kernel() is not None:
         FORMS["triton"] = lambda x, w, rows, swiglu: triton_gemv_kernel()(x, w, None, rows, swiglu_pairs=swiglu)
+        if any(1 < batch <= kernels_gemv.FEW_ROWS for batch in args.batches):
+            FORMS["elementwise"] = lambda x, w, rows, swiglu: elementwise_at_any_width(
+                lambda: triton_gemv_kernel()(x, w, None, rows, swiglu_pairs=swiglu))
     else:
         print("the Triton GEMV: skipped, it runs on CUDA tensors only")
     print(f"{'weight':24s} {'out x in':>12s} {'batch':>5s} " + " ".join(f"{f + ' us':>11s} {'share':>6s}" for f in FORMS)
@@ -145,7 +165,7 @@ def main() -> None:
                              for us in figures.values())
             best = min(figures, key=figures.get)
             print(f"{name:24s} {f'{out}x{inp}':>12s} {batch:>5d} {cells}  {best} "
-                  f"{figures['linear'] / figures[best]:.2f}x  {tuned_config(batch)}")
+                  f"{figures['linear'] / figures[best]:.2f}x  {tuned_config(batch, out // 2 if swiglu else out)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 - kernels per step;
 - the `--top` kernels by device time per step, with their count per step and share of the kernel time;
 - with `--trace DIR`, one replayed step's kernels in launch order with their durations (DIR/decode_<model>.txt);
+- with `--verify K ...`, the same accounting for a replayed speculative verify round of K tokens per row
+  (speculative_decoding.CapturedVerifyRound: the forward, the greedy acceptance and the restore of every GDN/KDA state;
+  random drafts) on the same model, beside the step's: what makes a round cost more than the step (its trace in
+  DIR/verify<K>_<model>.txt);
 - with `--prefill N ...`, the same accounting for uncaptured batch-1 prefills of N tokens (wall against kernel time:
   how much of a prefill is host launch overhead rather than GPU work);
 - with `--ab KIND ...`, instead, each model's replayed step captured without and with one of this package's decoding
@@ -36,7 +40,7 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi qwen3-next-fp8 kimi-48b] [--prompt 512]
         [--steps 20] [--top 25] [--trace DIR] [--prefill 1024 8192] [--generate 64] [--batch 16]
-        [--ab gemv attention in_place norm pdl conv gated_norm routed] [--flagship-layers 4]
+        [--ab gemv attention in_place norm pdl conv gated_norm routed] [--flagship-layers 4] [--verify 2 4]
 """
 
 from __future__ import annotations
@@ -259,8 +263,57 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int, layers: in
               f"kernels, GPU idle {(end - start) / 1e3 / turns - busy:.3f} ms")
 
 
+def profiled_replays(label: str, replay, steps: int, top: int, trace: Path | None, trace_name: str) -> float:
+    """Wall ms per `replay()` over `steps` calls, then a profile of as many: kernel time, idle time, kernels per
+    call, the `top` kernels, and with `trace` the last call's kernels in launch order (trace/trace_name). Returns
+    the wall ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for _ in range(3):
+            replay()
+        wall_ms = timed_ms(replay, steps)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                replay()
+            torch.cuda.synchronize()
+    kernels = kernel_events(prof)
+    total = sum(e.device_time_total for e in kernels) / 1e3 / steps
+    print(f"\n{label}: wall {wall_ms:.3f} ms ({1e3 / wall_ms:.0f} per s), kernels {total:.3f} ms, idle between "
+          f"kernels {wall_ms - total:.3f} ms, {len(kernels) / steps:.0f} kernels")
+    print_ranked(kernels, steps, top)
+    if trace is not None:  # the last call, kernel by kernel in launch order
+        per_call = len(kernels) // steps
+        trace.mkdir(parents=True, exist_ok=True)
+        with open(trace / trace_name, "w") as file:
+            for event in kernels[-per_call:]:
+                file.write(f"{event.device_time_total:8.2f} us  {event.name[:160]}\n")
+    return wall_ms
+
+
+def profile_verify(model, name: str, input_ids: torch.Tensor, width: int, steps: int, top: int,
+                   trace: Path | None, step_wall_ms: float) -> None:
+    """Replayed verify rounds of `width` tokens per row (random drafts: a row keeps about one token a round) on a
+    VerifyCache after the prompt, profiled as the step is."""
+    from hybrid_linear_models.speculative_decoding import CapturedVerifyRound, prefill
+    from hybrid_linear_models.verify_cache import VerifyCache
+
+    batch, prompt = input_ids.shape
+    cache = VerifyCache(model, batch, prompt + width * (2 * steps + 8) + 8, input_ids.device)
+    with torch.no_grad():
+        first = prefill(model, cache, input_ids, None)
+        drafts = torch.randint(1, model.config.vocab_size, (batch, width - 1), device=input_ids.device)
+        ids = torch.cat([first[:, None], drafts], dim=1)
+        live = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        round_ = CapturedVerifyRound(model, cache, width)
+        wall = profiled_replays(f"{name}: verify round of {width} tokens, batch {batch}", lambda: round_(ids, live),
+                                steps, top, trace, f"verify{width}_{name}.txt")
+    print(f"verify({width}) / step = {wall / step_wall_ms:.2f}")
+
+
 def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | None = None,
-                  prefills: tuple[int, ...] = (), batch: int = 1, layers: int = FLAGSHIP_LAYERS) -> None:
+                  prefills: tuple[int, ...] = (), batch: int = 1, layers: int = FLAGSHIP_LAYERS,
+                  verify: tuple[int, ...] = ()) -> None:
     model, input_ids = model_and_prompt(name, prompt, batch, layers)
     # every step below writes one slot: the capture, 3 warm-ups, `steps` timed and `steps` profiled
     cache = StaticCache(config=model.config, max_cache_len=prompt + 4 + 2 * steps)
@@ -269,33 +322,15 @@ def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | No
         model(input_ids=input_ids, cache=cache, use_cache=True)
         model(input_ids=token, cache=cache, use_cache=True)  # captured here
         assert model._graph_decoder.last_graph is not None, "the step was not captured"
-        for _ in range(3):
-            model(input_ids=token, cache=cache, use_cache=True)
-        wall_ms = step_ms(model, cache, token, steps)
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                model(input_ids=token, cache=cache, use_cache=True)
-            torch.cuda.synchronize()
-    kernels = kernel_events(prof)
-    total = sum(e.device_time_total for e in kernels) / 1e3 / steps
     params = sum(p.numel() for p in model.parameters())
-    print(f"\n{name}: {params / 1e6:.0f}M params, prompt {prompt}, batch {batch}: wall {wall_ms:.3f} ms/step "
-          f"({1e3 / wall_ms:.0f} tok/s), kernels {total:.3f} ms/step, idle between kernels {wall_ms - total:.3f} ms, "
-          f"{len(kernels) / steps:.0f} kernels/step")
-    print_ranked(kernels, steps, top)
-    if trace is not None:  # the last replayed step, kernel by kernel in launch order
-        per_step = len(kernels) // steps
-        trace.mkdir(parents=True, exist_ok=True)
-        with open(trace / f"decode_{name}.txt", "w") as file:
-            for event in kernels[-per_step:]:
-                file.write(f"{event.device_time_total:8.2f} us  {event.name[:160]}\n")
-    del cache
+    wall_ms = profiled_replays(f"{name}: {params / 1e6:.0f}M params, prompt {prompt}, batch {batch}, decoding step",
+                               lambda: model(input_ids=token, cache=cache, use_cache=True), steps, top, trace,
+                               f"decode_{name}.txt")
+    cache = None  # (freed before the rounds' and the prefills' caches are made)
+    for width in verify:
+        profile_verify(model, name, input_ids, width, steps, top, trace, wall_ms)
     for length in prefills:
         profile_prefill(model, name, length, top)
-    del model
-    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -309,6 +344,8 @@ def main() -> None:
                         help="the first layers of a flagship (qwen3-next-fp8, kimi-48b) to build")
     parser.add_argument("--trace", type=Path, default=None, help="folder for each model's kernels of one step")
     parser.add_argument("--prefill", type=int, nargs="*", default=[], help="also profile prefills of these lengths")
+    parser.add_argument("--verify", type=int, nargs="*", default=[], metavar="K",
+                        help="also profile replayed verify rounds of K tokens per row")
     parser.add_argument("--ab", nargs="*", default=[], choices=sorted(SWITCHES),
                         help="instead: each model's replayed step without and with these kernels, in turn")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
@@ -329,7 +366,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 continue
             profile_model(name, args.prompt, args.steps, args.top, args.trace, tuple(args.prefill), args.batch,
-                          args.flagship_layers)
+                          args.flagship_layers, tuple(args.verify))
+            torch.cuda.empty_cache()  # (the model is freed on the return)
         except Exception as error:  # one model's failure must not cost the others' figures in a GPU call
             print(f"\n{name}: failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
             torch.cuda.empty_cache()

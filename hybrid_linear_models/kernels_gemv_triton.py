@@ -10,12 +10,16 @@ Imported only for CUDA tensors (`kernels_gemv`), since importing triton needs a 
 output columns (weight rows, optionally picked through an index: a gather of the product's outputs costs nothing
 here, since the weight rows are read whole in any order) and streams their K inputs in BLOCK_K slices; the weight is
 read once and no second kernel reduces or casts partial sums. Two forms of one kernel:
-- one row of x (batch-1 decoding): elementwise products accumulated in a [BLOCK_N, BLOCK_K] float32 tile, summed
+- up to FEW_ROWS rows of x (batch-1 decoding; a speculative verify round of a few tokens) and, past one row, up to
+  `kernels_gemv.WIDEST_OUTPUTS["few_rows"]` outputs (`kernels_gemv.form`): elementwise products
+  accumulated in a [ROWS, BLOCK_N, BLOCK_K] float32 tile (the rows padded to a power of two: 1, 2, 4 or 8), summed
   over K once at the end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight then spreads over
   hundreds of programs, several per SM, whose loads together keep enough bytes in flight to approach the bandwidth
-  (a 16-row `tl.dot` tile gives 128 programs for 132 SMs, one weight block each, and under half of it);
-- up to 16 rows: the rows padded to 16 (masked loads, no memory traffic) so one `tl.dot` per slice runs on the tensor
-  cores, software-pipelined by `num_stages`.
+  (a 16-row `tl.dot` tile gives 128 programs for 132 SMs, one weight block each, and under half of it). Each weight
+  element is used for ROWS products: at 8 rows and the H200's bandwidth that is about 60% of its float32 FMA rate,
+  hence no more rows in this form;
+- else (up to 16 rows): the rows padded to 16 (masked loads, no memory traffic) so one `tl.dot` per slice runs on the
+  tensor cores, software-pipelined by `num_stages`.
 With a convolution (`kernels_gemv.linear_conv_step`), output columns below C are the short convolution's decoding
 step of the products, run in the epilogue (`_store_convolved`); each program reads its channels' kernels and window
 before its sums, and writes the stepped window back.
@@ -47,6 +51,7 @@ except ImportError as error:
     raise ImportError("the Triton GEMV needs triton (a CUDA machine); decoding GEMVs run through cuBLAS") from error
 
 from .kernel_tuning import launch
+from .kernels_gemv import FEW_ROWS, form
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 ROWS = 16  # x rows handled by the tl.dot form (padded to this many)
@@ -56,6 +61,12 @@ _ONE_ROW_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in ((2, 1024, 4, 1), (2, 2048, 4, 1), (4, 512, 4, 1), (4, 512, 4, 3), (4, 2048, 8, 1),
                        (8, 512, 4, 1), (8, 256, 2, 1), (16, 256, 4, 1))
+]
+# the elementwise form for 2 to FEW_ROWS rows: its tile holds ROWS x BLOCK_N x BLOCK_K float32 sums (at most 64 a thread)
+_FEW_ROWS_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in ((2, 512, 4, 1), (2, 1024, 8, 1), (2, 256, 4, 1), (4, 256, 4, 1), (4, 512, 8, 1),
+                       (8, 128, 4, 1), (2, 256, 2, 1))
 ]
 _ROWS_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
@@ -106,7 +117,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
                  conv_w_ptr, window_ptr, stride_window, C,
                  HAS_BIAS: tl.constexpr, HAS_INDEX: tl.constexpr, SWIGLU_PAIRS: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KW: tl.constexpr = 0, BLOCK_KW: tl.constexpr = 1,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, FEW_ROWS: tl.constexpr = FEW_ROWS):
     # Until await_previous_kernel only the row index, the weight and the convolution's kernels and window are read
     # (no kernel of a step writes them before this one), so with PDL they are on their way while the kernel ahead
     # finishes (kernels_launch_triton)
@@ -139,6 +150,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, index_ptr, y_ptr, M, N, K, stride_xm, stri
             w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
                         mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
         acc = tl.sum(tile, axis=1)[None, :]
+    elif ROWS <= FEW_ROWS:  # the one-row form for each of a few rows, every weight slice read once for all of them
+        tile = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :], mask=in_range[:, None] & (ks[None, :] < K),
+                    other=0.0)
+        await_previous_kernel(PDL)
+        for start in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & (ks[None, :] < K),
+                        other=0.0)
+            tile += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            ks += BLOCK_K
+            w = tl.load(w_ptr + w_rows[:, None] * stride_wn + ks[None, :],
+                        mask=in_range[:, None] & (ks[None, :] < K), other=0.0)
+        acc = tl.sum(tile, axis=2)
     else:
         await_previous_kernel(PDL)
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
@@ -167,20 +192,26 @@ def _timed(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
-def _autotuned(configs: list) -> triton.runtime.Autotuner:
-    """The kernel autotuned over `configs` per _KEY, with the timing and the on-disk cache of the results where this
+def _autotuned(configs: list, key: list[str]) -> triton.runtime.Autotuner:
+    """The kernel autotuned over `configs` per `key`, with the timing and the on-disk cache of the results where this
     triton's autotune offers them (older ones: its defaults)."""
     offered = inspect.signature(triton.autotune).parameters
     options = {name: value for name, value in (("do_bench", _timed), ("cache_results", True)) if name in offered}
-    return triton.autotune(configs=configs, key=_KEY, **options)(_gemv_kernel)
+    return triton.autotune(configs=configs, key=key, **options)(_gemv_kernel)
 
 
 _KEY = ["N", "K", "HAS_BIAS", "HAS_INDEX", "SWIGLU_PAIRS", "KW"]
-_tuned_one_row = _autotuned(_ONE_ROW_CONFIGS)
-_tuned_rows = _autotuned(_ROWS_CONFIGS)
-# what a call outside `kernel_tuning.autotuning()` runs: the first configuration of each form (the one-row form's is
-# the tuning's usual H200 choice, see the module docstring)
-_DEFAULTS = {True: _ONE_ROW_CONFIGS[0], False: _ROWS_CONFIGS[0]}
+# per form ("one_row", "few_rows", "rows"): its autotuner, and what a call outside `kernel_tuning.autotuning()` runs,
+# the form's first configuration (the one-row form's is the tuning's usual H200 choice, see the module docstring);
+# the few-rows form is tuned per padded row count too
+_FORMS = {"one_row": (_autotuned(_ONE_ROW_CONFIGS, _KEY), _ONE_ROW_CONFIGS[0]),
+          "few_rows": (_autotuned(_FEW_ROWS_CONFIGS, [*_KEY, "ROWS"]), _FEW_ROWS_CONFIGS[0]),
+          "rows": (_autotuned(_ROWS_CONFIGS, _KEY), _ROWS_CONFIGS[0])}
+
+
+def padded_rows(m: int, kind: str) -> int:
+    """The rows the kernel computes for m rows of x in form `kind`: 1; a power of two up to FEW_ROWS; else ROWS."""
+    return {"one_row": 1, "few_rows": triton.next_power_of_2(m), "rows": ROWS}[kind]
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one fixed configuration, no timing
 
 
@@ -195,24 +226,25 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     `convolution` (kernels [C, KW], window [M, C, KW], both contiguous, C <= N): output columns below C are the short
     convolution's decoding step of the products (silu(sum over the taps of [window[..., 1:], product] * kernel)), and
     the window is updated in place (see the module docstring).
-    `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for more
-    than one row, even for pairs); triton's interpreter runs (16, 128) by default."""
+    `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for the
+    tl.dot form, `kernels_gemv.form`; even for pairs); triton's interpreter runs (16, 128) by default."""
     M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0] if rows is None else rows.shape[0]
+    kind = form(M, N)
     y = torch.empty(M, N // 2 if swiglu_pairs else N, device=x.device, dtype=x.dtype)
     taps, window = convolution if convolution is not None else (weight, weight)  # (unread without a convolution)
     channels, width = taps.shape if convolution is not None else (0, 0)
     args = (x, weight, bias if bias is not None else weight, rows if rows is not None else weight, y, M, N, K,
             x.stride(0), weight.stride(0), y.stride(0), taps, window, window.stride(0), channels)
     flags = dict(HAS_BIAS=bias is not None, HAS_INDEX=rows is not None, SWIGLU_PAIRS=swiglu_pairs, KW=width,
-                 BLOCK_KW=triton.next_power_of_2(max(width, 1)), ROWS=1 if M == 1 else ROWS,
+                 BLOCK_KW=triton.next_power_of_2(max(width, 1)), ROWS=padded_rows(M, kind),
                  **dependent_launch(x.device))
     if blocks is None and _INTERPRETED:
         blocks = (16, 128)
     if blocks is not None:
         _gemv_kernel[(triton.cdiv(N, blocks[0]),)](*args, **flags, BLOCK_N=blocks[0], BLOCK_K=blocks[1])
     else:
-        key = ("gemv", M == 1, N, K, bias is not None, rows is not None, swiglu_pairs, width)
-        launch(_tuned_one_row if M == 1 else _tuned_rows, _gemv_kernel, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),),
-               key, _DEFAULTS[M == 1], args, flags)
+        autotuner, default = _FORMS[kind]
+        key = ("gemv", flags["ROWS"], N, K, bias is not None, rows is not None, swiglu_pairs, width)
+        launch(autotuner, _gemv_kernel, lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),), key, default, args, flags)
     return y

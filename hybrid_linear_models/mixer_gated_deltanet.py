@@ -11,12 +11,13 @@ token, and a checkpoint that stores them in float32 keeps their values (a bf16 o
 head h, whose r = Hv / Hk value heads are contiguous), so a row shard holds whole heads: under tensor parallelism a
 rank computes a block of key heads with their value heads (see `tensor_parallel_heads`).
 
-A speculative verify round (`fused_projections.stacks_projections`) runs both projections as one GEMM. A decoding step
-(one token per row, no gradient) runs them as one GEMM (`fused_projections`) whose outputs are taken in the flat order
-[q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as contiguous slices (the grouped split
-would need a copy for z and for a): a gather after the GEMM, or none in a captured step, whose GEMV kernel reads the
-weight rows in that order (`kernels_gemv.linear_rows`) and runs the convolution's step on the [q | k | v] outputs in its
-epilogue (`kernels_gemv.linear_conv_step`); beta's sigmoid runs inside the recurrent kernel.
+A decoding step (one token per row, no gradient) and a speculative verify round (a few tokens per row:
+`fused_projections.stacks_projections`) run both projections as one GEMM (`fused_projections`) whose outputs are
+taken in the flat order [q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as slices
+(the grouped split would need a copy for z and for a): a gather after the GEMM, or none in a captured step or round,
+whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`); a step's GEMV also runs the
+convolution's step on the [q | k | v] outputs in its epilogue (`kernels_gemv.linear_conv_step`). beta's sigmoid runs
+inside the recurrent kernel.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ class HybridLinearGatedDeltaNet(nn.Module):
             self._channel_index[key] = torch.cat([p.reshape(-1) for p in parts])
         return self._channel_index[key]
 
-    def _decoding_step(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None):
-        """One token per row, no gradient, all heads: the same math as `forward`, with one GEMM (and a gather) for
-        the input projections (see the module docstring)."""
+    def _stacked_forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None):
+        """A decoding step or a verify round (no gradient, all heads): the same math as `forward`, with one GEMM
+        (and a gather) for the input projections (see the module docstring)."""
         B, T = hidden_states.shape[:2]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, rest, conv_weight = project_for_convolution(
@@ -123,14 +124,11 @@ class HybridLinearGatedDeltaNet(nn.Module):
         r, dk, dv = self.values_per_key, self.head_k_dim, self.head_v_dim
         # key heads (all of them unless tensor parallel)
         heads = local_heads(self.in_proj_qkvz, self.num_k_heads, self.layer_idx, "gdn_num_key_heads")
-        if T == 1 and not heads.sharded and self._in_proj.applies(hidden_states, (self.in_proj_qkvz, self.in_proj_ba)):
-            return self._decoding_step(hidden_states, info, cache)
-        nk, nv = heads.count, heads.count * r
         linears = (self.in_proj_qkvz, self.in_proj_ba)
         if not heads.sharded and stacks_projections(hidden_states) and self._in_proj.applies(hidden_states, linears):
-            projected, ba = self._in_proj(hidden_states, linears).split([m.out_features for m in linears], dim=-1)
-        else:
-            projected, ba = self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+            return self._stacked_forward(hidden_states, info, cache)
+        nk, nv = heads.count, heads.count * r
+        projected, ba = self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
         q, k, v, z = projected.view(B, T, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)
         b, a = ba.view(B, T, nk, 2 * r).split([r, r], dim=-1)
         if torch.is_grad_enabled():

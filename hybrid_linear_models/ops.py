@@ -338,14 +338,25 @@ def _conv_kernel(name: str, weight: torch.Tensor, channels: int, activation: str
 
 
 def _fla_causal_conv1d(kernel, x, weight, activation, initial_state, output_final_state, cu_seqlens):
-    """fla's Triton convolution. Its state holds the last K inputs, the oldest never read: ours is its last K-1."""
+    """fla's Triton convolution. Its state holds the last K inputs, the oldest never read: ours is its last K-1. A
+    state that is the last K-1 columns of a contiguous [N, C, K] window (the caches' layout: `conv_window`) is handed
+    over as that window, its first column unread; another is padded to K columns (a copy)."""
     if initial_state is not None:
-        initial_state = F.pad(initial_state, (1, 0))
+        initial_state = _as_fla_window(initial_state)
     out, final = kernel(
         x=x, weight=weight, activation=activation, initial_state=initial_state,
         output_final_state=output_final_state, cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None,
     )
     return out, (final[..., 1:] if final is not None else None)
+
+
+def _as_fla_window(state: torch.Tensor) -> torch.Tensor:
+    """[N, C, K] with `state` [N, C, K-1] as its last K-1 columns: the window `state` is a view of, or a padded copy."""
+    N, C, keep = state.shape
+    window = (C * (keep + 1), keep + 1, 1)
+    if state.stride() == window and state.storage_offset() >= 1:
+        return state.as_strided((N, C, keep + 1), window, state.storage_offset() - 1)
+    return F.pad(state, (1, 0))
 
 
 # --------------------------------------------------------------------------------------------------- gated RMSNorm

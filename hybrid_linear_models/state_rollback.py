@@ -106,10 +106,11 @@ class RollbackWindow:
         tokens = self.tokens
         if dropped is None:
             dropped = torch.arange(tokens, device=kept.device)[None, :] >= kept[:, None]  # [B, T]
-        beta = self.beta.masked_fill(dropped.view(*dropped.shape, *([1] * (self.beta.dim() - 2))), 0.0)
+        # (torch.where: one kernel each, where an out-of-place masked_fill is a copy and a fill)
+        beta = torch.where(dropped.view(*dropped.shape, *([1] * (self.beta.dim() - 2))), 0.0, self.beta)
         g_mask = dropped.view(*dropped.shape, *([1] * (self.g.dim() - 2)))
         # a raw gate of -inf is a log decay of exactly 0 (-exp(A_log) * softplus(-inf)); an evaluated one is set to 0
-        g = self.g.masked_fill(g_mask, -math.inf if self.gate_args else 0.0)
+        g = torch.where(g_mask, -math.inf if self.gate_args else 0.0, self.g)
         _, state = self.rule(self.q, self.k, self.v, g, beta, initial_state=self.base, output_final_state=True,
                              use_qk_l2norm=True, state_in_place=in_place, **self.gate_args)
         keep = self.conv_inputs.shape[-1] - tokens

@@ -96,6 +96,29 @@ def test_conv_state_is_converted_to_and_from_fla_layout(monkeypatch):
     assert torch.equal(final, expected_final)
 
 
+def test_a_state_viewed_in_a_window_reaches_fla_as_that_window(monkeypatch):
+    """The caches keep the state as the last K-1 columns of a [N, C, K] window (fla's layout): the window itself goes
+    to fla (no padded copy), whatever its first column holds (fla never reads it), with the same outputs."""
+    torch.manual_seed(0)
+    x, weight, state = torch.randn(2, 7, 5), torch.randn(5, 4), torch.randn(2, 5, 3)
+    window = torch.cat([torch.full((2, 5, 1), float("nan")), state], dim=-1)  # column 0: never read
+    seen = []
+
+    def fla_conv(x, weight, initial_state=None, **kwargs):
+        seen.append(initial_state)
+        return _fla_contract_conv(x, weight, initial_state=torch.nan_to_num(initial_state, nan=1e9), **kwargs)
+
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: SimpleNamespace(causal_conv1d=fla_conv))
+    expected, expected_final = causal_conv1d_torch(x, weight, "silu", state, True)
+    out, final = ops.causal_conv1d(x, weight, initial_state=window[..., 1:], output_final_state=True)
+    assert seen[0].data_ptr() == window.data_ptr() and seen[0].shape == window.shape
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(final, expected_final)
+    out, _ = ops.causal_conv1d(x, weight, initial_state=state.clone())  # not a window's view: padded, a copy
+    assert seen[1].data_ptr() != state.data_ptr() and seen[1].shape == window.shape
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
 
 def _fla_contract_conv_update(x, cache, weight=None, activation=None):
     """fla's causal_conv1d_update: cache [N, C, K] holds the last K inputs; x [N, 1, C] is shifted in, in place;

@@ -52,8 +52,11 @@ def test_applies_to_narrow_half_precision_products_of_few_rows(stand_in):
     assert not gemv_applies(x.float(), w.float(), None)  # float32 keeps cuBLAS (and its exactness tests)
     assert not gemv_applies(torch.zeros(17, 32, dtype=torch.bfloat16), w, None)  # more than 16 rows
     wide = torch.zeros(kernels_gemv.WIDEST_OUTPUTS["rows"] + 1, 32, dtype=torch.bfloat16)
-    assert not gemv_applies(x, wide, None)  # wider than the limit of the form of two rows
-    assert gemv_applies(x[:1], wide, None) == (kernels_gemv.WIDEST_OUTPUTS["one_row"] is None)  # one row: any width
+    many = torch.zeros(kernels_gemv.FEW_ROWS + 1, 32, dtype=torch.bfloat16)
+    assert not gemv_applies(many, wide, None)  # wider than the limit of the tl.dot form (9 to 16 rows)
+    for rows, form in ((1, "one_row"), (2, "few_rows"), (kernels_gemv.FEW_ROWS, "few_rows")):  # no limit: any width
+        assert gemv_applies(torch.zeros(rows, 32, dtype=torch.bfloat16), wide, None) == (
+            kernels_gemv.WIDEST_OUTPUTS[form] is None)
     assert gemv_applies(x, wide, None, rows=torch.arange(wide.shape[0]))  # a gather of outputs is always folded in
     assert not gemv_applies(x, w, None, rows=torch.arange(4.0))  # a float index
     assert not gemv_applies(x, w, None, rows=torch.arange(4).view(2, 2))
@@ -161,7 +164,8 @@ def _inputs(rows: int, out: int, inp: int, dtype: torch.dtype, bias: bool, seed:
 
 @pytest.mark.gpu
 @runs_triton_kernels
-@pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300), (2, 40, 300)])
+@pytest.mark.parametrize("shape", [(1, 2048, 4096), (16, 2048, 5632), (3, 576, 2048), (1, 40, 300), (2, 40, 300),
+                                   (4, 40, 300), (8, 40, 300), (9, 40, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("form", ["plain", "gathered"])
@@ -171,7 +175,8 @@ def test_kernel_against_float64(shape, dtype, bias, form):
     at most 3.4e-4 here) of the largest |output|; both forms (one row of x: elementwise products; more: tl.dot), with
     the outputs in order or gathered through an index (reversed, a row repeated, one left out), each in two block
     configurations (fixed: autotuning every case would take minutes of a GPU run). (A first GPU run bounded bf16 by
-    2^-9, half its unit roundoff: its bf16 cases failed and the fp16 ones passed.)"""
+    2^-9, half its unit roundoff: its bf16 cases failed and the fp16 ones passed.) The forms: elementwise products
+    for up to FEW_ROWS rows (1; 2 to 8 padded to 2, 4 or 8), tl.dot past that."""
     if not torch.cuda.is_available() and dtype == torch.bfloat16:
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
@@ -184,7 +189,7 @@ def test_kernel_against_float64(shape, dtype, bias, form):
         expected = expected[:, index]
     unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
     bound = (unit + inp * 2 ** -24) * expected.abs().max()
-    for blocks in ((16, 128), (4, 512) if rows == 1 else (32, 256)):  # (BLOCK_N, BLOCK_K); tl.dot needs BLOCK_N >= 16
+    for blocks in ((16, 128), (4, 512) if rows <= 8 else (32, 256)):  # (BLOCK_N, BLOCK_K); tl.dot needs BLOCK_N >= 16
         got = triton_gemv(x, w, b, index, blocks=blocks)
         assert got.dtype == dtype and got.shape == expected.shape
         assert (got.double() - expected).abs().max() <= bound, blocks
@@ -192,7 +197,7 @@ def test_kernel_against_float64(shape, dtype, bias, form):
 
 @pytest.mark.gpu
 @runs_triton_kernels
-@pytest.mark.parametrize("shape", [(1, 2048, 2048), (16, 1024, 2048), (3, 40, 300), (1, 40, 300)])
+@pytest.mark.parametrize("shape", [(1, 2048, 2048), (16, 1024, 2048), (3, 40, 300), (1, 40, 300), (9, 40, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_swiglu_epilogue_against_float64(shape, dtype, bias):
@@ -216,7 +221,7 @@ def test_swiglu_epilogue_against_float64(shape, dtype, bias):
     expected = gate * torch.sigmoid(gate) * up
     bound = 1.0998 * d_gate * (up.abs() + d_up) + (gate * torch.sigmoid(gate)).abs() * d_up
     bound += (unit + 4 * 2 ** -24) * (expected.abs() + bound)
-    for blocks in ((16, 128), (2, 1024) if rows == 1 else (32, 256)):
+    for blocks in ((16, 128), (2, 1024) if rows <= 8 else (32, 256)):
         got = triton_gemv(x, w, b, swiglu_pair_rows(width, x.device), blocks=blocks, swiglu_pairs=True)
         assert got.dtype == dtype and got.shape == expected.shape
         assert ((got.double() - expected).abs() <= bound).all(), blocks
@@ -225,9 +230,9 @@ def test_swiglu_epilogue_against_float64(shape, dtype, bias):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled variants are counted on CUDA")
 def test_a_batch_of_another_size_compiles_nothing_new():
-    """Batches of 2 to ROWS rows share one row tile, and the batch size only bounds the rows: after the first, a
-    batch of another size (a multiple of 16 or not) runs the variant compiled (triton would otherwise compile again
-    per class of the integer: 1, multiples of 16, others)."""
+    """Batches of 9 to ROWS rows share one row tile (5 to 8 rows another), and the batch size only bounds the rows:
+    after the first, a batch of another size in its class (a multiple of 16 or not) runs the variant compiled (triton
+    would otherwise compile again per class of the integer: 1, multiples of 16, others)."""
     from model_helpers import compiled_variants
 
     from hybrid_linear_models.kernels_gemv_triton import _gemv_kernel, triton_gemv
@@ -236,10 +241,16 @@ def test_a_batch_of_another_size_compiles_nothing_new():
     triton_gemv(x[:9], w, None, blocks=(16, 128))
     torch.cuda.synchronize()
     compiled = compiled_variants(_gemv_kernel)
-    for rows in (16, 2, 13):
+    for rows in (16, 13):
         triton_gemv(x[:rows], w, None, blocks=(16, 128))
         torch.cuda.synchronize()
         assert compiled_variants(_gemv_kernel) == compiled, f"a batch of {rows} rows compiled again"
+    triton_gemv(x[:5], w, None, blocks=(16, 128))
+    torch.cuda.synchronize()
+    compiled = compiled_variants(_gemv_kernel)
+    triton_gemv(x[:7], w, None, blocks=(16, 128))
+    torch.cuda.synchronize()
+    assert compiled_variants(_gemv_kernel) == compiled, "a batch of 7 rows compiled again after one of 5"
 
 
 def test_linear_conv_step_is_the_projection_then_the_convolution_step(stand_in):
