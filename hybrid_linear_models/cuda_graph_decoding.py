@@ -246,17 +246,23 @@ def capture_obstacle(model, attention_mask) -> str | None:
     return None
 
 
+WARM_UP_RUNS = 1
+
+
 def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=None,
                  reset: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A CUDA graph of run() and the output buffer each replay refills, after two warm-up runs on a side stream
-    (autotuning, lazy handles). pool: a memory pool shared with other graphs replayed one at a time. reset: called
-    before the second warm-up run, so that both start from the same state (a decoding step writes its token at the
-    cache's counter and moves it on: a second run from where the first left off would write one slot further, past
-    the buffer when the step's token has the cache's last slot)."""
+    """A CUDA graph of run() and the output buffer each replay refills, after WARM_UP_RUNS eager runs on a side stream
+    (what must not happen inside a capture: kernels compiled and autotuned, cuBLAS's handles made, the caching
+    allocator's blocks found). One is enough, since they all happen on a kernel's first call, and each costs a whole
+    uncaptured step (a quarter of a second for the 48-layer FP8 flagship: most of a capture's time). pool: a memory
+    pool shared with other graphs replayed one at a time. reset: called before each warm-up run after the first, so
+    that every one starts from the same state (a decoding step writes its token at the cache's counter and moves it
+    on: a run from where the last left off would write one slot further, past the buffer when the step's token has
+    the cache's last slot); the caller puts its state back after the capture."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for warm_up in range(2):
+        for warm_up in range(WARM_UP_RUNS):
             if warm_up and reset is not None:
                 reset()
             run()

@@ -24,8 +24,8 @@ Used by `HybridLinearForCausalLM.forward` for a prompt (more than one token) on 
 `StaticCache` (`generate(..., cache_implementation="static")`), with graph decoding on (`set_cuda_graph_decoding`,
 one switch for both), for prompts of up to LARGEST_CAPTURED_TOKENS tokens in all (past it the plain forward runs:
 the GPU's work, not the launches, then sets the time). A bucket is captured the second time a prompt falls in it: a
-one-off prompt runs the plain forward and does not pay for a capture (two warm-up runs and the recording, about three
-plain prefills); `HybridLinearForCausalLM.warm_up` captures every bucket up front (`captured_buckets`). A prefill
+one-off prompt runs the plain forward and does not pay for a capture (a warm-up run and the recording, about two plain
+prefills); `HybridLinearForCausalLM.warm_up` captures every bucket up front (`captured_buckets`). A prefill
 that cannot be captured (sliding-window layers, whose buffers would keep the pads' keys; a cache already holding
 tokens; all the logits asked for; what graph decoding refuses too) runs the plain forward, and a one-line warning says
 why, once per model and reason. The cache is bound to the storage of its shape, which the decoding step's graph

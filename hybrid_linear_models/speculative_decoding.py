@@ -145,9 +145,9 @@ def drafting_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: tor
 class CapturedVerifyRound:
     """`verify_round` for one (batch, k, cache) captured as a CUDA graph: the inputs copied into its buffers, the
     graph replayed, its outputs returned; with a drafter that drafts on the device, `drafting_round` (the next
-    round's drafts made in the same graph). The capture runs the round twice to warm up, from the same cache and
-    drafter (saved and put back: `VerifyCache.tensors`, the drafter's `tensors`), so they are as they were after the
-    capture. It is recorded as the decoding step is: its linear layers of at most 16 rows (batch x k) on the
+    round's drafts made in the same graph). The capture runs the round to warm up (`record_graph`), from the cache and
+    drafter as they are, and puts them back (saved: `VerifyCache.tensors`, the drafter's `tensors`), so they are as
+    they were after the capture. It is recorded as the decoding step is: its linear layers of at most 16 rows (batch x k) on the
     decoding GEMV kernel."""
 
     def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False, drafter=None):

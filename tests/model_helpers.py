@@ -201,7 +201,8 @@ def replay_graphs_eagerly(monkeypatch) -> list[EagerReplay]:
     captured: list[EagerReplay] = []
 
     def record(run, device, reset, pool=None):
-        run()  # the two warm-up steps of record_graph, each from the same cache, undone by the caller as on the GPU
+        run()  # record_graph's warm-up step, undone by the caller as on the GPU (reset: the capture's own run below
+        # stands for the first replay, from the same cache)
         reset()
         out = run()
         captured.append(EagerReplay(run, out))

@@ -380,8 +380,9 @@ def test_one_capture_serves_each_new_cache_and_beam_search_reorders_into_its_sto
 @pytest.mark.parametrize("new_tokens", [2, 3])
 def test_capture_with_few_slots_left_writes_inside_the_cache(eager_graphs, new_tokens):
     """generate sizes a static cache to the prompt plus the new tokens, so the first decoding step's token may have
-    one of the last slots. The capture's two warm-up steps both start from the cache as the step found it (on a GPU a
-    second step one slot further would write past the buffer: a device-side assertion or a corrupted neighbour)."""
+    one of the last slots. The capture's warm-up step and the step replayed after it both start from the cache as the
+    step found it (on a GPU a step one slot further would write past the buffer: a device-side assertion or a
+    corrupted neighbour)."""
     model = tiny_model(LAYERS).eval()
     input_ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(3))
     generation = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
