@@ -5,11 +5,13 @@ cuBLAS does for wide outputs, but not for narrow ones (2,048 outputs and fewer: 
 the attention's o_proj, MLA's kv_a, a shared expert). The products within `WIDEST_OUTPUTS` therefore run through
 `kernels_gemv_triton.triton_gemv` (float32 accumulation, as cuBLAS's; the sums are ordered differently, so results
 agree to rounding). At batch 1 its one-row form beats cuBLAS on every shape of the benchmark models, narrow and wide,
-hence no width limit for one row. For 2 to 8 rows (a speculative verify round of a few tokens) its elementwise form
-reads a narrow weight about 3x faster than the tl.dot form (a verify round's MLP down projection, 2,048 x 5,632 at 4
-rows: 20 against 63 us) and loses on wide ones, which take the tl.dot form, as 9 to 16 rows do; that form wins up to
-2,048 outputs and loses beyond, hence the limits (`form`, `WIDEST_OUTPUTS`; `benchmarks/bench_decode_gemv.py`, the
-figures in docs/performance.md). It runs when:
+hence no width limit for one row. For 2 to 8 rows (a speculative verify round of a few tokens, small batches) its
+elementwise form beats cuBLAS up to 1,024 outputs (4 rows: MLA's kv_a 3.5 against 6.0 us, a shared expert's gate and
+up 5.7 against 12.7 us) and loses past them, where cuBLAS reads at 65-80% of the bandwidth; the tl.dot form then
+serves a gathered product (GDN's regrouped input projection at 4 rows: 17.1 us against 22.5 for cuBLAS and the
+gather), but not SwiGLU's pairs (24.2 against 15.1 for cuBLAS and SwiGLU's kernel). For 9 to 16 rows the tl.dot form
+wins up to 2,048 outputs and loses beyond. Hence the limits (`form`, `WIDEST_OUTPUTS`; figures of
+`benchmarks/bench_decode_gemv.py --batches 1 4 8`, H200, in docs/performance.md). It runs when:
 - the input is CUDA bf16/fp16 with at most 16 rows and a unit stride along its features, the weight a plain 2-D tensor
   of the same dtype (a bias too, or none), no gradient wanted, triton importable, a GPU of compute capability 8.0 or
   later (a kernel that still fails to compile is dropped for that shape, with a warning: `decode_linear`);
@@ -47,16 +49,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function_variadic
 
 from .block_ops import silu_and_mul
+from .gemv_forms import FEW_ROWS, MAX_ROWS, WIDEST_OUTPUTS, form, within_width  # noqa: F401 (re-exported)
 from .ops import causal_conv1d_step
 from .tensor_parallel_heads import device_mesh
 from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_kernel
 
-# out_features (gathered outputs for `linear_rows`) up to which each form of the kernel is taken: "one_row" for x of
-# one row (batch-1 decoding), "few_rows" for 2 to FEW_ROWS rows (a verify round of a few tokens), "rows" (tl.dot) for
-# more, and for a few rows past their limit; None: any width (see the module docstring)
-WIDEST_OUTPUTS: dict[str, int | None] = {"one_row": None, "few_rows": 2048, "rows": 2048}
-MAX_ROWS = 16  # rows of x (batch x tokens) the kernel takes
-FEW_ROWS = 8  # rows of x up to which it runs its elementwise form (kernels_gemv_triton)
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 GEMV_DEVICE_TYPES = ("cuda",)  # tests add "cpu", with the kernel stood in
 # where a GEMV runs the convolution's decoding step in its epilogue (`linear_conv_step`; emptied: the step's own kernel
@@ -71,23 +68,6 @@ def triton_gemv_kernel():
     from .kernels_gemv_triton import triton_gemv
 
     return triton_gemv
-
-
-def _within_width(outputs: int, rows_of_x: int, gathered: bool) -> bool:
-    """A gather is always worth folding in (it is a kernel of its own otherwise, and GDN's regrouped input projection
-    runs faster as one kernel in every form); plain products only up to the measured width of the form that serves
-    them."""
-    widest = WIDEST_OUTPUTS[form(rows_of_x, outputs)]
-    return gathered or widest is None or outputs <= widest
-
-
-def form(rows_of_x: int, outputs: int) -> str:
-    """The kernel's form for x of `rows_of_x` rows and `outputs` output columns: "one_row"; "few_rows" (2 to
-    FEW_ROWS rows, up to its widest outputs); else "rows" (tl.dot)."""
-    if rows_of_x == 1:
-        return "one_row"
-    widest = WIDEST_OUTPUTS["few_rows"]
-    return "few_rows" if rows_of_x <= FEW_ROWS and (widest is None or outputs <= widest) else "rows"
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -106,7 +86,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if rows is not None and (rows.dtype not in INDEX_DTYPES or rows.dim() != 1 or rows.device != x.device
                              or rows.stride(0) != 1):
         return False
-    if not _within_width(weight.shape[0] if rows is None else rows.shape[0], rows_of_x, rows is not None):
+    if not within_width(weight.shape[0] if rows is None else rows.shape[0], rows_of_x, rows is not None, paired):
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1):
         return False

@@ -50,8 +50,8 @@ try:  # (in a try: transformers' remote-code check then does not require triton 
 except ImportError as error:
     raise ImportError("the Triton GEMV needs triton (a CUDA machine); decoding GEMVs run through cuBLAS") from error
 
+from .gemv_forms import FEW_ROWS, form
 from .kernel_tuning import launch
-from .kernels_gemv import FEW_ROWS, form
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 ROWS = 16  # x rows handled by the tl.dot form (padded to this many)

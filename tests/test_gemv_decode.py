@@ -54,10 +54,20 @@ def test_applies_to_narrow_half_precision_products_of_few_rows(stand_in):
     wide = torch.zeros(kernels_gemv.WIDEST_OUTPUTS["rows"] + 1, 32, dtype=torch.bfloat16)
     many = torch.zeros(kernels_gemv.FEW_ROWS + 1, 32, dtype=torch.bfloat16)
     assert not gemv_applies(many, wide, None)  # wider than the limit of the tl.dot form (9 to 16 rows)
-    for rows, form in ((1, "one_row"), (2, "few_rows"), (kernels_gemv.FEW_ROWS, "few_rows")):  # no limit: any width
-        assert gemv_applies(torch.zeros(rows, 32, dtype=torch.bfloat16), wide, None) == (
-            kernels_gemv.WIDEST_OUTPUTS[form] is None)
-    assert gemv_applies(x, wide, None, rows=torch.arange(wide.shape[0]))  # a gather of outputs is always folded in
+    assert gemv_applies(x[:1], wide, None) == (kernels_gemv.WIDEST_OUTPUTS["one_row"] is None)  # one row: any width
+    for rows in (2, kernels_gemv.FEW_ROWS):  # 2 to 8 rows: the elementwise form up to its widest, then tl.dot's
+        few = torch.zeros(rows, 32, dtype=torch.bfloat16)
+        assert gemv_applies(few, w, None) and not gemv_applies(few, wide, None)
+    every = torch.arange(wide.shape[0])
+    for rows in (1, 2, kernels_gemv.FEW_ROWS, kernels_gemv.FEW_ROWS + 1, 16):  # a gather of outputs is always folded in
+        assert gemv_applies(torch.zeros(rows, 32, dtype=torch.bfloat16), wide, None, rows=every)
+    stacked = torch.zeros(2 * wide.shape[0], 32, dtype=torch.bfloat16)  # [W_gate; W_up], wider than every limit
+    pairs = swiglu_pair_rows(wide.shape[0], x.device)
+    for rows in (1, kernels_gemv.FEW_ROWS + 1, 16):  # SwiGLU's pairs too, except for 2 to 8 rows (cuBLAS, then
+        # SwiGLU's kernel: faster than the tl.dot form there)
+        assert gemv_applies(torch.zeros(rows, 32, dtype=torch.bfloat16), stacked, None, rows=pairs, paired=True)
+    for rows in (2, kernels_gemv.FEW_ROWS):
+        assert not gemv_applies(torch.zeros(rows, 32, dtype=torch.bfloat16), stacked, None, rows=pairs, paired=True)
     assert not gemv_applies(x, w, None, rows=torch.arange(4.0))  # a float index
     assert not gemv_applies(x, w, None, rows=torch.arange(4).view(2, 2))
     assert not gemv_applies(x, torch.zeros(32, 64, dtype=torch.bfloat16).T, None)  # strided along K
@@ -176,7 +186,8 @@ def test_kernel_against_float64(shape, dtype, bias, form):
     the outputs in order or gathered through an index (reversed, a row repeated, one left out), each in two block
     configurations (fixed: autotuning every case would take minutes of a GPU run). (A first GPU run bounded bf16 by
     2^-9, half its unit roundoff: its bf16 cases failed and the fp16 ones passed.) The forms: elementwise products
-    for up to FEW_ROWS rows (1; 2 to 8 padded to 2, 4 or 8), tl.dot past that."""
+    for one row and for 2 to FEW_ROWS rows (padded to 2, 4 or 8) up to their widest outputs, tl.dot otherwise
+    (`kernels_gemv.form`)."""
     if not torch.cuda.is_available() and dtype == torch.bfloat16:
         pytest.skip("triton's interpreter has no bfloat16 arithmetic")
     from hybrid_linear_models.kernels_gemv_triton import triton_gemv
@@ -189,7 +200,8 @@ def test_kernel_against_float64(shape, dtype, bias, form):
         expected = expected[:, index]
     unit = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
     bound = (unit + inp * 2 ** -24) * expected.abs().max()
-    for blocks in ((16, 128), (4, 512) if rows <= 8 else (32, 256)):  # (BLOCK_N, BLOCK_K); tl.dot needs BLOCK_N >= 16
+    dot = kernels_gemv.form(rows, out) == "rows"
+    for blocks in ((16, 128), (32, 256) if dot else (4, 512)):  # (BLOCK_N, BLOCK_K); tl.dot needs BLOCK_N >= 16
         got = triton_gemv(x, w, b, index, blocks=blocks)
         assert got.dtype == dtype and got.shape == expected.shape
         assert (got.double() - expected).abs().max() <= bound, blocks
@@ -221,7 +233,8 @@ def test_swiglu_epilogue_against_float64(shape, dtype, bias):
     expected = gate * torch.sigmoid(gate) * up
     bound = 1.0998 * d_gate * (up.abs() + d_up) + (gate * torch.sigmoid(gate)).abs() * d_up
     bound += (unit + 4 * 2 ** -24) * (expected.abs() + bound)
-    for blocks in ((16, 128), (2, 1024) if rows <= 8 else (32, 256)):
+    dot = kernels_gemv.form(rows, 2 * width) == "rows"
+    for blocks in ((16, 128), (32, 256) if dot else (2, 1024)):
         got = triton_gemv(x, w, b, swiglu_pair_rows(width, x.device), blocks=blocks, swiglu_pairs=True)
         assert got.dtype == dtype and got.shape == expected.shape
         assert ((got.double() - expected).abs() <= bound).all(), blocks
