@@ -1,6 +1,7 @@
 """The Triton GEMV of captured decoding steps (kernels_gemv): which F.linear calls it takes, that a captured step
 routes its narrow linear layers to it, and its numbers against float64 (on a GPU; on a CPU through triton's
-interpreter when TRITON_INTERPRET=1 and triton are there: `TRITON_INTERPRET=1 pytest tests/test_gemv_decode.py`)."""
+interpreter when TRITON_INTERPRET=1 and triton are there: `TRITON_INTERPRET=1 pytest tests/test_gemv_decode.py`;
+triton 3.6's interpreter needs numpy < 2.3, whose size-1 arrays still convert to a loop bound)."""
 
 from __future__ import annotations
 
