@@ -5,9 +5,9 @@ time against the GPU's bandwidth. cuBLAS picks a kernel per problem layout: prof
 product running at 3.3 TB/s for one width and 0.33 TB/s for another (Kimi-Linear's shared expert, 1024 x 2048, 12.7
 us). For each weight shape of the benchmark models this times, in one run, CUDA-graph replays of:
 - linear: F.linear(x, W)  (cuBLAS, what nn.Linear does);
-- triton: this package's Triton GEMV in the form `kernels_gemv.form` picks (`kernels_gemv_triton`: at batch 1 its
-  one-row form; 2 to 8 rows its elementwise form up to 2,048 outputs; else its tl.dot form; captured decoding steps
-  run it within the widths of `kernels_gemv.WIDEST_OUTPUTS`), autotuned first;
+- triton: this package's Triton GEMV in the form `gemv_forms.form` picks (`kernels_gemv_triton`: at batch 1 its
+  one-row form; 2 to 8 rows its elementwise form up to 1,024 outputs; else its tl.dot form; captured decoding steps
+  and verify rounds run it within the widths of `gemv_forms.WIDEST_OUTPUTS`, cuBLAS past them), autotuned first;
 - elementwise (batches of 2 to 8): the elementwise form at every width, whether it should take wider products;
 and prints microseconds per product, the share of `--bandwidth-gbs` (bf16) and which is faster. The "gathered" row is
 GDN's decoding input projection with its outputs regrouped (a permutation): F.linear then index_select against the
@@ -90,25 +90,27 @@ def time_replays(fn, repeats: int) -> float:
 
 def elementwise_at_any_width(run):
     """run() with the Triton GEMV's elementwise form of a few rows taken at any width (the "elementwise" column:
-    where it beats the form `kernels_gemv.WIDEST_OUTPUTS` picks past its widest outputs)."""
-    from hybrid_linear_models import kernels_gemv
+    where it beats the form `gemv_forms.WIDEST_OUTPUTS` picks past its widest outputs)."""
+    from hybrid_linear_models import gemv_forms
 
-    widest = kernels_gemv.WIDEST_OUTPUTS["few_rows"]
-    kernels_gemv.WIDEST_OUTPUTS["few_rows"] = None
+    widest = gemv_forms.WIDEST_OUTPUTS["few_rows"]
+    gemv_forms.WIDEST_OUTPUTS["few_rows"] = None
     try:
         return run()
     finally:
-        kernels_gemv.WIDEST_OUTPUTS["few_rows"] = widest
+        gemv_forms.WIDEST_OUTPUTS["few_rows"] = widest
 
 
 def tuned_config(batch: int, outputs: int) -> str:
-    """The form of the Triton GEMV for this batch and width (kernels_gemv.form) and the configuration its autotuner
+    """The form of the Triton GEMV for this batch and width (gemv_forms.form) and the configuration its autotuner
     chose last (BLOCK_N, BLOCK_K, warps, stages), or '' without triton."""
+    from hybrid_linear_models import gemv_forms
+
     try:
         from hybrid_linear_models import kernels_gemv_triton as kernel
     except ImportError:
         return ""
-    kind = kernel.form(batch, outputs)
+    kind = gemv_forms.form(batch, outputs)
     config = getattr(kernel._FORMS[kind][0], "best_config", None)
     if config is None:
         return ""
@@ -130,7 +132,7 @@ def main() -> None:
     # the kernels' tuned configurations are what this compares (kernel_tuning); HYBRID_LINEAR_AUTOTUNE=0 times the
     # default ones instead
     os.environ.setdefault("HYBRID_LINEAR_AUTOTUNE", "1")
-    from hybrid_linear_models import kernels_gemv
+    from hybrid_linear_models import gemv_forms
     from hybrid_linear_models.kernels_gemv import (swiglu_pair_rows, torch_linear_rows, torch_linear_swiglu,
                                                    triton_gemv_kernel)
 
@@ -138,7 +140,7 @@ def main() -> None:
                                                   else torch_linear_rows(x, w, None, rows))
     if device.type == "cuda" and triton_gemv_kernel() is not None:
         FORMS["triton"] = lambda x, w, rows, swiglu: triton_gemv_kernel()(x, w, None, rows, swiglu_pairs=swiglu)
-        if any(1 < batch <= kernels_gemv.FEW_ROWS for batch in args.batches):
+        if any(1 < batch <= gemv_forms.FEW_ROWS for batch in args.batches):
             FORMS["elementwise"] = lambda x, w, rows, swiglu: elementwise_at_any_width(
                 lambda: triton_gemv_kernel()(x, w, None, rows, swiglu_pairs=swiglu))
     else:

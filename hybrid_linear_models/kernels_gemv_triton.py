@@ -11,9 +11,9 @@ output columns (weight rows, optionally picked through an index: a gather of the
 here, since the weight rows are read whole in any order) and streams their K inputs in BLOCK_K slices; the weight is
 read once and no second kernel reduces or casts partial sums. Two forms of one kernel:
 - up to FEW_ROWS rows of x (batch-1 decoding; a speculative verify round of a few tokens) and, past one row, up to
-  `kernels_gemv.WIDEST_OUTPUTS["few_rows"]` outputs (`kernels_gemv.form`): elementwise products
-  accumulated in a [ROWS, BLOCK_N, BLOCK_K] float32 tile (the rows padded to a power of two: 1, 2, 4 or 8), summed
-  over K once at the end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight then spreads over
+  `gemv_forms.WIDEST_OUTPUTS["few_rows"]` outputs (`gemv_forms.form`): elementwise products accumulated in a
+  [ROWS, BLOCK_N, BLOCK_K] float32 tile (the rows padded to a power of two: 1, 2, 4 or 8), summed over K once at the
+  end. No tensor cores, so BLOCK_N may be as small as 2: a 2,048-wide weight then spreads over
   hundreds of programs, several per SM, whose loads together keep enough bytes in flight to approach the bandwidth
   (a 16-row `tl.dot` tile gives 128 programs for 132 SMs, one weight block each, and under half of it). Each weight
   element is used for ROWS products: at 8 rows and the H200's bandwidth that is about 60% of its float32 FMA rate,
@@ -62,7 +62,8 @@ _ONE_ROW_CONFIGS = [
     for n, k, w, s in ((2, 1024, 4, 1), (2, 2048, 4, 1), (4, 512, 4, 1), (4, 512, 4, 3), (4, 2048, 8, 1),
                        (8, 512, 4, 1), (8, 256, 2, 1), (16, 256, 4, 1))
 ]
-# the elementwise form for 2 to FEW_ROWS rows: its tile holds ROWS x BLOCK_N x BLOCK_K float32 sums (at most 64 a thread)
+# the elementwise form for 2 to FEW_ROWS rows: its tile holds ROWS x BLOCK_N x BLOCK_K float32 sums (at most 64 a
+# thread)
 _FEW_ROWS_CONFIGS = [
     triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
     for n, k, w, s in ((2, 512, 4, 1), (2, 1024, 8, 1), (2, 256, 4, 1), (4, 256, 4, 1), (4, 512, 8, 1),
@@ -212,6 +213,8 @@ _FORMS = {"one_row": (_autotuned(_ONE_ROW_CONFIGS, _KEY), _ONE_ROW_CONFIGS[0]),
 def padded_rows(m: int, kind: str) -> int:
     """The rows the kernel computes for m rows of x in form `kind`: 1; a power of two up to FEW_ROWS; else ROWS."""
     return {"one_row": 1, "few_rows": triton.next_power_of_2(m), "rows": ROWS}[kind]
+
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one fixed configuration, no timing
 
 
@@ -227,7 +230,7 @@ def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     convolution's decoding step of the products (silu(sum over the taps of [window[..., 1:], product] * kernel)), and
     the window is updated in place (see the module docstring).
     `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for the
-    tl.dot form, `kernels_gemv.form`; even for pairs); triton's interpreter runs (16, 128) by default."""
+    tl.dot form, `gemv_forms.form`; even for pairs); triton's interpreter runs (16, 128) by default."""
     M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0] if rows is None else rows.shape[0]
     kind = form(M, N)

@@ -147,8 +147,8 @@ class CapturedVerifyRound:
     graph replayed, its outputs returned; with a drafter that drafts on the device, `drafting_round` (the next
     round's drafts made in the same graph). The capture runs the round to warm up (`record_graph`), from the cache and
     drafter as they are, and puts them back (saved: `VerifyCache.tensors`, the drafter's `tensors`), so they are as
-    they were after the capture. It is recorded as the decoding step is: its linear layers of at most 16 rows (batch x k) on the
-    decoding GEMV kernel."""
+    they were after the capture. It is recorded as the decoding step is: its linear layers of at most 16 rows (batch x
+    k) on the decoding GEMV kernel."""
 
     def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False, drafter=None):
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
