@@ -4,8 +4,10 @@ model (model_configs.GPU_GDN: 16 layers, 3 GDN : 1 attention), bf16 on CUDA.
 The one-token step is `generate`'s: the model's forward on a StaticCache, replayed from its captured CUDA graph
 (cuda_graph_decoding). The verify step is speculative_decoding's `verify_round`: one forward of k tokens per row,
 the greedy acceptance and the per-row restore of every GDN layer and attention length, replayed from its captured
-graph (`CapturedVerifyRound`), and also run uncaptured. Both attend over the same number of cache slots. The goal:
-verify(4) <= 1.3 x the one-token step, so that a round that accepts one draft on average already pays.
+graph (`CapturedVerifyRound`), and also run uncaptured; its GDN layers on this package's round kernels
+(`verify_gdn`) and, in the same run, on the torch path over fla's kernels. Both attend over the same number of cache
+slots. The goal: verify(4) <= 1.3 x the one-token step, so that a round that accepts one draft on average already
+pays.
 
     python benchmarks/bench_verify_step.py [--batch 1] [--prompt 512] [--repeats 50] [--widths 2 3 4 5]
     python benchmarks/bench_verify_step.py --tiny     # the CPU smoke configuration (eager, tiny model)
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_configs import GPU_GDN, TINY_GDN, gdn_pair
 from timing import timed
 
-from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding
+from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding, verify_gdn
 from hybrid_linear_models.speculative_decoding import (
     CapturedVerifyRound,
     prefill,
@@ -90,21 +92,24 @@ def main() -> None:
           f"layers, {dtype}, {device.type}; batch {args.batch}, prompt {args.prompt}, {slots} cache slots")
     step = one_token_step_ms(model, prompt_ids, slots, args.repeats)
     print(f"one-token decoding step ({'captured' if captured else 'eager'}): {step:.3f} ms")
-    print("delta-rule kernels of the round: fla's token-by-token ones (recurrent, the default) or its chunked ones")
-    print("| k tokens | captured, recurrent ms | ratio to step | captured, chunked ms | ratio to step | eager ms |")
-    print("|---|---|---|---|---|---|")
+    print("the round's GDN layers: this package's two kernels (verify_gdn, the default on CUDA), or the torch path on "
+          "fla's token-by-token kernels (recurrent) or its chunked ones")
+    print("| k tokens | captured, verify_gdn ms | ratio to step | captured, recurrent ms | ratio to step "
+          "| captured, chunked ms | ratio to step | eager ms |")
+    print("|---|---|---|---|---|---|---|---|")
     ratios = {}
+    paths = {"verify_gdn": ("recurrent", verify_gdn.ROUND_DEVICE_TYPES), "recurrent": ("recurrent", ()),
+             "chunked": ("chunked", ())}
     for width in args.widths:
         times = {}
-        for kernel in ("recurrent", "chunked"):
-            speculative_decoding.SHORT_RULE_KERNEL = kernel
-            times[kernel] = verify_ms(model, prompt_ids, slots, width, args.repeats, captured) if captured else None
-        speculative_decoding.SHORT_RULE_KERNEL = "recurrent"
+        for path, (kernel, round_devices) in paths.items():
+            speculative_decoding.SHORT_RULE_KERNEL, verify_gdn.ROUND_DEVICE_TYPES = kernel, round_devices
+            times[path] = verify_ms(model, prompt_ids, slots, width, args.repeats, captured) if captured else None
+        speculative_decoding.SHORT_RULE_KERNEL, verify_gdn.ROUND_DEVICE_TYPES = paths["verify_gdn"]
         eager = verify_ms(model, prompt_ids, slots, width, args.repeats, captured=False)
-        ratios[width] = (times["recurrent"] if captured else eager) / step
-        cells = [f"{times[k]:.3f} | {times[k] / step:.2f}" if captured else "skipped (needs CUDA) | -"
-                 for k in ("recurrent", "chunked")]
-        print(f"| {width} | {cells[0]} | {cells[1]} | {eager:.3f} |")
+        ratios[width] = (times["verify_gdn"] if captured else eager) / step
+        cells = [f"{times[p]:.3f} | {times[p] / step:.2f}" if captured else "skipped (needs CUDA) | -" for p in paths]
+        print(f"| {width} | {' | '.join(cells)} | {eager:.3f} |")
     if 4 in ratios:
         verdict = "meets" if ratios[4] <= 1.3 else "misses"
         print(f"verify(4) / step = {ratios[4]:.2f} ({verdict} the goal of 1.3"

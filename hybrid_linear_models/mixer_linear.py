@@ -79,6 +79,7 @@ def convolve_and_recur(
     info: SequenceInfo,
     cache: LinearStateLayer | None,
     beta_logits: bool = False,
+    round_rule: Callable | None = None,
 ) -> torch.Tensor:
     """silu(causal_conv1d(mixed)) split into q, k, v, then the delta `rule` with the decay of `gate` and beta.
 
@@ -86,8 +87,9 @@ def convolve_and_recur(
     (`project_for_convolution`); beta [B, T, H] (its logits with `beta_logits`: the sigmoid then runs in the rule's
     kernel where it can). Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
     start from zero; a cache provides the initial conv/recurrent states and keeps the final ones, and what
-    restores them to each of the tokens where a crop can follow (`LinearStateLayer.window_plan`). Returns the
-    delta-rule output [B, T, H, dv].
+    restores them to each of the tokens where a crop can follow (`LinearStateLayer.window_plan`). `round_rule` runs
+    a verify round's whole layer where it can, its kernels keeping their own window (`verify_gdn.gated_delta_round`).
+    Returns the delta-rule output [B, T, H, dv].
     """
     g, gate_args = gate.raw, {"A_log": gate.A_log, "dt_bias": gate.dt_bias}
     if info.padding_mask is not None:
@@ -108,6 +110,13 @@ def convolve_and_recur(
     deferred = plan == "new" and cache.restores_every_window
     base = None if plan != "new" or recurrent_state is None else recurrent_state if deferred else \
         recurrent_state.clone()  # (the state is updated in place)
+    if deferred and round_rule is not None and info.padding_mask is None and conv_weight is not None:
+        fused = round_rule(mixed, conv_weight, split, g, gate.A_log, gate.dt_bias, beta, beta_logits, cache)
+        if fused is not None:  # (the states left for the window's restore, as below)
+            out, window = fused
+            cache.store(None, None, new_tokens=mixed.shape[1])
+            cache.keep_window(window, plan)
+            return info.unflatten(out)
     final_states = cache is not None and not deferred
     window_step = conv_weight is None or steps_conv_window(cache, info, mixed.shape[1])  # stepped in place
     if window_step:  # (conv_weight None: convolved with its projection)

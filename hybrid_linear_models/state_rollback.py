@@ -119,6 +119,18 @@ class RollbackWindow:
         conv = self.conv_inputs.gather(-1, columns[:, None, :].expand(-1, self.conv_inputs.shape[1], -1))
         return state, conv
 
+    def restore_into(self, kept: torch.Tensor, state: torch.Tensor, conv_window: torch.Tensor, shared: dict) -> None:
+        """`restore_rows` written into a cache's recurrent `state` [B, Hv, dk, dv] and the last K-1 columns of its
+        `conv_window` [B, C, K]; `shared` holds the masks made for the round's first layer, for the others."""
+        keep = self.conv_inputs.shape[-1] - self.tokens
+        if (self.tokens, keep) not in shared:
+            numbers = torch.arange(max(self.tokens, keep), device=kept.device)
+            shared[self.tokens, keep] = (numbers[None, : self.tokens] >= kept[:, None], kept[:, None] + numbers[:keep])
+        restored, conv = self.restore_rows(kept, *shared[self.tokens, keep], in_place=self.base is state)
+        if restored is not state:
+            state.copy_(restored)
+        conv_window[..., 1:].copy_(conv)
+
     def keep_first(self, m: int) -> None:
         """Drops the tokens after the first m."""
         keep = self.conv_inputs.shape[-1] - self.tokens

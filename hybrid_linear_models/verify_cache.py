@@ -15,9 +15,10 @@ leave rejected keys between their accepted ones. This cache keeps, on the device
   positions, that it would alone, whatever the other rows accepted. A sliding layer keeps every slot (its window is
   in the mask), so nothing it needs is ever pushed out.
 - per GDN/KDA layer, its conv and recurrent states (a `LinearStateLayer`, updated in place by the forward) and the
-  `RollbackWindow` of the last verify step's tokens (state_rollback.py), from which `restore` puts each row back to its
-  own kept prefix (`RollbackWindow.restore_rows`: the delta rule over the step's tokens from the state before it,
-  the tokens past the row's count neutral, as pads are).
+  window of the last verify step's tokens, from which `restore` puts each row back to its own kept prefix: a
+  `RollbackWindow` (state_rollback.py: the delta rule over the step's tokens from the state before it, the tokens past
+  the row's count neutral, as pads are), or on CUDA a GDN layer's `verify_gdn.KernelRoundWindow` (a kernel that runs
+  each row's own count of them).
 
 Every tensor has a fixed size and address once allocated (the first prefill), and nothing reads a value on the host:
 a verify step, its acceptance and its restore can be captured in one CUDA graph (speculative_decoding.py).
@@ -53,19 +54,14 @@ class VerifyLinearLayer(LinearStateLayer):
     def keep_window(self, window, plan: str) -> None:
         self.rollback = window
 
-    def restore(self, kept: torch.Tensor, dropped: torch.Tensor | None = None,
-                columns: torch.Tensor | None = None) -> None:
+    def restore(self, kept: torch.Tensor, shared: dict) -> None:
         """Each row back to the state after its first kept[b] tokens of the last forward (kept [B] on the device;
-        dropped and columns: `RollbackWindow.restore_rows`'s, made once for every layer)."""
+        `shared`: what the round's layers share, made by the first: `RollbackWindow.restore_into`)."""
         if self.rollback is None:
             raise ValueError("restore: this GDN/KDA layer's last forward kept no window (a verify step of 2 to "
                              f"{MAX_ROLLBACK_TOKENS} tokens onto the prompt's state keeps one).")
-        buffer = self.recurrent_states[0]
         # the base is the state itself (restores_every_window): the rule may write the restored state over it
-        state, conv = self.rollback.restore_rows(kept, dropped, columns, in_place=self.rollback.base is buffer)
-        if state is not buffer:
-            buffer.copy_(state)
-        self.conv_states[0][..., 1:].copy_(conv)
+        self.rollback.restore_into(kept, self.recurrent_states[0], self.conv_states[0], shared)
 
 
 class VerifyKVLayer:
@@ -150,16 +146,9 @@ class VerifyCache:
 
     def restore(self, kept: torch.Tensor) -> None:
         """Keeps the first kept[b] tokens of the last forward in row b ([B] on the device, 0 to its tokens)."""
-        linear = self.linear_layers
-        if linear and linear[0].rollback is not None:  # (the masks every layer's restore reads, made once)
-            window = linear[0].rollback
-            dropped = torch.arange(window.tokens, device=kept.device)[None, :] >= kept[:, None]
-            keep = window.conv_inputs.shape[-1] - window.tokens
-            columns = kept[:, None] + torch.arange(keep, device=kept.device)
-        else:
-            dropped = columns = None
-        for layer in linear:
-            layer.restore(kept, dropped, columns)
+        shared: dict = {}  # (the masks every layer's restore reads, made once)
+        for layer in self.linear_layers:
+            layer.restore(kept, shared)
         self.lengths.add_(kept)
 
     def tensors(self) -> list[torch.Tensor]:
