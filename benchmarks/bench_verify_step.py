@@ -1,15 +1,17 @@
 """The cost of a speculative verify step of k tokens against a one-token decoding step, on the ~1.2B GDN benchmark
-model (model_configs.GPU_GDN: 16 layers, 3 GDN : 1 attention), bf16 on CUDA.
+model (model_configs.GPU_GDN: 16 layers, 3 GDN : 1 attention) or with `--model kda` the 1B KDA one (GPU_KDA), bf16 on
+CUDA.
 
 The one-token step is `generate`'s: the model's forward on a StaticCache, replayed from its captured CUDA graph
 (cuda_graph_decoding). The verify step is speculative_decoding's `verify_round`: one forward of k tokens per row,
 the greedy acceptance and the per-row restore of every GDN layer and attention length, replayed from its captured
-graph (`CapturedVerifyRound`), and also run uncaptured; its GDN layers on this package's round kernels
-(`verify_gdn`) and, in the same run, on the torch path over fla's kernels. Both attend over the same number of cache
-slots. The goal: verify(4) <= 1.3 x the one-token step, so that a round that accepts one draft on average already
-pays.
+graph (`CapturedVerifyRound`), and also run uncaptured; its GDN/KDA layers on this package's round kernels
+(`verify_delta_rule`) and, in the same run, on the torch path over fla's kernels. Both attend over the same number of
+cache slots. The goal: verify(4) <= 1.3 x the one-token step, so that a round that accepts one draft on average
+already pays.
 
-    python benchmarks/bench_verify_step.py [--batch 1] [--prompt 512] [--repeats 50] [--widths 2 3 4 5]
+    python benchmarks/bench_verify_step.py [--model gdn|kda] [--batch 1] [--prompt 512] [--repeats 50]
+                                           [--widths 2 3 4 5]
     python benchmarks/bench_verify_step.py --tiny     # the CPU smoke configuration (eager, tiny model)
 """
 
@@ -25,10 +27,10 @@ from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from model_configs import GPU_GDN, TINY_GDN, gdn_pair
+from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, gdn_pair, kda_pair
 from timing import timed
 
-from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding, verify_gdn
+from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding, verify_delta_rule
 from hybrid_linear_models.speculative_decoding import (
     CapturedVerifyRound,
     prefill,
@@ -53,7 +55,9 @@ def one_token_step_ms(model, prompt_ids, slots: int, repeats: int) -> float:
 
 
 def verify_ms(model, prompt_ids, slots: int, width: int, repeats: int, captured: bool) -> float:
-    """A verify round (the kernels of speculative_decoding.SHORT_RULE_KERNEL) of `width` tokens per row (random drafts: mostly one token kept), on a VerifyCache of `slots`."""
+    """A verify round of `width` tokens per row (random drafts: mostly one token kept), on a VerifyCache of `slots`,
+    its GDN/KDA layers on the kernels `verify_delta_rule.ROUND_DEVICE_TYPES` and
+    `speculative_decoding.SHORT_RULE_KERNEL` choose."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
     cache = VerifyCache(model, batch, slots, device)
@@ -73,6 +77,7 @@ def verify_ms(model, prompt_ids, slots: int, width: int, repeats: int, captured:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU, float32, uncaptured")
+    parser.add_argument("--model", choices=["gdn", "kda"], default="gdn")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=50)
@@ -82,7 +87,8 @@ def main() -> None:
         args.prompt, args.repeats = min(args.prompt, 32), min(args.repeats, 3)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = gdn_pair(**(TINY_GDN if args.tiny else GPU_GDN))[0]
+    pair, sizes = {"gdn": (gdn_pair, (GPU_GDN, TINY_GDN)), "kda": (kda_pair, (GPU_KDA, TINY_KDA))}[args.model]
+    config = pair(**sizes[args.tiny])[0]
     torch.manual_seed(0)
     model = HybridLinearForCausalLM(config).to(device, dtype).eval()
     prompt_ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt), device=device)
@@ -92,22 +98,22 @@ def main() -> None:
           f"layers, {dtype}, {device.type}; batch {args.batch}, prompt {args.prompt}, {slots} cache slots")
     step = one_token_step_ms(model, prompt_ids, slots, args.repeats)
     print(f"one-token decoding step ({'captured' if captured else 'eager'}): {step:.3f} ms")
-    print("the round's GDN layers: this package's two kernels (verify_gdn, the default on CUDA), or the torch path on "
-          "fla's token-by-token kernels (recurrent) or its chunked ones")
-    print("| k tokens | captured, verify_gdn ms | ratio to step | captured, recurrent ms | ratio to step "
+    print("the round's GDN/KDA layers: this package's two kernels (verify_delta_rule, the default on CUDA), or the "
+          "torch path on fla's token-by-token kernels (recurrent) or its chunked ones")
+    print("| k tokens | captured, verify_delta_rule ms | ratio to step | captured, recurrent ms | ratio to step "
           "| captured, chunked ms | ratio to step | eager ms |")
     print("|---|---|---|---|---|---|---|---|")
     ratios = {}
-    paths = {"verify_gdn": ("recurrent", verify_gdn.ROUND_DEVICE_TYPES), "recurrent": ("recurrent", ()),
-             "chunked": ("chunked", ())}
+    paths = {"verify_delta_rule": ("recurrent", verify_delta_rule.ROUND_DEVICE_TYPES),
+             "recurrent": ("recurrent", ()), "chunked": ("chunked", ())}
     for width in args.widths:
         times = {}
         for path, (kernel, round_devices) in paths.items():
-            speculative_decoding.SHORT_RULE_KERNEL, verify_gdn.ROUND_DEVICE_TYPES = kernel, round_devices
+            speculative_decoding.SHORT_RULE_KERNEL, verify_delta_rule.ROUND_DEVICE_TYPES = kernel, round_devices
             times[path] = verify_ms(model, prompt_ids, slots, width, args.repeats, captured) if captured else None
-        speculative_decoding.SHORT_RULE_KERNEL, verify_gdn.ROUND_DEVICE_TYPES = paths["verify_gdn"]
+        speculative_decoding.SHORT_RULE_KERNEL, verify_delta_rule.ROUND_DEVICE_TYPES = paths["verify_delta_rule"]
         eager = verify_ms(model, prompt_ids, slots, width, args.repeats, captured=False)
-        ratios[width] = (times["verify_gdn"] if captured else eager) / step
+        ratios[width] = (times["verify_delta_rule"] if captured else eager) / step
         cells = [f"{times[p]:.3f} | {times[p] / step:.2f}" if captured else "skipped (needs CUDA) | -" for p in paths]
         print(f"| {width} | {' | '.join(cells)} | {eager:.3f} |")
     if 4 in ratios:

@@ -18,7 +18,7 @@ taken in the flat order [q | k | v | z | b | a] the convolution, the gated norm 
 whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`); a step's GEMV also runs the
 convolution's step on the [q | k | v] outputs in its epilogue (`kernels_gemv.linear_conv_step`). beta's sigmoid runs
 inside the recurrent kernel. On CUDA a verify round's layer runs from the projection's output to the rule's output in
-one kernel of this package, and its restore in another (`verify_gdn`).
+one kernel of this package, and its restore in another (`verify_delta_rule`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .ops import gated_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
 from .tensor_parallel_heads import LocalHeads, local_heads, sum_gradients_over_ranks
-from .verify_gdn import gated_delta_round
+from .verify_delta_rule import delta_rule_round
 
 if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
@@ -121,7 +121,7 @@ class HybridLinearGatedDeltaNet(nn.Module):
 
         gate = DecayGate(a, self.A_log, self.dt_bias)
         out = convolve_and_recur(mixed, conv_weight, split, gate, b, gated_delta_rule, info, cache,
-                                 beta_logits=True, round_rule=gated_delta_round)  # sigmoid(b) in the rule's kernel
+                                 beta_logits=True, round_rule=delta_rule_round)  # sigmoid(b) in the rule's kernel
         out = self.norm(out, z.unflatten(-1, (nv, dv)))
         return self.out_proj(out.reshape(B, T, nv * dv))
 
@@ -151,7 +151,7 @@ class HybridLinearGatedDeltaNet(nn.Module):
             return q.unflatten(-1, (nk, dk)), k.unflatten(-1, (nk, dk)), v.unflatten(-1, (nv, dv))
 
         out = convolve_and_recur(mixed, self._conv_weight(heads), split, gate, beta, gated_delta_rule, info, cache,
-                                 round_rule=None if heads.sharded else gated_delta_round)
+                                 round_rule=None if heads.sharded else delta_rule_round)
         out = self.norm(out, z.reshape(B, T, nv, dv))
         sum_gradients_over_ranks(self, [self.conv1d.weight, self.dt_bias, self.A_log, self.norm.weight],
                                  self.in_proj_qkvz)

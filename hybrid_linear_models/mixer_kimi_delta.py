@@ -15,7 +15,8 @@ act is sigmoid in Kimi Linear and silu in Fast-LLM: `kda_gate_activation`. fla's
 A decoding step (one token per row, no gradient) runs the six projections of x (q, k, v, f_a, g_a, b) as one GEMM
 (`fused_projections`), whose first columns are the flat [q | k | v] the convolution reads (no concatenation; in a
 captured step the GEMV kernel runs the convolution's step on them in its epilogue: `kernels_gemv.linear_conv_step`),
-and beta's sigmoid runs inside the recurrent kernel.
+and beta's sigmoid runs inside the recurrent kernel. On CUDA a verify round's layer runs from the projections' output to
+the rule's output in one kernel of this package, and its restore in another (`verify_delta_rule`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
 from .mixer_registry import ConfigField, MixerSpec, register
 from .tensor_parallel_heads import local_heads, sum_gradients_over_ranks
+from .verify_delta_rule import delta_rule_round
 
 if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
@@ -101,7 +103,7 @@ class HybridLinearKimiDeltaAttention(nn.Module):
             return tuple(part.unflatten(-1, (heads.count, self.head_dim)) for part in x.chunk(3, dim=-1))
 
         out = convolve_and_recur(mixed, conv_weight, split, gate, beta, kimi_delta_rule, info, cache,
-                                 beta_logits=decoding)
+                                 beta_logits=decoding, round_rule=None if heads.sharded else delta_rule_round)
         out = self.o_norm(out, self.g_b_proj(gate_a).view(shape))
         sum_gradients_over_ranks(
             self, [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.dt_bias, self.A_log,

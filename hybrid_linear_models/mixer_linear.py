@@ -88,7 +88,8 @@ def convolve_and_recur(
     kernel where it can). Pads keep the state as it was (beta = 0, log decay = 0); packed documents each
     start from zero; a cache provides the initial conv/recurrent states and keeps the final ones, and what
     restores them to each of the tokens where a crop can follow (`LinearStateLayer.window_plan`). `round_rule` runs
-    a verify round's whole layer where it can, its kernels keeping their own window (`verify_gdn.gated_delta_round`).
+    a verify round's whole layer where it can, its kernels keeping their own window
+    (`verify_delta_rule.delta_rule_round`).
     Returns the delta-rule output [B, T, H, dv].
     """
     g, gate_args = gate.raw, {"A_log": gate.A_log, "dt_bias": gate.dt_bias}

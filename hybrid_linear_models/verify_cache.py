@@ -17,8 +17,8 @@ leave rejected keys between their accepted ones. This cache keeps, on the device
 - per GDN/KDA layer, its conv and recurrent states (a `LinearStateLayer`, updated in place by the forward) and the
   window of the last verify step's tokens, from which `restore` puts each row back to its own kept prefix: a
   `RollbackWindow` (state_rollback.py: the delta rule over the step's tokens from the state before it, the tokens past
-  the row's count neutral, as pads are), or on CUDA a GDN layer's `verify_gdn.KernelRoundWindow` (a kernel that runs
-  each row's own count of them).
+  the row's count neutral, as pads are), or on CUDA a `verify_delta_rule.KernelRoundWindow` (a kernel that runs each
+  row's own count of them).
 
 Every tensor has a fixed size and address once allocated (the first prefill), and nothing reads a value on the host:
 a verify step, its acceptance and its restore can be captured in one CUDA graph (speculative_decoding.py).

@@ -1,7 +1,7 @@
-"""A verify round's GDN layers on this package's two Triton kernels (verify_gdn.py) against the torch path they replace
+"""A verify round's GDN layers on this package's two Triton kernels (verify_delta_rule.py) against the torch path they replace
 (`convolve_and_recur` and `RollbackWindow.restore_rows`, themselves checked against each row decoded alone in
 test_speculative_batched.py). On a GPU (bf16, fp16) and on the CPU under triton's interpreter
-(`TRITON_INTERPRET=1 pytest tests/test_verify_gdn.py`: float32 and fp16, the interpreter has no bf16 arithmetic).
+(`TRITON_INTERPRET=1 pytest tests/test_verify_delta_rule.py`: float32 and fp16, the interpreter has no bf16 arithmetic).
 
 Tolerances, on each tensor relative to its largest magnitude (at least 1), against the torch path in float64. Float32:
 both float32 paths round the convolution's output and sum in float32, in different orders, and each lies within
@@ -17,7 +17,7 @@ import pytest
 import torch
 from model_helpers import runs_triton_kernels, tiny_model
 
-from hybrid_linear_models import verify_gdn
+from hybrid_linear_models import verify_delta_rule
 from hybrid_linear_models.fused_projections import projections_stacked_for_few_rows
 from hybrid_linear_models.speculative_decoding import (
     forward_tokens,
@@ -27,13 +27,16 @@ from hybrid_linear_models.speculative_decoding import (
 from hybrid_linear_models.verify_cache import VerifyCache
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
-# (key heads, value heads, key width, value width): one value block and two, one value head a key head and two
+GDN = ["gated_deltanet", "full_attention", "gated_deltanet"]
+KDA = ["kimi_delta_attention", "full_attention", "kimi_delta_attention"]
+# (layers, head settings): GDN with one value block and with two, one value head a key head and two; KDA (a decay per
+# key channel), two value blocks
 LAYOUTS = {
-    "tiny": {"gdn_num_key_heads": 2, "gdn_num_value_heads": 4, "gdn_key_head_dim": 16, "gdn_value_head_dim": 8},
-    "two_blocks_one_value_head_a_key": {"gdn_num_key_heads": 2, "gdn_num_value_heads": 2, "gdn_key_head_dim": 32,
-                                        "gdn_value_head_dim": 16},
+    "gdn": (GDN, {"gdn_num_key_heads": 2, "gdn_num_value_heads": 4, "gdn_key_head_dim": 16, "gdn_value_head_dim": 8}),
+    "gdn_two_blocks_one_value_head_a_key": (GDN, {"gdn_num_key_heads": 2, "gdn_num_value_heads": 2,
+                                                  "gdn_key_head_dim": 32, "gdn_value_head_dim": 16}),
+    "kda": (KDA, {"kda_num_heads": 2, "kda_head_dim": 16}),
 }
-LAYERS = ["gated_deltanet", "full_attention", "gated_deltanet"]
 
 
 def _device_and_dtypes():
@@ -47,22 +50,24 @@ DEVICE, DTYPES = _device_and_dtypes()
 
 @pytest.fixture
 def kernels(monkeypatch) -> list:
-    """The kernels on for this device, its test dtypes and float32; returns the list that counts the round kernel's launches."""
-    launches, loaded = [], verify_gdn.round_kernels()
+    """The kernels on for this device, its test dtypes and float32; returns the list that counts the round kernel's
+    launches."""
+    launches, loaded = [], verify_delta_rule.round_kernels()
 
     def counted(*args, **kwargs):
         launches.append(1)
         return loaded[0](*args, **kwargs)
 
-    monkeypatch.setattr(verify_gdn, "ROUND_DEVICE_TYPES", (DEVICE,))
-    monkeypatch.setattr(verify_gdn, "ROUND_DTYPES", (*DTYPES, torch.float32))
-    monkeypatch.setattr(verify_gdn, "round_kernels", lambda: (counted, loaded[1]))
-    monkeypatch.setattr(verify_gdn, "_FAILED", {})
+    monkeypatch.setattr(verify_delta_rule, "ROUND_DEVICE_TYPES", (DEVICE,))
+    monkeypatch.setattr(verify_delta_rule, "ROUND_DTYPES", (*DTYPES, torch.float32))
+    monkeypatch.setattr(verify_delta_rule, "round_kernels", lambda: (counted, loaded[1]))
+    monkeypatch.setattr(verify_delta_rule, "_FAILED", {})
     return launches
 
 
 def _model(layout: str, dtype: torch.dtype):
-    return tiny_model(LAYERS, seed=3, **LAYOUTS[layout]).to(DEVICE, dtype)
+    layers, heads = LAYOUTS[layout]
+    return tiny_model(layers, seed=3, **heads).to(DEVICE, dtype)
 
 
 def _filled_cache(model, batch: int = 3, prompt: int = 7) -> VerifyCache:
@@ -95,7 +100,7 @@ def test_a_round_and_its_restore_equal_the_torch_path(kernels, layout, dtype, to
     ids = torch.randint(2, 128, (3, tokens), generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
     kept = torch.tensor([tokens, 0, 2], device=DEVICE)  # all kept, a row that is done, a prefix
     with pytest.MonkeyPatch.context() as off:  # the torch path: the kernels' device refused
-        off.setattr(verify_gdn, "ROUND_DEVICE_TYPES", ())
+        off.setattr(verify_delta_rule, "ROUND_DEVICE_TYPES", ())
         reference = _round(exact, _filled_cache(exact), ids, kept, stacked)
         torch_path = _round(model, _filled_cache(model), ids, kept, stacked)
     assert not kernels
@@ -108,13 +113,14 @@ def test_a_round_and_its_restore_equal_the_torch_path(kernels, layout, dtype, to
             assert error <= 2e-5
         else:
             assert error <= 2 * (theirs.double() - expected).abs().max().item() / scale + 2 * UNIT_ROUNDOFF[dtype]
-    assert not verify_gdn._FAILED
+    assert not verify_delta_rule._FAILED
 
 
 @pytest.mark.gpu
 @runs_triton_kernels
-def test_a_row_that_keeps_nothing_keeps_its_states_bit_for_bit(kernels):
-    model = _model("tiny", DTYPES[0])
+@pytest.mark.parametrize("layout", ["gdn", "kda"])
+def test_a_row_that_keeps_nothing_keeps_its_states_bit_for_bit(kernels, layout):
+    model = _model(layout, DTYPES[0])
     cache = _filled_cache(model)
     before = [t.clone() for t in cache.tensors()]
     ids = torch.randint(2, 128, (3, 4), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -128,10 +134,11 @@ def test_a_row_that_keeps_nothing_keeps_its_states_bit_for_bit(kernels):
 
 @pytest.mark.gpu
 @runs_triton_kernels
-def test_speculative_greedy_output_with_the_kernels_is_plain_greedy(kernels):
+@pytest.mark.parametrize("layout", ["gdn", "kda"])
+def test_speculative_greedy_output_with_the_kernels_is_plain_greedy(kernels, layout):
     """A random drafter (nearly every draft rejected) and a left-padded batch: each row's tokens are its plain greedy
     decoding alone."""
-    model = _model("tiny", torch.float32)  # (no near-ties between the two largest logits to round apart)
+    model = _model(layout, torch.float32)  # (no near-ties between the two largest logits to round apart)
     ids = torch.randint(2, 128, (2, 6), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, :2] = 0
@@ -162,14 +169,19 @@ def test_the_kernels_refuse_what_they_do_not_take():
     window, state = torch.zeros(1, x.shape[-1], 4), torch.zeros(1, 4, 16, 8)
     args = [x, weight, q, v, beta, a, A_log, dt_bias, window, state]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(verify_gdn, "ROUND_DEVICE_TYPES", ("cpu",))
-        patch.setattr(verify_gdn, "ROUND_DTYPES", (torch.float32,))
-        assert not verify_gdn._layout_problem(*args)
+        patch.setattr(verify_delta_rule, "ROUND_DEVICE_TYPES", ("cpu",))
+        patch.setattr(verify_delta_rule, "ROUND_DTYPES", (torch.float32,))
+        assert not verify_delta_rule._layout_problem(*args)
         for i, bad in [(0, torch.zeros(1, 17, x.shape[-1])),  # past MAX_ROUND_TOKENS
                        (2, torch.zeros(1, 3, 2, 12)),  # a key width not a power of two
                        (3, torch.zeros(1, 3, 4, 4)),  # a value width under a block
+                       (5, torch.zeros(1, 3, 4, 8)),  # a per-channel gate of another width than the keys
+                       (7, torch.zeros(4 * 16)),  # a per-channel dt_bias with a per-head gate
                        (8, window[..., :3]),  # a window of another kernel width
                        (9, state.double())]:  # a state not float32
             changed = list(args)
             changed[i] = bad
-            assert verify_gdn._layout_problem(*changed), i
+            assert verify_delta_rule._layout_problem(*changed), i
+        per_channel = list(args)  # KDA's gate: one raw value and one dt_bias per key channel
+        per_channel[5], per_channel[7] = torch.zeros(1, 3, 4, 16), torch.zeros(4 * 16)
+        assert not verify_delta_rule._layout_problem(*per_channel)

@@ -1,7 +1,7 @@
-"""Triton kernels of a speculative verify round's GDN layers: the round's few tokens from the input projection's output
-to the delta rule's output in one kernel, and each row's restore to its kept prefix in another (`verify_gdn.py` says
-when they run; the torch path they replace, `mixer_linear.convolve_and_recur` and `RollbackWindow.restore_rows`, is
-their reference).
+"""Triton kernels of a speculative verify round's GDN and KDA layers: the round's few tokens from the input
+projection's output to the delta rule's output in one kernel, and each row's restore to its kept prefix in another
+(`verify_delta_rule.py` says when they run; the torch path they replace, `mixer_linear.convolve_and_recur` and
+`RollbackWindow.restore_rows`, is their reference).
 
 Both run one program per (row, value head, block of BV value channels), the [dk, BV] tile of the recurrent state in
 registers, as fla's recurrent kernel does.
@@ -12,10 +12,11 @@ registers, as fla's recurrent kernel does.
      inputs before the round come from the cache's window (input at time s < 0 in column K + s), the round's own
      from the projection's output (a strided view: no copy). silu, then rounded to the activations' dtype, as the
      convolution's output is;
-   - the L2 norms of q and k in float32 (eps 1e-6), q scaled by dk^-0.5; the decay g = -exp(A_log) softplus(a +
-     dt_bias) and beta (the sigmoid of its logits where it is given those);
+   - the L2 norms of q and k in float32 (eps 1e-6), q scaled by dk^-0.5; the log decay g = -exp(A_log) softplus(a +
+     dt_bias), one per value head (GDN) or one per key channel (KDA, `PER_CHANNEL`), and beta (the sigmoid of its
+     logits where it is given those);
    then the delta rule token by token (row t of a tile taken by a masked sum over its rows):
-       S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
+       S <- diag(exp(g)) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
    The state is read and never written: a verify cache's forward leaves it for the restore (`restores_every_window`).
    What the restore needs is written for every token, in float32: k normalised (by one program of each key head),
    v convolved (each program its own channels), g and beta (one program of each value head).
@@ -74,6 +75,14 @@ def _at(values, tokens, t):
 
 
 @triton.jit
+def _decayed(h, g, tokens, t, PER_CHANNEL: tl.constexpr):
+    """The state tile [dk, BV] times token t's decay: exp(g_t) per key channel (g [TP, dk]) or per head (g [TP])."""
+    if PER_CHANNEL:
+        return h * tl.exp(_row(g, tokens, t))[:, None]
+    return h * tl.exp(_at(g, tokens, t))
+
+
+@triton.jit
 def _heads(NK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     """This program's row, value head, key head, and channels of q, k and v in the convolution's [q | k | v]."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -86,14 +95,20 @@ def _heads(NK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexp
 
 @triton.jit(do_not_specialize=["T"])
 def _round_kernel(x_ptr, stride_xb, stride_xt, window_ptr, weight_ptr, b_ptr, stride_bb, stride_bt, stride_bh, a_ptr,
-                  stride_ab, stride_at, stride_ah, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, kept_ptr, T, scale, eps,
-                  NK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                  K: tl.constexpr, TP: tl.constexpr, BETA_LOGITS: tl.constexpr, PDL: tl.constexpr):
+                  stride_ab, stride_at, stride_ah, stride_ac, A_log_ptr, dt_bias_ptr, state_ptr, o_ptr, kept_ptr, T,
+                  scale, eps, NK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  BV: tl.constexpr, K: tl.constexpr, TP: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                  BETA_LOGITS: tl.constexpr, PDL: tl.constexpr):
     i_b, i_hv, i_hk, i_v, ck, cv, q_ch, k_ch, v_ch = _heads(NK, HV, DK, DV, BV)
     C: tl.constexpr = 2 * NK * DK + HV * DV
-    W: tl.constexpr = NK * DK + HV * DV + 2 * HV  # a token's kept values: [k | v | g | beta]
+    G: tl.constexpr = 1 + PER_CHANNEL * (DK - 1)  # decays per value head and token
+    W: tl.constexpr = NK * DK + HV * DV + HV * G + HV  # a token's kept values: [k | v | g | beta]
+    tokens = tl.arange(0, TP)
     decay_scale = -tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32))  # (weights: read before the wait)
-    dt_bias = tl.load(dt_bias_ptr + i_hv).to(tl.float32)
+    if PER_CHANNEL:
+        dt_bias = tl.load(dt_bias_ptr + i_hv * DK + ck).to(tl.float32)[None, :]
+    else:
+        dt_bias = tl.load(dt_bias_ptr + i_hv).to(tl.float32)
     await_previous_kernel(PDL)
     x_row, window_row = x_ptr + i_b * stride_xb, window_ptr + i_b * C * K
     h = tl.load(state_ptr + ((i_b * HV + i_hv) * DK + ck[:, None]) * DV + cv[None, :])
@@ -103,8 +118,12 @@ def _round_kernel(x_ptr, stride_xb, stride_xt, window_ptr, weight_ptr, b_ptr, st
     v = _conv_silu(x_row, stride_xt, window_row, v_ch, weight_ptr, T, TP, K)
     q = q * (tl.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
-    tokens = tl.arange(0, TP)
-    raw = tl.load(a_ptr + i_b * stride_ab + tokens * stride_at + i_hv * stride_ah, mask=tokens < T, other=0.0)
+    a_row = a_ptr + i_b * stride_ab + i_hv * stride_ah
+    if PER_CHANNEL:
+        raw = tl.load(a_row + tokens[:, None] * stride_at + ck[None, :] * stride_ac, mask=(tokens < T)[:, None],
+                      other=0.0)
+    else:
+        raw = tl.load(a_row + tokens * stride_at, mask=tokens < T, other=0.0)
     raw = raw.to(tl.float32) + dt_bias
     g = decay_scale * tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(raw)))  # softplus, torch's threshold
     beta = tl.load(b_ptr + i_b * stride_bb + tokens * stride_bt + i_hv * stride_bh, mask=tokens < T, other=0.0)
@@ -113,8 +132,8 @@ def _round_kernel(x_ptr, stride_xb, stride_xt, window_ptr, weight_ptr, b_ptr, st
         beta = tl.sigmoid(beta)
     o = tl.zeros((TP, BV), dtype=tl.float32)
     for t in range(T):  # the delta rule, token by token
+        h = _decayed(h, g, tokens, t, PER_CHANNEL)
         k_t = _row(k, tokens, t)
-        h *= tl.exp(_at(g, tokens, t))
         u = (_row(v, tokens, t) - tl.sum(h * k_t[:, None], 0)) * _at(beta, tokens, t)
         h += k_t[:, None] * u[None, :]
         o = tl.where((tokens == t)[:, None], tl.sum(h * _row(q, tokens, t)[:, None], 0)[None, :], o)
@@ -124,8 +143,11 @@ def _round_kernel(x_ptr, stride_xb, stride_xt, window_ptr, weight_ptr, b_ptr, st
     kept_row = kept_ptr + (i_b * T + tokens) * W
     tl.store(kept_row[:, None] + i_hk * DK + ck[None, :], k, mask=live & (i_v == 0) & (i_hv % (HV // NK) == 0))
     tl.store(kept_row[:, None] + NK * DK + i_hv * DV + cv[None, :], v, mask=live)
-    tl.store(kept_row + NK * DK + HV * DV + i_hv, g, mask=(tokens < T) & (i_v == 0))
-    tl.store(kept_row + NK * DK + HV * DV + HV + i_hv, beta, mask=(tokens < T) & (i_v == 0))
+    if PER_CHANNEL:
+        tl.store(kept_row[:, None] + NK * DK + HV * DV + i_hv * DK + ck[None, :], g, mask=live & (i_v == 0))
+    else:
+        tl.store(kept_row + NK * DK + HV * DV + i_hv, g, mask=(tokens < T) & (i_v == 0))
+    tl.store(kept_row + NK * DK + HV * DV + HV * G + i_hv, beta, mask=(tokens < T) & (i_v == 0))
 
 
 @triton.jit
@@ -143,10 +165,11 @@ def _shift_window(x_row, stride_xt, window_row, channels, count, K: tl.constexpr
 @triton.jit(do_not_specialize=["T"])
 def _restore_kernel(x_ptr, stride_xb, stride_xt, window_ptr, kept_ptr, count_ptr, state_ptr, T, NK: tl.constexpr,
                     HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
-                    KP: tl.constexpr, TP: tl.constexpr, PDL: tl.constexpr):
+                    KP: tl.constexpr, TP: tl.constexpr, PER_CHANNEL: tl.constexpr, PDL: tl.constexpr):
     i_b, i_hv, i_hk, i_v, ck, cv, q_ch, k_ch, v_ch = _heads(NK, HV, DK, DV, BV)
     C: tl.constexpr = 2 * NK * DK + HV * DV
-    W: tl.constexpr = NK * DK + HV * DV + 2 * HV
+    G: tl.constexpr = 1 + PER_CHANNEL * (DK - 1)
+    W: tl.constexpr = NK * DK + HV * DV + HV * G + HV
     await_previous_kernel(PDL)
     count = tl.load(count_ptr + i_b).to(tl.int32)
     tokens = tl.arange(0, TP)
@@ -155,13 +178,16 @@ def _restore_kernel(x_ptr, stride_xb, stride_xt, window_ptr, kept_ptr, count_ptr
     # the kept tokens' values first, [TP, channels] tiles
     k = tl.load(kept_row[:, None] + i_hk * DK + ck[None, :], mask=live[:, None], other=0.0)
     v = tl.load(kept_row[:, None] + NK * DK + i_hv * DV + cv[None, :], mask=live[:, None], other=0.0)
-    g = tl.load(kept_row + NK * DK + HV * DV + i_hv, mask=live, other=0.0)
-    beta = tl.load(kept_row + NK * DK + HV * DV + HV + i_hv, mask=live, other=0.0)
+    if PER_CHANNEL:
+        g = tl.load(kept_row[:, None] + NK * DK + HV * DV + i_hv * DK + ck[None, :], mask=live[:, None], other=0.0)
+    else:
+        g = tl.load(kept_row + NK * DK + HV * DV + i_hv, mask=live, other=0.0)
+    beta = tl.load(kept_row + NK * DK + HV * DV + HV * G + i_hv, mask=live, other=0.0)
     state = state_ptr + ((i_b * HV + i_hv) * DK + ck[:, None]) * DV + cv[None, :]
     h = tl.load(state)
     for t in range(count):
+        h = _decayed(h, g, tokens, t, PER_CHANNEL)
         k_t = _row(k, tokens, t)
-        h *= tl.exp(_at(g, tokens, t))
         u = (_row(v, tokens, t) - tl.sum(h * k_t[:, None], 0)) * _at(beta, tokens, t)
         h += k_t[:, None] * u[None, :]
     tl.store(state, h)
@@ -190,30 +216,36 @@ def round_forward(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, b
                   A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, num_k_heads: int,
                   beta_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule's output [B, T, HV, dv] of a verify round (the module docstring's kernel 1) and the values its
-    restore reads [B, T, Hk dk + HV dv + 2 HV] (float32).
+    restore reads (float32).
 
     x [B, T, C]: the convolution's input [q | k | v] (C = 2 Hk dk + HV dv; channels contiguous, rows and tokens
     strided); window [B, C, K] (contiguous, the K-1 inputs before the round in its last columns); weight [C, K];
-    beta (its logits with `beta_logits`) and a (the gate's raw input) [B, T, HV], any strides; A_log, dt_bias [HV]
-    contiguous; state [B, HV, dk, dv] float32 contiguous, read only."""
+    beta [B, T, HV] (its logits with `beta_logits`) and a, the gate's raw input: [B, T, HV] (GDN) or [B, T, HV, dk]
+    (KDA), any strides; A_log [HV] and dt_bias ([HV], KDA [HV dk]) contiguous; state [B, HV, dk, dv] float32
+    contiguous, read only. The values for the restore: [B, T, Hk dk + HV dv + HV (KDA: HV dk) + HV]."""
     B, T = x.shape[:2]
     HV, DK, DV = state.shape[1:]
+    per_channel = a.dim() == 4
     out = x.new_empty(B, T, HV, DV)
-    kept = torch.empty(B, T, num_k_heads * DK + HV * DV + 2 * HV, dtype=torch.float32, device=x.device)
+    decays = HV * DK if per_channel else HV
+    kept = torch.empty(B, T, num_k_heads * DK + HV * DV + decays + HV, dtype=torch.float32, device=x.device)
     _round_kernel[_grid(B, HV, DV)](
-        x, x.stride(0), x.stride(1), window, weight, beta, *beta.stride(), a, *a.stride(), A_log, dt_bias, state, out,
-        kept, T, DK ** -0.5, L2_NORM_EPS, NK=num_k_heads, HV=HV, DK=DK, DV=DV, BV=BLOCK_V, K=weight.shape[1],
-        TP=_padded(T), BETA_LOGITS=beta_logits, num_warps=_warps(T), **dependent_launch(x.device))
+        x, x.stride(0), x.stride(1), window, weight, beta, *beta.stride(), a, *a.stride()[:3],
+        a.stride(3) if per_channel else 0, A_log, dt_bias, state, out, kept, T, DK ** -0.5, L2_NORM_EPS,
+        NK=num_k_heads, HV=HV, DK=DK, DV=DV, BV=BLOCK_V, K=weight.shape[1], TP=_padded(T), PER_CHANNEL=per_channel,
+        BETA_LOGITS=beta_logits, num_warps=_warps(T), **dependent_launch(x.device))
     return out, kept
 
 
 def restore(x: torch.Tensor, window: torch.Tensor, kept: torch.Tensor, count: torch.Tensor, state: torch.Tensor,
-            num_k_heads: int) -> None:
+            num_k_heads: int, per_channel: bool) -> None:
     """Row b's state and window put at its first count[b] tokens of the round (the module docstring's kernel 2), in
-    place; x, window, state as `round_forward` took them, kept what it returned, count [B] integers."""
+    place; x, window, state as `round_forward` took them (per_channel: its decay was KDA's), kept what it returned,
+    count [B] integers."""
     B, T = x.shape[:2]
     HV, DK, DV = state.shape[1:]
     K = window.shape[-1]
     _restore_kernel[_grid(B, HV, DV)](
         x, x.stride(0), x.stride(1), window, kept, count, state, T, NK=num_k_heads, HV=HV, DK=DK, DV=DV, BV=BLOCK_V,
-        K=K, KP=triton.next_power_of_2(K), TP=_padded(T), num_warps=_warps(T), **dependent_launch(x.device))
+        K=K, KP=triton.next_power_of_2(K), TP=_padded(T), PER_CHANNEL=per_channel, num_warps=_warps(T),
+        **dependent_launch(x.device))
