@@ -21,20 +21,25 @@ the rule's output in one kernel of this package, and its restore in another (`ve
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import nn
-
-from typing import TYPE_CHECKING, Any
 
 from .cache_hybrid_linear import LinearStateLayer
 from .derived_weights import DerivedWeight
 from .fused_projections import FusedProjections, stacks_projections
-from .mixer_linear import DecayGate, convolve_and_recur, mask_padding, project_for_convolution
+from .mixer_linear import (
+    DecayGate,
+    convolve_and_recur,
+    mask_padding,
+    project_for_convolution,
+)
+from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import GatedRMSNorm
 from .ops import kimi_delta_rule
 from .sequence_info import SequenceInfo
 from .short_convolution import ShortConvolution
-from .mixer_registry import ConfigField, MixerSpec, register
 from .tensor_parallel_heads import local_heads, sum_gradients_over_ranks
 from .verify_delta_rule import delta_rule_round
 
