@@ -39,7 +39,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError as error:
-    raise ImportError("the verify round's GDN kernels need triton (a CUDA machine)") from error
+    raise ImportError("the verify round's GDN/KDA kernels need triton (a CUDA machine)") from error
 
 from .kernels_delta_rule import L2_NORM_EPS
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
@@ -75,22 +75,31 @@ def _at(values, tokens, t):
 
 
 @triton.jit
-def _decayed(h, g, tokens, t, PER_CHANNEL: tl.constexpr):
-    """The state tile [dk, BV] times token t's decay: exp(g_t) per key channel (g [TP, dk]) or per head (g [TP])."""
+def _rule_step(h, k, v, g, beta, tokens, t, PER_CHANNEL: tl.constexpr):
+    """The state tile h [dk, BV] after token t of the [TP, ...] tiles: S <- diag(exp(g_t)) S (g [TP, dk], one decay
+    per key channel) or exp(g_t) S (g [TP]); S <- S + k_t (beta_t (v_t - S^T k_t))^T."""
     if PER_CHANNEL:
-        return h * tl.exp(_row(g, tokens, t))[:, None]
-    return h * tl.exp(_at(g, tokens, t))
+        h = h * tl.exp(_row(g, tokens, t))[:, None]
+    else:
+        h = h * tl.exp(_at(g, tokens, t))
+    k_t = _row(k, tokens, t)
+    u = (_row(v, tokens, t) - tl.sum(h * k_t[:, None], 0)) * _at(beta, tokens, t)
+    return h + k_t[:, None] * u[None, :]
 
 
 @triton.jit
 def _heads(NK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
-    """This program's row, value head, key head, and channels of q, k and v in the convolution's [q | k | v]."""
+    """This program's row, value head, key head, whether it is the one program of its key head that writes the key
+    head's values (its first value head's first block), and its channels of q, k and v in the convolution's
+    [q | k | v]."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_hk = i_hv // (HV // NK)
     ck = tl.arange(0, DK)
     cv = i_v * BV + tl.arange(0, BV)
-    return i_b, i_hv, i_hk, i_v, ck, cv, i_hk * DK + ck, NK * DK + i_hk * DK + ck, 2 * NK * DK + i_hv * DV + cv
+    owns_key_head = (i_v == 0) & (i_hv % (HV // NK) == 0)
+    return (i_b, i_hv, i_hk, i_v, owns_key_head, ck, cv, i_hk * DK + ck, NK * DK + i_hk * DK + ck,
+            2 * NK * DK + i_hv * DV + cv)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -99,7 +108,7 @@ def _round_kernel(x_ptr, stride_xb, stride_xt, window_ptr, weight_ptr, b_ptr, st
                   scale, eps, NK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   BV: tl.constexpr, K: tl.constexpr, TP: tl.constexpr, PER_CHANNEL: tl.constexpr,
                   BETA_LOGITS: tl.constexpr, PDL: tl.constexpr):
-    i_b, i_hv, i_hk, i_v, ck, cv, q_ch, k_ch, v_ch = _heads(NK, HV, DK, DV, BV)
+    i_b, i_hv, i_hk, i_v, owns_key_head, ck, cv, q_ch, k_ch, v_ch = _heads(NK, HV, DK, DV, BV)
     C: tl.constexpr = 2 * NK * DK + HV * DV
     G: tl.constexpr = 1 + PER_CHANNEL * (DK - 1)  # decays per value head and token
     W: tl.constexpr = NK * DK + HV * DV + HV * G + HV  # a token's kept values: [k | v | g | beta]
@@ -132,16 +141,13 @@ def _round_kernel(x_ptr, stride_xb, stride_xt, window_ptr, weight_ptr, b_ptr, st
         beta = tl.sigmoid(beta)
     o = tl.zeros((TP, BV), dtype=tl.float32)
     for t in range(T):  # the delta rule, token by token
-        h = _decayed(h, g, tokens, t, PER_CHANNEL)
-        k_t = _row(k, tokens, t)
-        u = (_row(v, tokens, t) - tl.sum(h * k_t[:, None], 0)) * _at(beta, tokens, t)
-        h += k_t[:, None] * u[None, :]
+        h = _rule_step(h, k, v, g, beta, tokens, t, PER_CHANNEL)
         o = tl.where((tokens == t)[:, None], tl.sum(h * _row(q, tokens, t)[:, None], 0)[None, :], o)
     live = (tokens < T)[:, None]
     tl.store(o_ptr + ((i_b * T + tokens[:, None]) * HV + i_hv) * DV + cv[None, :], o.to(o_ptr.dtype.element_ty),
              mask=live)
     kept_row = kept_ptr + (i_b * T + tokens) * W
-    tl.store(kept_row[:, None] + i_hk * DK + ck[None, :], k, mask=live & (i_v == 0) & (i_hv % (HV // NK) == 0))
+    tl.store(kept_row[:, None] + i_hk * DK + ck[None, :], k, mask=live & owns_key_head)
     tl.store(kept_row[:, None] + NK * DK + i_hv * DV + cv[None, :], v, mask=live)
     if PER_CHANNEL:
         tl.store(kept_row[:, None] + NK * DK + HV * DV + i_hv * DK + ck[None, :], g, mask=live & (i_v == 0))
@@ -166,7 +172,7 @@ def _shift_window(x_row, stride_xt, window_row, channels, count, K: tl.constexpr
 def _restore_kernel(x_ptr, stride_xb, stride_xt, window_ptr, kept_ptr, count_ptr, state_ptr, T, NK: tl.constexpr,
                     HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
                     KP: tl.constexpr, TP: tl.constexpr, PER_CHANNEL: tl.constexpr, PDL: tl.constexpr):
-    i_b, i_hv, i_hk, i_v, ck, cv, q_ch, k_ch, v_ch = _heads(NK, HV, DK, DV, BV)
+    i_b, i_hv, i_hk, _, owns_key_head, ck, cv, q_ch, k_ch, v_ch = _heads(NK, HV, DK, DV, BV)
     C: tl.constexpr = 2 * NK * DK + HV * DV
     G: tl.constexpr = 1 + PER_CHANNEL * (DK - 1)
     W: tl.constexpr = NK * DK + HV * DV + HV * G + HV
@@ -186,16 +192,12 @@ def _restore_kernel(x_ptr, stride_xb, stride_xt, window_ptr, kept_ptr, count_ptr
     state = state_ptr + ((i_b * HV + i_hv) * DK + ck[:, None]) * DV + cv[None, :]
     h = tl.load(state)
     for t in range(count):
-        h = _decayed(h, g, tokens, t, PER_CHANNEL)
-        k_t = _row(k, tokens, t)
-        u = (_row(v, tokens, t) - tl.sum(h * k_t[:, None], 0)) * _at(beta, tokens, t)
-        h += k_t[:, None] * u[None, :]
+        h = _rule_step(h, k, v, g, beta, tokens, t, PER_CHANNEL)
     tl.store(state, h)
     x_row, window_row = x_ptr + i_b * stride_xb, window_ptr + i_b * C * K
     _shift_window(x_row, stride_xt, window_row, v_ch, count, K, KP, True)
-    writes_qk = (i_v == 0) & (i_hv % (HV // NK) == 0)
-    _shift_window(x_row, stride_xt, window_row, q_ch, count, K, KP, writes_qk)
-    _shift_window(x_row, stride_xt, window_row, k_ch, count, K, KP, writes_qk)
+    _shift_window(x_row, stride_xt, window_row, q_ch, count, K, KP, owns_key_head)
+    _shift_window(x_row, stride_xt, window_row, k_ch, count, K, KP, owns_key_head)
 
 
 def _grid(batch: int, value_heads: int, value_dim: int) -> tuple[int, int]:

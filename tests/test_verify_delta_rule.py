@@ -13,6 +13,8 @@ twice the torch path's own distance in that dtype, plus 2 units (the largest see
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from model_helpers import runs_triton_kernels, tiny_model
@@ -83,7 +85,7 @@ def _filled_cache(model, batch: int = 3, prompt: int = 7) -> VerifyCache:
 
 def _round(model, cache: VerifyCache, ids: torch.Tensor, kept: torch.Tensor, stacked: bool):
     """A verify round's logits [B, T, V] and the cache's tensors after its restore to `kept` (float64)."""
-    with torch.no_grad(), projections_stacked_for_few_rows() if stacked else torch.no_grad():
+    with torch.no_grad(), projections_stacked_for_few_rows() if stacked else contextlib.nullcontext():
         logits = forward_tokens(model, cache, ids)
         cache.restore(kept)
     return [t.double() for t in (logits, *cache.tensors())]
@@ -105,14 +107,14 @@ def test_a_round_and_its_restore_equal_the_torch_path(kernels, layout, dtype, to
         torch_path = _round(model, _filled_cache(model), ids, kept, stacked)
     assert not kernels
     got = _round(model, _filled_cache(model), ids, kept, stacked)
-    assert len(kernels) == 2  # one round kernel per GDN layer
+    assert len(kernels) == 2  # one round kernel per GDN/KDA layer
     for mine, theirs, expected in zip(got, torch_path, reference):
         scale = max(1.0, expected.abs().max().item())
-        error = (mine.double() - expected).abs().max().item() / scale
+        error = (mine - expected).abs().max().item() / scale
         if dtype == torch.float32:
             assert error <= 2e-5
         else:
-            assert error <= 2 * (theirs.double() - expected).abs().max().item() / scale + 2 * UNIT_ROUNDOFF[dtype]
+            assert error <= 2 * (theirs - expected).abs().max().item() / scale + 2 * UNIT_ROUNDOFF[dtype]
     assert not verify_delta_rule._FAILED
 
 
