@@ -6,8 +6,9 @@ The one-token step is `generate`'s: the model's forward on a StaticCache, replay
 (cuda_graph_decoding). The verify step is speculative_decoding's `verify_round`: one forward of k tokens per row,
 the greedy acceptance and the per-row restore of every GDN layer and attention length, replayed from its captured
 graph (`CapturedVerifyRound`), and also run uncaptured; its GDN/KDA layers on this package's round kernels
-(`verify_delta_rule`) and, in the same run, on the torch path over fla's kernels. Both attend over the same number of
-cache slots. The goal: verify(4) <= 1.3 x the one-token step, so that a round that accepts one draft on average
+(`verify_delta_rule`) and its attention layers on the fused attention kernels (`attention_step`), and, in the same
+run, the attention layers on their torch path, then both on the torch path over fla's kernels. All attend over the
+same number of cache slots. The goal: verify(4) <= 1.3 x the one-token step, so that a round that accepts one draft on average
 already pays.
 
     python benchmarks/bench_verify_step.py [--model gdn|kda] [--batch 1] [--prompt 512] [--repeats 50]
@@ -30,7 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model_configs import GPU_GDN, GPU_KDA, TINY_GDN, TINY_KDA, gdn_pair, kda_pair
 from timing import timed
 
-from hybrid_linear_models import HybridLinearForCausalLM, speculative_decoding, verify_delta_rule
+from hybrid_linear_models import (
+    HybridLinearForCausalLM,
+    attention_step,
+    speculative_decoding,
+    verify_delta_rule,
+)
 from hybrid_linear_models.speculative_decoding import (
     CapturedVerifyRound,
     prefill,
@@ -56,8 +62,8 @@ def one_token_step_ms(model, prompt_ids, slots: int, repeats: int) -> float:
 
 def verify_ms(model, prompt_ids, slots: int, width: int, repeats: int, captured: bool) -> float:
     """A verify round of `width` tokens per row (random drafts: mostly one token kept), on a VerifyCache of `slots`,
-    its GDN/KDA layers on the kernels `verify_delta_rule.ROUND_DEVICE_TYPES` and
-    `speculative_decoding.SHORT_RULE_KERNEL` choose."""
+    its layers on the kernels `verify_delta_rule.ROUND_DEVICE_TYPES`, `speculative_decoding.SHORT_RULE_KERNEL` and
+    `attention_step.STEP_DEVICE_TYPES` choose."""
     device = prompt_ids.device
     batch = prompt_ids.shape[0]
     cache = VerifyCache(model, batch, slots, device)
@@ -98,22 +104,31 @@ def main() -> None:
           f"layers, {dtype}, {device.type}; batch {args.batch}, prompt {args.prompt}, {slots} cache slots")
     step = one_token_step_ms(model, prompt_ids, slots, args.repeats)
     print(f"one-token decoding step ({'captured' if captured else 'eager'}): {step:.3f} ms")
-    print("the round's GDN/KDA layers: this package's two kernels (verify_delta_rule, the default on CUDA), or the "
-          "torch path on fla's token-by-token kernels (recurrent) or its chunked ones")
-    print("| k tokens | captured, verify_delta_rule ms | ratio to step | captured, recurrent ms | ratio to step "
-          "| captured, chunked ms | ratio to step | eager ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("the round's layers: this package's kernels (the default on CUDA: verify_delta_rule for GDN/KDA, "
+          "attention_step for attention), those for GDN/KDA with the attention layers' torch path, or the torch path "
+          "for both on fla's token-by-token kernels (recurrent) or its chunked ones")
+    print("| k tokens | captured, all kernels ms | ratio to step | captured, attention torch path ms | ratio to step "
+          "| captured, recurrent ms | ratio to step | captured, chunked ms | ratio to step | eager ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ratios = {}
-    paths = {"verify_delta_rule": ("recurrent", verify_delta_rule.ROUND_DEVICE_TYPES),
-             "recurrent": ("recurrent", ()), "chunked": ("chunked", ())}
+    switches = (speculative_decoding, "SHORT_RULE_KERNEL"), (verify_delta_rule, "ROUND_DEVICE_TYPES"), (
+        attention_step, "STEP_DEVICE_TYPES")
+    defaults = tuple(getattr(module, name) for module, name in switches)
+    paths = {"kernels": defaults, "attention torch path": ("recurrent", defaults[1], ()),
+             "recurrent": ("recurrent", (), ()), "chunked": ("chunked", (), ())}
+
+    def use(path: str) -> None:
+        for (module, name), value in zip(switches, paths[path]):
+            setattr(module, name, value)
+
     for width in args.widths:
         times = {}
-        for path, (kernel, round_devices) in paths.items():
-            speculative_decoding.SHORT_RULE_KERNEL, verify_delta_rule.ROUND_DEVICE_TYPES = kernel, round_devices
+        for path in paths:
+            use(path)
             times[path] = verify_ms(model, prompt_ids, slots, width, args.repeats, captured) if captured else None
-        speculative_decoding.SHORT_RULE_KERNEL, verify_delta_rule.ROUND_DEVICE_TYPES = paths["verify_delta_rule"]
+        use("kernels")
         eager = verify_ms(model, prompt_ids, slots, width, args.repeats, captured=False)
-        ratios[width] = (times["verify_delta_rule"] if captured else eager) / step
+        ratios[width] = (times["kernels"] if captured else eager) / step
         cells = [f"{times[p]:.3f} | {times[p] / step:.2f}" if captured else "skipped (needs CUDA) | -" for p in paths]
         print(f"| {width} | {' | '.join(cells)} | {eager:.3f} |")
     if 4 in ratios:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
+from .attention_step import KernelKVLayer
 from .cache_hybrid_linear import LinearStateLayer
 from .configuration_hybrid_linear import config_value
 from .derived_weights import ChangeWatch, derived_weights
@@ -149,12 +150,13 @@ class StepCache:
         layer.values.index_copy_(2, slot, value)
         return layer.keys, layer.values
 
-    def full_layer(self, layer_idx: int) -> StaticLayer | None:
-        """The full-attention layer `layer_idx` whose `update` this step cache does by its counter (None for any
-        other): a fused attention step may write its token at `cumulative_length` itself (attention_step.py)."""
+    def kernel_kv_layer(self, layer_idx: int) -> KernelKVLayer | None:
+        """The full-attention layer `layer_idx`, whose `update` this step cache does by its counter, as the fused
+        attention kernels write it (attention_step.py: the token at `cumulative_length`); None for any other layer."""
         layer = self.layers[layer_idx]
-        windowed = self.windows is not None and layer_idx in self.windows.layers
-        return layer if _is_full(layer) and not windowed else None
+        if not _is_full(layer) or (self.windows is not None and layer_idx in self.windows.layers):
+            return None
+        return KernelKVLayer(layer.keys, layer.values, layer.cumulative_length)
 
     def advance(self) -> None:
         """After every layer of the step (captured): each full layer's counter + 1, as its update would have done."""

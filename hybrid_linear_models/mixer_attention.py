@@ -19,7 +19,9 @@ does a speculative verify round: `stacks_projections`), rotates q and k together
 swap(x) * sin over whole heads with the forward's tables, `RotaryTables.whole_head`, built once per forward: the same
 products and sums, element for element, as `apply_rotary`, in 5 kernels for both instead of 6 for each; a verify
 round's few tokens too), attends by two GEMMs on a GPU under sdpa (`attention_one_query`: the
-fused SDPA kernels are slow for one query) and gates the output without copying the gate out of the projection.
+fused SDPA kernels are slow for one query) and gates the output without copying the gate out of the projection. On a
+GPU, a captured step's and a verify round's full-attention layers take all of that in three Triton kernels instead
+(`attention_step`), where their cache lends its buffers.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention_one_query import few_queries_apply, one_query_applies, one_query_attention
-from .attention_step import fused_attention_step
+from .attention_one_query import (
+    few_queries_apply,
+    one_query_applies,
+    one_query_attention,
+)
+from .attention_step import MAX_STEP_TOKENS, fused_attention_step
 from .fused_projections import FusedProjections, stacks_projections
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
@@ -293,10 +299,10 @@ class HybridLinearAttention(nn.Module):
         B, T = hidden_states.shape[:2]
         local_heads(self.k_proj, self.num_key_value_heads, self.layer_idx, "num_key_value_heads")  # TP: divisible
         # head counts follow from the projections' sizes, so a tensor-parallel shard runs its local heads
-        if T == 1 and cache is not None:  # a captured decoding step: three Triton kernels where they apply
+        if cache is not None and T <= MAX_STEP_TOKENS:  # a captured step or a verify round: three Triton kernels
             fused = fused_attention_step(self, hidden_states, position_embeddings, attention_mask, cache)
             if fused is not None:
-                return self.o_proj(fused), None
+                return self.o_proj(fused), None  # ([B, T, heads * hd])
         query, key, value, gate = self._project(hidden_states, position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)

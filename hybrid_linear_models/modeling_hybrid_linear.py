@@ -46,6 +46,7 @@ from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
 from .fp8_layers import init_fp8_weights, quantize_module, quantize_modules
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
+from .kept_verify_rounds import KeptVerifyRounds
 from .mixer_attention import additive_mask
 from .component_registry import all_specs
 from .mixer_registry import MIXERS
@@ -581,11 +582,13 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         """One-token steps on CUDA against a StaticCache replay captured CUDA graphs, and `generate`'s stop check runs
         a step behind on CUDA (deferred_stop_check) (on by default). prompts: prompts into an empty StaticCache
         replayed from graphs of their length bucket too (cuda_graph_prefill); `CudaGraphPrefill.on_by_default` when
-        None (off: see that module's docstring)."""
+        None (off: see that module's docstring). Speculative decoding's verify rounds are captured too where this is
+        on, and kept with their caches for later calls (kept_verify_rounds); a call of this method drops them all."""
         prompts = CudaGraphPrefill.on_by_default if prompts is None else prompts
         storages = CacheStorages()  # one cache storage per shape, shared by the step's graphs and the prompts'
         self._graph_decoder = CudaGraphDecoder(storages) if enabled else None
         self._graph_prefill = CudaGraphPrefill(storages) if enabled and prompts else None
+        self._kept_verify_rounds = KeptVerifyRounds()
 
     def warm_up(self, max_batch_size: int = 1, max_length: int | None = None, batch_sizes: list[int] | None = None,
                 verbose: bool = True) -> WarmUpReport:

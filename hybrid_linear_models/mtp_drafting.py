@@ -156,7 +156,9 @@ class MtpBatchDrafter:
     The head's entries sit in a `VerifyCache` of its own, row b's entry for position p + 1 at the slot of the model's
     token at position p: per-row lengths that move with the model's cache (both keep each row's accepted tokens), the
     row's padding as the model's. So the head's bookkeeping is device tensors of fixed size, and `observe` and `draft`
-    read nothing on the host (`drafts_on_device`): a captured verify round runs them too (CapturedVerifyRound)."""
+    read nothing on the host (`drafts_on_device`): a captured verify round runs them too (CapturedVerifyRound). A
+    `start` for the same batch and slots as the last starts its cache over in place, and refills `g`: a captured round
+    kept for later calls (kept_verify_rounds) reads them by address."""
 
     observes_hidden_states = True
     drafts_on_device = True
@@ -172,13 +174,21 @@ class MtpBatchDrafter:
               first: torch.Tensor, slots: int) -> None:
         """Entries t = 0..P-1 of the prompts [B, P]: (h_t, x_{t+1}) at x_{t+1}'s position, x_P the first new token;
         real where token t is (left padding: the token after a real one is real). slots: the model's cache's."""
-        length = input_ids.shape[1]
-        self.cache = VerifyCache(self.head, input_ids.shape[0], slots, input_ids.device, layers=self.head.layers)
+        length, batch = input_ids.shape[1], input_ids.shape[0]
+        cache = self.cache
+        if cache is not None and (cache.batch, cache.slots, cache.device) == (batch, slots, input_ids.device):
+            cache.start_over()  # (its buffers where they are: a kept captured round reads them, kept_verify_rounds)
+        else:
+            self.cache = VerifyCache(self.head, batch, slots, input_ids.device, layers=self.head.layers)
         if attention_mask is not None:
             self.cache.pads.copy_(length - attention_mask.to(input_ids.device).long().sum(-1))
         tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
-        self.g = self._run(hidden, tokens)[:, -1].clone()
-        self.cache.lengths.fill_(length)
+        g = self._run(hidden, tokens)[:, -1]
+        if self.g is not None and self.g.shape == g.shape and self.g.device == g.device and self.g.dtype == g.dtype:
+            self.g.copy_(g)
+        else:
+            self.g = g.clone()
+        self.cache.prompts_written(length)
 
     def observe(self, greedy: torch.Tensor, kept: torch.Tensor, hidden: torch.Tensor) -> None:
         """Entries j = 0..k-1 of a round: (h of the round's token j, greedy[:, j]) at the position after it, kept

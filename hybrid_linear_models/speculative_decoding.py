@@ -19,7 +19,8 @@ later rounds (`live`): its cache stays as it is, within its slots.
 `verify_round` is one forward, the acceptance and the restore, with no host synchronisation and no shape that
 depends on a value (the bookkeeping is `VerifyCache`'s device tensors): what a CUDA graph captures per (batch, k,
 slots) (`CapturedVerifyRound`, replayed where `speculative_generate(..., graphs=True)` runs on CUDA; its capture is
-stood in by an eager run on the CPU in the tests). The host reads each round's accepted counts and tokens once, to
+stood in by an eager run on the CPU in the tests). The captured round is kept with its cache for later calls of the
+same shape, the slots rounded up to few sizes (kept_verify_rounds.py). The host reads each round's accepted counts and tokens once, to
 hand the drafter the rows' sequences.
 
 A drafter is any object with `draft(sequences, count) -> [B, count]` (sequences: each row's prompt and generated
@@ -41,12 +42,14 @@ from typing import Protocol
 import torch
 
 from .fused_projections import projections_stacked_for_few_rows
+from .kept_verify_rounds import kept_rounds, round_key
 from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_safe_experts
 from .mtp_drafting import MtpBatchDrafter, draft_length
 from .ops import recurrent_kernels_for_short_sequences
 from .sequence_info import SequenceInfo
 from .state_rollback import MAX_ROLLBACK_TOKENS
+from .static_cache_slots import static_cache_slots
 from .verify_cache import VerifyCache
 
 MIN_VERIFY_TOKENS = 2  # the last token and at least one draft
@@ -72,7 +75,7 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     batch, tokens = input_ids.shape
     hidden = base.embed_tokens(input_ids)
     positions = cache.positions(tokens)
-    position_embeddings = base._position_embeddings(hidden, positions)
+    position_embeddings = base._step_rotary_tables(hidden, positions)  # (the whole-head tables straight from them)
     eager = model.config._attn_implementation == "eager"
     # the additive mask of each distinct window (None: full attention), built once
     masks = {window: cache.attention_mask(tokens, window, hidden.dtype, eager) for window in cache.windows}
@@ -110,7 +113,7 @@ def prefill(model, cache: VerifyCache, input_ids: torch.Tensor, attention_mask: 
     logits, hidden = out if with_hidden else (out, None)
     for layer in cache.linear_layers:
         layer.rollback = None
-    cache.lengths.fill_(input_ids.shape[1])
+    cache.prompts_written(input_ids.shape[1])
     first = logits[:, -1].argmax(-1)
     return (first, hidden) if with_hidden else first
 
@@ -286,15 +289,24 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     # slots: a live row writes at most up to slot prompt + max_new_tokens - 2 + num_tokens - 1; a row that ended
     # with its last round's drafts all accepted has a length up to prompt + max_new_tokens - 2 + num_tokens, and its
     # verify tokens are still written after it in the rounds the other rows go on with: num_tokens more slots
-    cache = VerifyCache(model, batch, prompt + max_new_tokens + 2 * num_tokens, device)
+    slots = prompt + max_new_tokens + 2 * num_tokens
+    observes = getattr(drafter, "observes_hidden_states", False)
+    # a drafter that drafts from device state alone (the MTP head) drafts inside each round: drafting_round
+    on_device = observes and getattr(drafter, "drafts_on_device", False)
+    stored = None
+    if graphs:  # the captured round, its cache and on-device drafter kept across calls (kept_verify_rounds.py)
+        slots = static_cache_slots(slots)
+        key = round_key(batch, num_tokens, slots, observes, drafter if on_device else None, device)
+        stored = kept_rounds(model).entry(model, key, lambda: VerifyCache(model, batch, slots, device),
+                                          drafter if on_device else None)
+        drafter = stored.drafter if on_device else drafter
+    cache = stored.cache if stored is not None else VerifyCache(model, batch, slots, device)
     real = attention_mask.bool().cpu() if attention_mask is not None else torch.ones(batch, prompt, dtype=torch.bool)
     sequences = [row[mask] for row, mask in zip(input_ids.cpu(), real)]
     generated: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
-    round_ = draft = None
-    observes = getattr(drafter, "observes_hidden_states", False)
-    # a drafter that drafts from device state alone (the MTP head) drafts inside each round: drafting_round
-    on_device = observes and getattr(drafter, "drafts_on_device", False)
+    round_ = stored.round if stored is not None else None
+    draft = None
     with torch.no_grad():
         if observes:  # (the MTP head's drafter: it reads the model's hidden states of every verified position)
             first_tokens, hidden = prefill(model, cache, input_ids, attention_mask, with_hidden=True)
@@ -315,9 +327,10 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
                                      model.config.vocab_size)
             ids = torch.cat([last[:, None], draft.to(device)], dim=1)
             live = torch.tensor([not d for d in done], device=device)
-            if graphs and round_ is None:
+            if stored is not None and round_ is None:
                 round_ = CapturedVerifyRound(model, cache, num_tokens, with_hidden=observes,
                                              drafter=drafter if on_device else None)
+                stored.keep(model, round_)
             if round_ is not None:
                 outputs = round_(ids, live)
             elif on_device:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention_step import KernelKVLayer
 from .cache_hybrid_linear import LinearStateLayer
 from .mixer_attention import additive_mask
 from .state_rollback import MAX_ROLLBACK_TOKENS
@@ -97,6 +98,8 @@ class VerifyCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.pads = torch.zeros(batch, dtype=torch.long, device=device)
         self._slot_numbers = torch.arange(slots, device=device)
+        # whether the prompts are in (`prompts_written`): the fused attention kernels then take its forwards
+        self.holds_prompts = False
 
     @property
     def linear_layers(self) -> list[VerifyLinearLayer]:
@@ -120,6 +123,21 @@ class VerifyCache:
         layer.values.scatter_(2, index.expand(B, value.shape[1], T, value.shape[-1]),
                               value.to(layer.values.dtype))
         return layer.keys, layer.values
+
+    def kernel_kv_layer(self, layer_idx: int) -> KernelKVLayer | None:
+        """The attention layer `layer_idx` as the fused attention kernels write it (attention_step.py: token t of row
+        b at slot lengths[b] + t, as `update`), for the verify rounds and drafting steps after the prompts; None for
+        a GDN/KDA layer, and for the prompts' forward (the torch path, whatever their length: so a call's tokens do
+        not depend on whether an earlier call allocated the buffers, kept_verify_rounds.py)."""
+        layer = self.layers[layer_idx]
+        if not self.holds_prompts or not isinstance(layer, VerifyKVLayer) or layer.keys is None:
+            return None
+        return KernelKVLayer(layer.keys, layer.values, self.lengths)
+
+    def prompts_written(self, length: int) -> None:
+        """After the prompts' forward: every row holds `length` slots (its padding included)."""
+        self.lengths.fill_(length)
+        self.holds_prompts = True
 
     def query_slots(self, tokens: int) -> torch.Tensor:
         """[B, T]: the slot of each of the step's tokens."""
@@ -150,6 +168,16 @@ class VerifyCache:
         for layer in self.linear_layers:
             layer.restore(kept, shared)
         self.lengths.add_(kept)
+
+    def start_over(self) -> None:
+        """Empties the cache for new prompts, every buffer kept where it is (a captured round reads them by address:
+        kept_verify_rounds.py): no row holds a token, the GDN/KDA layers' states are zero and unseen; the attention
+        layers' stale keys are past every row's length, never attended, and overwritten by the next prompt."""
+        self.lengths.zero_()
+        self.pads.zero_()
+        self.holds_prompts = False
+        for layer in self.linear_layers:
+            layer.reset()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a verify step reads and writes (what a capture saves and puts back around its warm-up)."""

@@ -1,5 +1,6 @@
-"""The fused attention step of captured decoding (attention_step.py: three Triton kernels from the q/k/v projection to
-o_proj's input) against the torch path it replaces and a float64 reference. On a GPU (bf16, fp16) and on the CPU
+"""The fused attention step (attention_step.py: three Triton kernels from the q/k/v projection to o_proj's input), in a
+captured decoding step's static cache and in a speculative verify round's `VerifyCache`, against the torch path it
+replaces and a float64 reference. On a GPU (bf16, fp16) and on the CPU
 under triton's interpreter (`TRITON_INTERPRET=1 pytest tests/test_attention_step.py`: fp16 only, the interpreter has
 no bf16 arithmetic)."""
 
@@ -14,6 +15,8 @@ from transformers import StaticCache
 
 from hybrid_linear_models import attention_step
 from hybrid_linear_models.cuda_graph_decoding import StepCache
+from hybrid_linear_models.speculative_decoding import forward_tokens, prefill
+from hybrid_linear_models.verify_cache import VerifyCache
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
 
@@ -50,6 +53,12 @@ def _step(model, cache: StaticCache, hidden: torch.Tensor, key_mask: torch.Tenso
     tables = inner._step_rotary_tables(hidden, positions)[inner.rotary_of_layer[0]]
     mask = torch.full(key_mask.shape, float("-inf"), dtype=hidden.dtype, device=hidden.device)
     mask = mask.masked_fill_(key_mask, 0.0)[:, None, None, :]
+    return _attention_layer(model, hidden, tables, mask, StepCache(cache, None), fused)
+
+
+def _attention_layer(model, hidden: torch.Tensor, tables, mask: torch.Tensor, cache, fused: bool) -> torch.Tensor:
+    """The model's first layer's attention output for `hidden` [B, T, H] against `cache`, on the kernels (`fused`) or
+    on the torch path; asserts that the path asked for ran."""
     kernel, launches = attention_step.attention_step_kernel(), []
 
     def counted(*args, **kwargs):
@@ -61,7 +70,7 @@ def _step(model, cache: StaticCache, hidden: torch.Tensor, key_mask: torch.Tenso
         patch.setattr(attention_step, "STEP_DEVICE_TYPES", (hidden.device.type,) if fused else ())
         patch.setattr(attention_step, "attention_step_kernel", lambda: counted)
         patch.setattr(attention_step, "_FAILED", failed)
-        out = inner.layers[0].self_attn(hidden, tables, mask, StepCache(cache, None))[0]
+        out = model.model.layers[0].self_attn(hidden, tables, mask, cache)[0]
     assert len(launches) == (1 if fused else 0)  # the path asked for ran
     assert not failed, failed  # and its kernels did (a failure falls back to the torch path, with a warning)
     return out
@@ -188,4 +197,85 @@ def test_fused_step_is_taken_only_where_its_conditions_hold(monkeypatch):
         assert attention_step.fused_attention_step(attention, hidden, tables, mask, StepCache(cache, None)) is not None
     sliding = tiny_model(["sliding_attention"], sliding_window=4).to(device, torch.float16)
     sliding_cache, _ = _filled_cache(sliding, 1, 16, 6)
-    assert StepCache(sliding_cache, None).full_layer(0) is None
+    assert StepCache(sliding_cache, None).kernel_kv_layer(0) is None
+
+
+# (layout, tokens): a verify round's k, up to MAX_STEP_TOKENS; 16 tokens of a group of 8 query heads make 128 rows of a
+# KV head, two blocks of MAX_ROW_BLOCK
+ROUNDS = [("gqa2_partial", 2), ("gqa2_partial", 5), ("gqa8_whole_no_norm", 16), ("mha_no_gate", 4),
+          ("kda_benchmark", 4), ("gdn_benchmark", 3)]
+
+
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("layout", "tokens"), ROUNDS)
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding"])
+def test_fused_round_against_the_torch_path_and_float64(layout, tokens, window, dtype):
+    """A verify round of `tokens` tokens a row in a `VerifyCache` whose rows hold different lengths and a rejected
+    round's keys past them: each token's key and value at its row's slot lengths[b] + t and nothing else written, the
+    output within the step's bounds (test_fused_step_against_the_torch_path_and_float64). A sliding layer's window is
+    in the mask: the kernels take it as they are."""
+    if not torch.cuda.is_available() and (dtype == torch.bfloat16 or layout not in INTERPRETED):
+        pytest.skip("triton's interpreter: fp16 (no bfloat16 arithmetic), the small layouts")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    heads, kv_heads, head_dim, rotated, norms, gate, batch, slots = LAYOUTS[layout]
+    slots = min(slots, 200)
+    sliding = {} if window is None else {"sliding_window": window}
+    model = tiny_model(["full_attention" if window is None else "sliding_attention"], num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, attention_qk_norm=norms,
+                       attention_output_gate=gate, **sliding, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": rotated})
+    model.config._attn_implementation = "sdpa"
+    model = model.to(device, dtype)
+    cache = _round_cache(model, batch, slots + 2 * tokens, slots - 8, tokens)
+    hidden = torch.randn(batch, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    before = copy.deepcopy(cache)
+    fused = _round(model, cache, hidden.to(device, dtype), fused=True)
+    torch_cache = copy.deepcopy(before)
+    reference = _round(model, torch_cache, hidden.to(device, dtype), fused=False)
+    exact_cache = copy.deepcopy(before)
+    layer = exact_cache.layers[0]
+    layer.keys, layer.values = layer.keys.double(), layer.values.double()
+    exact = _round(copy.deepcopy(model).double(), exact_cache, hidden.to(device, torch.float64), fused=False)
+
+    unit = UNIT_ROUNDOFF[dtype]
+    written = torch.zeros(batch, cache.slots, dtype=torch.bool)
+    written[torch.arange(batch)[:, None], cache.query_slots(tokens).cpu()] = True
+    got, torch_path, old = cache.layers[0], torch_cache.layers[0], before.layers[0]
+    for b in range(batch):
+        assert torch.equal(got.keys[b][:, ~written[b]], old.keys[b][:, ~written[b]])
+        assert torch.equal(got.values[b][:, ~written[b]], old.values[b][:, ~written[b]])
+        assert torch.equal(got.values[b][:, written[b]], torch_path.values[b][:, written[b]])
+        key, torch_key = got.keys[b][:, written[b]], torch_path.keys[b][:, written[b]]  # (the step's bound, per key)
+        torch.testing.assert_close(key, torch_key, rtol=unit, atol=3 * unit * torch_key.abs().max().item())
+    assert torch.equal(cache.lengths, before.lengths)  # (moved by the round's restore)
+    assert fused.shape == reference.shape and fused.dtype == dtype
+    fused_error = (fused.double() - exact).abs().max()
+    torch_error = (reference.double() - exact).abs().max()
+    assert fused_error <= 2 * torch_error + unit * exact.abs().max(), (fused_error, torch_error)
+
+
+def _round_cache(model, batch: int, slots: int, prompt: int, tokens: int) -> VerifyCache:
+    """A verify cache of `slots` slots after left-padded prompts of `prompt` tokens (the last row padded by 3) and one
+    round of `tokens` tokens on the torch path whose rows kept all, one and none of them, in turn: rows of different
+    lengths, rejected keys past them."""
+    device = model.device
+    ids = torch.randint(1, 100, (batch, prompt + tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    padding = torch.ones(batch, prompt, dtype=torch.long, device=device)
+    padding[-1, :3] = 0
+    cache = VerifyCache(model, batch, slots, torch.device(device))
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_step, "STEP_DEVICE_TYPES", ())
+        prefill(model, cache, ids[:, :prompt] * padding, padding)
+        forward_tokens(model, cache, ids[:, prompt:])
+        cache.restore(torch.tensor([tokens, 1, 0] * batch, device=device)[:batch])
+    return cache
+
+
+def _round(model, cache: VerifyCache, hidden: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The attention layer's output for a verify round of hidden [B, T, H] against `cache`."""
+    inner, tokens = model.model, hidden.shape[1]
+    tables = inner._step_rotary_tables(hidden, cache.positions(tokens))[inner.rotary_of_layer[0]]
+    mask = cache.attention_mask(tokens, cache.layers[0].window, hidden.dtype, eager=False)
+    return _attention_layer(model, hidden, tables, mask, cache, fused)

@@ -36,14 +36,14 @@ def _step_arguments(slots: int, layout: str, device: str) -> tuple:
     """attention_step's arguments for a static cache of `slots` slots, the step at its last slot."""
     heads, kv_heads, D, batch = HEAD_LAYOUTS[layout]
     dtype = torch.float16
-    qkv = torch.randn(batch, heads * D * 2 + 2 * kv_heads * D, device=device, dtype=dtype)  # gated queries
+    qkv = torch.randn(batch, 1, heads * D * 2 + 2 * kv_heads * D, device=device, dtype=dtype)  # gated queries
     keys = torch.randn(batch, kv_heads, slots, D, device=device, dtype=dtype)
     values = torch.randn(batch, kv_heads, slots, D, device=device, dtype=dtype)
     slot = torch.tensor(slots - 1, device=device)
-    cos, sin = torch.ones(1, D, device=device, dtype=dtype), torch.zeros(1, D, device=device, dtype=dtype)
+    cos, sin = torch.ones(1, 1, D, device=device, dtype=dtype), torch.zeros(1, 1, D, device=device, dtype=dtype)
     scales = torch.ones(D, device=device, dtype=dtype), torch.ones(D, device=device, dtype=dtype)
-    mask = torch.zeros(batch, 1, 1, slots, device=device, dtype=dtype).view(batch, -1)
-    return (qkv, keys, values, slot, *scales, (1e-6, 1e-6), cos.expand(batch, D), sin.expand(batch, D), D // 2, mask,
+    mask = torch.zeros(batch, 1, slots, device=device, dtype=dtype)
+    return (qkv, keys, values, slot, *scales, (1e-6, 1e-6), cos.expand(batch, 1, D), sin.expand(batch, 1, D), D // 2, mask,
             D ** -0.5, heads, True)
 
 

@@ -21,6 +21,7 @@ from test_mtp import _head_that_agrees, _head_that_nearly_agrees
 from test_speculative_batched import GPU_DIMS, _alone, _batch
 
 from hybrid_linear_models import speculative_decoding
+from hybrid_linear_models.kernels_gemv import decode_gemv_mode
 from hybrid_linear_models.mtp_drafting import MtpBatchDrafter
 from hybrid_linear_models.speculative_decoding import (
     CapturedVerifyRound,
@@ -215,7 +216,8 @@ def test_captured_drafting_rounds_are_the_uncaptured_ones(monkeypatch, use_mtp, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_captured_drafting_round_equals_the_uncaptured_one_on_gpu():
     """On CUDA, bf16: three drafting rounds replayed from their CUDA graph give the tokens, counts, drafts, caches
-    and head state of the same rounds run eagerly from the same start (the same kernels: bit for bit)."""
+    and head state of the same rounds run eagerly from the same start, their products on the decoding GEMV as in the
+    capture (the same kernels: bit for bit)."""
     torch.manual_seed(0)
     model = tiny_model(LAYERS, seed=0, num_mtp_layers=1, **GPU_DIMS).to("cuda", torch.bfloat16)
     ids, mask = (t.cuda() for t in _batch(seed=7))
@@ -227,8 +229,11 @@ def test_a_captured_drafting_round_equals_the_uncaptured_one_on_gpu():
             outputs = []
             live = torch.ones(3, dtype=torch.bool, device="cuda")
             for _ in range(3):
-                greedy, kept, drafts = (round_(step, live) if captured else
-                                        speculative_decoding.drafting_round(model, cache, step, live, drafter))
+                if captured:
+                    greedy, kept, drafts = round_(step, live)
+                else:  # (the products on the kernels the capture records them with: kernels_gemv)
+                    with decode_gemv_mode(torch.device("cuda")):
+                        greedy, kept, drafts = speculative_decoding.drafting_round(model, cache, step, live, drafter)
                 outputs += [greedy, kept, drafts]
                 step = torch.cat([greedy[torch.arange(3, device="cuda"), kept - 1][:, None], drafts], dim=1)
         results.append((outputs, [t.clone() for t in cache.tensors() + drafter.tensors()]))

@@ -12,6 +12,7 @@ import torch
 from model_helpers import HostReadsRefused, replay_rounds_eagerly, tiny_model
 
 from hybrid_linear_models import speculative_decoding
+from hybrid_linear_models.kernels_gemv import decode_gemv_mode
 from hybrid_linear_models.speculative_decoding import (
     AssistantDrafter,
     CapturedVerifyRound,
@@ -271,7 +272,8 @@ def test_the_captured_round_takes_the_decoding_gemv_for_its_products(monkeypatch
 @pytest.mark.parametrize("num_tokens", [2, 4, 5])
 def test_captured_verify_round_equals_uncaptured_on_gpu(num_tokens):
     """On CUDA, bf16: the round replayed from its CUDA graph gives the same tokens, counts and cache as the same
-    round run eagerly from the same cache (the same kernels on the same inputs: bit for bit)."""
+    round run eagerly from the same cache, its products on the decoding GEMV as in the capture (the same kernels on
+    the same inputs: bit for bit)."""
     torch.manual_seed(0)
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "sliding_attention"],
                        seed=0, **GPU_DIMS).to("cuda", torch.bfloat16)
@@ -289,8 +291,11 @@ def test_captured_verify_round_equals_uncaptured_on_gpu(num_tokens):
                 draft = torch.randint(2, 128, (3, num_tokens - 1), generator=torch.Generator().manual_seed(r))
                 step = torch.cat([first[:, None], draft.cuda()], dim=1)
                 live = torch.ones(3, dtype=torch.bool, device=device)
-                greedy, kept = (round_(step, live) if captured
-                                else speculative_decoding.verify_round(model, cache, step, live))
+                if captured:
+                    greedy, kept = round_(step, live)
+                else:  # (the products on the kernels the capture records them with: kernels_gemv)
+                    with decode_gemv_mode(device):
+                        greedy, kept = speculative_decoding.verify_round(model, cache, step, live)
                 outputs += [greedy, kept]
                 first = greedy[torch.arange(3, device=device), kept - 1]
         results.append((outputs, [t.clone() for t in cache.tensors()]))
