@@ -13,7 +13,8 @@ prompts into them and replays the kept graph. The slots are the call's need roun
 (`static_cache_slots`: 2 per doubling), so a process meets few keys; at most KEPT_ROUNDS are kept, the least recently
 used dropped. Before a kept round is used, the weights it reads are checked as a captured decoding step's are
 (`ChangeWatch` on the kept derived weights, `weights_moved` on every parameter and buffer): a weight replaced or given
-new storage, or a derived weight made stale, drops it, and the call captures afresh.
+new storage, or a derived weight made stale, drops it, and the call captures afresh. The kept caches stay allocated
+between calls, as the captured decoding step's cache storage does; `set_cuda_graph_decoding` drops them all.
 """
 
 from __future__ import annotations
