@@ -20,8 +20,8 @@ later rounds (`live`): its cache stays as it is, within its slots.
 depends on a value (the bookkeeping is `VerifyCache`'s device tensors): what a CUDA graph captures per (batch, k,
 slots) (`CapturedVerifyRound`, replayed where `speculative_generate(..., graphs=True)` runs on CUDA; its capture is
 stood in by an eager run on the CPU in the tests). The captured round is kept with its cache for later calls of the
-same shape, the slots rounded up to few sizes (kept_verify_rounds.py). The host reads each round's accepted counts and tokens once, to
-hand the drafter the rows' sequences.
+same shape, the slots rounded up to few sizes (kept_verify_rounds.py). The host reads each round's accepted counts
+and tokens once, to hand the drafter the rows' sequences.
 
 A drafter is any object with `draft(sequences, count) -> [B, count]` (sequences: each row's prompt and generated
 tokens, 1-D) and optionally `vocab_size`; `PromptLookupDrafter` (n-gram lookup in the row's own tokens) and

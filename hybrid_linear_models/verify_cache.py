@@ -172,7 +172,7 @@ class VerifyCache:
     def start_over(self) -> None:
         """Empties the cache for new prompts, every buffer kept where it is (a captured round reads them by address:
         kept_verify_rounds.py): no row holds a token, the GDN/KDA layers' states are zero and unseen; the attention
-        layers' stale keys are past every row's length, never attended, and overwritten by the next prompt."""
+        layers' stale keys are past every row's length: never attended, and overwritten as the next call writes its."""
         self.lengths.zero_()
         self.pads.zero_()
         self.holds_prompts = False
