@@ -3,7 +3,7 @@ against fla's Triton kernels called directly).
 
     python benchmarks/bench_delta_rule.py            # CPU, 2 threads, float32, forward + backward (about 1-2 min)
     python benchmarks/bench_delta_rule.py --gpu      # CUDA, bf16, 64k tokens: fla directly vs our ops dispatch
-    python benchmarks/bench_delta_rule.py --tiny     # CPU smoke test: T=128, one repetition of each
+    python benchmarks/bench_delta_rule.py --tiny     # CPU smoke test: T=128, one repetition of each, GDN's memory
 
 CPU comparison (B=1, T=2048 or `--length`, float32, forward + backward of the output):
 - GDN, 4 key heads / 8 value heads of 64: `hybrid_linear_models.ops.gated_delta_rule` vs transformers'
@@ -164,7 +164,8 @@ def run_cpu(args):
     memory = {}
     if not args.no_memory:
         print("measuring peak memory in fresh subprocesses ...", flush=True)
-        for _, kind, _, _ in cases:
+        # --tiny: the GDN case's pair alone (each subprocess is a few seconds of imports; the KDA row prints "-")
+        for _, kind, _, _ in cases[:1] if args.tiny else cases:
             memory[kind] = (memory_in_subprocess(kind, "ours", args.length),
                             memory_in_subprocess(kind, "theirs", args.length))
     rows = []
@@ -297,7 +298,8 @@ def main():
     parser.add_argument("--gpu-reps", type=int, default=20)
     parser.add_argument("--gpu-warmup", type=int, default=3)
     parser.add_argument("--length", type=int, default=2048, help="CPU: tokens (T) of each case")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: T=128, one repetition of each")
+    parser.add_argument("--tiny", action="store_true",
+                        help="CPU smoke test: T=128, one repetition of each, the peak memory of GDN alone")
     parser.add_argument("--measure-memory", nargs=2, metavar=("KIND", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:

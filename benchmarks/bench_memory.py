@@ -9,7 +9,7 @@ the RSS before the forward, i.e. what the forward itself needed. Printed as a ta
 The row "sliding_attention (4-D mask)" runs sliding-window attention through transformers' materialised
 [batch, 1, T, T] mask (the path before mixer_attention.sliding_window_attention) for comparison.
 
-    python benchmarks/bench_memory.py [--lengths 2048 8192 32768] [--window 128] [--attn sdpa]
+    python benchmarks/bench_memory.py [--lengths 2048 8192 32768] [--window 128] [--attn sdpa] [--rows ROW ...]
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def measure_one(row: str, length: int, window: int, attn: str) -> float:
     return (peak - before) / 1024
 
 
-def run_all(lengths: list[int], window: int, attn: str) -> dict[str, list[float]]:
+def run_all(rows: list[str], lengths: list[int], window: int, attn: str) -> dict[str, list[float]]:
     table = {}
-    for row in ROWS:
+    for row in rows:
         table[row] = []
         for length in lengths:
             command = [sys.executable, __file__, "--one", row, str(length), "--window", str(window), "--attn", attn]
@@ -86,12 +86,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--rows", nargs="+", default=ROWS, choices=ROWS, metavar="ROW", help=f"default: all of {ROWS}")
     parser.add_argument("--one", nargs=2, metavar=("ROW", "T"), help=argparse.SUPPRESS)  # one measurement (subprocess)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.window, args.attn)))
         return
-    print_table(run_all(args.lengths, args.window, args.attn), args.lengths, args.window, args.attn)
+    print_table(run_all(args.rows, args.lengths, args.window, args.attn), args.lengths, args.window, args.attn)
 
 
 if __name__ == "__main__":

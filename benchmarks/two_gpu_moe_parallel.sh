@@ -8,7 +8,8 @@
 #                                   divide, refused
 # the scripts tests/test_sparse_moe_distributed.py runs on 2 gloo CPU ranks, with --cuda. Prints the largest
 # differences and a verdict per check (the bounds are the gloo test's: expert_parallel_check.py gives their reasons).
-#   usage: [GLOO=1] bash benchmarks/two_gpu_moe_parallel.sh [WORKDIR]     (GLOO=1: 2 CPU ranks instead, a dry run)
+#   usage: [GLOO=1] bash benchmarks/two_gpu_moe_parallel.sh [WORKDIR]     (GLOO=1: 2 CPU ranks instead, a dry run;
+#   its expert-parallel check runs "tp-all_to_all" alone, the run tests/test_sparse_moe_distributed.py leaves out)
 set -uo pipefail
 work=${1:-/tmp/two-gpu-moe}
 mkdir -p "$work/no_fla/fla"
@@ -21,6 +22,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 python3 expert_parallel_check.py --save-models "$work" > /dev/null 2>&1 || { echo "could not write the test models"; exit 1; }
 torchrun=(python3 -m torch.distributed.run --nproc_per_node 2 --standalone)
 device=(--cuda); [ -n "${GLOO:-}" ] && device=()
+runs=(); [ -n "${GLOO:-}" ] && runs=(--runs tp-all_to_all)
 
 echo "== tensor parallelism of the MoE model (tests/tensor_parallel_check.py --cuda): max |logits diff|, max relative gradient diff"
 "${torchrun[@]}" tensor_parallel_check.py "$work/moe" "${device[@]}" > "$work/tp.log" 2>&1
@@ -35,7 +37,8 @@ fi
 
 echo "== expert parallelism (tests/expert_parallel_check.py --cuda): per run, max |logits diff|, max relative"
 echo "   gradient diff, then the experts alone: max relative output diff, max relative gradient diff"
-"${torchrun[@]}" expert_parallel_check.py "$work/moe" --indivisible "$work/odd" "${device[@]}" > "$work/ep.log" 2>&1
+"${torchrun[@]}" expert_parallel_check.py "$work/moe" --indivisible "$work/odd" "${device[@]}" "${runs[@]}" \
+  > "$work/ep.log" 2>&1
 if grep -E "^(EP_MAX_DIFFERENCE|INDIVISIBLE|EP_CHECK)" "$work/ep.log"; then :; else
   echo "EP_CHECK FAIL: the run failed"; grep -v "Warning\|warn" "$work/ep.log" | tail -25
 fi

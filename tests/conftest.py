@@ -1,4 +1,4 @@
-"""What every test shares: the shared helper modules on the import path, two CPU threads, the `slow` marker on every
+"""What every test shares: the shared helper modules on the import path, one CPU thread, the `slow` marker on every
 property-based (hypothesis) test, and the copies of a test module's `original` checkpoint folder its tests edit.
 
 `slow` tests run in CI like any other (`python -m pytest -q tests`); `-m "not slow"` leaves them out of a quick run.
@@ -6,6 +6,7 @@ Tests that start subprocesses (remote-code loads, two-rank training, the CLI end
 themselves; fuzzing gets it here, from hypothesis's own flag, so a new property-based test cannot miss it.
 """
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,7 +15,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/model_helpers.py and the other shared helpers
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One CPU thread per test process, and per subprocess it starts (they inherit OMP_NUM_THREADS): CI runs one xdist
+# worker per core, and an op on two threads waits for the core the other worker holds (a depthwise convolution of
+# 0.1 ms then takes 25 ms). The tests' tensors are small: a second thread gains little on an idle machine either.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

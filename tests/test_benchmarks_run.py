@@ -1,8 +1,10 @@
-"""Every benchmark script runs: each in a subprocess of its own with its tiny CPU configuration, exits 0 and prints its
+"""Every benchmark script runs: each in a process of its own with its tiny CPU configuration, exits 0 and prints its
 table, so a changed signature in the package breaks CI instead of the next GPU run. The shell scripts parse, and
 gpu_suite.sh's dry run names only scripts that exist; two_gpu_moe_parallel.sh's dry run (2 gloo CPU ranks) passes.
 
-CUDA is hidden from the runs: these are the CPU smoke configurations whatever the machine."""
+CUDA is hidden from the runs: these are the CPU smoke configurations whatever the machine. The scripts' processes are
+forked by tests/script_server.py, which has made their common imports (torch, transformers, this package) once: a
+fresh interpreter would spend most of a tiny run on them."""
 
 from __future__ import annotations
 
@@ -35,11 +37,14 @@ RUNS = [
      ["the Triton kernels: skipped", "gdn in_proj_qkvz", "expert gate+up", "scaled_mm: not timed"]),
     ("bench_generation.py", ["--device", "cpu", "--tiny", "--repeats", "1", "--batches", "1"],
      ["GDN vs Qwen3-Next", "KDA vs Kimi-Linear", "prefill, batch 1"]),
-    ("bench_kimi_linear.py", ["--size", "tiny", "--decode", "1", "--repeats", "1"],
+    ("bench_kimi_linear.py", ["--size", "tiny", "--decode", "1", "--repeats", "1", "--threads", "1"],
      ["same weights:", "ratio ours / transformers", "ours' static cache (batch 1"]),
     ("bench_long_context.py", ["--tiny"], ["gdn vs Qwen3-Next: batch 1", "kda vs Kimi-Linear: batch 1", "warm ratio",
                                            "YaRN factor 4"]),
-    ("bench_memory.py", ["--lengths", "64"], ["| gated_deltanet |", "| kimi_delta_attention |"]),
+    # a subprocess per row: the linear layers' rows, and the one that patches the model (transformers' 4-D mask)
+    ("bench_memory.py", ["--lengths", "64", "--rows", "sliding_attention (4-D mask)", "gated_deltanet",
+                         "kimi_delta_attention"],
+     ["| sliding_attention (4-D mask) |", "| gated_deltanet |", "| kimi_delta_attention |"]),
     ("bench_mla_cache.py", [], ["| Kimi-Linear 48B-A3B |"]),
     ("bench_mla_static_prefill.py", ["--prompt", "16", "--slots", "16", "64", "--repeats", "1"],
      ["max_cache_len     64"]),
@@ -48,9 +53,13 @@ RUNS = [
       "| copy: prompt lookup | 1 | 4 |", "| copy: prompt lookup | 2 | 4 |", "acceptance length",
       "copy task: plain greedy reproduces", "of its new 4-grams are in the chunk",
       "of their new 4-grams occurred earlier"]),
-    ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4"],
+    ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4",
+                      "--threads", "1"],
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
-    ("bench_trace.py", ["--tiny", "--static", "--requests", "8"], ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
+    # the batched way alone (a fresh process per pair, side and way: 4 with one way): its batches of 2 and of 1 (the
+    # last of 3 requests) run the single way's batch-1 generate too
+    ("bench_trace.py", ["--tiny", "--static", "--ways", "batched", "--requests", "3", "--batch", "2", "--threads", "1"],
+     ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
     ("bench_training.py", ["--tiny"],
      ["GDN vs Qwen3-Next: ours/transformers tokens/s", "KDA vs Kimi-Linear: ours/transformers tokens/s"]),
     ("bench_verify_step.py", ["--tiny"], ["one-token decoding step (eager)", "| 4 | skipped (needs CUDA) | - |",
@@ -71,11 +80,41 @@ RUNS = [
 NOT_RUN = {"model_configs.py", "make_finetune_example.py", "flagship_models.py", "timing.py"}
 
 
+def environment(**env: str) -> dict[str, str]:
+    """This process's environment with CUDA hidden and the repository's package first on the path."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path, **env)
+
+
 def run(command: list[str], timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
     """`command` from the repository root, CUDA hidden, the repository's package first on the path."""
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    environment = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=path, **env)
-    return subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=REPO, env=environment(**env), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def script_server(tmp_path_factory):
+    """A tests/script_server.py process, from the repository root in `environment()`, for this module's runs."""
+    log = tmp_path_factory.mktemp("script_server") / "stderr"
+    with log.open("w") as stderr:
+        server = subprocess.Popen([sys.executable, str(REPO / "tests" / "script_server.py")], cwd=REPO,
+                                  env=environment(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                  text=True)
+    yield server, log
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
+def run_script(server, arguments: list[str], folder: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGUMENTS...` (`arguments`) run by the script server, its outcome as `run` gives one."""
+    process, log = server
+    stdout, stderr = folder / "stdout", folder / "stderr"
+    process.stdin.write(json.dumps([arguments, str(stdout), str(stderr), timeout]) + "\n")
+    process.stdin.flush()
+    answer = process.stdout.readline()
+    while answer and not answer.startswith("EXIT "):  # (what the server's imports may print)
+        answer = process.stdout.readline()
+    assert answer.startswith("EXIT "), f"the script server stopped ({answer!r}):\n{log.read_text()[-3000:]}"
+    return subprocess.CompletedProcess(arguments, int(answer.split()[1]), stdout.read_text(), stderr.read_text())
 
 
 def test_every_benchmark_script_has_a_tiny_run():
@@ -86,9 +125,9 @@ def test_every_benchmark_script_has_a_tiny_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("script, arguments, expected", RUNS,
                          ids=[" ".join([script, *arguments]) for script, arguments, _ in RUNS])
-def test_benchmark_runs_its_tiny_cpu_configuration(script, arguments, expected):
+def test_benchmark_runs_its_tiny_cpu_configuration(script_server, tmp_path, script, arguments, expected):
     start = time.perf_counter()
-    done = run([sys.executable, str(BENCHMARKS / script), *arguments])
+    done = run_script(script_server, [str(BENCHMARKS / script), *arguments], tmp_path)
     seconds = time.perf_counter() - start
     assert done.returncode == 0, f"exit {done.returncode} after {seconds:.0f} s:\n{done.stdout[-3000:]}\n" \
                                  f"{done.stderr[-3000:]}"

@@ -189,7 +189,8 @@ def check_expert_parallel_plan(folder, runs, cuda: bool = False, env=None) -> No
 @pytest.mark.slow  # two torchrun ranks
 def test_expert_parallel_plan_holds_each_ranks_experts(tmp_path):
     # "tp-all_to_all" (the all-to-all dispatch at inference, the tensor-parallel ranks sharing the batch) is left to
-    # the GPU check for time: "tp-auto" trains through it and "fsdp-auto" also decodes through it
+    # the GPU check and to two_gpu_moe_parallel.sh's gloo dry run (tests/test_benchmarks_run.py) for time: "tp-auto"
+    # trains through it and "fsdp-auto" also decodes through it
     check_expert_parallel_plan(tmp_path, ["tp-auto", "tp-all_reduce", "fsdp-auto"])
 
 
