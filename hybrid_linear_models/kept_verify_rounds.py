@@ -3,8 +3,8 @@
 A captured round (`speculative_decoding.CapturedVerifyRound`) is bound to the tensors it read when it was recorded:
 its `VerifyCache` and, for a drafter that drafts on the device (the MTP head's `MtpBatchDrafter`), the drafter's own
 cache and state. Recording one runs an eager round to warm up, records, and saves and restores the caches around
-both: for the 35M model of bench_mtp_acceptance.py on an H200 that is 48-62 ms, against about 0.9 ms a replayed round
-with its loop, so a 128-token call that captured its own round spent a third of its time there.
+both: tens of milliseconds, the time of dozens of replayed rounds, so a call that captured its own round spent a
+large share of its time there.
 
 So a model keeps its rounds (`KeptVerifyRounds`, one per model), each with its cache and drafter, under the key
 (batch, verify tokens k, cache slots, whether the round returns hidden states, the on-device drafter's type, device).
