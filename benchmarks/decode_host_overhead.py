@@ -81,7 +81,7 @@ def measure(name: str, tokens: int) -> None:
         prompt = time.perf_counter() - start
         waited, overlapped = _timed_replays(model, ids, settings)
     decoder = model._graph_decoder
-    watch = decoder._graphs[decoder._last_key].watch
+    watch = decoder._graphs[decoder._last_key].read.watch
     checks = 2000
     timings = []
     for check in (lambda: watch.changed(), lambda: watch.changed(addresses=True),

@@ -219,6 +219,23 @@ def weights_moved(weights: list[tuple[dict, str, torch.Tensor]], addresses: list
             or [tensor.data_ptr() for _, _, tensor in weights] != addresses)
 
 
+class WeightsRead:
+    """What a captured graph read of the model's weights, taken at its capture, to tell when a replay would read
+    stale ones: the kept derived values (`ChangeWatch`: norms' 1 + w, stacked weights) and every parameter and buffer
+    with its address (`weights_of`). Shared by the decoding step's, the prompts' and the verify rounds' graphs."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.watch = ChangeWatch(derived_weights(model))
+        self.weights = weights_of(model)
+        self.addresses = [tensor.data_ptr() for _, _, tensor in self.weights]
+
+    def changed(self, check_addresses: bool = True) -> bool:
+        """Whether a kept derived value was updated, or (with `check_addresses`) a parameter or buffer replaced or
+        given new storage."""
+        return self.watch.changed(addresses=check_addresses) or (
+            check_addresses and weights_moved(self.weights, self.addresses))
+
+
 def _full_length(cache: StaticCache) -> int:
     """The key slots of the full-attention layers (1 without any: their key mask is then unused). Sliding layers'
     buffers are shorter, and masked from `WindowSteps.recent`."""
@@ -295,9 +312,7 @@ class StepGraph:
         self.mask_length = 0
         self.graph = self.logits = None
         self.storage: CacheStorage | None = None
-        self.watch: ChangeWatch | None = None  # the kept tensors the graph reads (norms' 1 + w, stacked weights)
-        self.weights: list = []  # every parameter and buffer at capture (`weights_of`), and their addresses
-        self.addresses: list[int] = []
+        self.read: WeightsRead | None = None  # the weights the graph read, at capture
 
     def serve(self, cache: StaticCache) -> bool:
         """Points the step's Python-side helpers at `cache` (bound to the storage already); True for a cache other
@@ -313,8 +328,7 @@ class StepGraph:
     def stale(self, check_addresses: bool) -> bool:
         """Whether a weight the graph reads changed: a kept derived value updated in place (per step), or (where a run
         of steps starts) a parameter or buffer replaced or given new storage."""
-        return self.watch.changed(addresses=check_addresses) or (
-            check_addresses and weights_moved(self.weights, self.addresses))
+        return self.read.changed(check_addresses)
 
 
 class CudaGraphDecoder:
@@ -510,9 +524,7 @@ class CudaGraphDecoder:
             graph.graph, graph.logits = self._record(run, device, restore, self._pool)
         finally:  # the warm-up steps advanced the cache (also when the capture failed): undo them
             restore()
-        graph.watch = ChangeWatch(derived_weights(model))
-        graph.weights = weights_of(model)
-        graph.addresses = [tensor.data_ptr() for _, _, tensor in graph.weights]
+        graph.read = WeightsRead(model)
         return graph
 
 

@@ -53,15 +53,13 @@ from transformers.cache_utils import StaticCache, StaticSlidingWindowLayer
 
 from .cuda_graph_decoding import (
     CacheLayout,
+    WeightsRead,
     capture_failure,
     capture_obstacle,
     record_graph,
     records_past,
     storage_key,
-    weights_moved,
-    weights_of,
 )
-from .derived_weights import ChangeWatch, derived_weights
 from .graph_cache_storage import CacheStorage, CacheStorages, allocated
 from .mlp_sparse_moe import graph_safe_experts, graph_safe_experts_implementation
 
@@ -112,9 +110,7 @@ class PrefillGraph:
         self.graph = self.logits = None
         self.cache: weakref.ref | None = None  # the cache bound last (not kept alive)
         self.storage: CacheStorage | None = None  # shared with the other graphs of its cache shape
-        self.watch: ChangeWatch | None = None
-        self.weights: list = []
-        self.addresses: list[int] = []
+        self.read: WeightsRead | None = None  # the weights the graph read, at capture
 
     def fill(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
              attention_mask: torch.Tensor | None) -> None:
@@ -142,7 +138,7 @@ class PrefillGraph:
 
     def stale(self) -> bool:
         """Whether a weight the graph reads was replaced, given new storage, or (a kept derived value) updated."""
-        return self.watch.changed(addresses=True) or weights_moved(self.weights, self.addresses)
+        return self.read.changed()
 
 
 class CudaGraphPrefill:
@@ -291,9 +287,7 @@ class CudaGraphPrefill:
             self._pool = torch.cuda.graph_pool_handle()
         graph.graph, graph.logits = self._record(run, device, self._pool)
         graph.storage = storage or self.storages.adopt(cache, shape)
-        graph.watch = ChangeWatch(derived_weights(model))
-        graph.weights = weights_of(model)
-        graph.addresses = [tensor.data_ptr() for _, _, tensor in graph.weights]
+        graph.read = WeightsRead(model)
         return graph
 
 

@@ -12,8 +12,8 @@ A later call with that key starts the cache over (`VerifyCache.start_over`: the 
 prompts into them and replays the kept graph. The slots are the call's need rounded up to few sizes
 (`static_cache_slots`: 2 per doubling), so a process meets few keys; at most KEPT_ROUNDS are kept, the least recently
 used dropped. Before a kept round is used, the weights it reads are checked as a captured decoding step's are
-(`ChangeWatch` on the kept derived weights, `weights_moved` on every parameter and buffer): a weight replaced or given
-new storage, or a derived weight made stale, drops it, and the call captures afresh. The kept caches stay allocated
+(`cuda_graph_decoding.WeightsRead`: the kept derived weights, every parameter and buffer): a weight replaced or
+given new storage, or a derived weight made stale, drops it, and the call captures afresh. The kept caches stay allocated
 between calls, as the captured decoding step's cache storage does; `set_cuda_graph_decoding` drops them all.
 """
 
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .cuda_graph_decoding import weights_moved, weights_of
-from .derived_weights import ChangeWatch, derived_weights
+from .cuda_graph_decoding import WeightsRead
 from .verify_cache import VerifyCache
 
 KEPT_ROUNDS = 4  # kept rounds per model (batch sizes, k, cache sizes), the least recently used dropped
@@ -40,21 +39,15 @@ class KeptRound:
     cache: VerifyCache
     drafter: object | None
     round: object | None = None
-    watch: ChangeWatch | None = None
-    weights: list = field(default_factory=list)
-    addresses: list[int] = field(default_factory=list)
+    read: WeightsRead | None = None  # the weights the round read, at capture
 
     def keep(self, model, captured) -> None:
         """Keeps `captured` (a CapturedVerifyRound on this cache and drafter) and the weights it read."""
-        self.round = captured
-        self.watch = ChangeWatch(derived_weights(model))
-        self.weights = weights_of(model)
-        self.addresses = [tensor.data_ptr() for _, _, tensor in self.weights]
+        self.round, self.read = captured, WeightsRead(model)
 
     def stale(self) -> bool:
         """Whether a weight the kept round reads changed since its capture (see the module docstring)."""
-        return self.round is not None and (self.watch.changed(addresses=True)
-                                           or weights_moved(self.weights, self.addresses))
+        return self.round is not None and self.read.changed()
 
 
 class KeptVerifyRounds:
