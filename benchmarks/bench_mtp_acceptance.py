@@ -64,7 +64,11 @@ from timing import timed
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.fla_backend import fla_training_refusal
-from hybrid_linear_models.speculative_decoding import CapturedVerifyRound
+from hybrid_linear_models.speculative_decoding import (
+    CapturedVerifyRound,
+    ReportReader,
+    VerifyRound,
+)
 
 PAD, EOS = 0, 1  # the special tokens: padding, and the end of a file in the training stream
 SPECIAL_TOKENS = ["<pad>", "<eos>"]
@@ -309,28 +313,36 @@ def verify_rounds(forward_lengths: Sequence[int], prompt: int, new_tokens: int) 
 @contextmanager
 def counted_forwards(model: HybridLinearForCausalLM) -> Iterator[list[int]]:
     """The token count of each forward of the model (its final norm's input; the norm runs once a forward: plain
-    steps, prompts, verify rounds; the MTP head has a norm of its own). A verify round replayed from a captured graph
-    runs no Python: each replay counts its tokens instead, and the runs that record the graph count nothing."""
+    steps, prompts, verify rounds; the MTP head has a norm of its own). The batched loop's verify rounds
+    (speculative_decoding.VerifyRound: a captured graph's replay runs no Python) count instead when the host reads
+    their tokens (`ReportReader.pop`): a round run ahead of the last read, whose tokens no row keeps, is not one, nor
+    are the runs that record a graph."""
     lengths: list[int] = []
-    recording: list[int] = []
+    quiet: list[int] = []  # inside a round's capture or replay: counted by the read of its tokens instead
     handle = model.model.norm.register_forward_hook(
-        lambda module, inputs, output: None if recording else lengths.append(inputs[0].shape[1]))
-    record, replay = CapturedVerifyRound.__init__, CapturedVerifyRound.__call__
+        lambda module, inputs, output: None if quiet else lengths.append(inputs[0].shape[1]))
 
-    def counted_record(self, *args, **kwargs):
-        recording.append(1)
-        try:
-            record(self, *args, **kwargs)
-        finally:
-            recording.pop()
+    def quietly(method):
+        def run(self, *args, **kwargs):
+            quiet.append(1)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                quiet.pop()
+        return run
 
-    def counted_replay(self, input_ids, live):
-        lengths.append(input_ids.shape[1])
-        return replay(self, input_ids, live)
+    pop = ReportReader.pop
+
+    def counted_pop(self):
+        rows = pop(self)
+        lengths.append(len(rows[0]) - 1)  # (each row: kept, then the round's k greedy tokens)
+        return rows
 
     try:
-        with mock.patch.object(CapturedVerifyRound, "__init__", counted_record), \
-                mock.patch.object(CapturedVerifyRound, "__call__", counted_replay):
+        with mock.patch.object(CapturedVerifyRound, "__init__", quietly(CapturedVerifyRound.__init__)), \
+                mock.patch.object(CapturedVerifyRound, "replay", quietly(CapturedVerifyRound.replay)), \
+                mock.patch.object(VerifyRound, "replay", quietly(VerifyRound.replay)), \
+                mock.patch.object(ReportReader, "pop", counted_pop):
             yield lengths
     finally:
         handle.remove()

@@ -20,8 +20,12 @@ later rounds (`live`): its cache stays as it is, within its slots.
 depends on a value (the bookkeeping is `VerifyCache`'s device tensors): what a CUDA graph captures per (batch, k,
 slots) (`CapturedVerifyRound`, replayed where `speculative_generate(..., graphs=True)` runs on CUDA; its capture is
 stood in by an eager run on the CPU in the tests). The captured round is kept with its cache for later calls of the
-same shape, the slots rounded up to few sizes (kept_verify_rounds.py). The host reads each round's accepted counts
-and tokens once, to hand the drafter the rows' sequences.
+same shape, the slots rounded up to few sizes (kept_verify_rounds.py). Every round runs on the same buffers
+(`VerifyRound`) and writes the next round's first token, each row's last one gained, into them itself
+(`chain_round`), so the host's work between two rounds is to read one report of the tokens gained (`ReportReader`:
+a copy and an event, no other kernel) and, for a host drafter, to write the drafts. A drafter that drafts on the
+device needs nothing from the host: on CUDA the next round is launched before the last one's report is read
+(`rounds_ahead`), so the device does not wait for the host's bookkeeping between rounds.
 
 A drafter is any object with `draft(sequences, count) -> [B, count]` (sequences: each row's prompt and generated
 tokens, 1-D) and optionally `vocab_size`; `PromptLookupDrafter` (n-gram lookup in the row's own tokens) and
@@ -35,6 +39,7 @@ acceptance in the same forward pass, and in the same captured graph, so the host
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Protocol
@@ -145,17 +150,60 @@ def drafting_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: tor
     return greedy, kept, drafter.draft(None, input_ids.shape[1] - 1)
 
 
-class CapturedVerifyRound:
-    """`verify_round` for one (batch, k, cache) captured as a CUDA graph: the inputs copied into its buffers, the
-    graph replayed, its outputs returned; with a drafter that drafts on the device, `drafting_round` (the next
-    round's drafts made in the same graph). The capture runs the round to warm up (`record_graph`), from the cache and
-    drafter as they are, and puts them back (saved: `VerifyCache.tensors`, the drafter's `tensors`), so they are as
-    they were after the capture. It is recorded as the decoding step is: its linear layers of at most 16 rows (batch x
-    k) on the decoding GEMV kernel."""
+def chain_round(ids: torch.Tensor, greedy: torch.Tensor, kept: torch.Tensor,
+                drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """After a round on `ids` [B, k]: writes the next round's first column in place, each row's last token gained
+    (greedy at kept - 1; a row that kept nothing gets greedy's first, unread), and with `drafts` [B, k - 1] the rest;
+    returns the round's report for the host, [B, 1 + k] = (kept, greedy). No host synchronisation (capturable)."""
+    ids[:, :1].copy_(greedy.gather(1, (kept - 1).clamp(min=0)[:, None]))
+    if drafts is not None:
+        ids[:, 1:].copy_(drafts)
+    return torch.cat([kept[:, None], greedy], dim=1)
 
-    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False, drafter=None):
+
+class VerifyRound:
+    """A verify round on fixed buffers, so that every round of a call is the same work on the same tensors (what a
+    CUDA graph replays: CapturedVerifyRound): ids [B, k] (the last token, then k - 1 drafts) and live [B]. `replay()`
+    runs `verify_round`, or `drafting_round` with a drafter that drafts on the device, then `chain_round`: the next
+    round's ids are written in place (their drafts too, for such a drafter), so consecutive rounds need no host
+    input. `outputs`: (report [B, 1 + k] = (kept, greedy), then the hidden states [B, k, H] where asked)."""
+
+    def __init__(self, model, cache: VerifyCache, tokens: int, with_hidden: bool = False, drafter=None):
+        self.model, self.cache, self.drafter, self.with_hidden = model, cache, drafter, with_hidden
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
         self.live = torch.zeros(cache.batch, dtype=torch.bool, device=cache.device)
+        self.outputs: tuple[torch.Tensor, ...] = ()
+
+    def run(self) -> tuple[torch.Tensor, ...]:
+        if self.drafter is not None:
+            greedy, kept, drafts = drafting_round(self.model, self.cache, self.ids, self.live, self.drafter)
+            return (chain_round(self.ids, greedy, kept, drafts),)
+        greedy, kept, *hidden = verify_round(self.model, self.cache, self.ids, self.live, self.with_hidden)
+        return (chain_round(self.ids, greedy, kept), *hidden)
+
+    def replay(self) -> None:
+        self.outputs = self.run()
+
+    def __call__(self, input_ids: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One round of `input_ids` [B, k] and `live` [B], as verify_round or drafting_round return it: (greedy
+        [B, k], kept [B], then the hidden states or the next drafts [B, k - 1]), copies."""
+        self.ids.copy_(input_ids)
+        self.live.copy_(live)
+        self.replay()
+        report, *rest = (t.clone() for t in self.outputs)
+        if self.drafter is not None:
+            rest = [self.ids[:, 1:].clone()]
+        return (report[:, 1:], report[:, 0], *rest)
+
+
+class CapturedVerifyRound(VerifyRound):
+    """`VerifyRound` captured as a CUDA graph, replayed. The capture runs the round to warm up (`record_graph`),
+    from the cache and drafter as they are, and puts them back (saved: `VerifyCache.tensors`, the drafter's
+    `tensors`), so they are as they were after the capture. It is recorded as the decoding step is: its linear layers
+    of at most 16 rows (batch x k) on the decoding GEMV kernel."""
+
+    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False, drafter=None):
+        super().__init__(model, cache, tokens, with_hidden, drafter)
         state = lambda: cache.tensors() + (drafter.tensors() if drafter is not None else [])
         saved = [t.clone() for t in state()]
 
@@ -167,9 +215,7 @@ class CapturedVerifyRound:
             # reads, and the products of at most 16 rows (batch x k) through this package's GEMV kernel (kernels_gemv)
             with decode_gemv_mode(cache.device), graph_safe_experts(model.config, model.lm_head.weight.dtype,
                                                                     cache.device.type):
-                if drafter is not None:
-                    return drafting_round(model, cache, self.ids, self.live, drafter)
-                return verify_round(model, cache, self.ids, self.live, with_hidden)
+                return self.run()
 
         try:
             self.graph, self.outputs = self._record(run, cache.device, reset, pool)
@@ -182,11 +228,8 @@ class CapturedVerifyRound:
 
         return record_graph(run, device, pool, reset=reset)  # (tests stand in an eager replay here)
 
-    def __call__(self, input_ids: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.ids.copy_(input_ids)
-        self.live.copy_(live)
+    def replay(self) -> None:
         self.graph.replay()
-        return tuple(t.clone() for t in self.outputs)
 
 
 class PromptLookupDrafter:
@@ -273,6 +316,76 @@ def _check_draft(draft: object, batch: int, count: int, vocab: int) -> torch.Ten
     return draft.long()
 
 
+class _RowProgress:
+    """Each row's tokens on the host: its prompt's real tokens, the tokens it has gained, whether it has ended."""
+
+    def __init__(self, prompts: list[torch.Tensor], first: list[int], max_new_tokens: int, eos_token_id: int | None):
+        self.prompts, self.max_new_tokens, self.eos_token_id = prompts, max_new_tokens, eos_token_id
+        self.generated: list[list[int]] = [[] for _ in prompts]
+        self.done = [False] * len(prompts)
+        self.gain([[1, token] for token in first])
+
+    def gain(self, report: list[list[int]]) -> bool:
+        """Takes a round's report rows (kept, greedy...): each live row's kept tokens, cut at its end-of-sequence
+        token or at max_new_tokens. Returns whether a row ended."""
+        ended = False
+        for b, (kept, *greedy) in enumerate(report):
+            if self.done[b]:
+                continue
+            gained = greedy[:kept]
+            if self.eos_token_id is not None and self.eos_token_id in gained:
+                gained, self.done[b] = gained[: gained.index(self.eos_token_id) + 1], True
+            self.generated[b] += gained
+            self.done[b] = self.done[b] or len(self.generated[b]) >= self.max_new_tokens
+            ended = ended or self.done[b]
+        return ended
+
+    def sequences(self) -> list[torch.Tensor]:
+        """Each row's tokens so far (what a host drafter drafts from)."""
+        return [torch.cat([p, torch.tensor(g, dtype=p.dtype)]) for p, g in zip(self.prompts, self.generated)]
+
+    def live(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([not d for d in self.done], device=device)
+
+    def finished(self) -> bool:
+        return all(self.done)
+
+
+class ReportReader:
+    """Brings each round's report [B, 1 + k] to the host without waiting on the rounds launched after it: a copy, in
+    stream order, into one of `buffers` host buffers (pinned on CUDA), and an event to wait on."""
+
+    def __init__(self, report: torch.Tensor, buffers: int):
+        cuda = report.device.type == "cuda"
+        self.buffers = [torch.empty(report.shape, dtype=report.dtype, pin_memory=cuda) for _ in range(buffers)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(buffers)]
+        self.waiting: deque[int] = deque()
+        self.next = 0
+
+    def push(self, report: torch.Tensor) -> None:
+        slot, self.next = self.next, (self.next + 1) % len(self.buffers)
+        self.buffers[slot].copy_(report, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        self.waiting.append(slot)
+
+    def pop(self) -> list[list[int]]:
+        """The oldest pushed report, as rows of ints (waits for it)."""
+        slot = self.waiting.popleft()
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return self.buffers[slot].tolist()
+
+
+def rounds_ahead(drafts_on_device: bool, device: torch.device) -> int:
+    """Rounds launched before the oldest unread one's report is read. 1 where the drafts are made on the device and
+    the device runs behind the host (CUDA): round r + 1 needs nothing from the host, so the host reads round r's
+    tokens while the device runs r + 1. A row that ended in round r is then still live in round r + 1, whose tokens
+    for it are dropped (the cache has the slots: speculative_generate). 0 otherwise (a host drafter drafts from the
+    tokens read)."""
+    return int(drafts_on_device and device.type == "cuda")
+
+
 def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_tokens: int = 4,
                          max_new_tokens: int = 32, attention_mask: torch.Tensor | None = None,
                          eos_token_id: int | None = None, pad_token_id: int = 0,
@@ -286,13 +399,15 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     input_ids = input_ids.to(device)
     attention_mask = attention_mask.to(device) if attention_mask is not None else None
     batch, prompt = input_ids.shape
-    # slots: a live row writes at most up to slot prompt + max_new_tokens - 2 + num_tokens - 1; a row that ended
-    # with its last round's drafts all accepted has a length up to prompt + max_new_tokens - 2 + num_tokens, and its
-    # verify tokens are still written after it in the rounds the other rows go on with: num_tokens more slots
-    slots = prompt + max_new_tokens + 2 * num_tokens
     observes = getattr(drafter, "observes_hidden_states", False)
     # a drafter that drafts from device state alone (the MTP head) drafts inside each round: drafting_round
     on_device = observes and getattr(drafter, "drafts_on_device", False)
+    ahead = rounds_ahead(on_device, device)
+    # slots: a live row writes at most up to slot prompt + max_new_tokens - 2 + num_tokens - 1; a row that ended
+    # with its last round's drafts all accepted has a length up to prompt + max_new_tokens - 2 + num_tokens (plus
+    # num_tokens for each round run ahead), and its verify tokens are still written after it in the rounds the other
+    # rows go on with: num_tokens more slots
+    slots = prompt + max_new_tokens + (2 + ahead) * num_tokens
     stored = None
     if graphs:  # the captured round, its cache and on-device drafter kept across calls (kept_verify_rounds.py)
         slots = static_cache_slots(slots)
@@ -302,62 +417,55 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
         drafter = stored.drafter if on_device else drafter
     cache = stored.cache if stored is not None else VerifyCache(model, batch, slots, device)
     real = attention_mask.bool().cpu() if attention_mask is not None else torch.ones(batch, prompt, dtype=torch.bool)
-    sequences = [row[mask] for row, mask in zip(input_ids.cpu(), real)]
-    generated: list[list[int]] = [[] for _ in range(batch)]
-    done = [False] * batch
-    round_ = stored.round if stored is not None else None
-    draft = None
     with torch.no_grad():
         if observes:  # (the MTP head's drafter: it reads the model's hidden states of every verified position)
-            first_tokens, hidden = prefill(model, cache, input_ids, attention_mask, with_hidden=True)
-            drafter.start(input_ids, attention_mask, hidden, first_tokens, cache.slots)
-            first = first_tokens.tolist()
-            if on_device:
-                draft = drafter.draft(None, num_tokens - 1)
+            first, hidden = prefill(model, cache, input_ids, attention_mask, with_hidden=True)
+            drafter.start(input_ids, attention_mask, hidden, first, cache.slots)
         else:
-            first = prefill(model, cache, input_ids, attention_mask).tolist()
-        last = torch.tensor(first, device=device)
-        for b, token in enumerate(first):
-            generated[b].append(token)
-            done[b] = token == eos_token_id or max_new_tokens <= 1
-        while not all(done):
-            if not on_device:
-                rows = [torch.cat([s, torch.tensor(g, dtype=s.dtype)]) for s, g in zip(sequences, generated)]
-                draft = _check_draft(drafter.draft(rows, num_tokens - 1), batch, num_tokens - 1,
-                                     model.config.vocab_size)
-            ids = torch.cat([last[:, None], draft.to(device)], dim=1)
-            live = torch.tensor([not d for d in done], device=device)
-            if stored is not None and round_ is None:
-                round_ = CapturedVerifyRound(model, cache, num_tokens, with_hidden=observes,
-                                             drafter=drafter if on_device else None)
-                stored.keep(model, round_)
-            if round_ is not None:
-                outputs = round_(ids, live)
-            elif on_device:
-                outputs = drafting_round(model, cache, ids, live, drafter)
-            else:
-                outputs = verify_round(model, cache, ids, live, observes)
-            greedy, kept = outputs[:2]
+            first = prefill(model, cache, input_ids, attention_mask)
+        rows = _RowProgress([row[mask] for row, mask in zip(input_ids.cpu(), real)], first.tolist(), max_new_tokens,
+                            eos_token_id)
+        if not rows.finished():
+            drafts = drafter.draft(None, num_tokens - 1) if on_device else None
+            round_ = stored.round if stored is not None else None
+            if round_ is None:
+                make = CapturedVerifyRound if graphs else VerifyRound
+                round_ = make(model, cache, num_tokens, with_hidden=observes, drafter=drafter if on_device else None)
+                if stored is not None:
+                    stored.keep(model, round_)
+            round_.ids[:, 0] = first
             if on_device:
-                draft = outputs[2]
-            elif observes:
-                drafter.observe(greedy, kept, outputs[2])
-            last = greedy[torch.arange(batch, device=device), (kept - 1).clamp(min=0)]
-            rows_host = torch.cat([kept[:, None], greedy], dim=1).tolist()  # (one read: the round's only wait)
-            for b in range(batch):
-                if done[b]:
-                    continue
-                gained = rows_host[b][1: 1 + rows_host[b][0]]
-                if eos_token_id is not None and eos_token_id in gained:
-                    gained, done[b] = gained[: gained.index(eos_token_id) + 1], True
-                generated[b] += gained
-                if len(generated[b]) >= max_new_tokens:
-                    done[b] = True
+                round_.ids[:, 1:] = drafts
+            _run_rounds(round_, rows, drafter, ahead, model.config.vocab_size)
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype)
-    for b, tokens in enumerate(generated):
+    for b, tokens in enumerate(rows.generated):
         tokens = tokens[:max_new_tokens]
         out[b, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
     return torch.cat([input_ids.cpu(), out], dim=1).to(device)
+
+
+def _run_rounds(round_: VerifyRound, rows: _RowProgress, drafter, ahead: int, vocab: int) -> None:
+    """Verify rounds until every row has ended: a host drafter's drafts written into the round's ids before each
+    (the round writes the last token itself), `ahead` rounds launched before a report is read, the rows' live flags
+    written only when a row ends."""
+    device = round_.ids.device
+    batch, count = round_.ids.shape[0], round_.ids.shape[1] - 1
+    round_.live.copy_(rows.live(device))
+    reader, launched = None, 0
+    while not rows.finished():
+        while launched <= ahead:
+            if round_.drafter is None:
+                round_.ids[:, 1:].copy_(_check_draft(drafter.draft(rows.sequences(), count), batch, count, vocab))
+            round_.replay()
+            report = round_.outputs[0]
+            if round_.drafter is None and getattr(drafter, "observes_hidden_states", False):
+                drafter.observe(report[:, 1:].clone(), report[:, 0].clone(), round_.outputs[1].clone())
+            reader = reader or ReportReader(report, ahead + 1)
+            reader.push(report)
+            launched += 1
+        launched -= 1
+        if rows.gain(reader.pop()):
+            round_.live.copy_(rows.live(device))
 
 
 def batched_loop_refuses(logits_processor, stopping_criteria, generation_config, streamer) -> list[str]:
@@ -434,12 +542,16 @@ __all__ = [
     "AssistantDrafter",
     "CapturedVerifyRound",
     "PromptLookupDrafter",
+    "ReportReader",
+    "VerifyRound",
     "assisted_generate_batch",
     "batched_loop_refuses",
+    "chain_round",
     "check_speculative_inputs",
     "drafting_round",
     "forward_tokens",
     "prefill",
+    "rounds_ahead",
     "speculative_generate",
     "verify_round",
 ]

@@ -19,6 +19,11 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/model_helpers.py and the
 # worker per core, and an op on two threads waits for the core the other worker holds (a depthwise convolution of
 # 0.1 ms then takes 25 ms). The tests' tensors are small: a second thread gains little on an idle machine either.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# MKL's float products may round differently with the address alignment of their operands (its "conditional
+# numerical reproducibility"): two runs of the same ops on the same values, in buffers allocated elsewhere, then
+# differ in the last bits, which the tests that compare a captured path with the uncaptured one bit for bit see.
+# Strict mode makes them alignment-independent (read at MKL's first product, so set before any).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 

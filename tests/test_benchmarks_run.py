@@ -63,7 +63,7 @@ RUNS = [
     ("bench_training.py", ["--tiny"],
      ["GDN vs Qwen3-Next: ours/transformers tokens/s", "KDA vs Kimi-Linear: ours/transformers tokens/s"]),
     ("bench_verify_step.py", ["--tiny"], ["one-token decoding step (eager)", "| 4 | skipped (needs CUDA) | - |",
-                                          "verify(4) / step ="]),
+                                          "verify(4) / step =", "| plain, static cache |", "| use_mtp=4 |"]),
     ("count_decode_ops.py", [], ["kernels in the captured decoding step", "around the replay"]),
     ("count_decode_ops.py", ["--model", "kimi", "--eager"], ["kernels per eager decoding step"]),
     ("count_decode_ops.py", ["--verify", "4"], ["kernels in a verify round of 4 tokens", "in the captured decoding"]),
@@ -257,6 +257,30 @@ def test_acceptance_counts_the_rounds_that_verify_drafts():
     assert bench.verify_rounds([7, 3, 3, 2], prompt=7, new_tokens=9) == (3, 8)  # the prompt's forward: 1 token
     assert bench.verify_rounds([11, 5, 5], prompt=7, new_tokens=14) == (3, 14)  # the prompt's forward drafted too
     assert bench.verify_rounds([1, 4, 4], prompt=7, new_tokens=9) == (2, 8)  # batched: its last position only
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_acceptance_counts_each_round_whose_tokens_the_batched_loop_reads(monkeypatch, graphs):
+    """A head that always agrees, k = 3: every round gains 4 tokens, replayed (the capture stood in) or not, with a
+    round run ahead of each read (forced on the CPU, as CUDA runs it): that round, whose tokens no row keeps, and the
+    capture's runs are not counted, so the acceptance length is 4."""
+    from model_helpers import replay_rounds_eagerly, tiny_model
+    from test_mtp import _head_that_agrees
+
+    from hybrid_linear_models import speculative_decoding
+    from hybrid_linear_models.mtp_drafting import MtpBatchDrafter
+
+    bench = bench_mtp_acceptance()
+    monkeypatch.setattr(speculative_decoding, "rounds_ahead", lambda on_device, device: int(on_device))
+    if graphs:
+        replay_rounds_eagerly(monkeypatch)
+    model = tiny_model(["gated_deltanet", "full_attention"], seed=0, num_mtp_layers=1).double()
+    _head_that_agrees(model, 1.0)
+    ids = torch.randint(2, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), bench.counted_forwards(model) as lengths:
+        speculative_decoding.speculative_generate(model, ids, MtpBatchDrafter(model), num_tokens=4,
+                                                  max_new_tokens=13, graphs=graphs)
+    assert bench.verify_rounds(lengths, prompt=7, new_tokens=13) == (3, 12)  # 12 tokens after the first, 4 a round
 
 
 def test_acceptance_repetition_counts_new_ngrams_seen_earlier_in_the_row():

@@ -212,6 +212,50 @@ def test_captured_drafting_rounds_are_the_uncaptured_ones(monkeypatch, use_mtp, 
         assert any(1 < kept < use_mtp + 1 for round_ in plain_rounds for kept in round_), plain_rounds
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("head", ["agrees", "nearly_right"])
+def test_rounds_run_ahead_of_the_host_keep_every_row_exact(monkeypatch, graphs, head):
+    """With the drafts made on the device, CUDA runs a round ahead of the host's read of the one before
+    (`rounds_ahead`; forced here on the CPU, the capture stood in): a row that ends, at its end-of-sequence token or
+    at max_new_tokens, is still live in the round already launched. Each row's tokens are still its plain greedy
+    decoding alone, cut at its end, padded after it."""
+    monkeypatch.setattr(speculative_decoding, "rounds_ahead", lambda on_device, device: int(on_device))
+    model = _model()
+    if head == "agrees":
+        _head_that_agrees(model, 1.0)
+    else:
+        _head_that_nearly_agrees(model)
+    if graphs:
+        replay_rounds_eagerly(monkeypatch)
+    ids, mask = _batch()
+    truth = _alone(model, ids, mask)
+    eos = int(truth[1, 4])  # row 1's fifth token
+    for stop in ({}, {"eos_token_id": eos}):
+        with torch.no_grad():
+            got = speculative_generate(model, ids, MtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
+                                       attention_mask=mask, pad_token_id=0, graphs=graphs, **stop)[:, ids.shape[1]:]
+        for b in range(3):
+            ends = (truth[b] == eos).nonzero().flatten() if stop else torch.tensor([])
+            end = int(ends[0]) + 1 if ends.numel() else NEW
+            assert torch.equal(got[b, :end], truth[b, :end]), (stop, b)
+            assert (got[b, end:] == 0).all()
+
+
+@pytest.mark.parametrize("new", range(2, 8))
+def test_a_round_run_past_the_last_rows_end_stays_within_the_cache(monkeypatch, new):
+    """The round run ahead writes k more tokens into a row that has ended, its last round having gained up to k - 1
+    tokens past max_new_tokens (a head that always agrees, k = 5: every round gains 5); the verify cache's slots
+    hold them (a write past its slots raises), for every max_new_tokens modulo k."""
+    monkeypatch.setattr(speculative_decoding, "rounds_ahead", lambda on_device, device: int(on_device))
+    model = _model()
+    _head_that_agrees(model, 1.0)
+    ids, mask = _batch()
+    with torch.no_grad():
+        got = speculative_generate(model, ids, MtpBatchDrafter(model), num_tokens=5, max_new_tokens=new,
+                                   attention_mask=mask)
+    assert torch.equal(got[:, ids.shape[1]:], _alone(model, ids, mask, new))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_captured_drafting_round_equals_the_uncaptured_one_on_gpu():
