@@ -235,30 +235,51 @@ class CapturedVerifyRound(VerifyRound):
 class PromptLookupDrafter:
     """Drafts by n-gram lookup in the row's own tokens (transformers' prompt lookup, per row): the tokens that
     followed the latest earlier occurrence of the row's last n tokens (n = max_ngram down to 1); a row with no match
-    drafts its last token repeated (a draft may always be wrong: it costs acceptance, never correctness)."""
+    drafts its last token repeated (a draft may always be wrong: it costs acceptance, never correctness). Each row's
+    n-grams are indexed as the row grows (`NgramIndex`), so a round costs the tokens gained, not the row's length."""
 
     def __init__(self, max_ngram: int = 3):
         self.max_ngram = max_ngram
+        self._rows: list[NgramIndex] = []
 
     def draft(self, sequences: Sequence[torch.Tensor], count: int) -> torch.Tensor:
-        rows = []
-        for tokens in sequences:
-            found = None
-            for n in range(min(self.max_ngram, tokens.numel() - 1), 0, -1):
-                tail = tokens[-n:]
-                windows = tokens[:-1].unfold(0, n, 1)  # (the last n-gram itself excluded)
-                hits = (windows == tail).all(-1).nonzero().flatten()
-                for start in reversed(hits.tolist()):
-                    follow = tokens[start + n: start + n + count]
-                    if follow.numel():
-                        found = follow
-                        break
-                if found is not None:
-                    break
-            if found is None:
-                found = tokens[-1:]
-            rows.append(torch.cat([found, found[-1:].expand(count - found.numel())])[:count])
-        return torch.stack(rows)
+        if len(self._rows) != len(sequences):
+            self._rows = [NgramIndex(self.max_ngram) for _ in sequences]
+        drafts = [row.follow(tokens.tolist(), count) for row, tokens in zip(self._rows, sequences)]
+        return torch.tensor(drafts, dtype=sequences[0].dtype)
+
+
+class NgramIndex:
+    """One row's n-grams (n = 1..max_ngram), each by its latest start among those that end before the row's last
+    token (an n-gram's follower must exist), indexed once each as the row grows."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]  # by n
+        self.indexed = [0] * (max_ngram + 1)  # by n: the starts below it are in latest[n]
+
+    def follow(self, tokens: list[int], count: int) -> list[int]:
+        """The `count` tokens after the latest earlier occurrence of the last n of `tokens`, for the largest n that
+        has one (see PromptLookupDrafter), padded with their last; `tokens` extends the last call's (else the index
+        starts over: another row or another call)."""
+        if tokens[: len(self.tokens)] != self.tokens:
+            self.latest = [{} for _ in range(self.max_ngram + 1)]
+            self.indexed = [0] * (self.max_ngram + 1)
+        self.tokens = tokens
+        length = len(tokens)
+        for n in range(1, self.max_ngram + 1):
+            latest = self.latest[n]
+            for start in range(self.indexed[n], length - n):  # (the last n-gram itself is not an earlier one)
+                latest[tuple(tokens[start: start + n])] = start
+            self.indexed[n] = max(self.indexed[n], length - n)
+        found = tokens[-1:]
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            start = self.latest[n].get(tuple(tokens[length - n:]))
+            if start is not None:
+                found = tokens[start + n: start + n + count]
+                break
+        return (found + found[-1:] * count)[:count]
 
 
 class AssistantDrafter:
@@ -541,6 +562,7 @@ __all__ = [
     "MIN_VERIFY_TOKENS",
     "AssistantDrafter",
     "CapturedVerifyRound",
+    "NgramIndex",
     "PromptLookupDrafter",
     "ReportReader",
     "VerifyRound",

@@ -160,6 +160,37 @@ def test_prompt_lookup_and_assistant_drafters():
     assert torch.equal(got[:, ids.shape[1]:], truth)
 
 
+def _lookup_from_scratch(tokens: torch.Tensor, count: int, max_ngram: int) -> list[int]:
+    """Prompt lookup's definition, searched afresh over the whole row: the tokens after the latest earlier occurrence
+    (one that ends before the row's last token) of the row's last n tokens, n = max_ngram down to 1; else the last
+    token. Padded with the last found token to `count`."""
+    row = tokens.tolist()
+    for n in range(min(max_ngram, len(row) - 1), 0, -1):
+        starts = [s for s in range(len(row) - n) if row[s: s + n] == row[len(row) - n:]]
+        if starts:
+            found = row[starts[-1] + n: starts[-1] + n + count]
+            return (found + found[-1:] * count)[:count]
+    return row[-1:] * count
+
+
+@pytest.mark.parametrize("max_ngram", [1, 2, 3])
+def test_prompt_lookup_indexed_as_rows_grow_equals_a_search_from_scratch(max_ngram):
+    """The drafter indexes each row's n-grams as the row grows (NgramIndex); its drafts are a whole-row search's, for
+    rows that grow by 1 to 5 tokens a round from 1 token up, of a small vocabulary (many matches), and when the same
+    drafter is handed other rows (another call: the index starts over) or another number of rows."""
+    generator = torch.Generator().manual_seed(max_ngram)
+    drafter = PromptLookupDrafter(max_ngram)
+    for call, rows in enumerate((3, 3, 2)):
+        sequences = [torch.randint(0, 4, (1 + b,), generator=generator) for b in range(rows)]
+        for _ in range(30):
+            count = int(torch.randint(1, 6, (), generator=generator))
+            got = drafter.draft(sequences, count)
+            assert got.dtype == sequences[0].dtype
+            assert got.tolist() == [_lookup_from_scratch(t, count, max_ngram) for t in sequences], call
+            sequences = [torch.cat([t, torch.randint(0, 4, (int(torch.randint(1, 6, (), generator=generator)),),
+                                                     generator=generator)]) for t in sequences]
+
+
 def test_a_row_that_ends_with_every_draft_accepted_while_others_go_on():
     """Row 0 accepts all 7 drafts of each round and ends 7 tokens past max_new_tokens in its second round; row 1
     accepts none and goes on for 7 more rounds, in which row 0's verify tokens are still written after its cache's
