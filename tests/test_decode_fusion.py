@@ -24,6 +24,7 @@ PER_LAYER = {3: {"attention_output_gate": False, "attention_qk_norm": False,
 # head or cache slot moves them by O(1). (float64 would tighten it, but torch's float64 depthwise conv on the CPU
 # takes ~0.4 s a call.)
 TOLERANCE = 1e-5
+FLOAT64_TOLERANCE = 1e-10
 
 
 def _model(**overrides) -> HybridLinearForCausalLM:
@@ -104,9 +105,16 @@ def test_weight_updates_reach_the_fused_path(monkeypatch):
     loaded = fused_equals_separate()
     torch.testing.assert_close(loaded, _decode(other, prompt, tokens)[0], rtol=TOLERANCE, atol=TOLERANCE)
 
-    model.double()  # new storage for every parameter: stacked again on the next step
+    model.double()  # new storage for every parameter: stacked again on the next step, in float64
     fused, _ = _decode(model, prompt, tokens)
-    torch.testing.assert_close(fused, loaded.double(), rtol=TOLERANCE, atol=TOLERANCE)
+    with monkeypatch.context() as patch:
+        _without_fusion(patch)
+        separate, _ = _decode(model, prompt, tokens)
+    # like with like: both float64 (float64 against the float32 logits would measure float32's own rounding, up to
+    # ~2e-5 on these logits, not the fusion). A stack left in float32 would differ by that rounding, a stale one by
+    # O(1); float64's reordered sums stay near 1e-15.
+    assert fused.dtype == torch.float64
+    torch.testing.assert_close(fused, separate, rtol=FLOAT64_TOLERANCE, atol=FLOAT64_TOLERANCE)
 
 
 def test_saved_after_decoding_reloads_the_same(tmp_path):
