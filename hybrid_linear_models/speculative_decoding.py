@@ -376,9 +376,9 @@ class ReportReader:
     """Brings each round's report [B, 1 + k] to the host without waiting on the rounds launched after it: a copy, in
     stream order, into one of `buffers` host buffers (pinned on CUDA), and an event to wait on."""
 
-    def __init__(self, report: torch.Tensor, buffers: int):
-        cuda = report.device.type == "cuda"
-        self.buffers = [torch.empty(report.shape, dtype=report.dtype, pin_memory=cuda) for _ in range(buffers)]
+    def __init__(self, shape: tuple[int, int], device: torch.device, buffers: int):
+        cuda = device.type == "cuda"
+        self.buffers = [torch.empty(shape, dtype=torch.long, pin_memory=cuda) for _ in range(buffers)]
         self.events = [torch.cuda.Event() if cuda else None for _ in range(buffers)]
         self.waiting: deque[int] = deque()
         self.next = 0
@@ -447,7 +447,6 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
         rows = _RowProgress([row[mask] for row, mask in zip(input_ids.cpu(), real)], first.tolist(), max_new_tokens,
                             eos_token_id)
         if not rows.finished():
-            drafts = drafter.draft(None, num_tokens - 1) if on_device else None
             round_ = stored.round if stored is not None else None
             if round_ is None:
                 make = CapturedVerifyRound if graphs else VerifyRound
@@ -456,7 +455,7 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
                     stored.keep(model, round_)
             round_.ids[:, 0] = first
             if on_device:
-                round_.ids[:, 1:] = drafts
+                round_.ids[:, 1:] = drafter.draft(None, num_tokens - 1)
             _run_rounds(round_, rows, drafter, ahead, model.config.vocab_size)
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype)
     for b, tokens in enumerate(rows.generated):
@@ -472,7 +471,7 @@ def _run_rounds(round_: VerifyRound, rows: _RowProgress, drafter, ahead: int, vo
     device = round_.ids.device
     batch, count = round_.ids.shape[0], round_.ids.shape[1] - 1
     round_.live.copy_(rows.live(device))
-    reader, launched = None, 0
+    reader, launched = ReportReader((batch, 2 + count), device, ahead + 1), 0  # (kept, then the k greedy tokens)
     while not rows.finished():
         while launched <= ahead:
             if round_.drafter is None:
@@ -481,7 +480,6 @@ def _run_rounds(round_: VerifyRound, rows: _RowProgress, drafter, ahead: int, vo
             report = round_.outputs[0]
             if round_.drafter is None and getattr(drafter, "observes_hidden_states", False):
                 drafter.observe(report[:, 1:].clone(), report[:, 0].clone(), round_.outputs[1].clone())
-            reader = reader or ReportReader(report, ahead + 1)
             reader.push(report)
             launched += 1
         launched -= 1
