@@ -192,14 +192,17 @@ def main() -> None:
                         help="tokens a round at each --mtp-k, as bench_mtp_acceptance.py measured them")
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="memory bandwidth (H200: 4800)")
     args = parser.parse_args()
+    if len(args.acceptance) < len(args.mtp_k):
+        parser.error(f"--acceptance gives {len(args.acceptance)} lengths for {len(args.mtp_k)} --mtp-k values: give "
+                     "one acceptance length per k")
     if args.tiny:
         args.prompt, args.repeats = min(args.prompt, 32), min(args.repeats, 3)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pair, sizes = {"gdn": (gdn_pair, (GPU_GDN, TINY_GDN)), "kda": (kda_pair, (GPU_KDA, TINY_KDA))}[args.model]
     config = pair(**sizes[args.tiny])[0]
-    config.num_mtp_layers, config.mtp_mlp_type = 1, "dense"  # (an MTP head for generate's use_mtp rows; the
-    # verify rounds above do not run it)
+    # an MTP head for the generate table's use_mtp rows (the verify rounds do not run it)
+    config.num_mtp_layers, config.mtp_mlp_type = 1, "dense"
     torch.manual_seed(0)
     model = HybridLinearForCausalLM(config).to(device, dtype).eval()
     prompt_ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt), device=device)

@@ -135,6 +135,14 @@ def test_benchmark_runs_its_tiny_cpu_configuration(script_server, tmp_path, scri
     assert not missing, f"{missing} not printed:\n{done.stdout[-3000:]}"
 
 
+def test_verify_step_refuses_fewer_acceptance_lengths_than_mtp_k_values(script_server, tmp_path):
+    """A k without its acceptance length would drop its row silently: refused in one line, before the model is built."""
+    done = run_script(script_server, [str(BENCHMARKS / "bench_verify_step.py"), "--tiny", "--mtp-k", "1", "2",
+                                      "--acceptance", "1.5"], tmp_path)
+    assert done.returncode == 2 and "model:" not in done.stdout
+    assert "--acceptance gives 1 lengths for 2 --mtp-k values: give one acceptance length per k" in done.stderr
+
+
 @pytest.mark.parametrize("script", sorted(path.name for path in BENCHMARKS.glob("*.sh")))
 def test_shell_script_parses(script):
     done = run(["bash", "-n", str(BENCHMARKS / script)])
