@@ -3,9 +3,9 @@
 # triton 3.7.1 if its parts were staged in /tmp/tri, then runs the named GPU steps, each under its own time limit,
 # logging to $OUT/NN-<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
-#   profile-decode, profile-flagships, verify-step, decode-gemv, fp8-tests, fp8-linear, kimi-linear, moe-blocks,
-#   two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests, trace, trace-static, mtp-acceptance, save-tuning (or
-#   any command, quoted: its log is named after it)
+#   profile-decode, profile-flagships, verify-step, attention-step, decode-gemv, fp8-tests, fp8-linear, kimi-linear,
+#   moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests, trace, trace-static, mtp-acceptance,
+#   save-tuning (or any command, quoted: its log is named after it)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 # DRY_RUN=1 prints each step's command and runs nothing (no set-up either): a check of the step names, anywhere.
 # Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
@@ -72,6 +72,7 @@ for spec in "$@"; do
     profile-decode) cmd="python3 benchmarks/profile_decode_step.py --trace $OUT --prefill 1024" ;;  # a replayed step, kernel by kernel
     profile-flagships) cmd="python3 benchmarks/profile_decode_step.py --models qwen3-next-fp8 kimi-48b --trace $OUT" ;;  # the flagships' layers, kernel by kernel
     verify-step) cmd="python3 benchmarks/bench_verify_step.py" ;;  # a speculative verify step of k tokens against a one-token step
+    attention-step) cmd="python3 benchmarks/bench_attention_step.py" ;;  # the attention step at long caches: its split limit against 64 splits
     decode-gemv) cmd="python3 benchmarks/bench_decode_gemv.py" ;;  # each decoding GEMV on cuBLAS and on the Triton GEMV, against the bandwidth
     fp8-tests) cmd="python3 -m pytest -v -m gpu tests/test_kernels_fp8.py -p no:cacheprovider -rfE --tb=short" ;;  # the FP8 kernels at Qwen3-Next's shapes
     fp8-linear) cmd="python3 benchmarks/bench_fp8_linear.py" ;;  # the FP8 kernels against bf16 cuBLAS and the bandwidth

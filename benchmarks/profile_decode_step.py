@@ -32,6 +32,11 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   kernels_gemv.linear_conv_step), `gated_norm` (the GDN/KDA output norm on fla's kernel, or on this package's,
   launched dependently: inference_norm), `routed` (the FP8 experts' routes sorted by expert for the grouped kernel,
   or each route's product in the routed kernel: kernels_fp8.ROUTED_MAX_ROUTES; the qwen3-next-fp8 model);
+- with `--mtp K ...` (the GDN and KDA models), instead, batch-1 `generate(use_mtp=K)` of `--generate` new tokens (64
+  without it) on the model with one MTP layer (random weights: a round keeps about one token, and drafts all K):
+  per round (one replayed graph: the verify forward of K + 1 tokens, the acceptance, the GDN/KDA restore, the head's
+  entries and its K recursive drafts), its kernel time, kernels, the GPU's idle time and the `--top` kernels, against
+  the one-token step's wall time; with `--trace DIR`, one round's kernels in launch order (DIR/mtp<K>_<model>.txt);
 - with `--generate N`, instead, batch-1 generate of N new tokens against the step alone, with generate's stop check
   synchronous (a cache of one's own: transformers' loop reads each step's tokens on the host, and the GPU waits for
   the host's work before the next replay) and deferred (`cache_implementation="static"`: deferred_stop_check): ms
@@ -41,6 +46,7 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
     python benchmarks/profile_decode_step.py [--models gdn kda kimi qwen3-next-fp8 kimi-48b] [--prompt 512]
         [--steps 20] [--top 25] [--trace DIR] [--prefill 1024 8192] [--generate 64] [--batch 16]
         [--ab gemv attention in_place norm pdl conv gated_norm routed] [--flagship-layers 4] [--verify 2 4]
+        [--mtp 1 3]
 """
 
 from __future__ import annotations
@@ -69,16 +75,19 @@ FLAGSHIPS = {"qwen3-next-fp8": lambda layers: qwen3_next_fields(layers=layers, f
 FLAGSHIP_LAYERS = 4  # one period of each pattern (3 linear-attention layers, then one attention layer)
 
 
-def model_and_prompt(name: str, prompt: int, batch: int = 1, layers: int = FLAGSHIP_LAYERS
+def model_and_prompt(name: str, prompt: int, batch: int = 1, layers: int = FLAGSHIP_LAYERS, mtp: bool = False
                      ) -> tuple[HybridLinearForCausalLM, torch.Tensor]:
-    """The benchmark model `name` (random weights, seed 0, bfloat16, on CUDA; a flagship's first `layers` layers)
-    and `batch` random prompts."""
+    """The benchmark model `name` (random weights, seed 0, bfloat16, on CUDA; a flagship's first `layers` layers;
+    with `mtp`, one dense MTP layer) and `batch` random prompts."""
     torch.manual_seed(0)
     if name in FLAGSHIPS:
         model = build_ours(FLAGSHIPS[name](layers), torch.device("cuda"))
     else:
+        config = CONFIGS[name]()
+        if mtp:
+            config.num_mtp_layers, config.mtp_mlp_type = 1, "dense"
         with torch.device("cuda"):
-            model = HybridLinearForCausalLM(CONFIGS[name]()).to(torch.bfloat16).eval()
+            model = HybridLinearForCausalLM(config).to(torch.bfloat16).eval()
     return model, torch.randint(1, model.config.vocab_size, (batch, prompt), device="cuda")
 
 
@@ -263,6 +272,52 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int, layers: in
               f"kernels, GPU idle {(end - start) / 1e3 / turns - busy:.3f} ms")
 
 
+def profile_mtp_rounds(name: str, prompt: int, drafts: int, tokens: int, steps: int, top: int,
+                       trace: Path | None) -> None:
+    """Batch-1 `generate(use_mtp=drafts)` profiled round by round (the module docstring's `--mtp`)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    model, input_ids = model_and_prompt(name, prompt, mtp=True)
+    cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 8)
+    with torch.no_grad():
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+        model(input_ids=input_ids[:, -1:], cache=cache, use_cache=True)  # captured here
+        step = step_ms(model, cache, input_ids[:, -1:], steps)
+    del cache
+
+    def run():
+        model.generate(input_ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                       use_mtp=drafts)
+
+    with torch.no_grad():
+        run()  # the round's capture, then warm
+        whole = min(timed_ms(run, 1) for _ in range(3))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    launches = [e for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name]
+    if len(launches) < 3:
+        print(f"\n{name}: generate(use_mtp={drafts}) ran {len(launches)} graph launches: not a captured round loop")
+        return
+    start, end = launches[1].time_range.start, launches[-1].time_range.start  # whole rounds after the first
+    rounds = len(launches) - 2
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and start <= e.time_range.start < end]
+    busy = sum(e.device_time_total for e in kernels) / 1e3 / rounds
+    wall = (end - start) / 1e3 / rounds
+    print(f"\n{name}: generate(use_mtp={drafts}), batch 1, prompt {prompt}, {tokens} new tokens in {whole:.1f} ms; "
+          f"per round (profiled, {rounds} rounds): wall {wall:.3f} ms ({wall / step:.2f} one-token steps of "
+          f"{step:.3f} ms), GPU kernels {busy:.3f} ms, {len(kernels) / rounds:.0f} kernels, GPU idle "
+          f"{wall - busy:.3f} ms")
+    print_ranked(kernels, rounds, top)
+    if trace is not None:  # the last whole round, kernel by kernel in launch order
+        last = [e for e in kernels if e.time_range.start >= launches[-2].time_range.start]
+        trace.mkdir(parents=True, exist_ok=True)
+        with open(trace / f"mtp{drafts}_{name}.txt", "w") as file:
+            file.writelines(f"{event.device_time_total:8.2f} us  {event.name[:160]}\n" for event in last)
+
+
 def profiled_replays(label: str, replay, steps: int, top: int, trace: Path | None, trace_name: str) -> float:
     """Wall ms per `replay()` over `steps` calls, then a profile of as many: kernel time, idle time, kernels per
     call, the `top` kernels, and with `trace` the last call's kernels in launch order (trace/trace_name). Returns
@@ -348,6 +403,8 @@ def main() -> None:
                         help="also profile replayed verify rounds of K tokens per row")
     parser.add_argument("--ab", nargs="*", default=[], choices=sorted(SWITCHES),
                         help="instead: each model's replayed step without and with these kernels, in turn")
+    parser.add_argument("--mtp", type=int, nargs="*", default=[], metavar="K",
+                        help="instead: generate(use_mtp=K) rounds of the model with an MTP layer, profiled")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
                         help="instead: generate N new tokens at batch 1 against the step alone, and where it waits")
     args = parser.parse_args()
@@ -360,6 +417,12 @@ def main() -> None:
             if args.ab:
                 for kind in args.ab:
                     compare(name, args.prompt, args.steps, kind, args.flagship_layers)
+                continue
+            if args.mtp:
+                for drafts in args.mtp:
+                    profile_mtp_rounds(name, args.prompt, drafts, args.generate or 64, args.steps, args.top,
+                                       args.trace)
+                    torch.cuda.empty_cache()
                 continue
             if args.generate:
                 profile_generate(name, args.prompt, args.generate, args.steps, args.flagship_layers)

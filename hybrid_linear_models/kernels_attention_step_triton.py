@@ -15,12 +15,22 @@ additive mask's row for it ([B or 1, T or 1, slots]), the causal order between t
    the query heads that share a KV head, times the tokens, are the rows of one `tl.dot` tile (row i = token i // G,
    head i % G of the group; padded to 16, at most `MAX_ROW_BLOCK` a program), scores in float32 plus each token's
    mask row, an online softmax over its slots, probabilities rounded to the value dtype for the P V product (as fused
-   attention kernels do), the partial sums kept in float32. Slots past the last token's own are not written yet, or
-   hold a rejected round's keys (masked anyway): their blocks are skipped. A tile's values are loaded with its keys
-   (one memory round trip a tile). The cache's slot count, the mask's strides, the tiles per split and the split
-   count are runtime arguments (`tiles` tiles of `BLOCK_SLOTS` a split, `splits` splits covering the slots, at most
-   `MAX_SPLITS`), none specialised: one compiled kernel per head layout and token count serves a static cache of any
-   length (generation makes one of prompt plus new tokens per call).
+   attention kernels do), the partial sums kept in float32 (those of the real query rows stored). Slots past the last
+   token's own are not written yet, or hold a rejected round's keys (masked anyway): their blocks are skipped. A
+   tile's values are loaded with its keys (one memory round trip a tile). The cache's slot count, the mask's strides,
+   the tiles per split and the split count are runtime arguments (`tiles` tiles of `BLOCK_SLOTS` a split, `splits`
+   splits covering the slots, at most `split_limit`), none specialised: one compiled kernel per head layout and token
+   count serves a static cache of any length (generation makes one of prompt plus new tokens per call).
+   The split limit: `MAX_SPLITS`, or, where the rows, KV heads and row blocks are too few for it to give every
+   multiprocessor `PROGRAMS_PER_SM` programs, that many. A program streams its tiles one after another, so one
+   program per multiprocessor leaves the memory idle between a tile's loads and its products; two keep it busy.
+   At batch 1 with 2 KV heads (the benchmark models) a long cache then gets up to 132 splits on an H200 (132
+   multiprocessors), not 64. One token, 16 query heads of 256, bf16, a replayed step's three kernels: at 131,072 /
+   262,144 / 1,048,576 slots 110 / 188 / 637 us (2.4 / 2.9 / 3.4 TB/s of keys and values read) against 160 / 300 /
+   1,151 us with 64 splits (1.7-1.9 TB/s); a verify round's 4 tokens at 131,072 slots 146 against 247 us; batch 16
+   (rows that fill the GPU: 64 splits either way) 192 us at 16,384 slots. In a sweep of 64 to 512 splits, 32 or 64
+   slots a tile and 4 or 8 warps, about 128 splits of 64 slots with 4 warps were fastest at every length from 131,072
+   (`benchmarks/bench_attention_step.py` times the split limit against 64 splits).
 3. `_combine_kernel`, one program per (row, token, query head): the splits' partial sums merged by their maxima,
    divided by the softmax's sum, rounded, then the output gate sigmoid(gate) (rounded, and the product rounded, as
    torch's ops). The splits are loaded together, `CHUNK` of them at once (fixed per head width D: min(MAX_SPLITS,
@@ -36,6 +46,8 @@ Imported only for CUDA tensors (triton needs a GPU driver), or in tests under tr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -48,7 +60,9 @@ from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 BLOCK_SLOTS = 64  # cache slots per tl.dot tile
 MAX_ROW_BLOCK = 64  # query rows (heads of a KV group x tokens) per `_attend_kernel` program at most
-MAX_SPLITS = 64  # programs per (row, KV head) at most: a split then covers several tiles
+MAX_SPLITS = 64  # programs per (row, KV head, row block) at most where they fill the GPU: a split then covers several
+# tiles
+PROGRAMS_PER_SM = 2  # `_attend_kernel` programs a multiprocessor gets where the rows leave it idle (`split_limit`)
 COMBINED_ELEMENTS = 8192  # partial sums (splits x head dim) `_combine_kernel` loads at once (64 registers a thread)
 
 
@@ -159,9 +173,9 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask_b, str
             running_max = new_max
         tile += 1
     part = (bj * splits + split) * (tl.num_programs(2) * ROWS) + i
-    tl.store(max_ptr + part, running_max)
-    tl.store(sum_ptr + part, running_sum)
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+    tl.store(max_ptr + part, running_max, mask=real)  # (the padding rows: nothing reads them)
+    tl.store(sum_ptr + part, running_sum, mask=real)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=real[:, None])
 
 
 @triton.jit(do_not_specialize=["splits", "rows"])
@@ -202,6 +216,20 @@ def _combine_kernel(acc_ptr, max_ptr, sum_ptr, qkv_ptr, stride_qkv, out_ptr, spl
     tl.store(out_ptr + rh * D + d, out)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_limit(device: torch.device, programs_per_split: int) -> int:
+    """The splits of the cache slots `_attend_kernel` may use when each split runs `programs_per_split` programs
+    (rows x KV heads x row blocks): MAX_SPLITS, or more where that leaves a CUDA device's multiprocessors fewer than
+    PROGRAMS_PER_SM programs each (the module docstring)."""
+    if device.type != "cuda":  # (triton's interpreter)
+        return MAX_SPLITS
+    return max(MAX_SPLITS, PROGRAMS_PER_SM * _multiprocessors(device) // programs_per_split)
+
+
 def combined_splits(head_dim: int) -> int:
     """The splits `_combine_kernel` loads at once for heads of width `head_dim` (a power of two): as many as
     `COMBINED_ELEMENTS` partial sums hold, at most `MAX_SPLITS`; a power of two, whatever the cache's length."""
@@ -230,7 +258,8 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     rows = G * T  # query rows a KV head
     row_block = min(MAX_ROW_BLOCK, max(16, triton.next_power_of_2(rows)))
     row_blocks = triton.cdiv(rows, row_block)
-    tiles = triton.cdiv(triton.cdiv(slots, BLOCK_SLOTS), MAX_SPLITS)  # tiles a split: the splits <= MAX_SPLITS
+    # tiles a split: the splits within split_limit
+    tiles = triton.cdiv(triton.cdiv(slots, BLOCK_SLOTS), split_limit(qkv.device, B * HKV * row_blocks))
     splits = triton.cdiv(slots, BLOCK_SLOTS * tiles)
     query = qkv.new_empty(B, T, heads, D)
     norm = q_scale is not None

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_one_query import (
     few_queries_apply,
@@ -45,6 +44,7 @@ from .attention_step import MAX_STEP_TOKENS, fused_attention_step
 from .fused_projections import FusedProjections, stacks_projections
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
+from .prompt_attention_backend import attention_function
 from .shown_values import brief
 from .tensor_parallel_heads import local_heads
 
@@ -312,7 +312,7 @@ class HybridLinearAttention(nn.Module):
                                   or few_queries_apply(query, attention_mask, implementation, cache)):
             attention: Callable = one_query_attention  # a decoding step or a verify round: two GEMMs
         else:
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            attention = attention_function(implementation, eager_attention_forward)
         settings = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
                         sliding_window=self.sliding_window, **kwargs)
         if isinstance(attention_mask, SlidingWindowMask):

@@ -47,13 +47,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_one_query import one_query_applies, one_query_attention
 from .mixer_attention import _FIELDS as ATTENTION_FIELDS
 from .mixer_attention import apply_rotary, eager_attention_forward
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
+from .prompt_attention_backend import attention_function
 from .tensor_parallel_heads import device_mesh
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
             compressed, _ = cache.update(compressed, compressed[..., :0], self.layer_idx)
 
         implementation = self.config._attn_implementation
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        attention: Callable = attention_function(implementation, eager_attention_forward)
         settings = dict(dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling, **kwargs)
         if (cache is not None and T == 1 and implementation in _ABSORBING_IMPLEMENTATIONS
                 and type(self.kv_b_proj) is nn.Linear):

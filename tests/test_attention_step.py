@@ -32,6 +32,9 @@ LAYOUTS = {
     "gdn_benchmark": (16, 2, 256, 0.25, True, True, 1, 1152),
     "kda_benchmark": (16, 2, 128, 0.25, True, True, 2, 4500),
     "two_tiles_per_split": (4, 2, 16, 1.0, True, True, 1, 4200),
+    # past the split limit of a GPU of up to 156 multiprocessors at batch 1 (2 x SMs splits of 64 slots): several tiles
+    # a split there too
+    "tiles_per_split_on_a_gpu": (4, 2, 16, 1.0, True, True, 1, 20000),
 }
 INTERPRETED = ("gqa2_partial", "gqa8_whole_no_norm", "mha_no_gate", "two_tiles_per_split")
 

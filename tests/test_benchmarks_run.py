@@ -25,6 +25,7 @@ BENCHMARKS = REPO / "benchmarks"
 # (script, the arguments of its tiny CPU configuration, texts its output holds: its tables, or its line that the part
 # needs CUDA)
 RUNS = [
+    ("bench_attention_step.py", [], ["skipped, it times the attention step's Triton kernels and needs a CUDA device"]),
     ("bench_conversion.py", ["--tiny"], ["fast_llm -> hf", "hf -> fast_llm", "HF output: 1 safetensors file"]),
     ("bench_conversion.py", ["--planning"], ["build_fast_llm_rows:", "whole model on meta"]),
     ("bench_decode_gemv.py", ["--tiny", "--batches", "1"],
