@@ -45,6 +45,8 @@ def flash_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     """Whether sdpa's flash kernel takes these causal, unmasked inputs ([B, heads, T, D]; fewer key heads: GQA), by
     torch's own check on CUDA (elsewhere its rules for flash: one head width for q, k and v, and as many keys as
     queries for a causal call)."""
+    if any(type(x) is not torch.Tensor for x in (query, key, value)):  # (subclasses, e.g. DTensor: sdpa chooses)
+        return False
     if query.device.type != "cuda":
         return query.shape[-1] == key.shape[-1] == value.shape[-1] and query.shape[2] == key.shape[2]
     gqa = key.shape[1] != query.shape[1]
