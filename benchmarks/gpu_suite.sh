@@ -96,6 +96,6 @@ for spec in "$@"; do
   # a command as a step: a file name (numbered: two commands may start alike)
   STEP_NO=$(( ${STEP_NO:-0} + 1 ))
   log="$OUT/$(printf %02d-%s "$STEP_NO" "$step" | tr -c 'A-Za-z0-9._-' '_' | cut -c1-64).log"
-  timeout "$limit" $cmd > "$log" 2>&1; echo "exit $?" >> "$log"
+  timeout "$limit" bash -c "$cmd" > "$log" 2>&1; echo "exit $?" >> "$log"  # (bash -c: quotes in a command step hold)
   grep -vE "Loading weights|it/s\]|Warning|warn" "$log" | tail -25
 done
