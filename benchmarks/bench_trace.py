@@ -33,14 +33,19 @@ p50 / p99, for each side, and the ratios (> 1: ours better).
         [--sides ours transformers] [--requests 200] [--seed 0] [--batch 8] [--warmup none|generate|package]
         [--json results.json]
     python benchmarks/bench_trace.py --combine ours.json transformers.json   # one table from separate runs' --json
+    python benchmarks/bench_trace.py --sides transformers --ways single --slice 0:100 --json a.json   # then 100:200
 
 A run can be split (`--sides`, `--ways`, `--models`; e.g. one call per side under a time limit per call) and its
-parts' `--json` files combined into one table with the ratios.
+parts' `--json` files combined into one table with the ratios. One (model, side, way) can be split too, by requests:
+`--slice START:END` plays requests START to END - 1 of the same trace (the same prompts; in the batched way START a
+multiple of `--batch`, so the batches are the whole run's) in a process of its own, which pays its own first calls;
+`--combine` joins the slices of a (model, side, way), which must not overlap, and says which requests they cover.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -212,9 +217,10 @@ def play(pair: str, side: str, way: str, args) -> dict:
     kwargs = {"cache_implementation": "static"} if args.static and side == "ours" else {}
     warmup = warm_up(model, way, args, trace, vocab, device, kwargs)
     size = 1 if way == "single" else args.batch
+    start, end = args.slice or (0, len(trace))
     walls, first, gaps, worst = [], [], [], (0.0, 0)
-    for begin in range(0, len(trace), size):
-        group = trace[begin:begin + size]
+    for begin in range(start, end, size):
+        group = trace[begin:min(begin + size, end)]
         ids, mask = left_padded([prompt_tokens(begin + i, r.prompt_length, vocab, args.seed)
                                  for i, r in enumerate(group)])
         wall, times = timed_generate(model, ids, mask, max(r.new_tokens for r in group), device, kwargs)
@@ -222,10 +228,10 @@ def play(pair: str, side: str, way: str, args) -> dict:
         first += [times[0]] * len(group)
         gaps += [b - a for a, b in zip(times, times[1:])]
         worst = max(worst, (times[0], ids.shape[1]))
-    tokens = sum(r.new_tokens for r in trace)
+    tokens = sum(r.new_tokens for r in trace[start:end])
     return {"pair": pair, "side": side, "way": way, "built_s": built, "warmup": warmup, "tokens": tokens,
             "wall_s": sum(walls), "tok_s": tokens / sum(walls), "ttft": first, "gaps": gaps,
-            "worst_ttft": worst, "parameters": sum(p.numel() for p in model.parameters())}
+            "worst_ttft": worst, "parameters": sum(p.numel() for p in model.parameters()), "slice": [start, end]}
 
 
 def summary(result: dict) -> dict[str, float]:
@@ -270,6 +276,54 @@ def saved_results(path: Path) -> list[dict]:
     return results
 
 
+def parse_slice(text: str | None, requests: int, batch: int, ways: list[str]) -> tuple[int, int] | None:
+    """`--slice START:END` as (START, END), or one line naming what is wrong with it."""
+    if text is None:
+        return None
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"bench_trace: --slice takes START:END, two request numbers (got {text!r})") from None
+    if not 0 <= start < end <= requests:
+        raise SystemExit(f"bench_trace: --slice {text} is not within the trace's {requests} requests: need 0 <= START < "
+                         f"END <= {requests}")
+    if "batched" in ways and start % batch:
+        raise SystemExit(f"bench_trace: --slice {text} starts inside a batch of {batch}: in the batched way START must be "
+                         f"a multiple of --batch (the whole run's batches), e.g. {start - start % batch}")
+    return start, end
+
+
+def joined_slices(parts: list[dict]) -> dict:
+    """One result from the slices of one (pair, side, way): their requests' figures together, the wall times and
+    tokens summed; one line where two slices overlap."""
+    spans = sorted(tuple(part.get("slice") or (0, len(part["ttft"]))) for part in parts)
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        if start < end:
+            first = parts[0]
+            raise SystemExit(f"bench_trace: the --json files hold overlapping slices of {first['pair']} "
+                             f"{first['side']} {first['way']} ({spans}): combine each request's figures once")
+    joined = dict(parts[0])
+    tokens, wall = sum(part["tokens"] for part in parts), sum(part["wall_s"] for part in parts)
+    joined.update(wall_s=wall, tokens=tokens, tok_s=tokens / wall,
+                  ttft=[t for part in parts for t in part["ttft"]], gaps=[g for part in parts for g in part["gaps"]],
+                  worst_ttft=max(tuple(part["worst_ttft"]) for part in parts), slices=spans)
+    return joined
+
+
+def combined_results(paths: list[Path]) -> dict:
+    """The results of --json files by (pair, side, way), the slices of each joined."""
+    grouped: dict[tuple, list[dict]] = {}
+    for path in paths:
+        for result in saved_results(path):
+            grouped.setdefault((result["pair"], result["side"], result["way"]), []).append(result)
+    results = {key: parts[0] if len(parts) == 1 else joined_slices(parts) for key, parts in grouped.items()}
+    for (pair, side, way), result in results.items():
+        if "slices" in result:
+            print(f"{pair} {side} {way}: requests {', '.join(f'{a}..{b - 1}' for a, b in result['slices'])} from "
+                  f"{len(result['slices'])} runs, each with its own first calls")
+    return results
+
+
 def run_child(pair: str, side: str, way: str, argv: list[str]) -> dict | None:
     """One (pair, side, way) in a fresh process; its result, or None (its error printed) when it failed."""
     command = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", pair, side, way]
@@ -301,15 +355,16 @@ def main() -> None:
     parser.add_argument("--warmup-length", type=int, default=512, help="--warmup generate: its prompt length")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--json", type=Path, default=None, help="also write every request's figures here")
+    parser.add_argument("--slice", default=None, metavar="START:END",
+                        help="play only requests START..END-1 of the trace (see the module docstring)")
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="print one table from these runs' --json files, and nothing else")
     parser.add_argument("--child", nargs=3, metavar=("PAIR", "SIDE", "WAY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.combine:
-        combined = [r for path in args.combine for r in saved_results(path)]
-        results = {(r["pair"], r["side"], r["way"]): r for r in combined}
-        print_table(results, list(dict.fromkeys(r["pair"] for r in combined)),
-                    [way for way in WAYS if any(r["way"] == way for r in combined)])
+        results = combined_results(args.combine)
+        print_table(results, list(dict.fromkeys(pair for pair, _, _ in results)),
+                    [way for way in WAYS if any(key[2] == way for key in results)])
         return
     if args.tiny:  # the tiny trace's sizes, unless given explicitly
         given = {a.split("=")[0] for a in sys.argv[1:] if a.startswith("--")}
@@ -318,6 +373,7 @@ def main() -> None:
                 setattr(args, name, value)
     if args.batch < 1:
         raise SystemExit(f"bench_trace: --batch must be at least 1 (got {args.batch})")
+    args.slice = parse_slice(args.slice, args.requests, args.batch, args.ways)
     if args.child:
         print("RESULT " + json.dumps(play(*args.child, args)), flush=True)
         return
@@ -329,6 +385,8 @@ def main() -> None:
           f"({args.min_new}..{args.max_new} each); {args.device}; ours with "
           f"{'cache_implementation=static' if args.static else 'its default cache'}, transformers with its default "
           f"cache; batched: {args.batch} requests per batch, left padded", flush=True)
+    if args.slice:
+        print(f"slice: requests {args.slice[0]}..{args.slice[1] - 1} of the trace (--combine joins a run's slices)")
     results = {}
     for pair in args.models:
         for way in args.ways:

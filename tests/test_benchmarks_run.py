@@ -61,6 +61,9 @@ RUNS = [
     # last of 3 requests) run the single way's batch-1 generate too
     ("bench_trace.py", ["--tiny", "--static", "--ways", "batched", "--requests", "3", "--batch", "2", "--threads", "1"],
      ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
+    # one slice of the trace (requests 1 and 2 of 3), one side and way
+    ("bench_trace.py", ["--tiny", "--models", "gdn", "--sides", "ours", "--ways", "single", "--requests", "3",
+                        "--slice", "1:3", "--threads", "1"], ["slice: requests 1..2 of the trace", "gdn: tokens/s"]),
     ("bench_training.py", ["--tiny"],
      ["GDN vs Qwen3-Next: ours/transformers tokens/s", "KDA vs Kimi-Linear: ours/transformers tokens/s"]),
     ("bench_verify_step.py", ["--tiny"], ["one-token decoding step (eager)", "| 4 | skipped (needs CUDA) | - |",
@@ -215,6 +218,39 @@ def test_trace_combines_separate_runs_into_one_table_with_ratios(tmp_path, monke
     bench_trace().main()
     ratio_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("single   ratio"))
     assert ratio_row.split()[2:6] == ["4.00x", "3.00x", "2.00x", "2.00x"]  # tok/s, then TTFT p50 / p90 / p99
+
+
+def test_trace_joins_the_slices_of_a_run_and_refuses_overlapping_ones(tmp_path, monkeypatch, capsys):
+    """Two slices of one (pair, side, way) give one row: their requests' times together, tokens over summed wall
+    times; slices that share a request are refused in one line."""
+    def part(first: int, end: int, ttft: list[float], tokens: int) -> dict:
+        return dict(_result("ours", tokens / 2.0, ttft), slice=[first, end], tokens=tokens, wall_s=2.0)
+
+    (tmp_path / "a.json").write_text(json.dumps([part(0, 2, [0.1, 0.2], 100)]))
+    (tmp_path / "b.json").write_text(json.dumps([part(2, 4, [0.3, 0.4], 300)]))
+    (tmp_path / "theirs.json").write_text(json.dumps([_result("transformers", 25.0, [0.2, 0.4, 0.6, 0.8])]))
+    monkeypatch.setattr(sys, "argv", ["bench_trace.py", "--combine", *(str(tmp_path / n) for n in
+                                                                        ("a.json", "b.json", "theirs.json"))])
+    bench_trace().main()
+    out = capsys.readouterr().out
+    assert "gdn ours single: requests 0..1, 2..3 from 2 runs" in out
+    ratio_row = next(line for line in out.splitlines() if line.startswith("single   ratio"))
+    assert ratio_row.split()[2:4] == ["4.00x", "2.00x"]  # 400 tokens / 4 s against 25 tok/s; TTFT p50 0.4 / 0.2
+    (tmp_path / "b.json").write_text(json.dumps([part(1, 4, [0.3, 0.4, 0.5], 300)]))
+    with pytest.raises(SystemExit, match=r"overlapping slices of gdn ours single \(\[\(0, 2\), \(1, 4\)\]\)"):
+        bench_trace().main()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("5", r"--slice takes START:END, two request numbers \(got '5'\)"),
+    ("3:3", r"--slice 3:3 is not within the trace's 10 requests: need 0 <= START < END <= 10"),
+    ("0:11", r"--slice 0:11 is not within"),
+    ("3:8", r"--slice 3:8 starts inside a batch of 2: in the batched way START must be a multiple of --batch"),
+])
+def test_trace_refuses_a_slice_it_cannot_play(text, message):
+    with pytest.raises(SystemExit, match=message):
+        bench_trace().parse_slice(text, 10, 2, ["single", "batched"])
+    assert bench_trace().parse_slice("3:8", 10, 2, ["single"]) == (3, 8)
 
 
 def test_trace_refuses_a_file_it_did_not_write_in_one_line(tmp_path, monkeypatch):
