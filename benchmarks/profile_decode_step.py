@@ -56,6 +56,7 @@ import collections
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import StaticCache
@@ -226,11 +227,36 @@ def compare(name: str, prompt: int, steps: int, kind: str, layers: int = FLAGSHI
     torch.cuda.empty_cache()
 
 
+class LoopTurns(NamedTuple):
+    """The turns of a loop that launches one CUDA graph a turn, from a profile: the device kernels of the whole turns,
+    their count, and per turn the wall and kernel ms."""
+
+    kernels: list
+    count: int
+    wall_ms: float
+    busy_ms: float
+
+
+def loop_turns(prof, first: int) -> tuple[int, LoopTurns | None]:
+    """A profile's CUDA-graph launches (host events) counted, and the turns from launch `first` to the last launch
+    (None where there are too few for one)."""
+    from torch.autograd import DeviceType
+
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    launches = [e for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name]
+    if len(launches) < first + 2:
+        return len(launches), None
+    start, end = launches[first].time_range.start, launches[-1].time_range.start
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and start <= e.time_range.start < end]
+    count = len(launches) - 1 - first
+    return len(launches), LoopTurns(kernels, count, (end - start) / 1e3 / count,
+                                    sum(e.device_time_total for e in kernels) / 1e3 / count)
+
+
 def profile_generate(name: str, prompt: int, tokens: int, steps: int, layers: int = FLAGSHIP_LAYERS) -> None:
     """Batch-1 generate against its step alone, with the stop check synchronous (a static cache of one's own, which
     generate hands back: GDN/KDA states cannot undo the extra step a deferred check runs) and deferred
     (`cache_implementation="static"`: deferred_stop_check); see the module docstring."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     model, input_ids = model_and_prompt(name, prompt, layers=layers)
@@ -257,25 +283,19 @@ def profile_generate(name: str, prompt: int, tokens: int, steps: int, layers: in
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 run(tokens)
                 torch.cuda.synchronize()
-        events = sorted(prof.events(), key=lambda e: e.time_range.start)
-        launches = [e for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name]
-        if len(launches) < 2:
-            print(f"\n{name}: generate ran {len(launches)} graph launches: not a captured decoding loop")
+        launches, turns = loop_turns(prof, 0)
+        if turns is None:
+            print(f"\n{name}: generate ran {launches} graph launches: not a captured decoding loop")
             return
-        start, end = launches[0].time_range.start, launches[-1].time_range.start  # whole loop turns
-        turns = len(launches) - 1
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA and start <= e.time_range.start < end]
-        busy = sum(e.device_time_total for e in kernels) / 1e3 / turns
         print(f"\n{name}, {mode}: generate, batch 1, prompt {prompt}, {tokens} new tokens: {per_token:.3f} ms per "
               f"token ({1e3 / per_token:.0f} tok/s) against the step alone {alone:.3f} ms ({1e3 / alone:.0f} tok/s); "
-              f"per token in generate's loop (profiled): GPU kernels {busy:.3f} ms, {len(kernels) / turns:.0f} "
-              f"kernels, GPU idle {(end - start) / 1e3 / turns - busy:.3f} ms")
+              f"per token in generate's loop (profiled): GPU kernels {turns.busy_ms:.3f} ms, "
+              f"{len(turns.kernels) / turns.count:.0f} kernels, GPU idle {turns.wall_ms - turns.busy_ms:.3f} ms")
 
 
 def profile_mtp_rounds(name: str, prompt: int, drafts: int, tokens: int, steps: int, top: int,
                        trace: Path | None) -> None:
     """Batch-1 `generate(use_mtp=drafts)` profiled round by round (the module docstring's `--mtp`)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     model, input_ids = model_and_prompt(name, prompt, mtp=True)
@@ -296,23 +316,17 @@ def profile_mtp_rounds(name: str, prompt: int, drafts: int, tokens: int, steps: 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run()
             torch.cuda.synchronize()
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    launches = [e for e in events if e.device_type == DeviceType.CPU and "GraphLaunch" in e.name]
-    if len(launches) < 3:
-        print(f"\n{name}: generate(use_mtp={drafts}) ran {len(launches)} graph launches: not a captured round loop")
+    launches, rounds = loop_turns(prof, 1)  # (the first round aside: the prompt's kernels come before it)
+    if rounds is None:
+        print(f"\n{name}: generate(use_mtp={drafts}) ran {launches} graph launches: not a captured round loop")
         return
-    start, end = launches[1].time_range.start, launches[-1].time_range.start  # whole rounds after the first
-    rounds = len(launches) - 2
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and start <= e.time_range.start < end]
-    busy = sum(e.device_time_total for e in kernels) / 1e3 / rounds
-    wall = (end - start) / 1e3 / rounds
     print(f"\n{name}: generate(use_mtp={drafts}), batch 1, prompt {prompt}, {tokens} new tokens in {whole:.1f} ms; "
-          f"per round (profiled, {rounds} rounds): wall {wall:.3f} ms ({wall / step:.2f} one-token steps of "
-          f"{step:.3f} ms), GPU kernels {busy:.3f} ms, {len(kernels) / rounds:.0f} kernels, GPU idle "
-          f"{wall - busy:.3f} ms")
-    print_ranked(kernels, rounds, top)
+          f"per round (profiled, {rounds.count} rounds): wall {rounds.wall_ms:.3f} ms ({rounds.wall_ms / step:.2f} "
+          f"one-token steps of {step:.3f} ms), GPU kernels {rounds.busy_ms:.3f} ms, "
+          f"{len(rounds.kernels) / rounds.count:.0f} kernels, GPU idle {rounds.wall_ms - rounds.busy_ms:.3f} ms")
+    print_ranked(rounds.kernels, rounds.count, top)
     if trace is not None:  # the last whole round, kernel by kernel in launch order
-        last = [e for e in kernels if e.time_range.start >= launches[-2].time_range.start]
+        last = rounds.kernels[-(len(rounds.kernels) // rounds.count):]
         trace.mkdir(parents=True, exist_ok=True)
         with open(trace / f"mtp{drafts}_{name}.txt", "w") as file:
             file.writelines(f"{event.device_time_total:8.2f} us  {event.name[:160]}\n" for event in last)

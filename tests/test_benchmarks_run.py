@@ -379,3 +379,25 @@ def test_acceptance_table_prints_a_failed_configuration_and_goes_on(capsys):
     assert lines[2] == ("| copy: MTP | 1 | 5 | failed: ValueError: use_mtp must be True or a number of draft tokens "
                         "from 1 to 4, got 5. |")
     assert lines[3].startswith("| copy: MTP | 1 | 1 |") and lines[3].endswith("| equal |")
+
+
+def test_profile_counts_whole_loop_turns_between_graph_launches():
+    """profile_decode_step.loop_turns: the kernels from launch `first` up to the last launch (the last turn's kernels
+    may be cut by the profile's end), the turns, and per turn the wall and kernel ms."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import profile_decode_step
+    from torch.autograd import DeviceType
+
+    def event(device, name, start_us, us=0.0):
+        return SimpleNamespace(device_type=device, name=name, time_range=SimpleNamespace(start=start_us),
+                               device_time_total=us)
+
+    launches = [event(DeviceType.CPU, "cudaGraphLaunch", t) for t in (0, 1000, 2000, 3000)]
+    kernels = [event(DeviceType.CUDA, "k", t, 100.0) for t in (-50, 10, 500, 1010, 2010, 2500, 3010)]
+    prof = SimpleNamespace(events=lambda: [*kernels, *launches, event(DeviceType.CPU, "aten::add", 5)])
+    count, turns = profile_decode_step.loop_turns(prof, 1)
+    assert count == 4 and turns.count == 2 and len(turns.kernels) == 3  # the kernels at 1010, 2010, 2500
+    assert turns.wall_ms == pytest.approx(1.0) and turns.busy_ms == pytest.approx(0.15)
+    assert profile_decode_step.loop_turns(prof, 3) == (4, None)
