@@ -40,6 +40,9 @@ parts' `--json` files combined into one table with the ratios. One (model, side,
 `--slice START:END` plays requests START to END - 1 of the same trace (the same prompts; in the batched way START a
 multiple of `--batch`, so the batches are the whole run's) in a process of its own, which pays its own first calls;
 `--combine` joins the slices of a (model, side, way), which must not overlap, and says which requests they cover.
+`--stop-after SECONDS` ends a run's slice at the first request (or batch) that would start past that much played
+time, and records the slice it played, so a way longer than one call runs in parts without guessing where to cut.
+Ratios are printed only where both sides played the same requests.
 """
 
 from __future__ import annotations
@@ -219,7 +222,11 @@ def play(pair: str, side: str, way: str, args) -> dict:
     size = 1 if way == "single" else args.batch
     start, end = args.slice or (0, len(trace))
     walls, first, gaps, worst = [], [], [], (0.0, 0)
+    played = time.perf_counter()
     for begin in range(start, end, size):
+        if args.stop_after is not None and time.perf_counter() - played > args.stop_after:
+            end = begin  # the time asked for is spent: the slice played ends here
+            break
         group = trace[begin:min(begin + size, end)]
         ids, mask = left_padded([prompt_tokens(begin + i, r.prompt_length, vocab, args.seed)
                                  for i, r in enumerate(group)])
@@ -228,6 +235,8 @@ def play(pair: str, side: str, way: str, args) -> dict:
         first += [times[0]] * len(group)
         gaps += [b - a for a, b in zip(times, times[1:])]
         worst = max(worst, (times[0], ids.shape[1]))
+    if not walls:
+        raise SystemExit(f"bench_trace: --stop-after {args.stop_after} left no request played")
     tokens = sum(r.new_tokens for r in trace[start:end])
     return {"pair": pair, "side": side, "way": way, "built_s": built, "warmup": warmup, "tokens": tokens,
             "wall_s": sum(walls), "tok_s": tokens / sum(walls), "ttft": first, "gaps": gaps,
@@ -256,10 +265,30 @@ def print_table(results: dict, pairs: list[str], ways: list[str]) -> None:
                 worst_s, worst_length = result["worst_ttft"]
                 print(f"{way:<8} {side:<13} {cells} {result['wall_s']:>8.1f}  {worst_s * 1e3:.0f} ms at a "
                       f"{worst_length}-token prompt")
-            if all(rows.values()):
+            covered = {side: requests_played(result) for side, result in rows.items() if result is not None}
+            if len(covered) == 2 and len(set(covered.values())) > 1:
+                print(f"{way:<8} {'ratio':<13} not given: the sides played different requests "
+                      f"({'; '.join(f'{side} {spans_text(spans)}' for side, spans in covered.items())})")
+            elif all(rows.values()):
                 ours, theirs = summary(rows["ours"]), summary(rows["transformers"])
                 ratios = [ours[c] / theirs[c] if c == "tok/s" else theirs[c] / ours[c] for c in columns]
                 print(f"{way:<8} {'ratio':<13} " + " ".join(f"{r:>8.2f}x" for r in ratios))
+
+
+def requests_played(result: dict) -> tuple[tuple[int, int], ...]:
+    """The request spans (START, END) a result covers: its slices, joined where they touch."""
+    spans = sorted(tuple(span) for span in result.get("slices") or [result.get("slice") or (0, len(result["ttft"]))])
+    joined = [list(spans[0])]
+    for start, end in spans[1:]:
+        if start == joined[-1][1]:
+            joined[-1][1] = end
+        else:
+            joined.append([start, end])
+    return tuple(tuple(span) for span in joined)
+
+
+def spans_text(spans) -> str:
+    return ", ".join(f"{start}..{end - 1}" for start, end in spans)
 
 
 def saved_results(path: Path) -> list[dict]:
@@ -319,7 +348,7 @@ def combined_results(paths: list[Path]) -> dict:
     results = {key: parts[0] if len(parts) == 1 else joined_slices(parts) for key, parts in grouped.items()}
     for (pair, side, way), result in results.items():
         if "slices" in result:
-            print(f"{pair} {side} {way}: requests {', '.join(f'{a}..{b - 1}' for a, b in result['slices'])} from "
+            print(f"{pair} {side} {way}: requests {spans_text(result['slices'])} from "
                   f"{len(result['slices'])} runs, each with its own first calls")
     return results
 
@@ -357,6 +386,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write every request's figures here")
     parser.add_argument("--slice", default=None, metavar="START:END",
                         help="play only requests START..END-1 of the trace (see the module docstring)")
+    parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                        help="start no request (or batch) once this many seconds of the trace have been played; the "
+                             "slice recorded is the one played (a long way run in parts under a time limit per call)")
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
                         help="print one table from these runs' --json files, and nothing else")
     parser.add_argument("--child", nargs=3, metavar=("PAIR", "SIDE", "WAY"), help=argparse.SUPPRESS)
@@ -396,9 +428,10 @@ def main() -> None:
                     continue
                 results[pair, side, way] = result
                 figures = summary(result)
+                begin, end = result["slice"]
                 print(f"{pair} {side} {way}: {result['parameters'] / 1e6:.1f}M parameters, built in "
-                      f"{result['built_s']:.1f} s; {result['warmup']}; {figures['tok/s']:.1f} tok/s, "
-                      f"{result['wall_s']:.1f} s", flush=True)
+                      f"{result['built_s']:.1f} s; {result['warmup']}; requests {begin}..{end - 1} played; "
+                      f"{figures['tok/s']:.1f} tok/s, {result['wall_s']:.1f} s", flush=True)
     print_table(results, args.models, args.ways)
     if args.json is not None:
         args.json.write_text(json.dumps([dict(r, trace=[asdict(q) for q in trace]) for r in results.values()]))

@@ -241,6 +241,18 @@ def test_trace_joins_the_slices_of_a_run_and_refuses_overlapping_ones(tmp_path, 
         bench_trace().main()
 
 
+def test_trace_gives_no_ratios_where_the_sides_played_different_requests(tmp_path, monkeypatch, capsys):
+    """A run stopped early (--stop-after) covers fewer requests than the other side: its ratios would compare
+    different requests, so the row names the spans instead."""
+    (tmp_path / "ours.json").write_text(json.dumps([dict(_result("ours", 200.0, [0.1, 0.2, 0.3]), slice=[0, 3])]))
+    (tmp_path / "theirs.json").write_text(json.dumps([dict(_result("transformers", 50.0, [0.3, 0.4]), slice=[0, 2])]))
+    monkeypatch.setattr(sys, "argv", ["bench_trace.py", "--combine", str(tmp_path / "ours.json"),
+                                      str(tmp_path / "theirs.json")])
+    bench_trace().main()
+    ratio_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("single   ratio"))
+    assert "not given: the sides played different requests (ours 0..2; transformers 0..1)" in ratio_row
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("5", r"--slice takes START:END, two request numbers \(got '5'\)"),
     ("3:3", r"--slice 3:3 is not within the trace's 10 requests: need 0 <= START < END <= 10"),
