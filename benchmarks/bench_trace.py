@@ -265,19 +265,26 @@ def print_table(results: dict, pairs: list[str], ways: list[str]) -> None:
                 worst_s, worst_length = result["worst_ttft"]
                 print(f"{way:<8} {side:<13} {cells} {result['wall_s']:>8.1f}  {worst_s * 1e3:.0f} ms at a "
                       f"{worst_length}-token prompt")
-            covered = {side: requests_played(result) for side, result in rows.items() if result is not None}
-            if len(covered) == 2 and len(set(covered.values())) > 1:
+            if not all(rows.values()):
+                continue
+            played = {side: requests_played(result) for side, result in rows.items()}
+            if len(set(played.values())) > 1:
                 print(f"{way:<8} {'ratio':<13} not given: the sides played different requests "
-                      f"({'; '.join(f'{side} {spans_text(spans)}' for side, spans in covered.items())})")
-            elif all(rows.values()):
-                ours, theirs = summary(rows["ours"]), summary(rows["transformers"])
-                ratios = [ours[c] / theirs[c] if c == "tok/s" else theirs[c] / ours[c] for c in columns]
-                print(f"{way:<8} {'ratio':<13} " + " ".join(f"{r:>8.2f}x" for r in ratios))
+                      f"({'; '.join(f'{side} {spans_text(spans)}' for side, spans in played.items())})")
+                continue
+            ours, theirs = summary(rows["ours"]), summary(rows["transformers"])
+            ratios = [ours[c] / theirs[c] if c == "tok/s" else theirs[c] / ours[c] for c in columns]
+            print(f"{way:<8} {'ratio':<13} " + " ".join(f"{r:>8.2f}x" for r in ratios))
+
+
+def played_span(result: dict) -> tuple[int, int]:
+    """The requests (START, END) one run played: its slice, or the whole trace of a result without one."""
+    return tuple(result.get("slice") or (0, len(result["ttft"])))
 
 
 def requests_played(result: dict) -> tuple[tuple[int, int], ...]:
-    """The request spans (START, END) a result covers: its slices, joined where they touch."""
-    spans = sorted(tuple(span) for span in result.get("slices") or [result.get("slice") or (0, len(result["ttft"]))])
+    """The request spans (START, END) a result covers: its slices (a joined result's), joined where they touch."""
+    spans = sorted(tuple(span) for span in result.get("slices") or [played_span(result)])
     joined = [list(spans[0])]
     for start, end in spans[1:]:
         if start == joined[-1][1]:
@@ -325,7 +332,7 @@ def parse_slice(text: str | None, requests: int, batch: int, ways: list[str]) ->
 def joined_slices(parts: list[dict]) -> dict:
     """One result from the slices of one (pair, side, way): their requests' figures together, the wall times and
     tokens summed; one line where two slices overlap."""
-    spans = sorted(tuple(part.get("slice") or (0, len(part["ttft"]))) for part in parts)
+    spans = sorted(played_span(part) for part in parts)
     for (_, end), (start, _) in itertools.pairwise(spans):
         if start < end:
             first = parts[0]
@@ -428,9 +435,9 @@ def main() -> None:
                     continue
                 results[pair, side, way] = result
                 figures = summary(result)
-                begin, end = result["slice"]
                 print(f"{pair} {side} {way}: {result['parameters'] / 1e6:.1f}M parameters, built in "
-                      f"{result['built_s']:.1f} s; {result['warmup']}; requests {begin}..{end - 1} played; "
+                      f"{result['built_s']:.1f} s; {result['warmup']}; "
+                      f"requests {spans_text([played_span(result)])} played; "
                       f"{figures['tok/s']:.1f} tok/s, {result['wall_s']:.1f} s", flush=True)
     print_table(results, args.models, args.ways)
     if args.json is not None:
