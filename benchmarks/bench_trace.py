@@ -18,8 +18,8 @@ The pairs (benchmarks/model_configs.py, bench_kimi_linear.py; the same weights i
 - gdn: ours against transformers' Qwen3NextForCausalLM (the ~1.2B GDN model on CUDA, TINY_GDN with `--tiny`);
 - kda: ours converted from transformers' KimiLinearForCausalLM (bench_kimi_linear's ~1B-active model on CUDA, its
   tiny size with `--tiny`), through the kimi_linear converter.
-Ours runs with its default cache, or with `--static` with `cache_implementation="static"`; transformers with its
-default cache. bfloat16 on CUDA, float32 on the CPU.
+Ours runs with its default cache (static on CUDA with graph decoding on: the captured step), or with `--cache static`
+or `--cache dynamic` naming one; transformers with its default cache. bfloat16 on CUDA, float32 on the CPU.
 
 Timing: a streamer records the host time each step's tokens reach it (`generate` copies them to the host, which
 waits for the device; with this package's deferred stop check on CUDA a step's tokens are handed over once the next
@@ -29,9 +29,9 @@ End-to-end output tokens/s: the tokens the requests asked for over the summed wa
 Printed per pair and way: tokens/s, time to first token p50 / p90 / p99 and its worst request, time between tokens
 p50 / p99, for each side, and the ratios (> 1: ours better).
 
-    python benchmarks/bench_trace.py [--device cuda] [--tiny] [--static] [--models gdn kda] [--ways single batched]
-        [--sides ours transformers] [--requests 200] [--seed 0] [--batch 8] [--warmup none|generate|package]
-        [--json results.json]
+    python benchmarks/bench_trace.py [--device cuda] [--tiny] [--cache default|static|dynamic] [--models gdn kda]
+        [--ways single batched] [--sides ours transformers] [--requests 200] [--seed 0] [--batch 8]
+        [--warmup none|generate|package] [--json results.json]
     python benchmarks/bench_trace.py --combine ours.json transformers.json   # one table from separate runs' --json
     python benchmarks/bench_trace.py --sides transformers --ways single --slice 0:100 --json a.json   # then 100:200
 
@@ -217,7 +217,7 @@ def play(pair: str, side: str, way: str, args) -> dict:
     model = build(pair, side, args.tiny, device, dtype)
     built = time.perf_counter() - start
     vocab = model.config.vocab_size
-    kwargs = {"cache_implementation": "static"} if args.static and side == "ours" else {}
+    kwargs = {"cache_implementation": args.cache} if args.cache != "default" and side == "ours" else {}
     warmup = warm_up(model, way, args, trace, vocab, device, kwargs)
     size = 1 if way == "single" else args.batch
     start, end = args.slice or (0, len(trace))
@@ -376,7 +376,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny models and a short trace (a CPU smoke run)")
-    parser.add_argument("--static", action="store_true", help='ours with cache_implementation="static"')
+    parser.add_argument("--cache", default="default", choices=["default", "static", "dynamic"],
+                        help="ours' cache_implementation (default: generate's own choice)")
     parser.add_argument("--models", nargs="+", default=["gdn", "kda"], choices=["gdn", "kda"])
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=WAYS)
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
@@ -422,8 +423,8 @@ def main() -> None:
     print(f"trace: {len(trace)} requests, seed {args.seed}, prompts {lengths[0]}..{lengths[-1]} tokens (median "
           f"{lengths[len(lengths) // 2]}, all distinct), {sum(r.new_tokens for r in trace)} new tokens "
           f"({args.min_new}..{args.max_new} each); {args.device}; ours with "
-          f"{'cache_implementation=static' if args.static else 'its default cache'}, transformers with its default "
-          f"cache; batched: {args.batch} requests per batch, left padded", flush=True)
+          f"{'its default cache' if args.cache == 'default' else 'cache_implementation=' + args.cache}, "
+          f"transformers with its default cache; batched: {args.batch} requests per batch, left padded", flush=True)
     if args.slice:
         print(f"slice: requests {args.slice[0]}..{args.slice[1] - 1} of the trace (--combine joins a run's slices)")
     results = {}

@@ -1,7 +1,8 @@
 """What a first call at a new prompt length pays for, and where: one process, lengths it has never seen.
 
 For each prompt length (each new to the process) it times `generate(max_new_tokens=1)` and a second decoding token,
-with this package's default cache and with `cache_implementation="static"`, then the same call again (the warm time
+with generate's default cache (static on CUDA with graph decoding on), `cache_implementation="static"` and
+`cache_implementation="dynamic"` (`--caches`), then the same call again (the warm time
 at that length), and counts what ran during the call:
 - Triton compilations: new entries in the Triton cache folder (`TRITON_CACHE_DIR`; a kernel compiled for a new
   specialisation: a new constexpr or a new divisibility of an integer argument) and new autotuning records
@@ -12,7 +13,7 @@ The difference between first and warm is the stall; the counts say what it is ma
 
     python benchmarks/diagnose_first_calls.py [--device cuda] [--model gdn|kda|qwen3-next-fp8|kimi-linear]
         [--lengths 1000 1537 3000 ...]
-        [--caches default static] [--new-tokens 2] [--batch 1] [--package-warm-up MAX_LENGTH] [--tiny]
+        [--caches default static dynamic] [--new-tokens 2] [--batch 1] [--package-warm-up MAX_LENGTH] [--tiny]
 
 `--package-warm-up MAX_LENGTH` calls `model.warm_up(max_batch_size=--batch, max_length=MAX_LENGTH)` first: the rows
 then say what a first call still pays after it.
@@ -148,7 +149,8 @@ def main() -> None:
     parser.add_argument("--model", choices=("gdn", "kda", *FLAGSHIPS), default="gdn",
                         help="a benchmark model, or a released flagship at full size (random weights)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 1537, 3000, 7000, 16000])
-    parser.add_argument("--caches", nargs="+", choices=("default", "static"), default=["static", "default"])
+    parser.add_argument("--caches", nargs="+", choices=("default", "static", "dynamic"),
+                        default=["default", "dynamic"])
     parser.add_argument("--new-tokens", type=int, default=2)
     parser.add_argument("--warmup-length", type=int, default=512,
                         help="one generate at this length first, as the issue's user does (0: none)")
@@ -184,7 +186,7 @@ def main() -> None:
 
     def generate(length: int, cache: str) -> None:
         ids = torch.randint(1, vocab, (args.batch, length), generator=generator).to(device)
-        kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+        kwargs = {} if cache == "default" else {"cache_implementation": cache}
         with torch.no_grad():
             model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                            pad_token_id=0, **kwargs)

@@ -165,9 +165,16 @@ def _check_room(cache: Cache, seq_len: int) -> None:
     if held is not None and held + seq_len > slots:
         raise ValueError(
             f"the static cache holds {slots} tokens per row, {held} of them written, and this forward adds "
-            f"{seq_len}: {held + seq_len - slots} have no slot. Create the StaticCache with a larger max_cache_len "
-            f"(at least {held + seq_len}), or let generate size it (cache_implementation=\"static\")."
+            f"{seq_len}: {held + seq_len - slots} have no slot. {static_cache_room_fix(held + seq_len)}"
         )
 
 
-__all__ = ["available_memory", "check_cache", "check_static_cache_size"]
+def static_cache_room_fix(tokens: int) -> str:
+    """The fix named where a static cache has no slot left: a static cache does not grow, and it is the one
+    `generate` returns on a GPU unless asked for another (`_chooses_static_cache`)."""
+    return (f"A static cache does not grow: pass one with a larger max_cache_len (at least {tokens} tokens), pass "
+            "no cache and let generate size a new one, or generate with cache_implementation=\"dynamic\" for a "
+            "cache that grows (generate's default on a GPU is static).")
+
+
+__all__ = ["available_memory", "check_cache", "check_static_cache_size", "static_cache_room_fix"]

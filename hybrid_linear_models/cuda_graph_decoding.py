@@ -34,6 +34,7 @@ import torch
 from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWindowLayer
 
 from .attention_step import KernelKVLayer
+from .cache_checks import static_cache_room_fix
 from .cache_hybrid_linear import LinearStateLayer
 from .configuration_hybrid_linear import config_value
 from .derived_weights import ChangeWatch, derived_weights
@@ -178,9 +179,7 @@ def _check_room(layout: "CacheLayout") -> None:
     written, slots = layout.linear[0].seen_tokens, layout.full_length
     if written >= slots:
         raise ValueError(f"the static cache holds {slots} tokens per row and all {written} slots are written: this "
-                         "decoding step's token has no slot. Create the StaticCache with a larger max_cache_len (at "
-                         "least the prompt length plus max_new_tokens), or let generate size it "
-                         "(cache_implementation=\"static\" without a cache of your own).")
+                         f"decoding step's token has no slot. {static_cache_room_fix(written + 1)}")
 
 
 class CacheLayout:

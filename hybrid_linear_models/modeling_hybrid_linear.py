@@ -632,10 +632,32 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                 args[2] += int(draft)
             elif "max_cache_length" in kwargs:
                 kwargs["max_cache_length"] += int(draft)
-        prepared = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        chosen = self._chooses_static_cache(generation_config, model_kwargs, mode)
+        if chosen:
+            generation_config.cache_implementation = "static"
+        try:
+            prepared = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        except ValueError:  # (a static cache refused: past the positions or the memory; the dynamic one grows)
+            if not chosen:
+                raise
+            generation_config.cache_implementation = None
+            prepared = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if "cache" in model_kwargs:
             model_kwargs["cache"] = generation_cache(model_kwargs["cache"])
         return prepared
+
+    def _chooses_static_cache(self, generation_config, model_kwargs, mode) -> bool:
+        """Whether `generate` takes a static cache that the user did not name: where graph decoding captures (CUDA,
+        graphs on) and the mode runs the captured step (greedy, sampling, assisted), when neither a cache nor a
+        `cache_implementation` is given. The captured step decodes over 10x faster than the eager one at batch 1,
+        with the same tokens; `cache_implementation="dynamic"` keeps transformers' default cache. Not for a drafter
+        inside transformers' assisted loop (`is_assistant`): that loop extends the drafter's cache past the length of
+        its first call. Where the static cache is refused (past the model's positions or the memory), the dynamic
+        one is taken, as without this choice."""
+        return (mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION)
+                and model_kwargs.get("cache") is None and generation_config.cache_implementation is None
+                and generation_config.use_cache is not False and not generation_config.is_assistant
+                and self.captures_graphs_on(self.device))
 
     def _prepare_static_cache(self, *args, **kwargs) -> Cache:
         # `generate`'s static cache: where graph decoding captures (CUDA, graphs on), its key slots rounded up to one

@@ -95,7 +95,7 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             for batch in sizes:
                 for padded in (False, True) if batch > 1 else (False,):
                     for length in _default_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)):
-                        _generate(model, batch, length, padded, device, None)
+                        _generate(model, batch, length, padded, device, "dynamic")
                         calls += 1
             if graphs:
                 model._previous_max_cache_length = slots

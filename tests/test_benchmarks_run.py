@@ -59,7 +59,7 @@ RUNS = [
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
     # the batched way alone (a fresh process per pair, side and way: 4 with one way): its batches of 2 and of 1 (the
     # last of 3 requests) run the single way's batch-1 generate too
-    ("bench_trace.py", ["--tiny", "--static", "--ways", "batched", "--requests", "3", "--batch", "2", "--threads", "1"],
+    ("bench_trace.py", ["--tiny", "--cache", "static", "--ways", "batched", "--requests", "3", "--batch", "2", "--threads", "1"],
      ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
     # one slice of the trace (requests 1 and 2 of 3), one side and way
     ("bench_trace.py", ["--tiny", "--models", "gdn", "--sides", "ours", "--ways", "single", "--requests", "3",

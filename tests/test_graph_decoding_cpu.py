@@ -393,3 +393,67 @@ def test_capture_with_few_slots_left_writes_inside_the_cache(eager_graphs, new_t
         model.set_cuda_graph_decoding(False)
         eager = model.generate(input_ids, **generation)
     _assert_same(graphed, eager)
+
+
+def _plain_generate(model, input_ids, **options):
+    settings = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
+                "output_scores": True, "return_dict_in_generate": True}
+    with torch.no_grad():
+        return model.generate(input_ids, **{**settings, **options})
+
+
+def test_generate_takes_the_captured_static_cache_unless_told_otherwise(eager_graphs):
+    """Where graph decoding captures and nothing names a cache, greedy generate takes a static cache and replays the
+    captured step, with the tokens and scores of transformers' default dynamic cache."""
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    chosen = _plain_generate(model, input_ids)
+    assert isinstance(chosen.past_key_values, StaticCache) and len(eager_graphs) == 1
+    dynamic = _plain_generate(model, input_ids, cache_implementation="dynamic")
+    assert not isinstance(dynamic.past_key_values, StaticCache) and len(eager_graphs) == 1
+    _assert_same(chosen, dynamic)
+
+
+@pytest.mark.parametrize("options, static", [
+    ({"do_sample": True}, True),
+    ({"prompt_lookup_num_tokens": 3}, True),
+    ({"num_beams": 2}, False),  # (beam search reorders the cache every step: transformers' default kept)
+    ({"cache_implementation": "dynamic"}, False),
+    ({"use_cache": False}, False),
+], ids=["sample", "assisted", "beams", "dynamic", "no cache"])
+def test_the_static_cache_is_chosen_for_the_modes_the_captured_step_serves(eager_graphs, options, static):
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = _plain_generate(model, input_ids, **options)
+    assert out.sequences.shape == (1, 15)
+    assert isinstance(out.past_key_values, StaticCache) == static
+
+
+def test_graphs_off_or_a_refused_static_cache_keep_the_dynamic_cache(eager_graphs, monkeypatch):
+    """No static cache is chosen where nothing is captured, and where the static cache would not fit (memory, or the
+    model's positions) generate runs on the dynamic cache instead of refusing what the user did not ask for."""
+    from hybrid_linear_models import cache_checks
+
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(6))
+    model.set_cuda_graph_decoding(False)
+    assert not isinstance(_plain_generate(model, input_ids).past_key_values, StaticCache)
+    model.set_cuda_graph_decoding(True)
+    monkeypatch.setattr(cache_checks, "available_memory", lambda device: 0)
+    out = _plain_generate(model, input_ids)
+    assert not isinstance(out.past_key_values, StaticCache) and not eager_graphs
+    with pytest.raises(ValueError, match="more than the 0.00 MiB available"):  # (asked for: refused, as before)
+        _plain_generate(model, input_ids, cache_implementation="static")
+
+
+def test_a_returned_static_cache_too_short_for_a_follow_up_names_the_dynamic_cache(eager_graphs):
+    """The static cache generate chose and returned, passed back for a longer follow-up: refused before any write,
+    with the fix (a larger cache, a new one, or cache_implementation="dynamic")."""
+    model = tiny_model(LAYERS, max_position_embeddings=4096).eval()
+    input_ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(8))
+    first = _plain_generate(model, input_ids)
+    slots = first.past_key_values.layers[LAYERS.index("full_attention")].max_cache_len
+    follow_up = torch.cat([first.sequences, torch.randint(1, 100, (1, slots))], dim=1)
+    with pytest.raises(ValueError, match=rf"holds {slots} tokens per row, 14 of them written.*does not grow.*"
+                                         r"cache_implementation=\"dynamic\""):
+        _plain_generate(model, follow_up, cache=first.past_key_values)

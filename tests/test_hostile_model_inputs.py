@@ -154,7 +154,7 @@ def test_a_forward_past_the_static_cache_slots_is_refused_before_any_write(layer
     with torch.no_grad():
         model(IDS[:, :6], cache=cache, use_cache=True)
         _one_line_error(ValueError, r"static cache holds 8 tokens per row, 6 of them written, and this forward adds 3"
-                                    r".*max_cache_len \(at least 9\)",
+                                    r".*max_cache_len \(at least 9 tokens\)",
                         lambda: model(IDS[:, :3], cache=cache, use_cache=True))
         # the refused forward wrote nothing: the two tokens that fit continue the prompt exactly
         last = model(IDS[:, 6:8], cache=cache, use_cache=True).logits
