@@ -191,6 +191,7 @@ def main() -> None:
             model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                            pad_token_id=0, **kwargs)
 
+    print(process_start(device, dtype), flush=True)
     if args.package_warm_up:
         model.warm_up(max_batch_size=args.batch, max_length=args.package_warm_up)
     if args.warmup_length:
@@ -221,6 +222,28 @@ def main() -> None:
         print(f"{'forward':>8} {length:>7} | {row['first_s']:>8.3f} {row['warm_s']:>7.3f} {ratio:>6.2f} | "
               f"{row['first_compiled']:>8} {row['first_tuned']:>5} {row['first_captures']:>8} "
               f"{row['first_capture_s']:>9.3f} {row['first_package_capture_s']:>13.3f}", flush=True)
+
+
+def process_start(device, dtype) -> str:
+    """What a process's first generate would pay before any of this package's kernels: importing fla (this package
+    imports it at the first CUDA call that reaches it) and the device libraries' first GEMM and attention call."""
+    import torch
+    import torch.nn.functional as F
+
+    from hybrid_linear_models import fla_backend
+
+    def seconds(run) -> float:
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    x = torch.randn(1, 4, 64, 64, device=device, dtype=dtype)
+    fla = seconds(lambda: fla_backend.fla_for(x))
+    gemm = seconds(lambda: x[0, 0] @ x[0, 0])
+    sdpa = seconds(lambda: F.scaled_dot_product_attention(x, x, x, is_causal=True))
+    return f"process start: import fla {fla:.3f} s, first GEMM {gemm:.3f} s, first sdpa {sdpa:.3f} s"
 
 
 if __name__ == "__main__":

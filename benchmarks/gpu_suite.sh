@@ -4,7 +4,7 @@
 # logging to $OUT/NN-<step>.log.   usage: benchmarks/gpu_suite.sh STEP[:SECONDS] ...
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
 #   profile-decode, profile-flagships, verify-step, attention-step, decode-gemv, fp8-tests, fp8-linear, kimi-linear,
-#   moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests, trace, trace-static, mtp-acceptance,
+#   moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests, trace, trace-dynamic, mtp-acceptance,
 #   save-tuning (or any command, quoted: its log is named after it)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 # DRY_RUN=1 prints each step's command and runs nothing (no set-up either): a check of the step names, anywhere.
@@ -80,7 +80,7 @@ for spec in "$@"; do
     moe-blocks) cmd="python3 benchmarks/bench_moe.py --size gpu --skip-model" ;;  # MoE block, routing share
     profile-kda) cmd="python3 benchmarks/profile_gpu.py --kda" ;;
     trace) cmd="python3 benchmarks/bench_trace.py --device cuda" ;;  # 200 requests of distinct lengths, first calls timed
-    trace-static) cmd="python3 benchmarks/bench_trace.py --device cuda --static" ;;
+    trace-dynamic) cmd="python3 benchmarks/bench_trace.py --device cuda --cache dynamic" ;;
     mtp-acceptance) cmd="python3 benchmarks/bench_mtp_acceptance.py" ;;  # a small model trained here: MTP and prompt-lookup acceptance and speed
     long-context) cmd="python3 benchmarks/bench_long_context.py --models gdn" ;;  # 32k..1M prompts: prefill, memory, decoding
     long-context-kda) cmd="python3 benchmarks/bench_long_context.py --models kda" ;;

@@ -29,6 +29,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from . import fla_backend
 from .block_ops import fused_causal_lm_loss
 from .cache_checks import check_cache, check_static_cache_size
 from .checkpoint_dtypes import check_checkpoint_dtypes
@@ -210,6 +211,25 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
                            "attentions": list(dict.fromkeys(spec.module_class for spec in MIXERS.values()
                                                             if spec.state == "kv")),
                            "router_logits": OutputRecorder(HybridLinearTopKRouter, index=0)}
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        loaded = super().from_pretrained(*args, **kwargs)  # (the model, or it and its loading info)
+        (loaded[0] if isinstance(loaded, tuple) else loaded)._load_device_kernels()
+        return loaded
+
+    def _apply(self, fn, recurse: bool = True):
+        module = super()._apply(fn, recurse)
+        self._load_device_kernels()
+        return module
+
+    def _load_device_kernels(self) -> None:
+        # fla imported where the weights land on a GPU (`to`, `cuda`, `from_pretrained(device_map=...)`), as
+        # transformers' Qwen3-Next imports it with its modeling module: seconds (3.6 s on an H200 machine) that the
+        # first generate's time to first token would pay otherwise. Nothing on other devices (fla_for)
+        weight = next(self.parameters(), None)
+        if weight is not None:
+            fla_backend.fla_for(weight)
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
         # The sparse MoE layers' experts (mlp_sparse_moe.py) are a `@use_experts_implementation` class, so

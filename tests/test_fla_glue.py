@@ -222,3 +222,22 @@ def test_training_refusal_names_fla_s_triton_condition_before_a_forward(monkeypa
     if refused:
         assert "triton 3.6.0" in reason and "triton>=3.7.1" in reason and "\n" not in reason
     assert fla_backend.fla_training_refusal(torch.device("cpu")) is None
+
+
+def test_fla_is_loaded_where_the_weights_land_not_at_the_first_call(monkeypatch, tmp_path):
+    """Moving a model (`to`, `cuda`) and `from_pretrained` hand its weights to fla_for, which imports fla for a CUDA
+    tensor (and nothing for others): the import's seconds are paid at load, not by the first generate."""
+    from model_helpers import tiny_model
+
+    from hybrid_linear_models import HybridLinearForCausalLM
+
+    model = tiny_model(["gated_deltanet", "full_attention"])
+    model.save_pretrained(tmp_path)
+    asked: list[torch.Tensor] = []
+    monkeypatch.setattr(fla_backend, "fla_for", lambda tensor: asked.append(tensor))
+    model.to(torch.float64)
+    assert asked and asked[-1].dtype == torch.float64
+    asked.clear()
+    loaded, info = HybridLinearForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert asked and not info["missing_keys"]
+    assert any(tensor is next(loaded.parameters()) for tensor in asked)

@@ -120,7 +120,7 @@ def test_fla_cached_decoding_matches_full_forward(monkeypatch, kind):
     model = MODELS[kind]().cuda()
     input_ids = torch.randint(1, 128, (2, 40), device="cuda")
     out = model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True)
+                         output_logits=True, return_dict_in_generate=True, cache_implementation="dynamic")
     _without_fla(monkeypatch)
     new = slice(input_ids.shape[1] - 1, -1)
     with torch.no_grad():
@@ -198,18 +198,22 @@ def assert_same_generation(graphed, eager, graphed_steps, eager_steps) -> None:
         assert (a - b).abs().max() <= 1e-3 * b.abs().max()
 
 
-def test_cuda_graph_decoding_matches_eager_decoding():
+@pytest.mark.parametrize("cache", ["static", None], ids=["static", "generate_default"])
+def test_cuda_graph_decoding_matches_eager_decoding(cache):
+    """Asked for with cache_implementation="static", or taken by generate where nothing names a cache: the replayed
+    steps give the tokens and scores of eager decoding."""
     model = tiny_model(["gated_deltanet", "full_attention", "kimi_delta_attention", "gated_deltanet"],
                        **GPU_DIMS).cuda()
     input_ids = torch.randint(1, 128, (3, 40), device="cuda")
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :7] = 0
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                  pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+                  pad_token_id=0, cache_implementation=cache, output_scores=True, return_dict_in_generate=True)
     graphed = model.generate(input_ids, **kwargs)
     assert model._graph_decoder.last_graph is not None  # the graph path ran
+    assert isinstance(graphed.past_key_values, StaticCache)
     model.set_cuda_graph_decoding(False)
-    eager = model.generate(input_ids, **kwargs)
+    eager = model.generate(input_ids, **{**kwargs, "cache_implementation": cache or "dynamic"})
     assert_same_generation(graphed, eager, graphed.scores, eager.scores)
 
 

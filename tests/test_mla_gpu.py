@@ -109,7 +109,7 @@ def test_kda_layers_beside_mla_layers_still_run_fla(monkeypatch):
     input_ids = torch.randint(1, 128, (2, 40), device="cuda")
     with torch.no_grad():
         fla_logits = model(input_ids).logits
-    _generate(model, input_ids, None, max_new_tokens=2, min_new_tokens=2)
+    _generate(model, input_ids, None, max_new_tokens=2, min_new_tokens=2, cache_implementation="dynamic")
     kda = {name for name, found in taken if "kda" in name}
     assert kda and all(found for name, found in taken if "kda" in name), taken
     assert any("fused_recurrent" in name for name in kda) and any("chunk" in name for name in kda), kda
