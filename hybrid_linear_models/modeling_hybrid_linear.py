@@ -38,7 +38,7 @@ from .speculative_decoding import assisted_generate_batch, batched_loop_refuses
 from .static_window_rollback import adopt_static_window_layers
 from .chunked_recurrence import recur_in_token_chunks, recurrence_chunks_apply
 from .configuration_hybrid_linear import HybridLinearConfig
-from .cuda_graph_decoding import CudaGraphDecoder
+from .cuda_graph_decoding import CudaGraphDecoder, capture_obstacle
 from .cuda_graph_prefill import CudaGraphPrefill
 from .graph_cache_storage import CacheStorages
 from .static_cache_slots import static_cache_slots
@@ -668,16 +668,19 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
 
     def _chooses_static_cache(self, generation_config, model_kwargs, mode) -> bool:
         """Whether `generate` takes a static cache that the user did not name: where graph decoding captures (CUDA,
-        graphs on) and the mode runs the captured step (greedy, sampling, assisted), when neither a cache nor a
-        `cache_implementation` is given. The captured step decodes over 10x faster than the eager one at batch 1,
-        with the same tokens; `cache_implementation="dynamic"` keeps transformers' default cache. Not for a drafter
-        inside transformers' assisted loop (`is_assistant`): that loop extends the drafter's cache past the length of
-        its first call. Where the static cache is refused (past the model's positions or the memory), the dynamic
-        one is taken, as without this choice."""
+        graphs on), the mode runs the captured step (greedy, sampling, assisted) and nothing keeps the step from being
+        captured (attention weights or hidden states asked for, an attention implementation or expert dispatch that
+        is not captured: capture_obstacle), when neither a cache nor a `cache_implementation` is given. The captured
+        step decodes over 10x faster than the eager one at batch 1, with the same tokens;
+        `cache_implementation="dynamic"` keeps transformers' default cache. Not for a drafter inside transformers'
+        assisted loop (`is_assistant`): that loop extends the drafter's cache past the length of its first call.
+        Where the static cache is refused (past the model's positions or the memory), the dynamic one is taken, as
+        without this choice."""
         return (mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION)
                 and model_kwargs.get("cache") is None and generation_config.cache_implementation is None
                 and generation_config.use_cache is not False and not generation_config.is_assistant
-                and self.captures_graphs_on(self.device))
+                and not generation_config.output_attentions and not generation_config.output_hidden_states
+                and self.captures_graphs_on(self.device) and capture_obstacle(self, None) is None)
 
     def _prepare_static_cache(self, *args, **kwargs) -> Cache:
         # `generate`'s static cache: where graph decoding captures (CUDA, graphs on), its key slots rounded up to one

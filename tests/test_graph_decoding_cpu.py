@@ -420,7 +420,8 @@ def test_generate_takes_the_captured_static_cache_unless_told_otherwise(eager_gr
     ({"num_beams": 2}, False),  # (beam search reorders the cache every step: transformers' default kept)
     ({"cache_implementation": "dynamic"}, False),
     ({"use_cache": False}, False),
-], ids=["sample", "assisted", "beams", "dynamic", "no cache"])
+    ({"output_hidden_states": True}, False),  # (the captured step returns logits only)
+], ids=["sample", "assisted", "beams", "dynamic", "no cache", "hidden states"])
 def test_the_static_cache_is_chosen_for_the_modes_the_captured_step_serves(eager_graphs, options, static):
     model = tiny_model(LAYERS).eval()
     input_ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(4))
