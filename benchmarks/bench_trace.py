@@ -221,7 +221,7 @@ def play(pair: str, side: str, way: str, args) -> dict:
     warmup = warm_up(model, way, args, trace, vocab, device, kwargs)
     size = 1 if way == "single" else args.batch
     start, end = args.slice or (0, len(trace))
-    walls, first, gaps, worst = [], [], [], (0.0, 0)
+    calls = []
     played = time.perf_counter()
     for begin in range(start, end, size):
         if args.stop_after is not None and time.perf_counter() - played > args.stop_after:
@@ -231,16 +231,41 @@ def play(pair: str, side: str, way: str, args) -> dict:
         ids, mask = left_padded([prompt_tokens(begin + i, r.prompt_length, vocab, args.seed)
                                  for i, r in enumerate(group)])
         wall, times = timed_generate(model, ids, mask, max(r.new_tokens for r in group), device, kwargs)
-        walls.append(wall)
-        first += [times[0]] * len(group)
-        gaps += [b - a for a, b in zip(times, times[1:])]
-        worst = max(worst, (times[0], ids.shape[1]))
-    if not walls:
+        calls.append({"first": begin, "requests": len(group), "wall_s": wall,
+                      "tokens": sum(r.new_tokens for r in group), "ttft": times[0], "prompt": ids.shape[1],
+                      "gaps": [b - a for a, b in zip(times, times[1:])]})
+    if not calls:
         raise SystemExit(f"bench_trace: --stop-after {args.stop_after} left no request played")
-    tokens = sum(r.new_tokens for r in trace[start:end])
-    return {"pair": pair, "side": side, "way": way, "built_s": built, "warmup": warmup, "tokens": tokens,
-            "wall_s": sum(walls), "tok_s": tokens / sum(walls), "ttft": first, "gaps": gaps,
-            "worst_ttft": worst, "parameters": sum(p.numel() for p in model.parameters()), "slice": [start, end]}
+    return result_of_calls({"pair": pair, "side": side, "way": way, "built_s": built, "warmup": warmup,
+                            "parameters": sum(p.numel() for p in model.parameters()), "slice": [start, end]}, calls)
+
+
+def result_of_calls(base: dict, calls: list[dict]) -> dict:
+    """A run's figures from its `generate` calls (each: the requests it played, its wall time, the tokens they asked
+    for, its time to first token, its padded prompt length, its gaps between tokens), kept with them so that a table
+    can take the calls of the requests another run played too (`on_common_requests`)."""
+    wall, tokens = sum(call["wall_s"] for call in calls), sum(call["tokens"] for call in calls)
+    return {**base, "calls": calls, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "ttft": [call["ttft"] for call in calls for _ in range(call["requests"])],
+            "gaps": [gap for call in calls for gap in call["gaps"]],
+            "worst_ttft": max((call["ttft"], call["prompt"]) for call in calls),
+            "slices": [(call["first"], call["first"] + call["requests"]) for call in calls]}
+
+
+def on_common_requests(rows: dict[str, dict]) -> dict[str, dict] | None:
+    """Each side's result cut to its calls whose requests every side played, where those are the same requests on
+    every side (None where a result keeps no calls, or nothing is common)."""
+    if not all("calls" in result for result in rows.values()):
+        return None
+    common = set.intersection(*({i for start, end in requests_played(result) for i in range(start, end)}
+                                for result in rows.values()))
+    cut = {side: [call for call in result["calls"]
+                  if common.issuperset(range(call["first"], call["first"] + call["requests"]))]
+           for side, result in rows.items()}
+    if not all(cut.values()):
+        return None
+    results = {side: result_of_calls(rows[side], calls) for side, calls in cut.items()}
+    return results if len({requests_played(result) for result in results.values()}) == 1 else None
 
 
 def summary(result: dict) -> dict[str, float]:
@@ -268,13 +293,18 @@ def print_table(results: dict, pairs: list[str], ways: list[str]) -> None:
             if not all(rows.values()):
                 continue
             played = {side: requests_played(result) for side, result in rows.items()}
+            note = ""
             if len(set(played.values())) > 1:
-                print(f"{way:<8} {'ratio':<13} not given: the sides played different requests "
-                      f"({'; '.join(f'{side} {spans_text(spans)}' for side, spans in played.items())})")
-                continue
+                common = on_common_requests(rows)
+                if common is None:
+                    print(f"{way:<8} {'ratio':<13} not given: the sides played different requests "
+                          f"({'; '.join(f'{side} {spans_text(spans)}' for side, spans in played.items())})")
+                    continue
+                rows = common
+                note = f"  on requests {spans_text(requests_played(rows['ours']))}, those both sides played"
             ours, theirs = summary(rows["ours"]), summary(rows["transformers"])
             ratios = [ours[c] / theirs[c] if c == "tok/s" else theirs[c] / ours[c] for c in columns]
-            print(f"{way:<8} {'ratio':<13} " + " ".join(f"{r:>8.2f}x" for r in ratios))
+            print(f"{way:<8} {'ratio':<13} " + " ".join(f"{r:>8.2f}x" for r in ratios) + note)
 
 
 def played_span(result: dict) -> tuple[int, int]:
@@ -338,6 +368,9 @@ def joined_slices(parts: list[dict]) -> dict:
             first = parts[0]
             raise SystemExit(f"bench_trace: the --json files hold overlapping slices of {first['pair']} "
                              f"{first['side']} {first['way']} ({spans}): combine each request's figures once")
+    if all("calls" in part for part in parts):
+        return result_of_calls(parts[0], sorted((call for part in parts for call in part["calls"]),
+                                                key=lambda call: call["first"]))
     joined = dict(parts[0])
     tokens, wall = sum(part["tokens"] for part in parts), sum(part["wall_s"] for part in parts)
     joined.update(wall_s=wall, tokens=tokens, tok_s=tokens / wall,
@@ -352,12 +385,11 @@ def combined_results(paths: list[Path]) -> dict:
     for path in paths:
         for result in saved_results(path):
             grouped.setdefault((result["pair"], result["side"], result["way"]), []).append(result)
-    results = {key: parts[0] if len(parts) == 1 else joined_slices(parts) for key, parts in grouped.items()}
-    for (pair, side, way), result in results.items():
-        if "slices" in result:
-            print(f"{pair} {side} {way}: requests {spans_text(result['slices'])} from "
-                  f"{len(result['slices'])} runs, each with its own first calls")
-    return results
+    for (pair, side, way), parts in grouped.items():
+        if len(parts) > 1:
+            print(f"{pair} {side} {way}: requests {spans_text(sorted(played_span(part) for part in parts))} from "
+                  f"{len(parts)} runs, each with its own first calls")
+    return {key: parts[0] if len(parts) == 1 else joined_slices(parts) for key, parts in grouped.items()}
 
 
 def run_child(pair: str, side: str, way: str, argv: list[str]) -> dict | None:

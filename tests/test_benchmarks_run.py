@@ -59,7 +59,8 @@ RUNS = [
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
     # the batched way alone (a fresh process per pair, side and way: 4 with one way): its batches of 2 and of 1 (the
     # last of 3 requests) run the single way's batch-1 generate too
-    ("bench_trace.py", ["--tiny", "--cache", "static", "--ways", "batched", "--requests", "3", "--batch", "2", "--threads", "1"],
+    ("bench_trace.py", ["--tiny", "--cache", "static", "--ways", "batched", "--requests", "3", "--batch", "2",
+                        "--threads", "1"],
      ["gdn: tokens/s", "kda: tokens/s", "batched  ratio"]),
     # one slice of the trace (requests 1 and 2 of 3), one side and way
     ("bench_trace.py", ["--tiny", "--models", "gdn", "--sides", "ours", "--ways", "single", "--requests", "3",
@@ -413,3 +414,22 @@ def test_profile_counts_whole_loop_turns_between_graph_launches():
     assert count == 4 and turns.count == 2 and len(turns.kernels) == 3  # the kernels at 1010, 2010, 2500
     assert turns.wall_ms == pytest.approx(1.0) and turns.busy_ms == pytest.approx(0.15)
     assert profile_decode_step.loop_turns(prof, 3) == (4, None)
+
+
+def test_trace_gives_ratios_on_the_requests_both_sides_played(tmp_path, monkeypatch, capsys):
+    """Runs that keep their generate calls: where one side stopped early, the ratios compare the calls of the
+    requests both played (here requests 0..1: tokens over those calls' wall times, their first-token times)."""
+    def calls(side: str, spec: list[tuple[int, float, float]]) -> dict:
+        base = {"pair": "gdn", "side": side, "way": "single", "slice": [0, len(spec)]}
+        return bench_trace().result_of_calls(base, [
+            {"first": i, "requests": 1, "wall_s": wall, "tokens": 100, "ttft": ttft, "prompt": 10 + i,
+             "gaps": [0.01]} for i, (_, wall, ttft) in enumerate(spec)])
+
+    (tmp_path / "ours.json").write_text(json.dumps([calls("ours", [(0, 1.0, 0.1), (1, 1.0, 0.1), (2, 9.0, 5.0)])]))
+    (tmp_path / "theirs.json").write_text(json.dumps([calls("transformers", [(0, 4.0, 0.3), (1, 4.0, 0.3)])]))
+    monkeypatch.setattr(sys, "argv", ["bench_trace.py", "--combine", str(tmp_path / "ours.json"),
+                                      str(tmp_path / "theirs.json")])
+    bench_trace().main()
+    ratio_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("single   ratio"))
+    assert ratio_row.split()[2:4] == ["4.00x", "3.00x"]  # 200 tokens / 2 s against 200 / 8 s; TTFT 0.1 vs 0.3
+    assert ratio_row.endswith("on requests 0..1, those both sides played")
