@@ -106,7 +106,8 @@ def _greedy(model, input_ids, new_tokens, **kwargs):
 
 
 def _assert_same_as_plain(model, input_ids, new_tokens, **assisted):
-    plain, plain_logits = _greedy(model, input_ids, new_tokens)
+    # (the reference: plain greedy decoding on the dynamic cache, eager, whatever generate would choose itself)
+    plain, plain_logits = _greedy(model, input_ids, new_tokens, cache_implementation="dynamic")
     got, got_logits = _greedy(model, input_ids, new_tokens, **assisted)
     assert torch.equal(got, plain)
     reference = plain_logits.on(plain[0])
