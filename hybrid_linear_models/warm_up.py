@@ -2,7 +2,7 @@
 
 A process's first call of a kind pays for work later calls of that kind do not: Triton kernels compiled and autotuned
 for their first shapes (fla's; this package's tune only here, inside `kernel_tuning.autotuning()`, and elsewhere run
-a default configuration), and with `cache_implementation="static"` on CUDA the decoding step's
+a default configuration), and with a static cache on CUDA (generate's default there) the decoding step's
 graph per batch size and cache size, and the prompts' graphs per length bucket. None of it is keyed on the exact
 prompt length (static caches come in few sizes: static_cache_slots; prompt graphs in 4 buckets per doubling up to
 cuda_graph_prefill.LARGEST_CAPTURED_TOKENS; the kernels' compile and tuning keys hold widths, batch sizes and flags,
@@ -12,11 +12,12 @@ not token counts), so one call up front takes all of it for the requests it cove
   cache of up to that many tokens (transformers keeps the largest size asked: `_previous_max_cache_length`); for each
   batch size, a short generate per prompt bucket captures that bucket's graph (rows left-padded too, above batch 1),
   and the first one also the decoding step's;
-- the default cache: a prompt of each divisibility Triton specialises an integer argument on (a multiple of 16, and
-  not), for each batch size, left-padded too above batch 1 (fla's variable-length kernels), each with decoding steps;
-  where `max_length` allows, also the shortest prompts that run in pieces of tokens (token_chunks; fla's kernels then
-  take the state carried from the piece before, a tuning key of theirs), their last piece of each divisibility; and
-  with FP8 weights, the prompts that reach each row tile of their products (`fp8_layers.fp8_tuning_prompt_lengths`).
+- the dynamic cache (`cache_implementation="dynamic"`, beam search): a prompt of each divisibility Triton
+  specialises an integer argument on (a multiple of 16, and not), for each batch size, left-padded too above batch 1
+  (fla's variable-length kernels), each with decoding steps; where `max_length` allows, also the shortest prompts
+  that run in pieces of tokens (token_chunks; fla's kernels then take the state carried from the piece before, a
+  tuning key of theirs), their last piece of each divisibility; and with FP8 weights, the prompts that reach each
+  row tile of their products (`fp8_layers.fp8_tuning_prompt_lengths`).
 
 It refuses, in one line and before allocating anything, a length past the model's positions or a static cache that
 would not fit in memory, and prints what it did and the seconds it took.
@@ -90,7 +91,7 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
     model.eval()
     try:
         with torch.no_grad(), autotuning():
-            # the default cache first: its decoding steps stack projection weights into shared storage once
+            # the dynamic cache first: its decoding steps stack projection weights into shared storage once
             # (fused_projections), which graphs captured before would read as moved weights and capture again
             for batch in sizes:
                 for padded in (False, True) if batch > 1 else (False,):
