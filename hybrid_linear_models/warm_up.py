@@ -41,7 +41,7 @@ from .static_cache_slots import static_cache_slots
 from .token_chunks import shortest_chunked_length
 
 NEW_TOKENS = 2  # per warm-up generate: the prefill, then a decoding step (the first replayed or run uncaptured)
-DEFAULT_CACHE_LENGTHS = (64, 65)  # a multiple of 16 and not: the two specialisations of a length argument
+DYNAMIC_CACHE_LENGTHS = (64, 65)  # a multiple of 16 and not: the two specialisations of a length argument
 
 
 @dataclass
@@ -95,7 +95,7 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             # (fused_projections), which graphs captured before would read as moved weights and capture again
             for batch in sizes:
                 for padded in (False, True) if batch > 1 else (False,):
-                    for length in _default_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)):
+                    for length in _dynamic_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)):
                         _generate(model, batch, length, padded, device, "dynamic")
                         calls += 1
             if graphs:
@@ -139,10 +139,10 @@ def _capture_steps_and_prompts(model, sizes, slots: int, device: torch.device, p
     return calls
 
 
-def _default_cache_lengths(max_length: int, tiles: Sequence[int] = ()) -> list[int]:
-    """The prompt lengths of the default cache's warm-up (see the module docstring), with `tiles` (the lengths that
+def _dynamic_cache_lengths(max_length: int, tiles: Sequence[int] = ()) -> list[int]:
+    """The prompt lengths of the dynamic cache's warm-up (see the module docstring), with `tiles` (the lengths that
     reach the FP8 products' row tiles), that fit in `max_length`."""
-    lengths = [*DEFAULT_CACHE_LENGTHS, *tiles]
+    lengths = [*DYNAMIC_CACHE_LENGTHS, *tiles]
     chunked = shortest_chunked_length()
     if chunked + 1 + NEW_TOKENS <= max_length:
         lengths += [chunked, chunked + 1]

@@ -101,7 +101,7 @@ def test_after_warm_up_no_request_it_covers_captures_and_outputs_match(graphs, c
     captured = (len(steps), len(prompts))
     requests = [(batch, length) for batch in (1, 2) for length in (2, 7, 64, 65, 130, 250, 297)]
     graphed = [_generate(model, *_ids(batch, length, length)) for batch, length in requests[:7]]
-    _generate(model, *_ids(2, 50, 1), cache_implementation=None)  # (the default cache between them moves nothing)
+    _generate(model, *_ids(2, 50, 1), cache_implementation="dynamic")  # (the dynamic cache between: moves nothing)
     graphed += [_generate(model, *_ids(batch, length, length)) for batch, length in requests[7:]]
     assert (len(steps), len(prompts)) == captured  # nothing captured after the warm-up
     model.set_cuda_graph_decoding(False)
@@ -140,9 +140,9 @@ def test_the_default_cache_warm_up_covers_prompts_run_in_pieces(monkeypatch):
     """Where max_length allows, the warm-up's default-cache prompts include ones run in pieces of tokens
     (token_chunks), their last piece of each divisibility by 16 (a Triton specialisation); none past max_length."""
     monkeypatch.setattr(token_chunks, "TOKENS_PER_CHUNK", 128)
-    pieces = {n: token_chunks.chunk_bounds(n) for n in warm_up._default_cache_lengths(1000)}
+    pieces = {n: token_chunks.chunk_bounds(n) for n in warm_up._dynamic_cache_lengths(1000)}
     last = {(bounds[-1] - bounds[-2]) % 16 == 0 for bounds in pieces.values() if len(bounds) > 2}
     assert last == {True, False}
     for max_length in (100, 194):
         assert all(len(token_chunks.chunk_bounds(n)) == 2 and n <= max_length - warm_up.NEW_TOKENS
-                   for n in warm_up._default_cache_lengths(max_length))
+                   for n in warm_up._dynamic_cache_lengths(max_length))
