@@ -627,8 +627,13 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             warn_past_positions(self.model, generation_config.max_length, "the prompt plus max_new_tokens")
 
     def captures_graphs_on(self, device: torch.device) -> bool:
-        """Whether graph decoding is on and captures steps and prompts on `device`."""
-        return self._graph_decoder is not None and device.type in CudaGraphDecoder.device_types
+        """Whether graph decoding is on and captures steps and prompts on `device`: not for a model that a device
+        map dispatches over several devices or offloads (`hf_device_map`), whose forward a graph of one device's
+        stream would not hold."""
+        placements = {f"cuda:{where}" if isinstance(where, int) else str(where)
+                      for where in (getattr(self, "hf_device_map", None) or {}).values()}
+        return (self._graph_decoder is not None and device.type in CudaGraphDecoder.device_types
+                and len(placements) <= 1 and not placements & {"cpu", "disk", "meta"})
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         # `generate` would torch.compile the forward for a static cache; on CUDA, our captured decoding step serves

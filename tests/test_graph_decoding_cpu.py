@@ -447,6 +447,20 @@ def test_graphs_off_or_a_refused_static_cache_keep_the_dynamic_cache(eager_graph
         _plain_generate(model, input_ids, cache_implementation="static")
 
 
+@pytest.mark.parametrize("device_map", [{"model": 0, "lm_head": 1}, {"model": 0, "lm_head": "cpu"}],
+                         ids=["two devices", "offloaded"])
+def test_a_model_dispatched_over_devices_captures_nothing(eager_graphs, device_map):
+    """A device map over several devices (or offloading to the host): a graph records one device's stream, so
+    nothing is captured and generate keeps the dynamic cache."""
+    model = tiny_model(LAYERS).eval()
+    model.hf_device_map = device_map
+    assert not model.captures_graphs_on(torch.device("cpu"))
+    out = _plain_generate(model, torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(1)))
+    assert not isinstance(out.past_key_values, StaticCache) and not eager_graphs
+    model.hf_device_map = {"": 0}
+    assert model.captures_graphs_on(torch.device("cpu"))  # (one device: the stand-in's graphs apply)
+
+
 def test_a_returned_static_cache_too_short_for_a_follow_up_names_the_dynamic_cache(eager_graphs):
     """The static cache generate chose and returned, passed back for a longer follow-up: refused before any write,
     with the fix (a larger cache, a new one, or cache_implementation="dynamic")."""
