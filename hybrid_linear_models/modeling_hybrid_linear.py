@@ -678,14 +678,17 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         is not captured: capture_obstacle), when neither a cache nor a `cache_implementation` is given. The captured
         step decodes over 10x faster than the eager one at batch 1, with the same tokens;
         `cache_implementation="dynamic"` keeps transformers' default cache. Not for a drafter inside transformers'
-        assisted loop (`is_assistant`): that loop extends the drafter's cache past the length of its first call.
-        Where the static cache is refused (past the model's positions or the memory), the dynamic one is taken, as
-        without this choice."""
+        assisted loop (`is_assistant`): that loop extends the drafter's cache past the length of its first call; nor
+        in a process group of several ranks (tensor or expert parallelism, FSDP, ZeRO-3: a step whose collectives a
+        graph would have to hold, every rank alike), where it is asked for by name. Where the static cache is refused
+        (past the model's positions or the memory), the dynamic one is taken, as without this choice."""
+        ranks = torch.distributed.get_world_size() if (torch.distributed.is_available()
+                                                       and torch.distributed.is_initialized()) else 1
         return (mode in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.ASSISTED_GENERATION)
                 and model_kwargs.get("cache") is None and generation_config.cache_implementation is None
                 and generation_config.use_cache is not False and not generation_config.is_assistant
                 and not generation_config.output_attentions and not generation_config.output_hidden_states
-                and self.captures_graphs_on(self.device) and capture_obstacle(self, None) is None)
+                and ranks == 1 and self.captures_graphs_on(self.device) and capture_obstacle(self, None) is None)
 
     def _prepare_static_cache(self, *args, **kwargs) -> Cache:
         # `generate`'s static cache: where graph decoding captures (CUDA, graphs on), its key slots rounded up to one

@@ -461,6 +461,17 @@ def test_a_model_dispatched_over_devices_captures_nothing(eager_graphs, device_m
     assert model.captures_graphs_on(torch.device("cpu"))  # (one device: the stand-in's graphs apply)
 
 
+def test_a_process_group_of_several_ranks_keeps_the_dynamic_cache(eager_graphs, monkeypatch):
+    """Under tensor or expert parallelism, FSDP or ZeRO-3 every rank's step holds collectives: generate keeps
+    transformers' default there, and a static cache is taken only where asked for."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *group: 2)
+    model = tiny_model(LAYERS).eval()
+    input_ids = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    assert not isinstance(_plain_generate(model, input_ids).past_key_values, StaticCache)
+    assert isinstance(_plain_generate(model, input_ids, cache_implementation="static").past_key_values, StaticCache)
+
+
 def test_a_returned_static_cache_too_short_for_a_follow_up_names_the_dynamic_cache(eager_graphs):
     """The static cache generate chose and returned, passed back for a longer follow-up: refused before any write,
     with the fix (a larger cache, a new one, or cache_implementation="dynamic")."""
