@@ -225,8 +225,9 @@ def main() -> None:
 
 
 def process_start(device, dtype) -> str:
-    """What a process's first generate would pay before any of this package's kernels: importing fla (this package
-    imports it at the first CUDA call that reaches it) and the device libraries' first GEMM and attention call."""
+    """What a process's first generate would pay before any of this package's kernels: importing fla (none left to
+    pay once the model is on the GPU: moving it there imports fla) and the device libraries' first GEMM and attention
+    call."""
     import torch
     import torch.nn.functional as F
 
