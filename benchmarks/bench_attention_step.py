@@ -1,20 +1,21 @@
 """The attention step's kernels (kernels_attention_step_triton: a decoding step's or a verify round's full-attention
-layer against a static cache) at long caches: the split limit the package takes against `MAX_SPLITS` splits, side by
-side in one run.
+layer against a static cache) at long caches: the package's settings against `MAX_SPLITS` splits, against the tile
+loop without its software pipeline, and against other settings where asked, side by side in one run.
 
 For each case (batch, tokens a row, cache slots; the GDN benchmark model's attention, 16 query and 2 KV heads of 256,
 gated, bf16, every slot before the step's filled) it captures `attention_step` in a CUDA graph and times replays (the
-median of `--repeats`), once with `split_limit` (more splits where the rows leave multiprocessors idle) and once with
-it fixed to `MAX_SPLITS`, in turn (A B A B, the best of each): microseconds, the rate at which the keys and values are
-read (TB/s), and the ratio. Without CUDA it says so and exits.
+median of `--repeats`) with each side's settings in turn (A B A B, the best of each): microseconds, the rate at which
+the keys and values are read (TB/s), and how many times faster the package's settings are. Without CUDA it says so
+and exits.
 
     python benchmarks/bench_attention_step.py [--heads 16] [--kv-heads 2] [--head-dim 256] [--repeats 20]
-        [--cases 1x1x131072 1x4x131072 16x1x16384 ...]
+        [--cases 1x1x131072 1x4x131072 16x1x16384 ...] [--variants slots_per_tile=64,stages=2 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -65,6 +66,27 @@ def step_call(batch: int, tokens: int, slots: int, heads: int, kv_heads: int, wi
                                   width ** -0.5, heads, True)
 
 
+def variants(kernels, asked: list[str]) -> dict[str, dict]:
+    """The sides timed against the package's kernels, each the module functions it replaces: `MAX_SPLITS` splits,
+    the tile loop without its software pipeline, and each of `asked` ("FIELD=VALUE[,FIELD=VALUE]": fields of the
+    `AttendSettings` the package chooses, e.g. "slots_per_tile=64,stages=2")."""
+    fields = {field.name for field in dataclasses.fields(kernels.AttendSettings)}
+    chosen = kernels.attend_settings
+
+    def replaced(**changes):
+        return {"attend_settings": lambda *args: dataclasses.replace(chosen(*args), **changes)}
+
+    sides = {"package": {}, f"{kernels.MAX_SPLITS} splits": {"split_limit": lambda *args: kernels.MAX_SPLITS},
+             "no pipeline": replaced(stages=0)}
+    for variant in asked:
+        changes = dict(item.split("=") for item in variant.split(","))
+        if not set(changes) <= fields:
+            raise SystemExit(f"bench_attention_step: {sorted(set(changes) - fields)} are not fields of AttendSettings "
+                             f"({sorted(fields)})")
+        sides[variant] = replaced(**{name: int(value) for name, value in changes.items()})
+    return sides
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--heads", type=int, default=16)
@@ -72,35 +94,50 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--cases", nargs="+", default=CASES, help="BATCHxTOKENSxSLOTS")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="also these settings, each FIELD=VALUE[,FIELD=VALUE] of AttendSettings (e.g. stages=2)")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
     if not torch.cuda.is_available():
         print("bench_attention_step.py: skipped, it times the attention step's Triton kernels and needs a CUDA device")
         return
+    import triton
+
     from hybrid_linear_models import kernels_attention_step_triton as kernels
 
-    package_limit = kernels.split_limit
-    sides = {"split_limit": package_limit, f"{kernels.MAX_SPLITS} splits": lambda device, programs: kernels.MAX_SPLITS}
+    sides = variants(kernels, args.variants)
     print(f"{args.heads} query / {args.kv_heads} KV heads of {args.head_dim}, bf16; "
-          f"{torch.cuda.get_device_properties(0).multi_processor_count} multiprocessors")
-    print(f"{'batch x tokens x slots':>24} | {'split_limit us':>14} {'TB/s':>5} | "
-          f"{f'{kernels.MAX_SPLITS} splits us':>12} {'TB/s':>5} | faster")
+          f"{torch.cuda.get_device_properties(0).multi_processor_count} multiprocessors; us (TB/s of keys and values "
+          "read), and the package's speed-up over each other side")
+    for number, side in enumerate(sides):
+        print(f"  side {number}: {side}")
+    print(f"{'batch x tokens x slots':>24} | " + " | ".join(f"{f'side {n}':>22}" for n in range(len(sides))))
     replay_us(step_call(1, 1, 1024, args.heads, args.kv_heads, args.head_dim), args.repeats)  # (clocks up)
     for case in args.cases:
         batch, tokens, slots = (int(n) for n in case.split("x"))
         run = step_call(batch, tokens, slots, args.heads, args.kv_heads, args.head_dim)
         read = 2 * batch * args.kv_heads * slots * args.head_dim * 2  # keys and values, bf16
         best = dict.fromkeys(sides, float("inf"))
-        try:
-            for _ in range(2):
-                for side, limit in sides.items():
-                    kernels.split_limit = limit
+        for _ in range(2):  # A B A B: the best of each
+            for side, patches in sides.items():
+                kept = {name: getattr(kernels, name) for name in patches}
+                try:
+                    for name, value in patches.items():
+                        setattr(kernels, name, value)
                     best[side] = min(best[side], replay_us(run, args.repeats))
-        finally:
-            kernels.split_limit = package_limit
-        ours, fixed = best.values()
-        print(f"{case:>24} | {ours:14.1f} {read / ours / 1e6:5.2f} | {fixed:12.1f} {read / fixed / 1e6:5.2f} | "
-              f"{fixed / ours:.2f}x", flush=True)
+                except triton.runtime.errors.OutOfResources:  # (a setting whose tiles exceed shared memory)
+                    best[side] = float("nan")
+                finally:
+                    for name, value in kept.items():
+                        setattr(kernels, name, value)
+        ours = best["package"]
+        cells = [f"{us:8.1f} ({read / us / 1e6:4.2f})" + (f" {us / ours:5.2f}x" if side != "package" else " " * 7)
+                 for side, us in best.items()]
+        print(f"{case:>24} | " + " | ".join(cells), flush=True)
+        for key, stages in kernels._stages_that_fit.items():  # (settings whose tiles exceeded shared memory)
+            if stages < key[5].stages:
+                print(f"{'':>24}   {key[5]} ran with {stages} stages: more do not fit shared memory")
+        kernels._stages_that_fit.clear()
         del run
         torch.cuda.empty_cache()
 

@@ -111,7 +111,8 @@ def is_oom(error: BaseException) -> bool:
 
 
 def prefill(model, input_ids: torch.Tensor, repeats: int) -> dict:
-    """First and best warm seconds of the prefill, and the warm calls' peak memory (GiB; None off CUDA)."""
+    """First and best warm seconds of the prefill (no warm call for `repeats` 0: warm None), and the warm calls' peak
+    memory (GiB; the first call's without warm calls; None off CUDA)."""
     device = input_ids.device
 
     def once() -> float:
@@ -121,11 +122,13 @@ def prefill(model, input_ids: torch.Tensor, repeats: int) -> dict:
         del out
         return seconds
 
+    if device.type == "cuda" and not repeats:  # (the peak of the first call, the only one)
+        torch.cuda.reset_peak_memory_stats(device)
     first = once()
-    if device.type == "cuda":
+    if device.type == "cuda" and repeats:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    warm = min(once() for _ in range(repeats))
+    warm = min(once() for _ in range(repeats)) if repeats else None
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"first_s": first, "warm_s": warm, "peak_gib": peak}
 
@@ -221,7 +224,7 @@ def print_table(model: str, results: dict[str, list[dict]], args) -> None:
     print(f"\n{model} vs {PEERS[model]}: batch 1, prefill `model(ids, use_cache=True, logits_to_keep=1)`, "
           f"decoding {args.decode_steps} steps at that context (ours: static cache, CUDA graphs)")
     print(f"{'tokens':>9} | {'side':<12} {'first tok/s':>12} {'warm tok/s':>11} {'peak GiB':>9} | "
-          f"{'decode tok/s':>12} {'limit tok/s':>11} {'share':>6} | {'warm ratio':>10} {'decode ratio':>12}")
+          f"{'decode tok/s':>12} {'limit tok/s':>11} {'share':>6} | {'prefill ratio':>13} {'decode ratio':>12}")
     by_length = {side: {row["length"]: row for row in rows} for side, rows in results.items()}
     for length in sorted(args.lengths):
         theirs = by_length.get("transformers", {}).get(length)
@@ -235,15 +238,16 @@ def print_table(model: str, results: dict[str, list[dict]], args) -> None:
                 print(f"{length:>9} | {side:<12} {text}")
                 continue
             first = length / row["first_s"]
-            warm = length / row["warm_s"]
+            warm = format(length / row["warm_s"], ".0f") if row.get("warm_s") else ""
             share = (format(row["decode_tok_s"] / row["limit_tok_s"], ".1%")
                      if row.get("limit_tok_s") and row.get("decode_tok_s") else "")
             ratios = ""
             if side == "ours" and theirs is not None and "error" not in theirs:
-                ratios = f"{theirs['warm_s'] / row['warm_s']:>9.2f}x"
+                timed_as = "warm_s" if row.get("warm_s") and theirs.get("warm_s") else "first_s"  # (--repeats 0)
+                ratios = f"{theirs[timed_as] / row[timed_as]:>9.2f}x" + ("" if timed_as == "warm_s" else " (first)")
                 if row.get("decode_tok_s") and theirs.get("decode_tok_s"):
                     ratios += f" {row['decode_tok_s'] / theirs['decode_tok_s']:>11.2f}x"
-            print(f"{length:>9} | {side:<12} {first:>12.0f} {warm:>11.0f} {cell(row, 'peak_gib', '9.2f'):>9} | "
+            print(f"{length:>9} | {side:<12} {first:>12.0f} {warm:>11} {cell(row, 'peak_gib', '9.2f'):>9} | "
                   f"{cell(row, 'decode_tok_s', '12.1f'):>12} {cell(row, 'limit_tok_s', '11.0f'):>11} {share:>6} | "
                   f"{ratios}")
 
@@ -255,7 +259,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--lengths", type=int, nargs="+")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="warm prefill calls after the first (0: the first only, the ratio then between first calls;"
+                             " a 1M-token prompt takes a minute a call)")
     parser.add_argument("--decode-steps", type=int, default=None, help="0: no decoding (default 32, --tiny 4)")
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0,
                         help="the GPU's memory bandwidth in GB/s for the bytes-per-step limit (H200: 4800)")
@@ -267,8 +273,8 @@ def main() -> None:
     args.lengths = args.lengths or list(TINY_LENGTHS if args.tiny else LENGTHS)
     if args.decode_steps is None:
         args.decode_steps = 4 if args.tiny else 32
-    if min(args.lengths) < 2 or args.repeats < 1 or args.decode_steps < 0:
-        raise SystemExit("bench_long_context: need --lengths of at least 2 tokens, --repeats >= 1 and "
+    if min(args.lengths) < 2 or args.repeats < 0 or args.decode_steps < 0:
+        raise SystemExit("bench_long_context: need --lengths of at least 2 tokens, --repeats >= 0 and "
                          "--decode-steps >= 0")
     if args.device == "cpu":
         # --tiny on one thread: the smoke run's tensors are tiny, and a second thread waits for a core that

@@ -16,21 +16,25 @@ additive mask's row for it ([B or 1, T or 1, slots]), the causal order between t
    head i % G of the group; padded to 16, at most `MAX_ROW_BLOCK` a program), scores in float32 plus each token's
    mask row, an online softmax over its slots, probabilities rounded to the value dtype for the P V product (as fused
    attention kernels do), the partial sums kept in float32 (those of the real query rows stored). Slots past the last
-   token's own are not written yet, or hold a rejected round's keys (masked anyway): their blocks are skipped. A
+   token's own are not written yet, or hold a rejected round's keys (masked anyway): their tiles are skipped. A
    tile's values are loaded with its keys (one memory round trip a tile). The cache's slot count, the mask's strides,
-   the tiles per split and the split count are runtime arguments (`tiles` tiles of `BLOCK_SLOTS` a split, `splits`
-   splits covering the slots, at most `split_limit`), none specialised: one compiled kernel per head layout and token
-   count serves a static cache of any length (generation makes one of prompt plus new tokens per call).
-   The split limit: `MAX_SPLITS`, or, where the rows, KV heads and row blocks are too few for it to give every
-   multiprocessor `PROGRAMS_PER_SM` programs, that many. A program streams its tiles one after another, so one
-   program per multiprocessor leaves the memory idle between a tile's loads and its products; two keep it busy.
-   At batch 1 with 2 KV heads (the benchmark models) a long cache then gets up to 132 splits on an H200 (132
-   multiprocessors), not 64. One token, 16 query heads of 256, bf16, a replayed step's three kernels: at 131,072 /
-   262,144 / 1,048,576 slots 110 / 188 / 637 us (2.4 / 2.9 / 3.4 TB/s of keys and values read) against 160 / 300 /
-   1,151 us with 64 splits (1.7-1.9 TB/s); a verify round's 4 tokens at 131,072 slots 146 against 247 us; batch 16
-   (rows that fill the GPU: 64 splits either way) 192 us at 16,384 slots. In a sweep of 64 to 512 splits, 32 or 64
-   slots a tile and 4 or 8 warps, about 128 splits of 64 slots with 4 warps were fastest at every length from 131,072
-   (`benchmarks/bench_attention_step.py` times the split limit against 64 splits).
+   the tiles per split and the split count are runtime arguments (`tiles` tiles a split, `splits` splits covering the
+   slots, at most `split_limit`), none specialised: one compiled kernel per head layout and token count serves a
+   static cache of any length (generation makes one of prompt plus new tokens per call).
+   How a program streams its slots is an `AttendSettings` (`attend_settings`, by head width and query rows): tiles of
+   `slots_per_tile` slots; on a GPU the tile loop software-pipelined, `stages` tiles' loads in flight while a tile's
+   products run (a loop that waits for each tile's loads leaves the memory idle between them); `warps` a program;
+   and the split limit: `MAX_SPLITS`, or, where the rows, KV heads and row blocks are too few for that to give every
+   multiprocessor `programs_per_sm` programs, that many (at batch 1 with 2 KV heads, the benchmark models, 66 or 132
+   splits on an H200's 132 multiprocessors). Heads of up to 128 take tiles of 128 slots: with few rows 3 stages, 8
+   warps and one program a multiprocessor (192 KiB of tiles in flight each), with many 2 stages. Heads of 256 take
+   tiles of 32 with 3 stages, and no pipeline for blocks of more than 32 query rows (the float32 accumulator of 64
+   rows fills the registers; stages make it spill). Where a compiled kernel needs more shared memory than the GPU has
+   (an A100's 164 KiB a program against an H200's 227), it runs with the stages that fit (`_launch_in_shared_memory`).
+   One token, 16 query / 2 KV heads, bf16, a replayed step's three kernels (`benchmarks/bench_attention_step.py`,
+   H200): heads of 128 at 131,072 / 1,048,576 slots 52.0 / 301.7 us (2.58 / 3.56 TB/s of keys and values read),
+   heads of 256 96.1 / 599.0 us (2.79 / 3.58 TB/s); tiles of 64 slots without a pipeline take 1.12-1.57x these
+   times (docs/performance.md).
 3. `_combine_kernel`, one program per (row, token, query head): the splits' partial sums merged by their maxima,
    divided by the softmax's sum, rounded, then the output gate sigmoid(gate) (rounded, and the product rounded, as
    torch's ops). The splits are loaded together, `CHUNK` of them at once (fixed per head width D: min(MAX_SPLITS,
@@ -46,23 +50,48 @@ Imported only for CUDA tensors (triton needs a GPU driver), or in tests under tr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError as error:
     raise ImportError("the fused attention step needs triton (a CUDA machine)") from error
 
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
-BLOCK_SLOTS = 64  # cache slots per tl.dot tile
 MAX_ROW_BLOCK = 64  # query rows (heads of a KV group x tokens) per `_attend_kernel` program at most
 MAX_SPLITS = 64  # programs per (row, KV head, row block) at most where they fill the GPU: a split then covers several
 # tiles
-PROGRAMS_PER_SM = 2  # `_attend_kernel` programs a multiprocessor gets where the rows leave it idle (`split_limit`)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttendSettings:
+    """How `_attend_kernel` streams the cache: `slots_per_tile` slots a tl.dot tile, `stages` tiles in flight (the
+    tile loop's software pipeline on a GPU; 0: a loop that waits for each tile's loads), `warps` a program, and
+    `programs_per_sm` the programs a multiprocessor gets where the rows leave it idle (`split_limit`)."""
+
+    slots_per_tile: int
+    stages: int
+    warps: int
+    programs_per_sm: int
+
+
+# measured on an H200 (`benchmarks/bench_attention_step.py`; the module docstring): heads of up to 128 where the rows
+# (batch x KV heads x row blocks) are too few to fill the GPU (a long cache at batch 1: few deep programs, 192 KiB of
+# tiles in flight each) and where they fill it; wider heads (256) either way (their tiles need more registers)
+NARROW_FEW_ROWS = AttendSettings(slots_per_tile=128, stages=3, warps=8, programs_per_sm=1)
+NARROW_MANY_ROWS = AttendSettings(slots_per_tile=128, stages=2, warps=4, programs_per_sm=2)
+WIDE_HEADS = AttendSettings(slots_per_tile=32, stages=3, warps=4, programs_per_sm=2)
+# wider heads with blocks of more than 32 query rows (a verify round of 5 tokens or more for a group of 8): the float32
+# accumulator of 64 rows fills the registers, and a pipeline's tiles in flight make it spill (1.7x slower)
+WIDE_HEADS_MANY_QUERIES = AttendSettings(slots_per_tile=32, stages=0, warps=4, programs_per_sm=2)
 COMBINED_ELEMENTS = 8192  # partial sums (splits x head dim) `_combine_kernel` loads at once (64 registers a thread)
 
 
@@ -126,13 +155,38 @@ def _prepare_kernel(qkv_ptr, stride_qkv, query_ptr, keys_ptr, values_ptr, slot_p
                  value.to(values_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _attend_tile(query, keys_ptr, values_ptr, mask_rows, real, start, last, slots, stride_kl, stride_vl, scale,
+                 running_max, running_sum, acc, D: tl.constexpr, BLOCK: tl.constexpr):
+    """The online softmax of `_attend_kernel` one tile further: slots start .. start + BLOCK - 1 of one KV head (its
+    keys_ptr / values_ptr), returning the new running maxima, sums and accumulators."""
+    d = tl.arange(0, D)
+    s_idx = start + tl.arange(0, BLOCK)
+    seen = (s_idx < slots) & (s_idx <= last)
+    keys = tl.load(keys_ptr + s_idx[:, None] * stride_kl + d[None, :], mask=seen[:, None], other=0.0)
+    # the values with the keys: one memory round trip for the tile, not a second one after the softmax
+    values = tl.load(values_ptr + s_idx[:, None] * stride_vl + d[None, :], mask=seen[:, None], other=0.0)
+    scores = tl.dot(query, tl.trans(keys))  # [ROWS, BLOCK], float32
+    visible = real[:, None] & seen[None, :]
+    added = tl.load(mask_rows[:, None] + s_idx[None, :], mask=visible, other=float("-inf")).to(tl.float32)
+    scores = tl.where(visible, scores * scale + added, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    base = tl.where(new_max == float("-inf"), 0.0, new_max)
+    kept = tl.exp(running_max - base)
+    probs = tl.exp(scores - base[:, None])
+    running_sum = running_sum * kept + tl.sum(probs, axis=1)
+    acc = acc * kept[:, None] + tl.dot(probs.to(values.dtype), values)
+    return new_max, running_sum, acc
+
+
 # the cache length's arguments are not specialised (by value 1 or divisibility by 16), so that no length compiles a
 # kernel of its own; the cache's strides scale with it too but stay multiples of D >= 16
 @triton.jit(do_not_specialize=["stride_mask_b", "stride_mask_t", "slots", "tiles", "splits"])
 def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask_b, stride_mask_t, slot_ptr, stride_slot,
                    acc_ptr, max_ptr, sum_ptr, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl, scale,
                    slots, tiles, splits, T: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr,
-                   ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                   ROWS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                   PDL: tl.constexpr = False):
     await_previous_kernel(PDL)
     bj = tl.program_id(0)
     split = tl.program_id(1)
@@ -145,33 +199,27 @@ def _attend_kernel(query_ptr, keys_ptr, values_ptr, mask_ptr, stride_mask_b, str
     query = tl.load(query_ptr + ((b * T + t) * H + j * G + i % G)[:, None] * D + d[None, :], mask=real[:, None],
                     other=0.0)
     last = tl.load(slot_ptr + b * stride_slot) + T - 1  # the last token's own slot: later ones are not written yet
+    keys_ptr += b * stride_kb + j * stride_kh
+    values_ptr += b * stride_vb + j * stride_vh
     mask_rows = mask_ptr + b * stride_mask_b + t * stride_mask_t
     running_max = tl.full([ROWS], float("-inf"), tl.float32)
     running_sum = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
-    tile = 0
-    while tile < tiles:  # (while, not range: triton's interpreter takes no runtime range bound under numpy >= 2.4)
-        start = (split * tiles + tile) * BLOCK
-        if start <= last:
-            s_idx = start + tl.arange(0, BLOCK)
-            seen = (s_idx < slots) & (s_idx <= last)
-            keys = tl.load(keys_ptr + b * stride_kb + j * stride_kh + s_idx[:, None] * stride_kl + d[None, :],
-                           mask=seen[:, None], other=0.0)
-            # the values with the keys: one memory round trip for the tile, not a second one after the softmax
-            values = tl.load(values_ptr + b * stride_vb + j * stride_vh + s_idx[:, None] * stride_vl + d[None, :],
-                             mask=seen[:, None], other=0.0)
-            scores = tl.dot(query, tl.trans(keys))  # [ROWS, BLOCK], float32
-            visible = real[:, None] & seen[None, :]
-            added = tl.load(mask_rows[:, None] + s_idx[None, :], mask=visible, other=float("-inf")).to(tl.float32)
-            scores = tl.where(visible, scores * scale + added, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            base = tl.where(new_max == float("-inf"), 0.0, new_max)
-            kept = tl.exp(running_max - base)
-            probs = tl.exp(scores - base[:, None])
-            running_sum = running_sum * kept + tl.sum(probs, axis=1)
-            acc = acc * kept[:, None] + tl.dot(probs.to(values.dtype), values)
-            running_max = new_max
-        tile += 1
+    first_tile = split * tiles
+    written = tl.minimum(tiles, last // BLOCK + 1 - first_tile)  # the split's tiles up to the last one written (<= 0:
+    # none)
+    if STAGES > 0:  # a compiled kernel: the loop's loads issued STAGES - 1 tiles ahead of their products
+        for tile in tl.range(0, written, num_stages=STAGES):
+            running_max, running_sum, acc = _attend_tile(
+                query, keys_ptr, values_ptr, mask_rows, real, (first_tile + tile) * BLOCK, last, slots, stride_kl,
+                stride_vl, scale, running_max, running_sum, acc, D, BLOCK)
+    else:  # (triton's interpreter, whose range takes no runtime bound under numpy >= 2.4)
+        tile = 0
+        while tile < written:
+            running_max, running_sum, acc = _attend_tile(
+                query, keys_ptr, values_ptr, mask_rows, real, (first_tile + tile) * BLOCK, last, slots, stride_kl,
+                stride_vl, scale, running_max, running_sum, acc, D, BLOCK)
+            tile += 1
     part = (bj * splits + split) * (tl.num_programs(2) * ROWS) + i
     tl.store(max_ptr + part, running_max, mask=real)  # (the padding rows: nothing reads them)
     tl.store(sum_ptr + part, running_sum, mask=real)
@@ -221,19 +269,49 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_limit(device: torch.device, programs_per_split: int) -> int:
-    """The splits of the cache slots `_attend_kernel` may use when each split runs `programs_per_split` programs
-    (rows x KV heads x row blocks): MAX_SPLITS, or more where that leaves a CUDA device's multiprocessors fewer than
-    PROGRAMS_PER_SM programs each (the module docstring)."""
+def attend_settings(device: torch.device, head_dim: int, row_block: int, programs_per_split: int) -> AttendSettings:
+    """The `AttendSettings` of heads of `head_dim`, blocks of `row_block` query rows, and splits that run
+    `programs_per_split` programs each (rows x KV heads x row blocks): few rows where `MAX_SPLITS` splits would leave
+    a CUDA device's multiprocessors under two programs each."""
+    if head_dim > 128:
+        return WIDE_HEADS if row_block <= 32 else WIDE_HEADS_MANY_QUERIES
+    few = device.type == "cuda" and MAX_SPLITS * programs_per_split < 2 * _multiprocessors(device)
+    return NARROW_FEW_ROWS if few else NARROW_MANY_ROWS
+
+
+def split_limit(device: torch.device, programs_per_split: int, programs_per_sm: int) -> int:
+    """The splits of the cache slots `_attend_kernel` may use when each split runs `programs_per_split` programs:
+    MAX_SPLITS, or more where that leaves a CUDA device's multiprocessors fewer than `programs_per_sm` programs each
+    (the module docstring)."""
     if device.type != "cuda":  # (triton's interpreter)
         return MAX_SPLITS
-    return max(MAX_SPLITS, PROGRAMS_PER_SM * _multiprocessors(device) // programs_per_split)
+    return max(MAX_SPLITS, programs_per_sm * _multiprocessors(device) // programs_per_split)
 
 
 def combined_splits(head_dim: int) -> int:
     """The splits `_combine_kernel` loads at once for heads of width `head_dim` (a power of two): as many as
     `COMBINED_ELEMENTS` partial sums hold, at most `MAX_SPLITS`; a power of two, whatever the cache's length."""
     return max(min(MAX_SPLITS, COMBINED_ELEMENTS // head_dim), 1)
+
+
+_stages_that_fit: dict[tuple, int] = {}  # (device, layout, settings, dtypes) -> the pipeline stages its kernel took
+
+
+def _launch_in_shared_memory(attend: Callable[..., Any], stages: int, key: tuple) -> None:
+    """attend(STAGES=stages), with fewer stages where the compiled kernel needs more shared memory than the device
+    has (the settings were measured on an H200; triton raises OutOfResources as it loads the kernel, before any
+    launch): the stages that fit are kept per `key` for the next calls."""
+    stages = _stages_that_fit.get(key, stages)
+    while True:
+        try:
+            attend(STAGES=stages)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _stages_that_fit[key] = stages
+        return
 
 
 def _broadcast_strides(tensor: torch.Tensor, dims: tuple[int, int]) -> tuple[int, int]:
@@ -258,9 +336,12 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     rows = G * T  # query rows a KV head
     row_block = min(MAX_ROW_BLOCK, max(16, triton.next_power_of_2(rows)))
     row_blocks = triton.cdiv(rows, row_block)
+    settings = attend_settings(qkv.device, D, row_block, B * HKV * row_blocks)
+    block = settings.slots_per_tile
     # tiles a split: the splits within split_limit
-    tiles = triton.cdiv(triton.cdiv(slots, BLOCK_SLOTS), split_limit(qkv.device, B * HKV * row_blocks))
-    splits = triton.cdiv(slots, BLOCK_SLOTS * tiles)
+    tiles = triton.cdiv(triton.cdiv(slots, block), split_limit(qkv.device, B * HKV * row_blocks,
+                                                               settings.programs_per_sm))
+    splits = triton.cdiv(slots, block * tiles)
     query = qkv.new_empty(B, T, heads, D)
     norm = q_scale is not None
     launch = dependent_launch(qkv.device)
@@ -275,10 +356,15 @@ def attention_step(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     acc = qkv.new_empty(partial, D, dtype=torch.float32)
     maxima = qkv.new_empty(partial, dtype=torch.float32)
     sums = qkv.new_empty(partial, dtype=torch.float32)
-    _attend_kernel[(B * HKV, splits, row_blocks)](
-        query, keys, values, mask, *_broadcast_strides(mask, (0, 1)), first, slot_stride, acc, maxima, sums,
-        *keys.stride()[:3], *values.stride()[:3], scale, slots, tiles, splits, G=G, ROWS=row_block,
-        BLOCK=BLOCK_SLOTS, **common)
+    attend = functools.partial(
+        _attend_kernel[(B * HKV, splits, row_blocks)], query, keys, values, mask, *_broadcast_strides(mask, (0, 1)),
+        first, slot_stride, acc, maxima, sums, *keys.stride()[:3], *values.stride()[:3], scale, slots, tiles, splits,
+        G=G, ROWS=row_block, BLOCK=block, num_warps=settings.warps, **common)
+    if qkv.device.type != "cuda" or not settings.stages:  # (triton's interpreter, or settings without a pipeline)
+        attend(STAGES=0)
+    else:
+        _launch_in_shared_memory(attend, settings.stages, (qkv.device, T, G, D, row_block, settings, keys.dtype,
+                                                           mask.dtype, query.dtype))
     out = qkv.new_empty(B, T, heads * D)
     _combine_kernel[(B * T * heads,)](acc, maxima, sums, qkv, qkv.stride(0), out,
                                       splits, padded, G=G, CHUNK=combined_splits(D), GATE=gate, **common)

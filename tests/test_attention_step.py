@@ -204,9 +204,11 @@ def test_fused_step_is_taken_only_where_its_conditions_hold(monkeypatch):
 
 
 # (layout, tokens): a verify round's k, up to MAX_STEP_TOKENS; 16 tokens of a group of 8 query heads make 128 rows of a
-# KV head, two blocks of MAX_ROW_BLOCK
+# KV head, two blocks of MAX_ROW_BLOCK; the KDA benchmark's heads of 128 with 8 tokens, a block of 64 rows beside
+# tiles of 128 slots; the GDN
+# benchmark's heads of 256 with 3 tokens (24 rows: pipelined) and 5 (40 rows: `WIDE_HEADS_MANY_QUERIES`, no pipeline)
 ROUNDS = [("gqa2_partial", 2), ("gqa2_partial", 5), ("gqa8_whole_no_norm", 16), ("mha_no_gate", 4),
-          ("kda_benchmark", 4), ("gdn_benchmark", 3)]
+          ("kda_benchmark", 4), ("kda_benchmark", 8), ("gdn_benchmark", 3), ("gdn_benchmark", 5)]
 
 
 @pytest.mark.gpu
@@ -282,3 +284,35 @@ def _round(model, cache: VerifyCache, hidden: torch.Tensor, fused: bool) -> torc
     tables = inner._step_rotary_tables(hidden, cache.positions(tokens))[inner.rotary_of_layer[0]]
     mask = cache.attention_mask(tokens, cache.layers[0].window, hidden.dtype, eager=False)
     return _attention_layer(model, hidden, tables, mask, cache, fused)
+
+
+@runs_triton_kernels
+def test_attend_kernel_takes_the_stages_that_fit_shared_memory():
+    """Where the compiled attend kernel needs more shared memory than the device has (triton raises OutOfResources as
+    it loads the kernel, before a launch), it is launched with fewer pipeline stages, and the stages that fit are
+    kept for the layout's next calls; a kernel that fits at no stage count raises."""
+    from triton.runtime.errors import OutOfResources
+
+    from hybrid_linear_models import kernels_attention_step_triton as kernels
+
+    tried = []
+
+    def attend(STAGES):  # (the kernel's constexpr name)
+        tried.append(STAGES)
+        if STAGES > 2:
+            raise OutOfResources(278528, 232448, "shared memory")
+
+    key = ("test", "layout that fits 2 stages")
+    kernels._launch_in_shared_memory(attend, 4, key)
+    assert tried == [4, 3, 2] and kernels._stages_that_fit.pop(key) == 2
+    kernels._stages_that_fit[key] = 2
+    tried.clear()
+    kernels._launch_in_shared_memory(attend, 4, key)
+    assert tried == [2]
+    kernels._stages_that_fit.pop(key)
+
+    def never(STAGES):
+        raise OutOfResources(1, 0, "shared memory")
+
+    with pytest.raises(OutOfResources):
+        kernels._launch_in_shared_memory(never, 3, ("test", "layout that fits nothing"))

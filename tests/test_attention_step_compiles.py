@@ -19,8 +19,9 @@ import torch
 from model_helpers import runs_triton_kernels
 
 KERNELS = ("_prepare_kernel", "_attend_kernel", "_combine_kernel")
-# one slot, around a tile of 64 slots, several splits of one tile, past MAX_SPLITS tiles (two tiles a split)
-LENGTHS = (1, 15, 16, 17, 63, 64, 65, 1000, 4097)
+# one slot, around tiles of 32, 64 and 128 slots (the tile sizes of `AttendSettings`), several splits of one tile, past
+# the split limits (several tiles a split)
+LENGTHS = (1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 4097, 16385)
 # (heads, kv heads, head dim, batch): a group of 2 with a mask row per batch row, the GDN benchmark's 16/2 x 256 (the
 # combine's splits then loaded in two chunks) with one mask row for the batch
 HEAD_LAYOUTS = {"gqa2_d16_batch2": (4, 2, 16, 2), "gqa8_d256_batch1": (16, 2, 256, 1)}
