@@ -5,7 +5,7 @@
 #   steps: tests, gpu-model-tests, dispatch, training, training-kda, generation, generation-kda, profile, profile-kda,
 #   profile-decode, profile-flagships, verify-step, attention-step, decode-gemv, fp8-tests, fp8-linear, kimi-linear,
 #   moe-blocks, two-gpu, two-gpu-checks, two-gpu-moe, gate-test, graph-tests, trace, trace-dynamic, mtp-acceptance,
-#   save-tuning (or any command, quoted: its log is named after it)
+#   loading, save-tuning (or any command, quoted: its log is named after it)
 # SKIP_SETUP=1 skips the installs (for lanes started side by side on different GPUs after one set-up run).
 # DRY_RUN=1 prints each step's command and runs nothing (no set-up either): a check of the step names, anywhere.
 # Example call (two lanes, then the tuning cache saved): bash benchmarks/gpu_suite.sh; export DEADLINE=520;
@@ -82,6 +82,7 @@ for spec in "$@"; do
     trace) cmd="python3 benchmarks/bench_trace.py --device cuda" ;;  # 200 requests of distinct lengths, first calls timed
     trace-dynamic) cmd="python3 benchmarks/bench_trace.py --device cuda --cache dynamic" ;;
     mtp-acceptance) cmd="python3 benchmarks/bench_mtp_acceptance.py" ;;  # a small model trained here: MTP and prompt-lookup acceptance and speed
+    loading) cmd="python3 benchmarks/bench_loading.py" ;;  # an FP8 Qwen3-Next folder of 8 layers from disk: streamed against mapped
     long-context) cmd="python3 benchmarks/bench_long_context.py --models gdn" ;;  # 32k..1M prompts: prefill, memory, decoding
     long-context-kda) cmd="python3 benchmarks/bench_long_context.py --models kda" ;;
     save-tuning) [ -n "${DRY_RUN:-}" ] && { echo "=== save-tuning: pack $TRITON_CACHE_DIR/**/*.autotune.json into $OUT/tuning.tgz"; continue; }

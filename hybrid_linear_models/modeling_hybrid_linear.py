@@ -42,6 +42,7 @@ from .cuda_graph_decoding import CudaGraphDecoder, capture_obstacle
 from .cuda_graph_prefill import CudaGraphPrefill
 from .graph_cache_storage import CacheStorages
 from .static_cache_slots import static_cache_slots
+from .streamed_loading import streamed_state_dict
 from .warm_up import WarmUpReport, warm_up
 from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
@@ -260,8 +261,11 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         # transformers casts each checkpoint tensor to its parameter's dtype: a tensor of another kind (int8 into a
         # float weight) is refused first, naming it (checkpoint_dtypes)
         check_checkpoint_dtypes(model, state_dict, checkpoint_files, load_config)
-        return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args,
-                                                      **kwargs)
+        # weights bound for an accelerator are read from the shards, not mapped: the host holds the weights in flight,
+        # not the folder (streamed_loading)
+        with streamed_state_dict(state_dict, checkpoint_files, load_config) as tensors:
+            return PreTrainedModel._load_pretrained_model(model, tensors, checkpoint_files, load_config, *args,
+                                                          **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, with config.json's `auto_map` naming every Auto class of the family.

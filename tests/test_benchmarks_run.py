@@ -40,6 +40,7 @@ RUNS = [
      ["GDN vs Qwen3-Next", "KDA vs Kimi-Linear", "prefill, batch 1"]),
     ("bench_kimi_linear.py", ["--size", "tiny", "--decode", "1", "--repeats", "1", "--threads", "1"],
      ["same weights:", "ratio ours / transformers", "ours' static cache (batch 1"]),
+    ("bench_loading.py", ["--tiny"], ["qwen3-next-fp8, tiny:", "streamed / mapped: seconds", "True | True"]),
     ("bench_long_context.py", ["--tiny"], ["gdn vs Qwen3-Next: batch 1", "kda vs Kimi-Linear: batch 1", "prefill ratio",
                                            "YaRN factor 4"]),
     # a subprocess per row: the linear layers' rows, and the one that patches the model (transformers' 4-D mask)
