@@ -90,7 +90,7 @@ NARROW_FEW_ROWS = AttendSettings(slots_per_tile=128, stages=3, warps=8, programs
 NARROW_MANY_ROWS = AttendSettings(slots_per_tile=128, stages=2, warps=4, programs_per_sm=2)
 WIDE_HEADS = AttendSettings(slots_per_tile=32, stages=3, warps=4, programs_per_sm=2)
 # wider heads with blocks of more than 32 query rows (a verify round of 5 tokens or more for a group of 8): the float32
-# accumulator of 64 rows fills the registers, and a pipeline's tiles in flight make it spill (1.7x slower)
+# accumulator of 64 rows fills the registers, and a pipeline's tiles in flight make it spill (1.65x slower)
 WIDE_HEADS_MANY_QUERIES = AttendSettings(slots_per_tile=32, stages=0, warps=4, programs_per_sm=2)
 COMBINED_ELEMENTS = 8192  # partial sums (splits x head dim) `_combine_kernel` loads at once (64 registers a thread)
 
