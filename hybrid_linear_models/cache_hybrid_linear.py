@@ -69,9 +69,9 @@ class LinearStateLayer(LinearAttentionLayer):
 
     @seen_tokens.setter
     def seen_tokens(self, count: int) -> None:
+        if self._counted_on_device:  # (else the device count is zero: no kernel, which a replayed step's count would
+            self._device_count.zero_()  # launch for every layer after every replay)
         self._host_count, self._counted_on_device = count, False
-        if self._device_count is not None:
-            self._device_count.zero_()
 
     # ------------------------------------------------------------------------------------------------ state
 

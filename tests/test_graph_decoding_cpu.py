@@ -483,3 +483,35 @@ def test_a_returned_static_cache_too_short_for_a_follow_up_names_the_dynamic_cac
     with pytest.raises(ValueError, match=rf"holds {slots} tokens per row, 14 of them written.*does not grow.*"
                                          r"cache_implementation=\"dynamic\""):
         _plain_generate(model, follow_up, cache=first.past_key_values)
+
+
+def test_a_replay_counts_its_token_without_a_kernel_per_linear_layer():
+    """After each replay the step's linear layers count its token on the host (`seen_tokens` set): no tensor op, so
+    no kernel a layer between replays; only where a compiled step kept a count on the device is that count zeroed
+    (it was added into seen_tokens, which the set replaces)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hybrid_linear_models.cache_hybrid_linear import LinearStateLayer
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model(["linear_attention", "full_attention"])
+    with torch.no_grad():
+        cache = model(torch.randint(1, 100, (1, 5)), use_cache=True).past_key_values
+    layer = next(layer for layer in cache.layers if isinstance(layer, LinearStateLayer))
+    with Ops() as ops:
+        layer.seen_tokens = layer.seen_tokens + 1
+    assert ops.names == [] and layer.seen_tokens == 6
+    layer._device_count.add_(3)  # what compiled steps count (cache_hybrid_linear.store under torch.compile)
+    layer._counted_on_device = True
+    assert layer.seen_tokens == 9
+    with Ops() as ops:
+        layer.seen_tokens = 10
+    assert ops.names == ["zero_"] and layer.seen_tokens == 10 and int(layer._device_count) == 0
