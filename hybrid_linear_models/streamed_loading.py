@@ -32,7 +32,10 @@ def _device_type(placement: Any) -> str:
     if isinstance(placement, int):
         accelerator = torch.accelerator.current_accelerator()
         return accelerator.type if accelerator is not None else "cuda"
-    return torch.device(placement).type
+    try:
+        return torch.device(placement).type
+    except (RuntimeError, TypeError, ValueError):  # (a device name this torch does not know: not streamed)
+        return str(placement)
 
 
 def streams(state_dict: dict | None, checkpoint_files: list[str] | None, load_config: Any) -> bool:

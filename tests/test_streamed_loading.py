@@ -127,7 +127,7 @@ def _config(device_map, disable_mmap: bool = False) -> SimpleNamespace:
 @pytest.mark.parametrize(("device_map", "streamed"), [
     ({"": "cuda"}, True), ({"": 0}, True), ({"model": "cuda:0", "lm_head": torch.device("cuda", 1)}, True),
     ({"": "cpu"}, False), ({"model": "cuda", "lm_head": "cpu"}, False), ({"model": "cuda", "lm_head": "disk"}, False),
-    (None, False)])
+    ({"": "no_such_device"}, False), (None, False)])
 def test_a_load_streams_where_every_weight_goes_to_an_accelerator(device_map, streamed):
     assert streamed_loading.streams(None, ["a.safetensors", "b.safetensors"], _config(device_map)) is streamed
 
