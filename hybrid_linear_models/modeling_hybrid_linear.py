@@ -46,6 +46,7 @@ from .streamed_loading import streamed_state_dict
 from .warm_up import WarmUpReport, warm_up
 from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
+from .device_memory_check import check_weights_fit
 from .fp8_layers import init_fp8_weights, quantize_module, quantize_modules
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
 from .kept_verify_rounds import KeptVerifyRounds
@@ -261,6 +262,8 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
         # transformers casts each checkpoint tensor to its parameter's dtype: a tensor of another kind (int8 into a
         # float weight) is refused first, naming it (checkpoint_dtypes)
         check_checkpoint_dtypes(model, state_dict, checkpoint_files, load_config)
+        # weights the device map places on a GPU beyond its free memory: refused in one line before any is read
+        check_weights_fit(model, load_config)
         # weights bound for an accelerator are read from the shards, not mapped: the host holds the weights in flight,
         # not the folder (streamed_loading)
         with streamed_state_dict(state_dict, checkpoint_files, load_config) as tensors:

@@ -19,23 +19,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from safetensors import safe_open
 
+from .device_placement import placement_type
+
 STREAMED_DEVICE_TYPES = ("cuda", "xpu")  # (tests add "cpu")
-
-
-def _device_type(placement: Any) -> str:
-    """The device type of a device map's value: a name or a torch.device, "disk", or an index of the accelerator."""
-    if placement == "disk":
-        return "disk"
-    if isinstance(placement, int):
-        accelerator = torch.accelerator.current_accelerator()
-        return accelerator.type if accelerator is not None else "cuda"
-    try:
-        return torch.device(placement).type
-    except (RuntimeError, TypeError, ValueError):  # (a device name this torch does not know: not streamed)
-        return str(placement)
 
 
 def streams(state_dict: dict | None, checkpoint_files: list[str] | None, load_config: Any) -> bool:
@@ -47,7 +35,7 @@ def streams(state_dict: dict | None, checkpoint_files: list[str] | None, load_co
     return (state_dict is None and bool(checkpoint_files)
             and all(str(file).endswith(".safetensors") for file in checkpoint_files)
             and not load_config.disable_mmap and bool(device_map) and not is_deepspeed_zero3_enabled()
-            and all(_device_type(placement) in STREAMED_DEVICE_TYPES for placement in device_map.values()))
+            and all(placement_type(placement) in STREAMED_DEVICE_TYPES for placement in device_map.values()))
 
 
 @contextlib.contextmanager

@@ -109,8 +109,9 @@ def _resident_over_load(folder: Path, way: str) -> dict[str, float]:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads Linux's VmHWM")
 def test_streamed_load_holds_the_model_not_the_folder(tmp_path):
-    """bf16 shards of at most 4 MB, some 26 MiB in all, loaded as float32: a mapped load's peak holds the model and every shard's
-    touched pages; a streamed one the model and the weights in flight (a few tensors of at most 1 MiB here)."""
+    """bf16 shards of at most 4 MB, some 26 MiB in all, loaded as float32: a mapped load's peak holds the model and
+    every shard's touched pages; a streamed one the model and the weights in flight (a few tensors of at most 1 MiB
+    here)."""
     folder = _sharded_folder(tmp_path / "model", hidden=512, layers=8, shard="4MB")
     shards = [file.stat().st_size / MIB for file in folder.glob("*.safetensors")]
     streamed, mapped = _resident_over_load(folder, "streamed"), _resident_over_load(folder, "mapped")
