@@ -83,16 +83,15 @@ def drop_page_cache(folder: Path) -> None:
 
 def child(args) -> None:
     """One load of args.folder the way args.way says; its figures as a JSON line."""
-    import time
-
     import torch
+    from bench_memory import _status_kib
     from safetensors.torch import load_file
+    from timing import timed
 
     from hybrid_linear_models import HybridLinearForCausalLM, streamed_loading
 
-    def resident(key: str) -> float:
-        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(key))
-        return int(line.split()[1]) * 1024 / GIB
+    def resident(field: str) -> float:
+        return _status_kib(field) * 1024 / GIB
 
     device = torch.device(args.device)
     if args.way == "mapped":
@@ -103,11 +102,8 @@ def child(args) -> None:
         torch.zeros(1, device=device)  # (the CUDA context, before the baseline)
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) from here
     before = resident("VmRSS")
-    start = time.perf_counter()
-    model = HybridLinearForCausalLM.from_pretrained(args.folder, device_map=str(device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    model, seconds = timed(lambda: HybridLinearForCausalLM.from_pretrained(args.folder, device_map=str(device)),
+                           device)
     peak = resident("VmHWM")
     with torch.no_grad():
         logits = model(prompt(model.config.vocab_size).to(device)).logits.float().cpu()

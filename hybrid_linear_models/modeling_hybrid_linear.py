@@ -47,6 +47,7 @@ from .warm_up import WarmUpReport, warm_up
 from .deferred_stop_check import deferred_stop_checks
 from .derived_weights import DerivedWeight
 from .device_memory_check import check_weights_fit
+from .device_placement import placement_device
 from .fp8_layers import init_fp8_weights, quantize_module, quantize_modules
 from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
 from .kept_verify_rounds import KeptVerifyRounds
@@ -637,10 +638,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         """Whether graph decoding is on and captures steps and prompts on `device`: not for a model that a device
         map dispatches over several devices or offloads (`hf_device_map`), whose forward a graph of one device's
         stream would not hold."""
-        placements = {f"cuda:{where}" if isinstance(where, int) else str(where)
-                      for where in (getattr(self, "hf_device_map", None) or {}).values()}
+        placements = {placement_device(where) for where in (getattr(self, "hf_device_map", None) or {}).values()}
         return (self._graph_decoder is not None and device.type in CudaGraphDecoder.device_types
-                and len(placements) <= 1 and not placements & {"cpu", "disk", "meta"})
+                and len(placements) <= 1 and all(where is not None and where.type not in ("cpu", "meta")
+                                                 for where in placements))
 
     def _valid_auto_compile_criteria(self, model_kwargs, generation_config) -> bool:
         # `generate` would torch.compile the forward for a static cache; on CUDA, our captured decoding step serves
