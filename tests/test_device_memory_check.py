@@ -79,3 +79,22 @@ def test_weights_are_counted_on_the_devices_the_map_places_them(monkeypatch):
     assert by_device[torch.device("cuda", 0)] == (_bytes(model) - layer - _bytes(model.model.layers[0])
                                                   - _bytes(model.lm_head))
     assert set(by_device) == {torch.device("cuda", 0), torch.device("cuda", 1)}  # (the CPU and the disk unchecked)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_load_is_checked_against_its_free_memory(saved, monkeypatch):
+    """On a real GPU: the free memory read is the device's (positive, at most its size, and what torch's allocator
+    holds unused counts as free); a model that fits loads there; one the device cannot hold is refused by name."""
+    folder, size = saved
+    device = torch.device("cuda", torch.cuda.current_device())
+    free = device_memory_check.free_bytes(device)
+    assert 0 < free <= torch.cuda.get_device_properties(device).total_memory
+    block = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+    del block  # (kept in torch's reserve: still free for a new allocation)
+    assert device_memory_check.free_bytes(device) >= free - 2**20
+    model = HybridLinearForCausalLM.from_pretrained(folder, device_map="cuda")
+    assert {tensor.device.type for tensor in model.state_dict().values()} == {"cuda"}
+    monkeypatch.setattr(device_memory_check, "free_bytes", lambda device: size - 1)
+    with pytest.raises(ValueError, match=r"need [\d.]+ MiB on cuda(:\d+)?, which has"):
+        HybridLinearForCausalLM.from_pretrained(folder, device_map="cuda")

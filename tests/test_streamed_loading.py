@@ -139,3 +139,60 @@ def test_given_state_dicts_bin_files_and_disabled_memory_maps_load_as_transforme
     assert not streamed_loading.streams(None, ["pytorch_model.bin"], _config(cuda))
     assert not streamed_loading.streams(None, ["a.safetensors"], _config(cuda, disable_mmap=True))
     assert not streamed_loading.streams(None, [], _config(cuda))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_load_streams_and_gives_the_mapped_load_bit_for_bit(tmp_path, monkeypatch):
+    """device_map="cuda" takes the streamed path (every shard read once) and lands the mapped load's bits."""
+    folder = _sharded_folder(tmp_path / "model")
+    read = []
+    real = streamed_loading.read_shards
+
+    def counted(files):
+        read.append(len(files))
+        return real(files)
+
+    monkeypatch.setattr(streamed_loading, "read_shards", counted)
+    streamed = HybridLinearForCausalLM.from_pretrained(folder, device_map="cuda").state_dict()
+    assert read == [len(list(folder.glob("*.safetensors")))]
+    assert all(tensor.device.type == "cuda" for tensor in streamed.values())
+    monkeypatch.setattr(streamed_loading, "STREAMED_DEVICE_TYPES", ())
+    mapped = HybridLinearForCausalLM.from_pretrained(folder, device_map="cuda").state_dict()
+    assert read == [len(list(folder.glob("*.safetensors")))]  # (the mapped load read no shard of ours)
+    _assert_same(streamed, mapped)
+
+
+def test_whole_reads_give_safetensors_tensors_for_every_dtype(tmp_path):
+    """`slice[...]` of a read shard (one preadv into the tensor's storage) equals safetensors' tensor, dtype and shape
+    included, for every dtype a checkpoint holds (an empty and a 0-d tensor among them); partial reads, shapes and
+    dtypes stay safetensors'."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 5, generator=generator)
+    tensors = {str(dtype): values.to(dtype) for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                                         torch.float8_e4m3fn, torch.float8_e5m2, torch.int64,
+                                                         torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+    tensors.update(empty=torch.zeros(0, 3), scalar=torch.tensor(2.5))
+    save_file(tensors, tmp_path / "a.safetensors")
+    with streamed_loading.read_shards([str(tmp_path / "a.safetensors")]) as slices:
+        assert slices.keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            for whole in (slices[name][...], slices[name][:]):
+                assert whole.dtype == tensor.dtype and whole.shape == tensor.shape, name
+                assert torch.equal(whole.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+        assert torch.equal(slices["torch.float32"][1:3], tensors["torch.float32"][1:3])
+        assert slices["torch.bfloat16"].get_shape() == [6, 5] and slices["torch.bfloat16"].get_dtype() == "BF16"
+
+
+def test_a_truncated_shard_is_refused_by_its_read(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "a.safetensors"
+    save_file({"w": torch.ones(64, 64)}, path)
+    whole = path.read_bytes()
+    with streamed_loading.read_shards([str(path)]) as slices:
+        path.write_bytes(whole[:-100])  # (cut after opening: safetensors checks the size when it opens)
+        with pytest.raises(OSError, match="100 bytes of a tensor are missing"):
+            slices["w"][...]
