@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-
 from safetensors import safe_open
 
 from .device_placement import placement_type
