@@ -31,7 +31,10 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   `conv` (GDN/KDA's short convolution on fla's kernel after the input projection's GEMV, or in that GEMV's epilogue:
   kernels_gemv.linear_conv_step), `gated_norm` (the GDN/KDA output norm on fla's kernel, or on this package's,
   launched dependently: inference_norm), `routed` (the FP8 experts' routes sorted by expert for the grouped kernel,
-  or each route's product in the routed kernel: kernels_fp8.ROUTED_MAX_ROUTES; the qwen3-next-fp8 model);
+  or each route's product in the routed kernel: kernels_fp8.ROUTED_MAX_ROUTES; the qwen3-next-fp8 model), `moe` (the
+  sparse MoE's softmax top-k and gated shared sum in torch's ops, or one kernel each: moe_inference_ops),
+  `swiglu_input` (the FP8 routed experts' SwiGLU and routing weight as torch ops, or computed as the down projection
+  reads its input: kernels_fp8.SWIGLU_INPUT_DEVICE_TYPES);
 - with `--mtp K ...` (the GDN and KDA models), instead, batch-1 `generate(use_mtp=K)` of `--generate` new tokens (64
   without it) on the model with one MTP layer (random weights: a round keeps about one token, and drafts all K):
   per round (one replayed graph: the verify forward of K + 1 tokens, the acceptance, the GDN/KDA restore, the head's
@@ -45,7 +48,8 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi qwen3-next-fp8 kimi-48b] [--prompt 512]
         [--steps 20] [--top 25] [--trace DIR] [--prefill 1024 8192] [--generate 64] [--batch 16]
-        [--ab gemv attention in_place norm pdl conv gated_norm routed] [--flagship-layers 4] [--verify 2 4]
+        [--ab gemv attention in_place norm pdl conv gated_norm routed moe swiglu_input] [--flagship-layers 4]
+        [--verify 2 4]
         [--mtp 1 3]
 """
 
@@ -197,6 +201,8 @@ SWITCHES = {
     "conv": ("kernels_gemv", "CONV_STEP_DEVICE_TYPES", "convolution's kernel", "convolution in the GEMV"),
     "gated_norm": ("inference_norm", "GATED_NORM_DEVICE_TYPES", "fla's gated RMSNorm", "gated RMSNorm kernel"),
     "routed": ("kernels_fp8", "ROUTED_MAX_ROUTES", "experts sorted and grouped", "experts routed"),
+    "moe": ("moe_inference_ops", "MOE_DEVICE_TYPES", "torch's routing and shared sum", "MoE kernels"),
+    "swiglu_input": ("kernels_fp8", "SWIGLU_INPUT_DEVICE_TYPES", "experts' SwiGLU apart", "SwiGLU in the down read"),
 }
 OFF_VALUES = {"routed": 0}  # (the other switches' off value: no device type)
 

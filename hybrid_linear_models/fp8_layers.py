@@ -30,7 +30,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import activations as transformers_activations
 from transformers import initialization as init
 
 from .experts_grouped_gather import expert_offsets
@@ -40,9 +42,18 @@ from .kernels_fp8 import (
     block_fp8_grouped_linear,
     block_fp8_linear,
     block_fp8_routed_linear,
+    block_fp8_routed_swiglu_linear,
     routed_applies,
     scale_shape,
 )
+
+# the activations that are silu (torch's module, transformers' ACT2FN["silu"]): their experts fuse SwiGLU
+_SILU_TYPES = tuple({nn.SiLU, getattr(transformers_activations, "SiLUActivation", nn.SiLU)})
+
+
+def is_silu(act_fn: Callable) -> bool:
+    """Whether the activation `act_fn` (a module, or F.silu itself) computes silu."""
+    return act_fn is F.silu or isinstance(act_fn, _SILU_TYPES)
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -144,9 +155,14 @@ class Fp8Experts(_KeepsStoredDtypes):
         routes, k = top_k_index.reshape(-1), top_k_index.shape[1]
         gate_up = block_fp8_routed_linear(hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv, routes,
                                           self.block)
-        gate, up = gate_up.chunk(2, dim=-1)
-        gated = self.act_fn(gate) * up * top_k_weights.reshape(-1, 1).to(gate_up.dtype)
-        out = block_fp8_routed_linear(gated, self.down_proj, self.down_proj_scale_inv, routes, self.block)
+        route_weights = top_k_weights.reshape(-1).to(gate_up.dtype)
+        if is_silu(self.act_fn):  # SwiGLU and the routing weight computed as the down projection reads its input
+            out = block_fp8_routed_swiglu_linear(gate_up, self.down_proj, self.down_proj_scale_inv, routes,
+                                                 route_weights, self.block)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            gated = self.act_fn(gate) * up * route_weights[:, None]
+            out = block_fp8_routed_linear(gated, self.down_proj, self.down_proj_scale_inv, routes, self.block)
         total = torch.promote_types(out.dtype, torch.float32)
         return out.view(-1, k, out.shape[-1]).sum(1, dtype=total).to(hidden_states.dtype)
 

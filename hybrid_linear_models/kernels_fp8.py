@@ -49,6 +49,9 @@ PREFILL_FORM = "dequantized_dot"
 # route reads its expert's weight, so two routes to one expert read it twice; past this, rows sorted by expert
 # (`block_fp8_grouped_linear`) read each expert once, for the price of the sort and gathers.
 ROUTED_MAX_ROUTES = 64
+# where the routed experts' down projection computes SwiGLU and the routing weight as it reads its input
+# (`block_fp8_routed_swiglu_linear`; emptied: those ops run apart, as benchmarks/profile_decode_step.py --ab compares)
+SWIGLU_INPUT_DEVICE_TYPES = ("cuda",)  # (tests add "cpu")
 
 
 @triton_kernel
@@ -196,6 +199,35 @@ def block_fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
     return torch.where(served[:, None], out, 0)
 
 
+def block_fp8_routed_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                                   routes: torch.Tensor, route_weights: torch.Tensor,
+                                   block: tuple[int, int]) -> torch.Tensor:
+    """gate_up [T * R, 2 in] (each route's [gate | up] row, as `block_fp8_routed_linear` gives it), `routes` [T * R]
+    and `route_weights` [T * R] in gate_up's dtype: [T * R, out], route r's row (silu(gate_r) * up_r *
+    route_weights[r]) @ W_e.T, each elementwise op rounded to the dtype (the experts' SwiGLU and routing weight as
+    torch's ops compute them). On CUDA one launch, whose loads of gate_up compute that input; elsewhere (and where
+    the kernel failed) those ops, then `block_fp8_routed_linear`."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2 or route_weights.shape != (gate_up.shape[0],):
+        raise ValueError(f"routed SwiGLU experts: gate_up {tuple(gate_up.shape)} must be [routes, 2 * in] and "
+                         f"route_weights {tuple(route_weights.shape)} one weight per route")
+    check_block_fp8_weight(weight, scale_inv, block, gate_up.shape[-1] // 2, grouped=True)
+    check_routes(gate_up, routes)
+    if (gate_up.device.type in SWIGLU_INPUT_DEVICE_TYPES and triton_applies(gate_up, weight, scale_inv, None)
+            and routes.device == gate_up.device
+            and route_weights.dtype == gate_up.dtype and route_weights.device == gate_up.device):
+        out = kernel_result(_FAILED, ("routed_swiglu", tuple(weight.shape), tuple(block), gate_up.dtype,
+                                      gate_up.device), gate_up,
+                            f"the FP8 Triton routed SwiGLU kernel failed for a {tuple(weight.shape)} weight; the "
+                            "experts run SwiGLU apart",
+                            lambda: fp8_routed_linear_kernel()(_unit_stride(gate_up), _unit_stride(weight), scale_inv,
+                                                               routes, block, gated_by=route_weights.contiguous()))
+        if out is not None:
+            return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    gated = F.silu(gate) * up * route_weights[:, None]
+    return block_fp8_routed_linear(gated, weight, scale_inv, routes, block)
+
+
 _FAILED: dict = {}  # (kind, weight shape, block, dtype, device) -> the first error: the reference from then on
 
 
@@ -249,5 +281,6 @@ def triton_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     return fp8_linear_kernel() is not None and _has_e4m3(x.device)
 
 
-__all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "block_fp8_routed_linear", "check_block_fp8_weight",
+__all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "block_fp8_routed_linear", "block_fp8_routed_swiglu_linear",
+           "check_block_fp8_weight",
            "dequantize_block_fp8", "quantize_block_fp8", "routed_applies", "scale_shape", "triton_applies"]

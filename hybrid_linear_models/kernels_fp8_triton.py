@@ -73,17 +73,29 @@ DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) u
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
 
 
+@triton.jit
+def _gated_input(gate, up_ptrs, weight_ptr, live, dtype: tl.constexpr):
+    """silu(gate) * up * weight (float32 in, float32 out), each op rounded to `dtype` as the eager experts' torch ops
+    round them (silu, the product, the product with the route's weight)."""
+    up = tl.load(up_ptrs, mask=live, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    gated = (activated * up).to(dtype).to(tl.float32)
+    return (gated * tl.load(weight_ptr).to(tl.float32)).to(dtype).to(tl.float32)
+
+
 # M (rows of x) and R (routes per row) only bound the rows, so they are not specialised: triton would otherwise
 # compile the kernel again for each new class of them (1, multiples of 16, others), seconds on a new prompt length
 @triton.jit(do_not_specialize=["M", "R"])
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M, N, E, R,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, rw_ptr, M, N, E, R,
                        stride_xm, stride_xsm, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_ym,
                        K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GROUPED: tl.constexpr, ROUTED: tl.constexpr, E_POW2: tl.constexpr, FORM: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GATED_INPUT: tl.constexpr = False):
     """y tile (row tile program_id(1), BLOCK_N output columns program_id(0)) of FORM (an index into FORMS); x_ptr
     holds e4m3 values and xs_ptr their scales for fp8_dot (see the module docstring). offsets_ptr holds the experts'
-    end rows (GROUPED) or each route's expert (ROUTED, R routes per row of x)."""
+    end rows (GROUPED) or each route's expert (ROUTED, R routes per row of x). With GATED_INPUT (one_row only), x's
+    row is [gate | up] (2K wide) and the input is silu(gate) * up * rw[row], each op rounded to x's dtype."""
     tile = tl.program_id(1)  # (output columns on axis 0, whose grid may exceed axis 1's 65,535 programs)
     y_start = tile * BLOCK_M  # (the first row of y the tile writes; grouped tiles write their rows of x)
     if ROUTED:  # route `tile`: row tile // R of x times its expert's weight, into row `tile` of y (BLOCK_M is 1)
@@ -128,6 +140,9 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, M
             w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0).to(tl.float32)
             x = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + ks, mask=live_k & (row_start < row_end),
                         other=0.0).to(tl.float32)  # (BLOCK_M is 1)
+            if GATED_INPUT:
+                x = _gated_input(x, x_ptr + row_start.to(tl.int64) * stride_xm + K + ks, rw_ptr + row_start,
+                                 live_k & (row_start < row_end), y_ptr.dtype.element_ty)
             if BN % BLOCK_N == 0 and BK % BLOCK_K == 0:  # the slice lies in one block: one scale
                 s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (start // BK) * stride_sk)
                 products += w * (x * s)[None, :]
@@ -296,9 +311,11 @@ _TUNED = {form: _autotuned(form) for form in FORMS}
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
             offsets: torch.Tensor | None, block: tuple[int, int], form: str, block_m: int,
-            config: tuple[int, int] | None, routes: torch.Tensor | None = None) -> torch.Tensor:
+            config: tuple[int, int] | None, routes: torch.Tensor | None = None,
+            gated_by: torch.Tensor | None = None) -> torch.Tensor:
     """y [S, out] in x's dtype for x [S, in] (unit stride along in), weight [(E,) out, in], scale_inv [(E,) ...];
-    with `routes` [S * R] (each route's expert), y [S * R, out], route r the product of row r // R."""
+    with `routes` [S * R] (each route's expert), y [S * R, out], route r the product of row r // R. With `gated_by`
+    [S] (one_row only), x is [S, 2 in], [gate | up], and the input silu(gate) * up * gated_by[row]."""
     rows, out, inp = x.shape[0], weight.shape[-2], weight.shape[-1]
     per_row = routes.shape[0] // max(rows, 1) if routes is not None else 1
     y = torch.empty(rows * per_row, out, device=x.device, dtype=x.dtype)
@@ -311,12 +328,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
     experts = weight.shape[0] if grouped or routed else 1
     tiles = rows * per_row if routed else triton.cdiv(rows, block_m) + (min(experts, rows) if grouped else 0)
     args = (x, weight, scale_inv, bias if bias is not None else scale_inv, y,
-            offsets if grouped else routes if routed else scale_inv, x_scales, rows, out, experts, per_row,
+            offsets if grouped else routes if routed else scale_inv, x_scales,
+            gated_by if gated_by is not None else scale_inv, rows, out, experts, per_row,
             x.stride(0), x_scales.stride(0), weight.stride(0) if grouped or routed else 0, weight.stride(-2),
             scale_inv.stride(0) if grouped or routed else 0, scale_inv.stride(-2), scale_inv.stride(-1), y.stride(0))
     flags = {"K": inp, "BN": block[0], "BK": block[1], "HAS_BIAS": bias is not None, "GROUPED": grouped,
              "ROUTED": routed, "E_POW2": triton.next_power_of_2(experts) if grouped else 1, "FORM": _FORM_IDS[form],
-             "PRECISION": "ieee" if y.dtype == torch.float32 else "tf32", "BLOCK_M": block_m}
+             "PRECISION": "ieee" if y.dtype == torch.float32 else "tf32", "BLOCK_M": block_m,
+             "GATED_INPUT": gated_by is not None}
     if config is None and _INTERPRETED:
         config = _INTERPRETED_CONFIG[form]
     if config is not None:
@@ -326,7 +345,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
         _fp8_linear_kernel[(triton.cdiv(out, config[0]), tiles)](*args, **flags, BLOCK_N=config[0],
                                                                   BLOCK_K=config[1])
     else:
-        key = ("fp8", form, out, inp, experts, block, bias is not None, grouped, routed, block_m)
+        key = ("fp8", form, out, inp, experts, block, bias is not None, grouped, routed, block_m, gated_by is not None)
         launch(_TUNED[form], _fp8_linear_kernel, lambda meta: (triton.cdiv(out, meta["BLOCK_N"]), tiles), key,
                _untuned_config(form, grouped or routed, block[1]), args, flags)
     return y
@@ -400,14 +419,16 @@ def fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torc
 
 
 def fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, routes: torch.Tensor,
-                      block: tuple[int, int], config: tuple[int, int] | None = None) -> torch.Tensor:
+                      block: tuple[int, int], config: tuple[int, int] | None = None,
+                      gated_by: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] (unit stride along in) and `routes` [T * R] (int32/int64 on the device: route r's expert, for row
     r // R of x): y [T * R, out], route r's row x[r // R] @ W_e.T, W [E, out, in] FP8 (unit stride along in) with
     scale_inv [E, ...]; a route to an expert outside 0..E-1 (another rank's) gets a row of zeros. One launch of the
     one_row form with a program row per route: no sort, no gather of x, no host synchronization (see the module
-    docstring)."""
+    docstring). With `gated_by` [T] (x's dtype), x is [T, 2 in], each row [gate | up], and the product is of
+    silu(gate) * up * gated_by[row] (the experts' SwiGLU and routing weight, computed as x is read)."""
     check_routes(x, routes, most=_MAX_GRID_ROWS)
-    return _launch(x, weight, scale_inv, None, None, block, "one_row", 1, config, routes=routes)
+    return _launch(x, weight, scale_inv, None, None, block, "one_row", 1, config, routes=routes, gated_by=gated_by)
 
 
 __all__ = ["DECODING_ROWS", "FORMS", "PREFILL_FORMS", "dequantize", "fp8_grouped_linear", "fp8_linear",

@@ -125,8 +125,8 @@ class HybridLinearKimiMoeBlock(RoutedMoeBlock):
             width = settings.moe_intermediate_size * settings.n_shared_experts
             self.shared_experts = HybridLinearSharedExpert(settings, width)
 
-    def shared_output(self, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return None if self.shared_experts is None else self.shared_experts(hidden_states).reshape(x.shape)
+    def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return routed if self.shared_experts is None else routed + self.shared_experts(hidden_states).reshape(x.shape)
 
 
 def kimi_moe_parameter_count(settings: Any) -> int:

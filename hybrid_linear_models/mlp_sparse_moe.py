@@ -61,6 +61,7 @@ from .experts_grouped_gather import CUDA_GROUPED_MM_GRAPH_DTYPES
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .mlp_dense import GatedMLP
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
+from .moe_inference_ops import add_gated, softmax_top_k
 from .shown_values import brief
 from .token_chunks import chunks_apply, token_chunked
 
@@ -126,11 +127,9 @@ class HybridLinearTopKRouter(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states, self.weight)  # (tokens, E)
-        probabilities = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-        top_weights, top_experts = torch.topk(probabilities, self.top_k, dim=-1)  # (tokens, k)
-        if self.norm_topk_prob:
-            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        return router_logits, top_weights.to(router_logits.dtype), top_experts
+        # (tokens, k) each; one kernel at inference on a GPU (moe_inference_ops)
+        top_weights, top_experts = softmax_top_k(router_logits, self.top_k, self.norm_topk_prob)
+        return router_logits, top_weights, top_experts
 
 
 @use_experts_implementation
@@ -181,7 +180,7 @@ class HybridLinearSharedExpert(GatedMLP):
 class RoutedMoeBlock(nn.Module):
     """A router, the routed experts and an optional shared part, [..., H] -> [..., H]: what every MoE MLP type has in
     common; each states its router (`router_class`), builds its shared part (`build_shared`) and says how that part
-    adds to the experts' output (`shared_output`)."""
+    adds to the experts' output (`add_shared`)."""
 
     router_class: type[nn.Module]
 
@@ -198,9 +197,9 @@ class RoutedMoeBlock(nn.Module):
     def build_shared(self, settings: Any) -> None:
         raise NotImplementedError
 
-    def shared_output(self, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The shared part's output [tokens, H] for x = hidden_states [..., H] as rows (None: none). It is given
-        hidden_states too, as the shared experts' gated MLP sees a decoding step in its [batch, 1, H] shape."""
+    def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output [tokens, H] plus the shared part's for x = hidden_states [..., H] as rows. It is
+        given hidden_states too, as the shared experts' gated MLP sees a decoding step in its [batch, 1, H] shape."""
         raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -217,8 +216,7 @@ class RoutedMoeBlock(nn.Module):
                             hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output plus the shared part's, [tokens, H], for the rows x and their routes."""
         out = self.experts(x, selected_experts, routing_weights)
-        shared = self.shared_output(x, x if hidden_states is None else hidden_states)
-        return out if shared is None else out + shared
+        return self.add_shared(out, x, x if hidden_states is None else hidden_states)
 
 
 class HybridLinearSparseMoeBlock(RoutedMoeBlock):
@@ -232,10 +230,11 @@ class HybridLinearSparseMoeBlock(RoutedMoeBlock):
             self.shared_expert = HybridLinearSharedExpert(settings)
             self.shared_expert_gate = nn.Linear(settings.hidden_size, 1, bias=False)
 
-    def shared_output(self, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
-            return None
-        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(hidden_states).reshape(x.shape)
+            return routed
+        # routed + sigmoid(gate) * shared: one kernel at inference on a GPU (moe_inference_ops)
+        return add_gated(routed, self.shared_expert_gate(x), self.shared_expert(hidden_states).reshape(x.shape))
 
 
 def check_expert_parallel_size(config: Any, ep_size: int) -> None:

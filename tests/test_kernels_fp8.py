@@ -312,6 +312,59 @@ def test_routed_against_float64(dtype, routes_dtype):
         _assert_within(got[route:route + 1], x[route // 3:route // 3 + 1], weight, None, f"route {route}")
 
 
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+def test_routed_swiglu_against_float64(dtype):
+    """The routed product of gated inputs (each route's [gate | up] row read as silu(gate) * up * its weight, each op
+    rounded to the dtype) against its expert's real weight in float64 times that input as torch computes it: the
+    routed bound, plus one unit in the dtype's last place of each input (the kernel's exp is triton's, a fast
+    approximation on a GPU). Routes to another rank's experts (5 = E and -1) give rows of zeros."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import fp8_routed_linear
+
+    block = (32, 16)
+    w, scale = _weight(40, 36, block, experts=5, seed=21)
+    gate_up = _x(6, 72, dtype, seed=22).mul(2)
+    routes = torch.tensor([3, 0, 5, 3, 4, -1], device=DEVICE)
+    route_weights = torch.rand(6, generator=torch.Generator().manual_seed(23)).to(DEVICE, dtype)
+    got = fp8_routed_linear(gate_up, w, scale, routes, block, config=(4, 16), gated_by=route_weights)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gated = F.silu(gate) * up * route_weights[:, None]
+    assert got.shape == (6, 40) and got.dtype == dtype
+    for route, expert in enumerate(routes.tolist()):
+        if not 0 <= expert < 5:
+            assert (got[route] == 0).all(), f"route {route} to expert {expert} of another rank"
+            continue
+        weight = _reference_weight(w[expert], scale[expert], block, torch.float64)
+        inputs = gated[route:route + 1].double()
+        exact = inputs @ weight.T
+        sizes = inputs.abs() @ weight.abs().T
+        summed = (36 + 2) * 2 ** -23 * sizes
+        bound = summed + UNIT[dtype] * (exact.abs() + summed) + 2 * UNIT[dtype] * sizes
+        assert ((got[route:route + 1].double() - exact).abs() <= bound).all(), f"route {route}"
+
+
+def test_the_routed_swiglu_reference_is_the_experts_ops():
+    """Off the kernels (the CPU), block_fp8_routed_swiglu_linear is silu(gate) * up * weight, then the routed
+    reference, exactly; malformed inputs are refused in one line."""
+    from hybrid_linear_models.kernels_fp8 import block_fp8_routed_swiglu_linear
+
+    block = (16, 16)
+    w, scale = (t.cpu() for t in _weight(24, 32, block, experts=3, seed=24))
+    gate_up = torch.randn(4, 64, generator=torch.Generator().manual_seed(25)).to(torch.bfloat16)
+    routes, route_weights = torch.tensor([2, 0, 1, 2]), torch.rand(4).to(torch.bfloat16)
+    got = block_fp8_routed_swiglu_linear(gate_up, w, scale, routes, route_weights, block)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = block_fp8_routed_linear(F.silu(gate) * up * route_weights[:, None], w, scale, routes, block)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match=r"gate_up \(4, 63\) must be \[routes, 2 \* in\]"):
+        block_fp8_routed_swiglu_linear(gate_up[:, :63], w, scale, routes, route_weights, block)
+    with pytest.raises(ValueError, match="one weight per route"):
+        block_fp8_routed_swiglu_linear(gate_up, w, scale, routes, route_weights[:3], block)
+    with pytest.raises(ValueError, match="takes 32 inputs, x has 16"):
+        block_fp8_routed_swiglu_linear(gate_up[:, :32], w, scale, routes, route_weights, block)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled variants are counted on CUDA")
 def test_a_new_class_of_row_counts_compiles_nothing_new():
@@ -372,6 +425,7 @@ def test_the_routed_reference_is_each_routes_linear():
 def on_the_cpu(monkeypatch):
     """The dispatch taking CPU tensors to the kernels (run by triton's interpreter), with its failure record empty."""
     monkeypatch.setattr(kernels_fp8, "KERNEL_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels_fp8, "SWIGLU_INPUT_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(kernels_fp8, "_FAILED", {})
 
 
@@ -427,8 +481,8 @@ def test_the_dispatch_runs_the_grouped_kernel(on_the_cpu, monkeypatch):
 @runs_triton_kernels
 def test_decoding_experts_take_the_routed_kernel_and_agree_with_the_sorted_path(on_the_cpu, monkeypatch):
     """Fp8Experts with a decoding step's routes (2 tokens x top-3 of 6 experts, one route to another rank's expert)
-    runs the routed kernel twice (gate+up, down) and no sort; with ROUTED_MAX_ROUTES below its routes it runs the
-    sorted grouped path instead. Both sum float32 products of the same real weights in another order (the one_row
+    runs the routed kernel twice (gate+up, then down with SwiGLU in its read) and no sort; with ROUTED_MAX_ROUTES
+    below its routes it runs the sorted grouped path instead. Both sum float32 products of the same real weights in another order (the one_row
     form against scaled_dot's tiles), so they agree within float32's rounding of those sums."""
     if torch.cuda.is_available():
         pytest.skip("checks the CPU dispatch through triton's interpreter")
@@ -450,18 +504,19 @@ def test_decoding_experts_take_the_routed_kernel_and_agree_with_the_sorted_path(
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(args[3].tolist())
+        calls.append((args[3].tolist(), kwargs.get("gated_by") is not None))
         return fp8_routed_linear(*args, **kwargs)
 
     monkeypatch.setattr(kernels_fp8, "fp8_routed_linear_kernel", lambda: counted)
     with torch.no_grad(), monkeypatch.context() as patch:
         patch.setattr(torch, "sort", None)  # (the routed path sorts nothing)
         routed = experts(x, top_k, weights)
-    assert calls == [[4, 0, 6, 2, 4, 5]] * 2
+    # (gate+up, then down reading silu(gate) * up * weight: block_fp8_routed_swiglu_linear)
+    assert calls == [([4, 0, 6, 2, 4, 5], False), ([4, 0, 6, 2, 4, 5], True)]
     monkeypatch.setattr(kernels_fp8, "ROUTED_MAX_ROUTES", 5)
     with torch.no_grad():
         grouped = experts(x, top_k, weights)
-    assert calls == [[4, 0, 6, 2, 4, 5]] * 2
+    assert len(calls) == 2
     torch.testing.assert_close(routed, grouped, rtol=1e-5, atol=1e-5 * grouped.abs().max().item())
 
 

@@ -1,0 +1,83 @@
+"""The sparse MoE block's softmax top-k routing and its gated shared-expert sum, as one kernel each at inference.
+
+    softmax_top_k:  p = softmax(logits) in float32; (w, e) = the k largest p and their experts; w /= sum(w) if asked;
+                    w in the logits' dtype
+    add_gated:      routed + sigmoid(gate) * shared
+
+On CUDA, where no gradient is wanted (and torch.compile is not tracing, no DTensor), each runs as one Triton kernel
+(`kernels_moe_triton`) in place of torch's five or so (the module docstring there gives their rounding). Elsewhere,
+and for training, torch's ops below: the reference, whose gradients flow. A kernel that failed for a layout is not
+tried again for it (one warning), and that layout runs through torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .tensor_parallel_heads import device_mesh
+from .triton_loading import kernel_result, triton_kernel
+
+MOE_DEVICE_TYPES = ("cuda",)  # tests add "cpu", the kernels run by triton's interpreter
+MOE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MOST_EXPERTS = 8192  # a router row the routing kernel holds in registers (more: torch)
+
+_FAILED: dict = {}  # (kind, shape, dtype, device) -> the first error: torch from then on
+
+
+@triton_kernel
+def triton_softmax_top_k_kernel():
+    """`kernels_moe_triton.triton_softmax_top_k`, or None where triton cannot be imported (CPU machines)."""
+    from .kernels_moe_triton import triton_softmax_top_k
+
+    return triton_softmax_top_k
+
+
+@triton_kernel
+def triton_add_gated_kernel():
+    """`kernels_moe_triton.triton_add_gated`, or None where triton cannot be imported (CPU machines)."""
+    from .kernels_moe_triton import triton_add_gated
+
+    return triton_add_gated
+
+
+def _inference_on(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors may go to a kernel of this module: one device of MOE_DEVICE_TYPES, a dtype of MOE_DTYPES,
+    unit stride along the last dim, no gradient wanted, no DTensor, torch.compile not tracing."""
+    if any(t.device != tensors[0].device or t.device.type not in MOE_DEVICE_TYPES or t.dtype not in MOE_DTYPES
+           or t.dim() != 2 or t.stride(-1) != 1 for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return not torch.compiler.is_compiling() and all(device_mesh(t) is None for t in tensors)
+
+
+def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E]: (weights [T, k] in the logits' dtype, experts [T, k] int64), the k most probable experts of each
+    row in descending order of probability (see the module docstring)."""
+    if (_inference_on(logits) and 0 < k <= logits.shape[1] <= MOST_EXPERTS
+            and triton_softmax_top_k_kernel() is not None):
+        out = kernel_result(_FAILED, ("top_k", logits.shape[1], k, normalize, logits.dtype, logits.device), logits,
+                            f"the Triton softmax top-k failed for {logits.shape[1]} experts; routing runs through "
+                            "torch", lambda: triton_softmax_top_k_kernel()(logits, k, normalize))
+        if out is not None:
+            return out
+    probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probabilities, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """routed [T, H] + sigmoid(gate [T, 1]) * shared [T, H], in routed's dtype."""
+    if (_inference_on(routed, gate, shared) and routed.shape == shared.shape and gate.shape == (routed.shape[0], 1)
+            and routed.dtype == gate.dtype == shared.dtype and triton_add_gated_kernel() is not None):
+        out = kernel_result(_FAILED, ("add_gated", routed.shape[1], routed.dtype, routed.device), routed,
+                            f"the Triton gated sum failed for width {routed.shape[1]}; it runs through torch",
+                            lambda: triton_add_gated_kernel()(routed, gate, shared))
+        if out is not None:
+            return out
+    return routed + torch.sigmoid(gate) * shared
+
+
+__all__ = ["MOE_DEVICE_TYPES", "add_gated", "softmax_top_k"]

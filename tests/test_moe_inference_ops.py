@@ -1,0 +1,147 @@
+"""The sparse MoE block's routing (softmax top-k) and gated shared-expert sum as one Triton kernel each
+(moe_inference_ops, kernels_moe_triton), against torch's ops, the reference: on a GPU, or on a CPU through triton's
+interpreter (`TRITON_INTERPRET=1` with triton on the path; no bf16 there). The kernels' exp is triton's (a fast
+approximation on a GPU), so a value may differ from torch's by one unit in the last place of its dtype; the experts
+chosen are torch's, and among equal probabilities at the k-th place the lowest indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import runs_triton_kernels, tiny_model
+
+from hybrid_linear_models import moe_inference_ops
+from hybrid_linear_models.moe_inference_ops import add_gated, softmax_top_k
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# one unit in the last place of a half-precision dtype; float32's values are themselves sums and quotients in another
+# order (softmax's sum, top-k's sum), a few units off
+UNIT = {torch.float32: 2 ** -21, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def kernels_on(monkeypatch):
+    """The dispatch taking this machine's tensors to the kernels (the CPU's through triton's interpreter), counting the
+    calls; the failure record empty."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(moe_inference_ops, "MOE_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(moe_inference_ops, "_FAILED", {})
+    calls = []
+    for name in ("triton_softmax_top_k_kernel", "triton_add_gated_kernel"):
+        kernel = getattr(moe_inference_ops, name)()
+        assert kernel is not None
+
+        def counted(*args, kernel=kernel, name=name, **kwargs):
+            calls.append(name)
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(moe_inference_ops, name, lambda counted=counted: counted)
+    return calls
+
+
+def _skip_bf16_on_interpreter(dtype):
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter has no bfloat16 arithmetic")
+
+
+def _distinct_logits(rows: int, experts: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Logits with no two equal in a row (a permutation of evenly spaced values, exact in every dtype here)."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.arange(experts, dtype=torch.float32) / 8 - experts / 16
+    return torch.stack([values[torch.randperm(experts, generator=g)] for _ in range(rows)]).to(DEVICE, dtype)
+
+
+def _reference(logits: torch.Tensor, k: int, normalize: bool):
+    p = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(p, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, experts, k", [(1, 512, 10), (3, 64, 8), (5, 6, 6), (2, 100, 1), (1, 8192, 10)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_softmax_top_k_against_torch(kernels_on, dtype, rows, experts, k, normalize):
+    """The experts are torch's, in its order; the weights within one unit of a half dtype's last place (float32's exp
+    and sums in another order, then rounded), within four of float32's."""
+    _skip_bf16_on_interpreter(dtype)
+    if experts == 8192 and not torch.cuda.is_available():
+        pytest.skip("a long row is slow under the interpreter")
+    logits = _distinct_logits(rows, experts, dtype)
+    weights, chosen = softmax_top_k(logits, k, normalize)
+    assert kernels_on == ["triton_softmax_top_k_kernel"]
+    expected_weights, expected = _reference(logits, k, normalize)
+    assert chosen.dtype == torch.int64 and torch.equal(chosen, expected)
+    assert weights.dtype == dtype and weights.shape == (rows, k)
+    torch.testing.assert_close(weights, expected_weights, rtol=UNIT[dtype], atol=0)
+
+
+@runs_triton_kernels
+def test_ties_at_the_kth_place_go_to_the_lowest_experts(kernels_on):
+    """Experts 1, 3, 4 and 6 share the 2nd largest logit: top-3 takes expert 0 (the largest), then 1 and 3."""
+    logits = torch.tensor([[3.0, 1.0, 0.0, 1.0, 1.0, -2.0, 1.0, 0.5]], device=DEVICE)
+    weights, chosen = softmax_top_k(logits, 3, normalize=True)
+    assert chosen.tolist() == [[0, 1, 3]]
+    assert weights[0, 1] == weights[0, 2]
+    torch.testing.assert_close(weights.sum(), torch.tensor(1.0, device=DEVICE))
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 2048), (4, 100), (3, 3000)])
+def test_add_gated_against_torch(kernels_on, dtype, rows, width):
+    """routed + sigmoid(gate) * shared, each op rounded to the dtype as torch's: within one unit in the last place of
+    the sum's terms (the sigmoid's exp)."""
+    _skip_bf16_on_interpreter(dtype)
+    g = torch.Generator().manual_seed(1)
+    routed, shared = (torch.randn(rows, width, generator=g).to(DEVICE, dtype) for _ in range(2))
+    gate = torch.randn(rows, 1, generator=g).mul(3).to(DEVICE, dtype)
+    got = add_gated(routed, gate, shared)
+    assert kernels_on == ["triton_add_gated_kernel"]
+    expected = routed + torch.sigmoid(gate) * shared
+    assert got.dtype == dtype and got.shape == expected.shape
+    size = (routed.abs() + shared.abs()).float()
+    assert ((got.float() - expected.float()).abs() <= 2 * UNIT[dtype] * size).all()
+
+
+@runs_triton_kernels
+def test_kernels_are_not_taken_where_a_gradient_is_wanted(kernels_on):
+    """Training keeps torch's ops, whose gradients flow to the router and the shared expert's gate."""
+    logits = _distinct_logits(2, 16, torch.float32).requires_grad_()
+    weights, _ = softmax_top_k(logits, 4, normalize=True)
+    gate = torch.zeros(2, 1, device=DEVICE, requires_grad=True)
+    out = add_gated(torch.ones(2, 8, device=DEVICE), gate, torch.ones(2, 8, device=DEVICE))
+    (weights.sum() + out.sum()).backward()
+    assert kernels_on == []
+    assert logits.grad is not None and gate.grad is not None and gate.grad.abs().sum() > 0
+
+
+def test_the_reference_runs_off_the_kernels_devices():
+    """Where the kernels do not apply (here: the CPU without the interpreter's stand-in), torch's ops, exactly."""
+    if DEVICE != "cpu":
+        pytest.skip("the CPU's path")
+    logits = _distinct_logits(3, 32, torch.bfloat16)
+    weights, chosen = softmax_top_k(logits, 4, normalize=True)
+    expected_weights, expected = _reference(logits, 4, True)
+    assert torch.equal(chosen, expected) and torch.equal(weights, expected_weights)
+
+
+@runs_triton_kernels
+def test_a_sparse_moe_model_takes_the_kernels_and_keeps_its_logits(kernels_on):
+    """A tiny Qwen3-Next-style model (softmax top-k router, sigmoid-gated shared expert) in float32 without
+    gradients: every MoE layer routes and adds its shared expert through the kernels, and the logits agree with the
+    torch path's within float32's rounding."""
+    model = tiny_model(["linear_attention", "full_attention"], mlp_types=["sparse_moe"] * 2, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24).to(DEVICE)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        fused = model(ids).logits
+        assert kernels_on.count("triton_softmax_top_k_kernel") == 2
+        assert kernels_on.count("triton_add_gated_kernel") == 2
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(moe_inference_ops, "MOE_DEVICE_TYPES", ())
+            reference = model(ids).logits
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
