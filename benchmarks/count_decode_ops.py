@@ -12,7 +12,7 @@ copied out). `--eager` counts the uncaptured one-token forward instead (a dynami
 tokens, the acceptance and the restore of every layer; the ops `CapturedVerifyRound` captures), beside the captured
 step: at a few microseconds a kernel, what a round's count adds over the step's is most of its extra time.
 
-    python benchmarks/count_decode_ops.py [--model gdn|kda|kimi] [--eager] [--by-site] [--verify 4]
+    python benchmarks/count_decode_ops.py [--model gdn|kda|kimi|qwen3-next-fp8] [--eager] [--by-site] [--verify 4]
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).parent))
+from flagship_models import ours_config, qwen3_next_fields  # noqa: E402
 from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM, fla_backend  # noqa: E402
 from hybrid_linear_models import attention_step, block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
+from hybrid_linear_models import kernels_fp8, moe_inference_ops  # noqa: E402
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder  # noqa: E402
 from hybrid_linear_models.speculative_decoding import prefill, verify_round  # noqa: E402
 from hybrid_linear_models.verify_cache import VerifyCache  # noqa: E402
@@ -175,11 +177,65 @@ def _attention_step(qkv, keys, values, slot, q_scale, k_scale, eps, cos, sin, ro
         COUNTER.paused -= 1
 
 
+def _counted_zeros(name: str, rows_of, width_of):
+    """One of this package's Triton kernels, counted as one launch; its output stood in by zeros of its shape."""
+    def run(*args, **kwargs):
+        COUNTER.count(name)
+        COUNTER.paused += 1
+        try:
+            return args[0].new_zeros(rows_of(*args, **kwargs), width_of(*args, **kwargs))
+        finally:
+            COUNTER.paused -= 1
+    return run
+
+
+def _counted_reference(name: str, reference):
+    """One of this package's Triton kernels, counted as one launch, its output the torch reference's."""
+    def run(*args, **kwargs):
+        COUNTER.count(name)
+        COUNTER.paused += 1
+        try:
+            return reference(*args, **kwargs)
+        finally:
+            COUNTER.paused -= 1
+    return run
+
+
+def _moe_reference(name: str):
+    """moe_inference_ops' torch path for `name`, with its kernels turned off while it runs."""
+    def run(*args):
+        previous, moe_inference_ops.MOE_DEVICE_TYPES = moe_inference_ops.MOE_DEVICE_TYPES, ()
+        try:
+            return getattr(moe_inference_ops, name)(*args)
+        finally:
+            moe_inference_ops.MOE_DEVICE_TYPES = previous
+    return run
+
+
+# this package's FP8 and MoE Triton kernels, as their dispatch reaches them (module, attribute, stand-in)
+KERNEL_STAND_INS = [
+    (kernels_fp8, "fp8_linear_kernel", _counted_zeros("fp8.linear", lambda x, *a, **k: x.shape[0],
+                                                      lambda x, w, *a, **k: w.shape[-2])),
+    (kernels_fp8, "fp8_routed_linear_kernel", _counted_zeros("fp8.routed_linear", lambda x, w, s, r, *a, **k: r.shape[0],
+                                                             lambda x, w, *a, **k: w.shape[-2])),
+    (kernels_fp8, "fp8_grouped_linear_kernel", _counted_zeros("fp8.grouped_linear", lambda x, *a, **k: x.shape[0],
+                                                              lambda x, w, *a, **k: w.shape[-2])),
+    (moe_inference_ops, "triton_softmax_top_k_kernel",
+     _counted_reference("moe.softmax_top_k", _moe_reference("softmax_top_k"))),
+    (moe_inference_ops, "triton_add_gated_kernel", _counted_reference("moe.add_gated", _moe_reference("add_gated"))),
+]
+# their dispatch's device types, with the CPU added while counting
+KERNEL_DEVICE_SWITCHES = [(kernels_fp8, "KERNEL_DEVICE_TYPES"), (kernels_fp8, "SWIGLU_INPUT_DEVICE_TYPES"),
+                          (moe_inference_ops, "MOE_DEVICE_TYPES")]
+
+
 MODELS = {  # the GPU benchmark models' layer structure at narrow widths (the kernel count does not depend on them)
     "gdn": lambda: gdn_pair(**dict(GPU_GDN, hidden=256, intermediate=512, vocab=1000))[0],
     "kda": lambda: kda_pair(**dict(GPU_KDA, hidden=256, intermediate=512, vocab=1000))[0],
     "kimi": lambda: kimi_linear_config(hidden=256, vocab=1000, dense_width=512, expert_width=64, kda_dim=32, kda_heads=4,
                                        mla_heads=4, kv_lora_rank=64, qk_nope=32, qk_rope=16, v_dim=32),
+    # Qwen3-Next-80B-A3B's released FP8 layout in miniature, its first period of layers (3 GDN, 1 gated attention)
+    "qwen3-next-fp8": lambda: ours_config(qwen3_next_fields(layers=4, tiny=True, fp8=True)),
 }
 
 
@@ -194,11 +250,13 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
     global COUNTER
     model = _model(kind)
     config = model.config
-    ids = torch.randint(1, 1000, (1, 9))
+    ids = torch.randint(1, config.vocab_size, (1, 9))
     cache = StaticCache(config=config, max_cache_len=16)
     counted: dict[str, KernelCounter] = {}
     previous = fla_backend.fla_for, CudaGraphDecoder.device_types, CudaGraphDecoder._record
     step_previous = attention_step.STEP_DEVICE_TYPES, attention_step.attention_step_kernel
+    kernels_previous = [(module, name, getattr(module, name)) for module, name, _ in KERNEL_STAND_INS]
+    switches_previous = [(module, name, getattr(module, name)) for module, name in KERNEL_DEVICE_SWITCHES]
 
     def record(run, device, reset, pool=None):  # the capture: a warm-up run (as on the GPU: kept tensors built), then one counted
         global COUNTER
@@ -213,8 +271,13 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
     try:
         with torch.no_grad():
             model(input_ids=ids[:, :8], cache=cache, use_cache=True)
-            # from here on every op takes the fla path; inside a stand-in, the torch path
+            # from here on every op takes the fla path; inside a stand-in, the torch path; this package's FP8 and MoE
+            # kernels are counted where their dispatch takes them
             fla_backend.fla_for = lambda tensor: None if COUNTER.paused else STAND_INS
+            for module, name, stand_in in KERNEL_STAND_INS:
+                setattr(module, name, lambda stand_in=stand_in: stand_in)
+            for module, name in KERNEL_DEVICE_SWITCHES:
+                setattr(module, name, (*getattr(module, name), "cpu"))
             COUNTER = KernelCounter(by_site)
             if eager:
                 model.set_cuda_graph_decoding(False)
@@ -235,6 +298,8 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
         fla_backend.fla_for, CudaGraphDecoder.device_types = previous[:2]
         CudaGraphDecoder._record = staticmethod(previous[2])
         attention_step.STEP_DEVICE_TYPES, attention_step.attention_step_kernel = step_previous
+        for module, name, value in kernels_previous + switches_previous:
+            setattr(module, name, value)
     return counted
 
 

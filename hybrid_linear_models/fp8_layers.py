@@ -39,6 +39,7 @@ from .experts_grouped_gather import expert_offsets
 from .fp8_kernel_contract import TILE_ROW_BOUNDS
 from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
 from .kernels_fp8 import (
+    RowIndex,
     block_fp8_grouped_linear,
     block_fp8_linear,
     block_fp8_routed_linear,
@@ -96,6 +97,10 @@ class Fp8Linear(_KeepsStoredDtypes):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+
+    def rows(self, x: torch.Tensor, index: RowIndex) -> torch.Tensor:
+        """forward(x)[..., index.rows]: on CUDA one kernel that reads only those weight rows."""
+        return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.bias, rows=index)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={list(self.block)}"
@@ -163,8 +168,9 @@ class Fp8Experts(_KeepsStoredDtypes):
             gate, up = gate_up.chunk(2, dim=-1)
             gated = self.act_fn(gate) * up * route_weights[:, None]
             out = block_fp8_routed_linear(gated, self.down_proj, self.down_proj_scale_inv, routes, self.block)
-        total = torch.promote_types(out.dtype, torch.float32)
-        return out.view(-1, k, out.shape[-1]).sum(1, dtype=total).to(hidden_states.dtype)
+        # each token's k rows summed in float32 and rounded once, in one kernel: torch's sum of bf16/fp16 rows
+        # accumulates in float32 (its opmath type), as the sorted path's float32 sum and cast do in two
+        return out.view(-1, k, out.shape[-1]).sum(1)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "

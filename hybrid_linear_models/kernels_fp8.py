@@ -27,6 +27,7 @@ instead (inside a CUDA graph capture the error propagates).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -122,20 +123,41 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int], power_of_tw
     return values.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].to(FP8_WEIGHT_DTYPE), scale
 
 
+class RowIndex(NamedTuple):
+    """Weight rows a product outputs, in order (int64 on the weight's device), and whether they are block-aligned:
+    each aligned run of BN outputs comes from one block row of the weight (a kernel tile then takes one row of
+    scales)."""
+
+    rows: torch.Tensor
+    aligned: bool
+
+
+def fp8_row_index(rows: torch.Tensor, block_rows: int, device: torch.device) -> RowIndex:
+    """`rows` (a CPU integer tensor: read here, once, where the index is built) on `device`, with its alignment to
+    blocks of `block_rows` weight rows."""
+    runs = rows.to(torch.int64) // block_rows
+    aligned = all(bool((run == run[0]).all()) for run in runs.split(block_rows))
+    return RowIndex(rows.to(device, torch.int64), aligned)
+
+
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., in) @ W.T (+ bias) in x's dtype, W the real weight of the FP8 `weight` (out, in) and `scale_inv`."""
+                     bias: torch.Tensor | None = None, rows: RowIndex | None = None) -> torch.Tensor:
+    """x (..., in) @ W.T (+ bias) in x's dtype, W the real weight of the FP8 `weight` (out, in) and `scale_inv`; with
+    `rows`, only those outputs, in that order (on CUDA the kernel reads those weight rows: no gather after it)."""
     check_block_fp8_weight(weight, scale_inv, block, x.shape[-1], grouped=False)
-    if triton_applies(x, weight, scale_inv, bias) and _checked_prefill_form():
+    if triton_applies(x, weight, scale_inv, bias) and _checked_prefill_form() and (
+            rows is None or rows.rows.device == x.device):
         flat = _unit_stride(x.reshape(-1, x.shape[-1]))
-        out = kernel_result(_FAILED, ("linear", tuple(weight.shape), tuple(block), x.dtype, x.device), x,
+        out = kernel_result(_FAILED, ("linear", tuple(weight.shape), tuple(block), x.dtype, x.device,
+                                      rows is not None), x,
                             f"the FP8 Triton kernel failed for a {tuple(weight.shape)} weight; that product "
                             "dequantizes and runs F.linear",
                             lambda: fp8_linear_kernel()(flat, _unit_stride(weight), scale_inv, block, bias,
-                                                        prefill=PREFILL_FORM))
+                                                        prefill=PREFILL_FORM, index=rows))
         if out is not None:
             return out.view(*x.shape[:-1], out.shape[-1])
-    return F.linear(x, dequantize_block_fp8(weight, scale_inv, block, x.dtype), bias)
+    out = F.linear(x, dequantize_block_fp8(weight, scale_inv, block, x.dtype), bias)
+    return out if rows is None else out.index_select(-1, rows.rows)
 
 
 def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -281,6 +303,17 @@ def triton_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     return fp8_linear_kernel() is not None and _has_e4m3(x.device)
 
 
-__all__ = ["block_fp8_grouped_linear", "block_fp8_linear", "block_fp8_routed_linear", "block_fp8_routed_swiglu_linear",
-           "check_block_fp8_weight",
-           "dequantize_block_fp8", "quantize_block_fp8", "routed_applies", "scale_shape", "triton_applies"]
+__all__ = [
+    "RowIndex",
+    "block_fp8_grouped_linear",
+    "block_fp8_linear",
+    "block_fp8_routed_linear",
+    "block_fp8_routed_swiglu_linear",
+    "check_block_fp8_weight",
+    "dequantize_block_fp8",
+    "fp8_row_index",
+    "quantize_block_fp8",
+    "routed_applies",
+    "scale_shape",
+    "triton_applies",
+]

@@ -91,11 +91,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
                        K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GROUPED: tl.constexpr, ROUTED: tl.constexpr, E_POW2: tl.constexpr, FORM: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GATED_INPUT: tl.constexpr = False):
+                       GATED_INPUT: tl.constexpr = False, HAS_INDEX: tl.constexpr = False,
+                       ALIGNED_INDEX: tl.constexpr = False):
     """y tile (row tile program_id(1), BLOCK_N output columns program_id(0)) of FORM (an index into FORMS); x_ptr
     holds e4m3 values and xs_ptr their scales for fp8_dot (see the module docstring). offsets_ptr holds the experts'
     end rows (GROUPED) or each route's expert (ROUTED, R routes per row of x). With GATED_INPUT (one_row only), x's
-    row is [gate | up] (2K wide) and the input is silu(gate) * up * rw[row], each op rounded to x's dtype."""
+    row is [gate | up] (2K wide) and the input is silu(gate) * up * rw[row], each op rounded to x's dtype. With
+    HAS_INDEX (dense only), offsets_ptr holds the weight row of each output column; ALIGNED_INDEX: the outputs of an
+    aligned run of BN columns all come from one block row of the weight."""
     tile = tl.program_id(1)  # (output columns on axis 0, whose grid may exceed axis 1's 65,535 programs)
     y_start = tile * BLOCK_M  # (the first row of y the tile writes; grouped tiles write their rows of x)
     if ROUTED:  # route `tile`: row tile // R of x times its expert's weight, into row `tile` of y (BLOCK_M is 1)
@@ -129,9 +132,15 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
     live_rows = (rows < row_end) & (rows >= 0)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live_cols = cols < N
+    if HAS_INDEX:  # output column j is weight row index[j]
+        w_ids = tl.load(offsets_ptr + cols, mask=live_cols, other=0).to(tl.int32)
+        first_id = tl.load(offsets_ptr + tl.program_id(0) * BLOCK_N).to(tl.int32)
+    else:
+        w_ids = cols
+        first_id = tl.program_id(0) * BLOCK_N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + (cols // BN)[:, None] * stride_sn  # [BLOCK_N, 1]: each output column's row of scales
+    w_rows = w_ptr + w_ids.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + (w_ids // BN)[:, None] * stride_sn  # [BLOCK_N, 1]: each output column's row of scales
     if FORM == 0:  # one_row: elementwise products, summed over K at the end
         products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
@@ -143,11 +152,13 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
             if GATED_INPUT:
                 x = _gated_input(x, x_ptr + row_start.to(tl.int64) * stride_xm + K + ks, rw_ptr + row_start,
                                  live_k & (row_start < row_end), y_ptr.dtype.element_ty)
-            if BN % BLOCK_N == 0 and BK % BLOCK_K == 0:  # the slice lies in one block: one scale
-                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (start // BK) * stride_sk)
+            # (where BN % BLOCK_N == 0 and the index, if any, is aligned, the tile's weight rows lie in one block row:
+            # first_id's)
+            if BN % BLOCK_N == 0 and (ALIGNED_INDEX or not HAS_INDEX) and BK % BLOCK_K == 0:  # one scale
+                s = tl.load(s_ptr + (first_id // BN) * stride_sn + (start // BK) * stride_sk)
                 products += w * (x * s)[None, :]
-            elif BN % BLOCK_N == 0:  # the tile's rows share one row of scales: scale x's slice once
-                s = tl.load(s_ptr + (tl.program_id(0) * BLOCK_N // BN) * stride_sn + (ks // BK) * stride_sk,
+            elif BN % BLOCK_N == 0 and (ALIGNED_INDEX or not HAS_INDEX):  # one row of scales: x's slice scaled once
+                s = tl.load(s_ptr + (first_id // BN) * stride_sn + (ks // BK) * stride_sk,
                             mask=live_k, other=0.0)
                 products += w * (x * s)[None, :]
             else:
@@ -163,15 +174,15 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
             x = tl.load(x_rows + ks[None, :], mask=live_rows[:, None] & live_k[None, :], other=0.0)
             w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0)
             if FORM == 1:  # scaled_dot: the slice lies in one block column; its product scaled per output column
-                s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
+                s = tl.load(s_ptr + (w_ids // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION) * s[None, :]
             elif FORM == 3:  # fp8_dot: x quantized per row and block column, both scales applied to the product
-                s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
+                s = tl.load(s_ptr + (w_ids // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols, other=0.0)
                 xs = tl.load(xs_ptr + rows.to(tl.int64) * stride_xsm + start // BK, mask=live_rows, other=0.0)
                 acc += tl.dot(x, tl.trans(w)) * xs[:, None] * s[None, :]
             else:  # dequantized_dot: the weight rounded to x's dtype, as the reference's
                 if BK % BLOCK_K == 0:
-                    s = tl.load(s_ptr + (cols // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols,
+                    s = tl.load(s_ptr + (w_ids // BN) * stride_sn + (start // BK) * stride_sk, mask=live_cols,
                                 other=0.0)[:, None]
                 else:
                     s = tl.load(s_rows + (ks // BK)[None, :] * stride_sk, mask=live_cols[:, None] & live_k[None, :],
@@ -179,7 +190,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
                 w = (w.to(tl.float32) * s).to(x_ptr.dtype.element_ty)
                 acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=live_cols, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + w_ids, mask=live_cols, other=0.0).to(tl.float32)[None, :]
     y_rows = y_start + tl.arange(0, BLOCK_M)
     written = (y_rows < M * R) if ROUTED else live_rows  # (a route's row is written even where no expert serves it)
     tl.store(y_ptr + y_rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -312,11 +323,12 @@ _TUNED = {form: _autotuned(form) for form in FORMS}
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
             offsets: torch.Tensor | None, block: tuple[int, int], form: str, block_m: int,
             config: tuple[int, int] | None, routes: torch.Tensor | None = None,
-            gated_by: torch.Tensor | None = None) -> torch.Tensor:
+            gated_by: torch.Tensor | None = None, index: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
     """y [S, out] in x's dtype for x [S, in] (unit stride along in), weight [(E,) out, in], scale_inv [(E,) ...];
     with `routes` [S * R] (each route's expert), y [S * R, out], route r the product of row r // R. With `gated_by`
-    [S] (one_row only), x is [S, 2 in], [gate | up], and the input silu(gate) * up * gated_by[row]."""
-    rows, out, inp = x.shape[0], weight.shape[-2], weight.shape[-1]
+    [S] (one_row only), x is [S, 2 in], [gate | up], and the input silu(gate) * up * gated_by[row]. With `index`
+    (weight rows [N], whether block-aligned; dense only), y [S, N], column j the product with weight row index[j]."""
+    rows, out, inp = x.shape[0], weight.shape[-2] if index is None else index[0].shape[0], weight.shape[-1]
     per_row = routes.shape[0] // max(rows, 1) if routes is not None else 1
     y = torch.empty(rows * per_row, out, device=x.device, dtype=x.dtype)
     if rows == 0 or out == 0 or per_row == 0:
@@ -328,14 +340,15 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
     experts = weight.shape[0] if grouped or routed else 1
     tiles = rows * per_row if routed else triton.cdiv(rows, block_m) + (min(experts, rows) if grouped else 0)
     args = (x, weight, scale_inv, bias if bias is not None else scale_inv, y,
-            offsets if grouped else routes if routed else scale_inv, x_scales,
+            offsets if grouped else routes if routed else index[0] if index is not None else scale_inv, x_scales,
             gated_by if gated_by is not None else scale_inv, rows, out, experts, per_row,
             x.stride(0), x_scales.stride(0), weight.stride(0) if grouped or routed else 0, weight.stride(-2),
             scale_inv.stride(0) if grouped or routed else 0, scale_inv.stride(-2), scale_inv.stride(-1), y.stride(0))
     flags = {"K": inp, "BN": block[0], "BK": block[1], "HAS_BIAS": bias is not None, "GROUPED": grouped,
              "ROUTED": routed, "E_POW2": triton.next_power_of_2(experts) if grouped else 1, "FORM": _FORM_IDS[form],
              "PRECISION": "ieee" if y.dtype == torch.float32 else "tf32", "BLOCK_M": block_m,
-             "GATED_INPUT": gated_by is not None}
+             "GATED_INPUT": gated_by is not None, "HAS_INDEX": index is not None,
+             "ALIGNED_INDEX": index is not None and index[1]}
     if config is None and _INTERPRETED:
         config = _INTERPRETED_CONFIG[form]
     if config is not None:
@@ -345,7 +358,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
         _fp8_linear_kernel[(triton.cdiv(out, config[0]), tiles)](*args, **flags, BLOCK_N=config[0],
                                                                   BLOCK_K=config[1])
     else:
-        key = ("fp8", form, out, inp, experts, block, bias is not None, grouped, routed, block_m, gated_by is not None)
+        key = ("fp8", form, out, inp, experts, block, bias is not None, grouped, routed, block_m, gated_by is not None,
+               None if index is None else index[1])
         launch(_TUNED[form], _fp8_linear_kernel, lambda meta: (triton.cdiv(out, meta["BLOCK_N"]), tiles), key,
                _untuned_config(form, grouped or routed, block[1]), args, flags)
     return y
@@ -385,19 +399,22 @@ def _tile_rows(rows: int) -> int:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, form: str | None = None, config: tuple[int, int] | None = None,
-               prefill: str = "dequantized_dot") -> torch.Tensor:
+               prefill: str = "dequantized_dot", index: tuple[torch.Tensor, bool] | None = None) -> torch.Tensor:
     """x [M, in] (unit stride along in; bf16, fp16 or fp32) @ W.T (+ bias) in x's dtype, W (out, in) the real weight of
     FP8 `weight` (unit stride along in) and float32 `scale_inv` [ceil(out / BN), ceil(in / BK)], block (BN, BK).
     `form` picks a form (default: `linear_form` with `prefill`; tests and benchmarks), `config` (BLOCK_N, BLOCK_K) a
     configuration instead of the autotuned one (tests; triton's interpreter runs `_INTERPRETED_CONFIG`).
-    "dequantize_then_linear" dequantizes the weight (`dequantize`) and runs F.linear: the reference's product."""
+    "dequantize_then_linear" dequantizes the weight (`dequantize`) and runs F.linear: the reference's product.
+    `index` (rows [N] int32/int64 on x's device, whether block-aligned: `kernels_fp8.fp8_row_index`): [M, N], column
+    j the product with weight row rows[j] (and bias[rows[j]])."""
     form = form or linear_form(x.shape[0], block[1], prefill)
     if form == "dequantize_then_linear":
-        return F.linear(x, dequantize(weight, scale_inv, block, x.dtype), bias)
+        out = F.linear(x, dequantize(weight, scale_inv, block, x.dtype), bias)
+        return out if index is None else out.index_select(-1, index[0])
     block_m = 1 if form == "one_row" else _tile_rows(x.shape[0])
     if form == "one_row" and x.shape[0] != 1:
         raise ValueError(f"FP8 kernel: the one_row form takes one row of x, not {x.shape[0]}; use scaled_dot")
-    return _launch(x, weight, scale_inv, bias, None, block, form, block_m, config)
+    return _launch(x, weight, scale_inv, bias, None, block, form, block_m, config, index=index)
 
 
 def fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, offsets: torch.Tensor,

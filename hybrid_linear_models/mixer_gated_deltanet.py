@@ -29,7 +29,9 @@ import torch
 from torch import nn
 
 from .cache_hybrid_linear import LinearStateLayer
-from .fused_projections import FusedProjections, stacks_projections
+from .fused_projections import FusedProjections, is_plain_linear, stacks_projections
+from .kernels_fp8 import RowIndex, fp8_row_index
+from .kernels_gemv import linear_rows
 from .mixer_linear import (
     DecayGate,
     convolve_and_recur,
@@ -105,15 +107,49 @@ class HybridLinearGatedDeltaNet(nn.Module):
             self._channel_index[key] = torch.cat([p.reshape(-1) for p in parts])
         return self._channel_index[key]
 
-    def _stacked_forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None):
+    def _fp8_decoding_rows(self, device: torch.device) -> tuple[RowIndex, torch.Tensor] | None:
+        """For an FP8 in_proj_qkvz beside a plain in_proj_ba: the rows of each that give [q | k | v | z] and [b | a]
+        (`_flat_decoding_channels` cut in two), the first as the FP8 kernel's row index; None where the heads do not
+        keep the weight's blocks whole (the index not block-aligned: the kernel would scale per element)."""
+        key = ("fp8", device)
+        if key not in self._channel_index:
+            flat = self._flat_decoding_channels(torch.device("cpu"))
+            qkvz = self.in_proj_qkvz.out_features
+            index = fp8_row_index(flat[flat < qkvz], self.in_proj_qkvz.block[0], device)
+            self._channel_index[key] = (index, (flat[flat >= qkvz] - qkvz).to(device)) if index.aligned else None
+        return self._channel_index[key]
+
+    def _fp8_projections(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """A decoding step's input projections where in_proj_qkvz is FP8 (it cannot stack with the bf16 in_proj_ba):
+        two launches taking their outputs in the flat order, (mixed, z, b, a); None where that does not apply."""
+        from .fp8_layers import Fp8Linear
+
+        if not isinstance(self.in_proj_qkvz, Fp8Linear) or not is_plain_linear(self.in_proj_ba):
+            return None
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        rows = self._fp8_decoding_rows(hidden_states.device)
+        if rows is None:
+            return None
+        qkvz = self.in_proj_qkvz.rows(hidden_states, rows[0])
+        ba = linear_rows(hidden_states, self.in_proj_ba.weight, self.in_proj_ba.bias, rows[1])
+        return (*qkvz.split([self.conv1d.weight.shape[0], self.value_dim], dim=-1),
+                *ba.split([self.num_v_heads] * 2, dim=-1))
+
+    def _stacked_forward(self, hidden_states: torch.Tensor, info: SequenceInfo, cache: LinearStateLayer | None,
+                         fp8_projections: tuple[torch.Tensor, ...] | None = None):
         """A decoding step or a verify round (no gradient, all heads): the same math as `forward`, with one GEMM
-        (and a gather) for the input projections (see the module docstring)."""
+        (and a gather) for the input projections (see the module docstring), or, with an FP8 in_proj_qkvz, the
+        flat outputs of `_fp8_projections`."""
         B, T = hidden_states.shape[:2]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        mixed, rest, conv_weight = project_for_convolution(
-            self._in_proj, hidden_states, (self.in_proj_qkvz, self.in_proj_ba),
-            self._flat_decoding_channels(hidden_states.device), self.conv1d.weight, info, cache)
-        z, b, a = rest.split([self.value_dim, nv, nv], dim=-1)
+        if fp8_projections is not None:
+            (mixed, z, b, a), conv_weight = fp8_projections, self.conv1d.weight
+        else:
+            mixed, rest, conv_weight = project_for_convolution(
+                self._in_proj, hidden_states, (self.in_proj_qkvz, self.in_proj_ba),
+                self._flat_decoding_channels(hidden_states.device), self.conv1d.weight, info, cache)
+            z, b, a = rest.split([self.value_dim, nv, nv], dim=-1)
 
         def split(x):
             q, k, v = x.split([nk * dk, nk * dk, nv * dv], dim=-1)
@@ -132,8 +168,12 @@ class HybridLinearGatedDeltaNet(nn.Module):
         # key heads (all of them unless tensor parallel)
         heads = local_heads(self.in_proj_qkvz, self.num_k_heads, self.layer_idx, "gdn_num_key_heads")
         linears = (self.in_proj_qkvz, self.in_proj_ba)
-        if not heads.sharded and stacks_projections(hidden_states) and self._in_proj.applies(hidden_states, linears):
-            return self._stacked_forward(hidden_states, info, cache)
+        if not heads.sharded and stacks_projections(hidden_states):
+            if self._in_proj.applies(hidden_states, linears):
+                return self._stacked_forward(hidden_states, info, cache)
+            fp8_projections = self._fp8_projections(hidden_states)
+            if fp8_projections is not None:
+                return self._stacked_forward(hidden_states, info, cache, fp8_projections)
         nk, nv = heads.count, heads.count * r
         projected, ba = self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
         q, k, v, z = projected.view(B, T, nk, 2 * dk + 2 * r * dv).split([dk, dk, r * dv, r * dv], dim=-1)

@@ -1,0 +1,145 @@
+"""A decoding step's GDN input projections on a released FP8 Qwen3-Next layout: in_proj_qkvz is FP8 and in_proj_ba
+bf16, so they cannot stack into one GEMM as a bf16 model's do; each runs as one launch that takes its outputs in the
+flat order [q | k | v | z] and [b | a] (the FP8 kernel reading its weight rows through an index: no gather, no copies
+of z and a, beta's sigmoid in the recurrent kernel). Checked: the index's block alignment, the indexed FP8 kernel
+against float64 (a GPU, or triton's interpreter), and a model's decoding step through it against the same model's
+unstacked path, exactly (the CPU's reference products are the same gathers of the same products)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from model_helpers import runs_triton_kernels
+from test_kernels_fp8 import DEVICE, _assert_within, _reference_weight, _skip_bf16_on_interpreter, _weight, _x
+from transformers import StaticCache
+
+from hybrid_linear_models import HybridLinearForCausalLM
+from hybrid_linear_models.kernels_fp8 import block_fp8_linear, fp8_row_index
+from hybrid_linear_models.mixer_gated_deltanet import HybridLinearGatedDeltaNet
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from flagship_models import ours_config, qwen3_next_fields  # noqa: E402
+
+
+def test_a_row_index_is_aligned_where_each_run_of_a_block_comes_from_one_block_row():
+    chunks = torch.tensor([3, 0, 2])  # block rows, each taken whole
+    assert fp8_row_index((chunks[:, None] * 4 + torch.arange(4)).reshape(-1), 4, torch.device("cpu")).aligned
+    assert not fp8_row_index(torch.tensor([0, 1, 2, 4, 3, 5, 6, 7]), 4, torch.device("cpu")).aligned
+    assert fp8_row_index(torch.tensor([8, 9, 10, 11, 1, 0]), 4, torch.device("cpu")).aligned  # (a partial last run)
+    assert fp8_row_index(torch.tensor([5, 4]), 4, torch.device("cpu")).rows.dtype == torch.int64
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_the_kernel_reads_indexed_rows(dtype, rows, aligned):
+    """Each output column the product with its indexed weight row (and bias), within the kernels' float64 bound:
+    a block-aligned index (whole 32-row blocks, reordered) and one that is not (rows shuffled across blocks)."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import fp8_linear
+
+    block = (32, 16)
+    w, scale = _weight(96, 48, block, seed=31)
+    order = (torch.tensor([2, 0, 1])[:, None] * 32 + torch.arange(32)).reshape(-1)
+    if not aligned:
+        order = order[torch.randperm(96, generator=torch.Generator().manual_seed(32))]
+    index = fp8_row_index(order[:80], block[0], torch.device(DEVICE))
+    assert index.aligned == aligned
+    x = _x(rows, 48, dtype, seed=33)
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(34)).to(DEVICE, dtype)
+    got = fp8_linear(x, w, scale, block, bias, config=(4, 16) if rows == 1 else (16, 16), index=index)
+    weight = _reference_weight(w, scale, block, torch.float64)
+    _assert_within(got, x, weight[index.rows], bias[index.rows], f"{rows} rows")
+
+
+def test_the_reference_gathers_the_rows():
+    block = (16, 16)
+    w, scale = (t.cpu() for t in _weight(48, 32, block, seed=35))
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    index = fp8_row_index(torch.tensor([47, 3, 16, 0]), block[0], torch.device("cpu"))
+    assert torch.equal(block_fp8_linear(x, w, scale, block, rows=index),
+                       block_fp8_linear(x, w, scale, block)[:, index.rows])
+
+
+def _fp8_qwen3_next() -> HybridLinearForCausalLM:
+    torch.manual_seed(0)
+    model = HybridLinearForCausalLM(ours_config(qwen3_next_fields(layers=4, tiny=True, fp8=True)))
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.dtype == torch.float8_e4m3fn:
+                tensor.copy_((torch.randn(tensor.shape) * 64).clamp(-448, 448).to(torch.float8_e4m3fn))
+            elif name.endswith("scale_inv"):
+                tensor.copy_(torch.rand(tensor.shape) / 256 + 1 / 512)
+            elif tensor.is_floating_point() and "norm" not in name:
+                tensor.copy_(torch.randn(tensor.shape) * 0.05)
+    return model.to(torch.bfloat16).eval()
+
+
+def test_a_decoding_step_takes_the_flat_fp8_projections_and_keeps_its_logits(monkeypatch):
+    """Each GDN layer of an FP8 Qwen3-Next (the released layout in miniature) runs its decoding step's projections
+    as one indexed FP8 product and one gathered bf16 one; the step's logits and the caches' states equal the
+    unstacked path's bit for bit, over several steps."""
+    model = _fp8_qwen3_next()
+    model.set_cuda_graph_decoding(False)
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    indexed = []
+    real = HybridLinearGatedDeltaNet._fp8_projections
+
+    def counted(self, hidden_states):
+        out = real(self, hidden_states)
+        indexed.append(out is not None)
+        return out
+
+    def run(projections):
+        monkeypatch.setattr(HybridLinearGatedDeltaNet, "_fp8_projections", projections)
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            logits = [model(input_ids=ids[:, :8], cache=cache, use_cache=True).logits[:, -1]]
+            for t in range(8, 12):
+                logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+        return torch.stack(logits), cache
+
+    fused, fused_cache = run(counted)
+    gdn_layers = sum(t == "linear_attention" for t in model.config.layer_types)
+    assert indexed == [True] * 4 * gdn_layers  # (four decoding steps; the prompt keeps the plain path)
+    plain, plain_cache = run(lambda self, hidden_states: None)
+    assert torch.equal(fused, plain)
+    for layer, (a, b) in enumerate(zip(fused_cache.layers, plain_cache.layers)):
+        for name in ("conv_window", "recurrent_state", "keys", "values"):
+            if isinstance(getattr(a, name, None), torch.Tensor):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (layer, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fp8_decoding_projections(monkeypatch):
+    """On a GPU (the indexed FP8 kernel, the bf16 GEMV, beta's sigmoid in fla's recurrent kernel): the captured step
+    decodes the uncaptured one's tokens, and its logits stay within bf16's noise of the unstacked path's (beta's
+    sigmoid rounded to bf16 there, in float32 here: relative differences of 2^-9 compounded over the layers; a wrong
+    row or scale would be of the logits' own size)."""
+    from model_helpers import greedy
+
+    model = _fp8_qwen3_next().cuda()
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    captured = greedy(model, ids, 8, cache_implementation="static")
+    assert model._graph_decoder is not None and not model._graph_decoder._failed, model._graph_decoder._failed
+    model.set_cuda_graph_decoding(False)
+    eager = greedy(model, ids, 8, cache_implementation="static")
+    assert torch.equal(captured.sequences, eager.sequences)
+    steps = eager.sequences[:, :-1]
+
+    def logits():
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        with torch.no_grad():
+            model(input_ids=steps[:, :12], cache=cache, use_cache=True)
+            return torch.stack([model(input_ids=steps[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1].float()
+                                for t in range(12, steps.shape[1])])
+
+    indexed = logits()
+    monkeypatch.setattr(HybridLinearGatedDeltaNet, "_fp8_projections", lambda self, hidden_states: None)
+    plain = logits()
+    assert (indexed - plain).abs().max() <= 2 ** -5 * plain.abs().max()
