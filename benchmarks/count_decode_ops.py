@@ -29,12 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).parent))
-from flagship_models import ours_config, qwen3_next_fields  # noqa: E402
+from flagship_models import ours_config, qwen3_next_fields
 from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config  # noqa: E402
 
 from hybrid_linear_models import HybridLinearForCausalLM, fla_backend  # noqa: E402
 from hybrid_linear_models import attention_step, block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
-from hybrid_linear_models import kernels_fp8, moe_inference_ops  # noqa: E402
+from hybrid_linear_models import kernels_fp8, moe_inference_ops
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder  # noqa: E402
 from hybrid_linear_models.speculative_decoding import prefill, verify_round  # noqa: E402
 from hybrid_linear_models.verify_cache import VerifyCache  # noqa: E402

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from model_helpers import runs_triton_kernels
-from test_kernels_fp8 import DEVICE, _assert_within, _reference_weight, _skip_bf16_on_interpreter, _weight, _x
+from test_kernels_fp8 import (
+    DEVICE,
+    _assert_within,
+    _reference_weight,
+    _skip_bf16_on_interpreter,
+    _weight,
+    _x,
+)
 from transformers import StaticCache
 
 from hybrid_linear_models import HybridLinearForCausalLM
@@ -21,7 +28,7 @@ from hybrid_linear_models.kernels_fp8 import block_fp8_linear, fp8_row_index
 from hybrid_linear_models.mixer_gated_deltanet import HybridLinearGatedDeltaNet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from flagship_models import ours_config, qwen3_next_fields  # noqa: E402
+from flagship_models import ours_config, qwen3_next_fields
 
 
 def test_a_row_index_is_aligned_where_each_run_of_a_block_comes_from_one_block_row():
