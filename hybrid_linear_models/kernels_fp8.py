@@ -96,11 +96,15 @@ def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The real weight of an FP8 `weight` (..., out, in) with its per-block `scale_inv` (block: rows, columns), exact
-    in float64, then converted to `dtype` (bf16 and fp16 through float32: see the module docstring)."""
+    in float64, then converted to `dtype` (bf16 and fp16 through float32: see the module docstring). For a dtype
+    other than float64 the product is taken in float32: IEEE's product rounds the exact value once, as float64's
+    exact product converted to float32 does, so the bits are the same (and torch.compile's Triton code, which has no
+    float8 -> float64 conversion, can run it)."""
     rows, cols = weight.shape[-2:]
-    scale = scale_inv.to(torch.float64)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = scale_inv.to(wide)
     scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
-    return (weight.to(torch.float64) * scale).to(dtype)
+    return (weight.to(wide) * scale).to(dtype)
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False

@@ -49,6 +49,10 @@ from .verify_delta_rule import delta_rule_round
 if TYPE_CHECKING:
     from .configuration_hybrid_linear import HybridLinearConfig
 
+# where an FP8 in_proj_qkvz's decoding step takes its outputs in the flat order (`_fp8_projections`; emptied: the
+# unstacked path, as benchmarks/profile_decode_step.py --ab compares)
+FLAT_FP8_PROJECTION_DEVICE_TYPES = ("cuda", "cpu")
+
 
 class HybridLinearGatedDeltaNet(nn.Module):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
@@ -124,7 +128,8 @@ class HybridLinearGatedDeltaNet(nn.Module):
         two launches taking their outputs in the flat order, (mixed, z, b, a); None where that does not apply."""
         from .fp8_layers import Fp8Linear
 
-        if not isinstance(self.in_proj_qkvz, Fp8Linear) or not is_plain_linear(self.in_proj_ba):
+        if (hidden_states.device.type not in FLAT_FP8_PROJECTION_DEVICE_TYPES
+                or not isinstance(self.in_proj_qkvz, Fp8Linear) or not is_plain_linear(self.in_proj_ba)):
             return None
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None

@@ -55,7 +55,7 @@ def test_dequantize_matches_float64_reference(block, shape):
     grid = (*shape[:-2], math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
     scale = torch.rand(grid, generator=generator) * 1e-2 + 1e-4
     expected = reference_dequantize(weight, scale, block)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         got = dequantize_block_fp8(weight, scale, block, dtype)
         assert got.dtype == dtype and got.shape == weight.shape
         assert torch.equal(got, expected.to(dtype))  # one rounding of the exact product
