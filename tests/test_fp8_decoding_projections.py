@@ -150,3 +150,19 @@ def test_gpu_fp8_decoding_projections(monkeypatch):
     monkeypatch.setattr(HybridLinearGatedDeltaNet, "_fp8_projections", lambda self, hidden_states: None)
     plain = logits()
     assert (indexed - plain).abs().max() <= 2 ** -5 * plain.abs().max()
+
+
+def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_layers():
+    """The kernels of a captured decoding step of the FP8 Qwen3-Next in miniature (3 GDN layers and an attention
+    layer, each with its MoE), as benchmarks/count_decode_ops.py counts them: no op of the GDN mixer's own (its
+    projections are the indexed FP8 product and the bf16 GEMV, no gather, copy or sigmoid), one routing kernel and one
+    gated sum a MoE layer, and the routed experts' SwiGLU inside their down projection."""
+    import count_decode_ops
+
+    step = count_decode_ops.count_step("qwen3-next-fp8", by_site=True)["graph"]
+    sites = {(name, where.split(":")[0]) for name, where in step.sites}
+    assert not [site for site in sites if site[1] == "mixer_gated_deltanet.py"], sites
+    assert step.counts["moe.softmax_top_k"] == step.counts["moe.add_gated"] == 4
+    assert step.counts["fp8.routed_linear"] == 8  # (gate+up, and down with SwiGLU and the weight in its read)
+    assert [name for name, where in sites if where == "fp8_layers.py"] == ["sum"]
+    assert "sigmoid" not in {name for name, where in sites if where != "mixer_attention.py"}
