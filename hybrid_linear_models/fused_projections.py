@@ -16,9 +16,13 @@ verify round of a few tokens (speculative_decoding), whose products a captured r
 Other forwards keep the layers' own GEMMs, so a prompt's logits are bit for bit those of the same model with its
 projections wrapped (LoRA) or compiled.
 
-Only plain `nn.Linear` layers are stacked: a subclass (quantised layers), a wrapper (peft's LoRA layers replace
-the module), hooks, sharded (DTensor) weights or a compiler tracing the step keep the projections separate, as do
-steps that need gradients (training keeps the parameters' own storage untouched).
+Plain `nn.Linear` layers are stacked, and so are block-scaled FP8 layers (`fp8_layers.Fp8Linear`, a released FP8
+checkpoint's attention and shared-expert projections) of one block size whose outputs keep the blocks whole (each
+layer's out_features but the last a multiple of the block's rows): their FP8 weights and their scales stack by rows
+alike, and the stack is one FP8 product (`kernels_fp8.block_fp8_linear`); gathered outputs, SwiGLU and the
+convolution's step then run after it. A subclass, a wrapper (peft's LoRA layers replace the module), hooks, sharded
+(DTensor) weights or a compiler tracing the step keep the projections separate, as do steps that need gradients
+(training keeps the parameters' own storage untouched).
 """
 
 from __future__ import annotations
@@ -30,16 +34,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_ops import silu_and_mul
 from .derived_weights import SharedRows
-from .kernels_gemv import MAX_ROWS, linear_conv_step, linear_rows, linear_swiglu
+from .kernels_fp8 import block_fp8_linear
+from .kernels_gemv import MAX_ROWS, convolve_first, linear_conv_step, linear_rows, linear_swiglu
 from .tensor_parallel_heads import device_mesh
+
+
+def _unwrapped(linear: nn.Module) -> bool:
+    return (not linear._forward_hooks and not linear._forward_pre_hooks and "forward" not in vars(linear)
+            and device_mesh(linear.weight) is None)
 
 
 def is_plain_linear(linear: nn.Module) -> bool:
     """An nn.Linear itself (no subclass, wrapper, hooks, replaced forward or sharded weight): its output is
     F.linear(x, weight, bias), so a fused kernel may compute it."""
-    return (type(linear) is nn.Linear and not linear._forward_hooks and not linear._forward_pre_hooks
-            and "forward" not in vars(linear) and device_mesh(linear.weight) is None)
+    return type(linear) is nn.Linear and _unwrapped(linear)
+
+
+def _fp8_stackable(linears: Sequence[nn.Module]) -> bool:
+    """FP8 layers whose weights and scales stack by rows into one FP8 layer's: one block size, every layer's outputs
+    but the last's whole blocks (see the module docstring)."""
+    from .fp8_layers import Fp8Linear
+
+    if not all(type(m) is Fp8Linear and _unwrapped(m) for m in linears):
+        return False
+    block = linears[0].block
+    return (all(m.block == block and m.weight.dtype == linears[0].weight.dtype for m in linears)
+            and all(m.out_features % block[0] == 0 for m in linears[:-1]))
 
 
 _FEW_ROWS = [0]  # rows up to which any forward stacks its projections; raised by `projections_stacked_for_few_rows`
@@ -69,14 +91,17 @@ class FusedProjections:
     def __init__(self):
         self._weight = SharedRows()
         self._bias = SharedRows()
+        self._scale = SharedRows()  # (FP8 layers' weight_scale_inv)
 
     def kept_tensors(self) -> list[SharedRows]:
-        return [self._weight, self._bias]
+        return [self._weight, self._bias, self._scale]
 
     def applies(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> bool:
         """Whether `__call__` may stack these projections for input x: no gradient wanted, no compiler tracing, plain
-        layers on x's device and dtype, biases all or none."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not all(is_plain_linear(m) for m in linears):
+        layers on x's device and dtype (or stackable FP8 layers on x's device), biases all or none."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return False
+        if not all(is_plain_linear(m) for m in linears) and not _fp8_stackable(linears):
             return False
         first = linears[0].weight
         if any(m.weight.device != x.device or m.weight.dtype != first.dtype or m.in_features != linears[0].in_features
@@ -90,12 +115,17 @@ class FusedProjections:
         """[... , sum of the layers' out_features]: x through every layer, side by side (check `applies` first);
         with `rows`, only those outputs, in that order (`kernels_gemv.linear_rows`: a captured decoding step reads
         the stacked weight's rows in that order instead of gathering the outputs)."""
+        if self._is_fp8(linears):
+            out = self._fp8_product(x, linears)
+            return out if rows is None else out.index_select(-1, rows)
         weight, bias = self._stacked(linears)
         return F.linear(x, weight, bias) if rows is None else linear_rows(x, weight, bias, rows)
 
     def swiglu(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor:
         """silu(gate(x)) * up(x) for linears = (gate, up) of one width (check `applies` first), as one GEMM
         (`kernels_gemv.linear_swiglu`: in a captured decoding step one GEMV whose epilogue computes the SwiGLU)."""
+        if self._is_fp8(linears):
+            return silu_and_mul(*self._fp8_product(x, linears).chunk(2, dim=-1))
         return linear_swiglu(x, *self._stacked(linears))
 
     def convolved(self, x: torch.Tensor, linears: Sequence[nn.Module], rows: torch.Tensor | None,
@@ -103,7 +133,19 @@ class FusedProjections:
         """The stacked projection's outputs (`rows` of them when given) split at C, the short convolution's channels:
         its decoding step on the first C, `window` updated in place, and the rest as they are (check `applies`
         first; `kernels_gemv.linear_conv_step`: in a captured decoding step one GEMV whose epilogue convolves)."""
+        if self._is_fp8(linears):
+            return convolve_first(self(x, linears, rows), conv_weight, window)
         return linear_conv_step(x, *self._stacked(linears), rows, conv_weight, window)
+
+    @staticmethod
+    def _is_fp8(linears: Sequence[nn.Module]) -> bool:
+        return type(linears[0]) is not nn.Linear
+
+    def _fp8_product(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor:
+        """The FP8 layers' stacked weight and scales (and biases) as one FP8 product."""
+        weight, bias = self._stacked(linears)
+        scale = self._scale.get([m.weight_scale_inv for m in linears])
+        return block_fp8_linear(x, weight, scale, linears[0].block, bias)
 
     def _stacked(self, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layers' weights stacked by rows, and their biases (None without)."""

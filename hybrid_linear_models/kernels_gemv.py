@@ -117,10 +117,10 @@ def torch_linear_conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`linear_conv_step` without the Triton GEMV: `torch_linear_rows`, then the convolution's step on its first
     columns (`ops.causal_conv1d_step`: fla's kernel or torch)."""
-    return _convolve_first(torch_linear_rows(x, weight, bias, rows), conv_weight, window)
+    return convolve_first(torch_linear_rows(x, weight, bias, rows), conv_weight, window)
 
 
-def _convolve_first(out: torch.Tensor, conv_weight: torch.Tensor,
+def convolve_first(out: torch.Tensor, conv_weight: torch.Tensor,
                     window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the convolution's step on out's first C columns, `window` updated in place; the other columns)."""
     channels = conv_weight.shape[0]
@@ -167,7 +167,7 @@ def decode_linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: tor
         out = _gemv(input, weight, bias, rows, convolution=(taps, window))
         if out is not None:
             return out[..., :channels], out[..., channels:]
-    return _convolve_first(decode_linear(input, weight, bias, rows), conv_weight, window)
+    return convolve_first(decode_linear(input, weight, bias, rows), conv_weight, window)
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,

@@ -156,7 +156,8 @@ def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_lay
     """The kernels of a captured decoding step of the FP8 Qwen3-Next in miniature (3 GDN layers and an attention
     layer, each with its MoE), as benchmarks/count_decode_ops.py counts them: no op of the GDN mixer's own (its
     projections are the indexed FP8 product and the bf16 GEMV, no gather, copy or sigmoid), one routing kernel and one
-    gated sum a MoE layer, and the routed experts' SwiGLU inside their down projection."""
+    gated sum a MoE layer, the routed experts' SwiGLU inside their down projection, and the attention layer on the
+    fused attention step."""
     import count_decode_ops
 
     step = count_decode_ops.count_step("qwen3-next-fp8", by_site=True)["graph"]
@@ -165,4 +166,60 @@ def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_lay
     assert step.counts["moe.softmax_top_k"] == step.counts["moe.add_gated"] == 4
     assert step.counts["fp8.routed_linear"] == 8  # (gate+up, and down with SwiGLU and the weight in its read)
     assert [name for name, where in sites if where == "fp8_layers.py"] == ["sum"]
+    # the attention layer's FP8 q/k/v stack, so it takes the fused attention step's three kernels
+    assert all(step.counts[f"attention_step.{kernel}"] == 1 for kernel in ("prepare", "attend", "combine"))
     assert "sigmoid" not in {name for name, where in sites if where != "mixer_attention.py"}
+
+
+def test_fp8_projections_stack_as_plain_ones(monkeypatch):
+    """An FP8 Qwen3-Next's attention q/k/v and shared experts' gate/up stack into one FP8 product each (weights and
+    scales become views of the stacked tensors: no copy), and its decoding steps' logits and states equal those of
+    the same model with every projection separate (the CPU's reference products: the same dequantized weights,
+    gathered and stacked)."""
+    from hybrid_linear_models.derived_weights import SharedRows, derived_weights
+    from hybrid_linear_models.fused_projections import FusedProjections
+
+    model = _fp8_qwen3_next()
+    model.set_cuda_graph_decoding(False)
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            logits = [model(input_ids=ids[:, :8], cache=cache, use_cache=True).logits[:, -1]]
+            for t in range(8, 12):
+                logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+        return torch.stack(logits), cache
+
+    stacked, stacked_cache = run()
+    attention = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+    weights = attention._qkv.kept_tensors()[0].value
+    assert weights is not None and weights.dtype == torch.float8_e4m3fn
+    assert attention.k_proj.weight.data_ptr() == weights[attention.q_proj.out_features:].data_ptr()
+    scales = attention._qkv.kept_tensors()[2].value
+    assert attention.v_proj.weight_scale_inv.data_ptr() == scales[-attention.v_proj.weight_scale_inv.shape[0]:].data_ptr()
+    shared = [d for d in derived_weights(model) if isinstance(d, SharedRows) and d.value is not None]
+    assert sum(d.value.dtype == torch.float8_e4m3fn for d in shared) == 1 + 4  # (q/k/v, and each layer's gate/up)
+    monkeypatch.setattr(FusedProjections, "applies", lambda self, x, linears: False)
+    separate, separate_cache = run()
+    assert torch.equal(stacked, separate)
+    for a, b in zip(stacked_cache.layers, separate_cache.layers):
+        for name in ("conv_window", "recurrent_state", "keys", "values"):
+            if isinstance(getattr(a, name, None), torch.Tensor):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_fp8_layers_that_would_split_a_block_stay_separate():
+    """FP8 layers stack only where every layer's outputs but the last's are whole blocks of the weight's rows (their
+    scales then stack by rows too), of one block size."""
+    from hybrid_linear_models.configuration_hybrid_linear import HybridLinearConfig
+    from hybrid_linear_models.fp8_layers import Fp8Linear
+    from hybrid_linear_models.fused_projections import FusedProjections
+
+    settings = HybridLinearConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    x = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+    whole, partial = (Fp8Linear(32, out, settings.block_fp8_settings) for out in (32, 24))
+    with torch.no_grad():
+        assert FusedProjections().applies(x, (whole, partial))
+        assert not FusedProjections().applies(x, (partial, whole))
+        assert not FusedProjections().applies(x, (whole, torch.nn.Linear(32, 8, dtype=torch.bfloat16)))
