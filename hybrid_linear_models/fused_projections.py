@@ -37,7 +37,13 @@ from torch import nn
 from .block_ops import silu_and_mul
 from .derived_weights import SharedRows
 from .kernels_fp8 import block_fp8_linear
-from .kernels_gemv import MAX_ROWS, convolve_first, linear_conv_step, linear_rows, linear_swiglu
+from .kernels_gemv import (
+    MAX_ROWS,
+    convolve_first,
+    linear_conv_step,
+    linear_rows,
+    linear_swiglu,
+)
 from .tensor_parallel_heads import device_mesh
 
 
