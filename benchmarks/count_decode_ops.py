@@ -177,18 +177,6 @@ def _attention_step(qkv, keys, values, slot, q_scale, k_scale, eps, cos, sin, ro
         COUNTER.paused -= 1
 
 
-def _counted_zeros(name: str, rows_of, width_of):
-    """One of this package's Triton kernels, counted as one launch; its output stood in by zeros of its shape."""
-    def run(*args, **kwargs):
-        COUNTER.count(name)
-        COUNTER.paused += 1
-        try:
-            return args[0].new_zeros(rows_of(*args, **kwargs), width_of(*args, **kwargs))
-        finally:
-            COUNTER.paused -= 1
-    return run
-
-
 def _counted_reference(name: str, reference):
     """One of this package's Triton kernels, counted as one launch, its output the torch reference's."""
     def run(*args, **kwargs):
@@ -199,6 +187,12 @@ def _counted_reference(name: str, reference):
         finally:
             COUNTER.paused -= 1
     return run
+
+
+def _counted_zeros(name: str, rows_of, width_of):
+    """One of this package's Triton kernels, counted as one launch; its output stood in by zeros of its shape."""
+    return _counted_reference(name, lambda *args, **kwargs: args[0].new_zeros(rows_of(*args, **kwargs),
+                                                                              width_of(*args, **kwargs)))
 
 
 def _moe_reference(name: str):

@@ -86,6 +86,24 @@ def _fp8_qwen3_next() -> HybridLinearForCausalLM:
     return model.to(torch.bfloat16).eval()
 
 
+def _prompt_then_steps(model: HybridLinearForCausalLM, ids: torch.Tensor, prompt: int = 8):
+    """The last logits of a prompt of ids[:, :prompt] and of one-token steps through the rest, and the static cache."""
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    with torch.no_grad():
+        logits = [model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[:, -1]]
+        for t in range(prompt, ids.shape[1]):
+            logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+    return torch.stack(logits), cache
+
+
+def _assert_same_states(got, expected) -> None:
+    """Every layer's convolution window, recurrent state, keys and values, bit for bit."""
+    for layer, (a, b) in enumerate(zip(got.layers, expected.layers)):
+        for name in ("conv_window", "recurrent_state", "keys", "values"):
+            if isinstance(getattr(a, name, None), torch.Tensor):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (layer, name)
+
+
 def test_a_decoding_step_takes_the_flat_fp8_projections_and_keeps_its_logits(monkeypatch):
     """Each GDN layer of an FP8 Qwen3-Next (the released layout in miniature) runs its decoding step's projections
     as one indexed FP8 product and one gathered bf16 one; the step's logits and the caches' states equal the
@@ -103,22 +121,14 @@ def test_a_decoding_step_takes_the_flat_fp8_projections_and_keeps_its_logits(mon
 
     def run(projections):
         monkeypatch.setattr(HybridLinearGatedDeltaNet, "_fp8_projections", projections)
-        cache = StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad():
-            logits = [model(input_ids=ids[:, :8], cache=cache, use_cache=True).logits[:, -1]]
-            for t in range(8, 12):
-                logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
-        return torch.stack(logits), cache
+        return _prompt_then_steps(model, ids)
 
     fused, fused_cache = run(counted)
     gdn_layers = sum(t == "linear_attention" for t in model.config.layer_types)
     assert indexed == [True] * 4 * gdn_layers  # (four decoding steps; the prompt keeps the plain path)
     plain, plain_cache = run(lambda self, hidden_states: None)
     assert torch.equal(fused, plain)
-    for layer, (a, b) in enumerate(zip(fused_cache.layers, plain_cache.layers)):
-        for name in ("conv_window", "recurrent_state", "keys", "values"):
-            if isinstance(getattr(a, name, None), torch.Tensor):
-                assert torch.equal(getattr(a, name), getattr(b, name)), (layer, name)
+    _assert_same_states(fused_cache, plain_cache)
 
 
 @pytest.mark.gpu
@@ -183,15 +193,7 @@ def test_fp8_projections_stack_as_plain_ones(monkeypatch):
     model.set_cuda_graph_decoding(False)
     ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
 
-    def run():
-        cache = StaticCache(config=model.config, max_cache_len=16)
-        with torch.no_grad():
-            logits = [model(input_ids=ids[:, :8], cache=cache, use_cache=True).logits[:, -1]]
-            for t in range(8, 12):
-                logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
-        return torch.stack(logits), cache
-
-    stacked, stacked_cache = run()
+    stacked, stacked_cache = _prompt_then_steps(model, ids)
     attention = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
     weights = attention._qkv.kept_tensors()[0].value
     assert weights is not None and weights.dtype == torch.float8_e4m3fn
@@ -201,12 +203,9 @@ def test_fp8_projections_stack_as_plain_ones(monkeypatch):
     shared = [d for d in derived_weights(model) if isinstance(d, SharedRows) and d.value is not None]
     assert sum(d.value.dtype == torch.float8_e4m3fn for d in shared) == 1 + 4  # (q/k/v, and each layer's gate/up)
     monkeypatch.setattr(FusedProjections, "applies", lambda self, x, linears: False)
-    separate, separate_cache = run()
+    separate, separate_cache = _prompt_then_steps(model, ids)
     assert torch.equal(stacked, separate)
-    for a, b in zip(stacked_cache.layers, separate_cache.layers):
-        for name in ("conv_window", "recurrent_state", "keys", "values"):
-            if isinstance(getattr(a, name, None), torch.Tensor):
-                assert torch.equal(getattr(a, name), getattr(b, name)), name
+    _assert_same_states(stacked_cache, separate_cache)
 
 
 def test_fp8_layers_that_would_split_a_block_stay_separate():
