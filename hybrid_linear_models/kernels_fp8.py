@@ -11,9 +11,11 @@ through float32, so for those the weight is float32's product w * s rounded to t
 (fp16) or 2^16 (bf16) one unit off a single rounding of the exact product); float32 gets one rounding. The Triton
 kernels' dequantized weights round the same way, bit for bit.
 
-`block_fp8_linear` (x @ W.T), `block_fp8_grouped_linear` (the experts: rows sorted by expert, rows of expert e times
-W_e.T) and `block_fp8_routed_linear` (the experts of a decoding step: each route's row times its expert's W.T, no sort)
-are the entry points the model's FP8 layers call. On CUDA tensors they run this package's Triton kernels
+`block_fp8_linear` (x @ W.T, optionally only the weight rows of a `RowIndex`, in its order), `block_fp8_grouped_linear`
+(the experts: rows sorted by expert, rows of expert e times W_e.T), `block_fp8_routed_linear` (the experts of a
+decoding step: each route's row times its expert's W.T, no sort) and `block_fp8_routed_swiglu_linear` (their down
+projection, reading silu(gate) * up * routing weight from the gate/up rows) are the entry points the model's FP8
+layers call. On CUDA tensors they run this package's Triton kernels
 (`kernels_fp8_triton`: the FP8 weight read once, scaled per block as it is loaded, float32 sums) where
 `triton_applies`; anything else (the CPU, a gradient wanted for x, triton missing, a GPU older than compute capability
 8.9, whose triton has no e4m3) dequantizes and runs the dense op: the plain reference the kernels are checked against.

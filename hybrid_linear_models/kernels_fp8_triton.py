@@ -41,7 +41,14 @@ The experts of a decoding step (`fp8_routed_linear`): a few (token, expert) rout
 program row per route: route r reads its expert's id from `routes` and multiplies row r // R of x (R routes per token)
 into row r of y, so the routes need no sort, no offsets and no gather of x (a dozen small kernels a layer at batch 1);
 two routes to one expert read its weight twice, which a decoding step's few routes seldom do. A route to an expert
-outside 0..E-1 (expert parallelism's other ranks) gets a row of zeros.
+outside 0..E-1 (expert parallelism's other ranks) gets a row of zeros. With `gated_by` (the routing weights), x's
+rows are the gate/up products [gate | up] and each K slice of the input is computed as it is loaded, silu(gate) * up
+* weight, each op rounded to x's dtype as torch's ops round: the experts' down projection then needs no elementwise
+kernels before it.
+
+A dense product may take its outputs from weight rows in any order (`index`: output j from weight row index[j]; no
+gather after the kernel). Where the index is block-aligned (each aligned run of BN outputs from one block row) a
+one_row tile keeps its one row of scales; otherwise it scales per element.
 
 K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width: a
 few per model). Configurations are autotuned per weight shape and block inside `kernel_tuning.autotuning()` (`warm_up`
