@@ -5,8 +5,9 @@ the sigmoid-gated shared expert added to the routed experts' output. Each is one
 
 - `triton_softmax_top_k`: a program per row of logits [T, E] (E up to a few thousand: the row in registers). p =
   softmax(logits) in float32 (the max subtracted first, as torch's softmax); the k largest p in descending order,
-  ties by the lowest expert index (as torch's CUDA top-k picks among values equal to its k-th); with `normalize`,
-  divided by their float32 sum. The weights are stored in the logits' dtype, the experts as int64.
+  ties by the lowest expert index (as torch's CUDA top-k picks among values equal to its k-th), a NaN above every
+  number (as torch ranks it: a row of NaN logits routes to experts 0..k-1 with NaN weights, never past E - 1); with
+  `normalize`, divided by their float32 sum. The weights are stored in the logits' dtype, the experts as int64.
 - `triton_add_gated`: routed + sigmoid(gate) * shared over rows [T, H], gate [T, 1], each op rounded to the dtype as
   torch's bf16/fp16 elementwise ops round (computed in float32, rounded once per op): the eager block's value.
 
@@ -38,14 +39,18 @@ def _softmax_top_k_kernel(logits_ptr, weights_ptr, experts_ptr, E, stride_l, str
     await_previous_kernel(PDL)
     logits = tl.load(logits_ptr + row * stride_l + cols, mask=live, other=float("-inf")).to(tl.float32)
     exps = tl.where(live, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    left = tl.where(live, exps / tl.sum(exps, axis=0), -1.0)  # (probabilities are >= 0: -1 is never chosen)
+    probabilities = exps / tl.sum(exps, axis=0)
+    # the choice: probabilities are in [0, 1], so -1 (past E) is never chosen and 2 (a NaN: torch's top-k ranks NaN
+    # above every number) always is; each pick takes the largest left, its ties by the lowest index
+    left = tl.where(live, tl.where(probabilities != probabilities, 2.0, probabilities), -1.0)
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
     experts = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for slot in tl.static_range(K):  # the largest left, its ties by the lowest index, then taken out
+    for slot in tl.static_range(K):
         best = tl.max(left, axis=0)
         expert = tl.min(tl.where(left == best, cols, BLOCK_E), axis=0)
-        weights = tl.where(slots == slot, best, weights)
+        weight = tl.sum(tl.where(cols == expert, probabilities, 0.0), axis=0)  # (its probability, a NaN kept)
+        weights = tl.where(slots == slot, weight, weights)
         experts = tl.where(slots == slot, expert, experts)
         left = tl.where(cols == expert, -2.0, left)
     if NORMALIZE:

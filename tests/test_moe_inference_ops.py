@@ -96,6 +96,17 @@ def test_ties_at_the_kth_place_go_to_the_lowest_experts(kernels_on):
 
 
 @runs_triton_kernels
+def test_a_row_of_nan_logits_routes_within_the_experts(kernels_on):
+    """NaN logits (a model that overflowed) give NaN weights and experts 0..k-1, as torch's top-k ranks NaN first:
+    never an index past the experts, which an experts kernel would read out of bounds."""
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    logits[1] = float("nan")
+    weights, chosen = softmax_top_k(logits, 4, normalize=True)
+    assert chosen[1].tolist() == [0, 1, 2, 3] and weights[1].isnan().all()
+    assert torch.equal(chosen[0], _reference(logits[:1], 4, True)[1][0]) and not weights[0].isnan().any()
+
+
+@runs_triton_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, width", [(1, 2048), (4, 100), (3, 3000)])
 def test_add_gated_against_torch(kernels_on, dtype, rows, width):
