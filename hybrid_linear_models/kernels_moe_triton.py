@@ -60,6 +60,12 @@ def _softmax_top_k_kernel(logits_ptr, weights_ptr, experts_ptr, E, stride_l, str
     tl.store(experts_ptr + row * stride_e + slots, experts.to(tl.int64), mask=kept)
 
 
+def routing_warps(block_e: int) -> int:
+    """Warps of the routing kernel for a row of block_e experts: at most 32 of the row's values a thread (more spill
+    registers on an H200: tests/test_moe_inference_ops.py compiles the widest)."""
+    return max(4, min(16, block_e // 256))
+
+
 def triton_softmax_top_k(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (unit stride along E): (weights [T, k] in the logits' dtype, experts [T, k] int64); see the
     module docstring."""
@@ -70,7 +76,7 @@ def triton_softmax_top_k(logits: torch.Tensor, k: int, normalize: bool) -> tuple
         block_e = triton.next_power_of_2(experts)
         _softmax_top_k_kernel[(rows,)](logits, weights, chosen, experts, logits.stride(0), weights.stride(0),
                                        chosen.stride(0), K=k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-                                       NORMALIZE=normalize, num_warps=4 if block_e <= 1024 else 8,
+                                       NORMALIZE=normalize, num_warps=routing_warps(block_e),
                                        **dependent_launch(logits.device))
     return weights, chosen
 

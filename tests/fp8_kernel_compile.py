@@ -37,17 +37,22 @@ ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "offsets_ptr", "xs_ptr",
 
 
 def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], arch: int, block_m: int,
-                   routed: bool = False) -> dict:
-    """The compiled kernel's resources for one configuration (BLOCK_N, BLOCK_K, warps, stages) and rows per tile."""
+                   routed: bool = False, variant: str = "") -> dict:
+    """The compiled kernel's resources for one configuration (BLOCK_N, BLOCK_K, warps, stages) and rows per tile;
+    `variant` "gated" (a routed down projection reading silu(gate) * up * weight) or "indexed" (a dense product
+    through an aligned row index)."""
     fn = kernel._fp8_linear_kernel
     block_n, block_k, warps, stages = config
+    indexed = variant == "indexed"
     pointers = {"x_ptr": "*fp8e4nv" if form == "fp8_dot" else "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-                "b_ptr": "*fp32", "y_ptr": "*bf16", "offsets_ptr": "*i32" if grouped or routed else "*fp32",
-                "xs_ptr": "*fp32"}
+                "b_ptr": "*fp32", "y_ptr": "*bf16",
+                "offsets_ptr": "*i32" if grouped or routed else "*i64" if indexed else "*fp32", "xs_ptr": "*fp32",
+                "rw_ptr": "*bf16" if variant == "gated" else "*fp32"}
     constants = {"K": 2048, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped,
                  "ROUTED": routed, "E_POW2": 512 if grouped else 1,
                  "FORM": kernel.FORMS.index(form), "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "BLOCK_K": block_k, "stride_sk": 1}
+                 "BLOCK_K": block_k, "stride_sk": 1, "GATED_INPUT": variant == "gated", "HAS_INDEX": indexed,
+                 "ALIGNED_INDEX": indexed}
     if not grouped and not routed:
         constants.update(stride_we=0, stride_se=0)
     signature = {name: pointers.get(name, "i32" if name in INTEGERS and name not in constants else "constexpr")
@@ -65,8 +70,8 @@ def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], 
     finally:
         os.unlink(cubin.name)
     registers, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
-    return {"form": form, "grouped": grouped, "routed": routed, "config": list(config), "block_m": block_m,
-            "registers": registers, "stack": stack, "shared": compiled.metadata.shared}
+    return {"form": form, "grouped": grouped, "routed": routed, "variant": variant, "config": list(config),
+            "block_m": block_m, "registers": registers, "stack": stack, "shared": compiled.metadata.shared}
 
 
 def main() -> None:
@@ -80,6 +85,12 @@ def main() -> None:
                 for config in configs:
                     for routed in (False, True) if form == "one_row" else (False,):
                         print(json.dumps(compile_config(form, grouped, config, args.arch, block_m, routed)),
+                              flush=True)
+                    # the routed down projection's gated input; a decoding step's dense product through an index
+                    variants = [(True, "gated")] if form == "one_row" else []
+                    variants += [(False, "indexed")] if form in ("one_row", "scaled_dot") and not grouped else []
+                    for routed, variant in variants:
+                        print(json.dumps(compile_config(form, grouped, config, args.arch, block_m, routed, variant)),
                               flush=True)
 
 

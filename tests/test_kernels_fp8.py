@@ -616,16 +616,18 @@ SHARED_MEMORY_PER_BLOCK = 227 * 1024  # Hopper's most shared memory per block
 @pytest.mark.skipif(_ptxas() is None, reason="needs triton with its NVIDIA backend (ptxas)")
 def test_every_configuration_compiles_for_an_h200_without_spilling():
     """tests/fp8_kernel_compile.py compiles every autotuning configuration of every form for sm_90 with no GPU (its
-    own process: not triton's interpreter): each must compile, spill nothing (no stack frame) and fit Hopper's shared
-    memory, so the autotuner on an H200 has every configuration to choose from and none runs from local memory."""
+    own process: not triton's interpreter), the routed down projection's gated input and the decoding forms through a
+    row index too: each must compile, spill nothing (no stack frame) and fit Hopper's shared memory, so the autotuner
+    on an H200 has every configuration to choose from and none runs from local memory."""
     environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(Path(__file__).parent / "fp8_kernel_compile.py")], env=environment,
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert {(r["form"], r["grouped"], r["routed"]) for r in results} == {("one_row", False, False),
-                                                                          ("one_row", False, True)} | {
-        (form, grouped, False) for form in ("scaled_dot", "dequantized_dot", "fp8_dot") for grouped in (False, True)}
+    assert {(r["form"], r["grouped"], r["routed"], r["variant"]) for r in results} == {
+        ("one_row", False, False, ""), ("one_row", False, True, ""), ("one_row", False, True, "gated"),
+        ("one_row", False, False, "indexed"), ("scaled_dot", False, False, "indexed")} | {
+        (form, grouped, False, "") for form in ("scaled_dot", "dequantized_dot", "fp8_dot") for grouped in (False, True)}
     assert [r for r in results if r["stack"] or r["shared"] > SHARED_MEMORY_PER_BLOCK] == []
 
 

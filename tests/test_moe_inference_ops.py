@@ -164,3 +164,67 @@ def test_a_sparse_moe_model_takes_the_kernels_and_keeps_its_logits(kernels_on):
             patch.setattr(moe_inference_ops, "MOE_DEVICE_TYPES", ())
             reference = model(ids).logits
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+# compiles the MoE kernels for an H200 (sm_90) with triton's NVIDIA backend, no GPU needed, and prints each one's
+# stack frame (spilled registers)
+COMPILE = """
+import json, os, re, subprocess, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hybrid_linear_models import kernels_moe_triton as k
+
+def compiled(fn, pointers, constants, warps):
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in fn.arg_names}
+    binary = triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
+        cubin.write(binary.asm["cubin"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                           check=True).stdout
+    os.unlink(cubin.name)
+    return int(re.search(r"STACK:(\\d+)", usage).group(1))
+
+for experts in (512, 4096, 8192):
+    for pdl in (False, True):
+        stack = compiled(k._softmax_top_k_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i64"},
+                         {"K": 10, "BLOCK_E": experts, "BLOCK_K": 16, "NORMALIZE": True, "PDL": pdl},
+                         k.routing_warps(experts))
+        print(json.dumps({"kernel": "softmax_top_k", "experts": experts, "pdl": pdl, "stack": stack}))
+for pdl in (False, True):
+    stack = compiled(k._add_gated_kernel, {"routed_ptr": "*bf16", "gate_ptr": "*bf16", "shared_ptr": "*bf16",
+                                           "out_ptr": "*bf16"}, {"BLOCK_H": 1024, "PDL": pdl}, 4)
+    print(json.dumps({"kernel": "add_gated", "pdl": pdl, "stack": stack}))
+"""
+
+
+def _ptxas_present() -> bool:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("triton")
+    return bool(spec and spec.submodule_search_locations and (
+        Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "bin" / "ptxas").is_file())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas_present(), reason="needs triton with its NVIDIA backend (ptxas)")
+def test_the_kernels_compile_for_an_h200_without_spilling():
+    """Both kernels, with and without dependent launch, for 512 experts (Qwen3-Next), 4,096 and the widest row the
+    dispatch gives the routing kernel (8,192), with the warps it launches, compile for sm_90 with no stack frame
+    (nothing spilled)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=environment, capture_output=True, text=True,
+                          timeout=600, check=False, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == 8 and all(r["stack"] == 0 for r in results), results
