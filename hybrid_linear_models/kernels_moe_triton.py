@@ -42,7 +42,7 @@ def _softmax_top_k_kernel(logits_ptr, weights_ptr, experts_ptr, E, stride_l, str
     probabilities = exps / tl.sum(exps, axis=0)
     # the choice: probabilities are in [0, 1], so -1 (past E) is never chosen and 2 (a NaN: torch's top-k ranks NaN
     # above every number) always is; each pick takes the largest left, its ties by the lowest index
-    left = tl.where(live, tl.where(probabilities != probabilities, 2.0, probabilities), -1.0)
+    left = tl.where(live, tl.where(probabilities != probabilities, 2.0, probabilities), -1.0)  # noqa: PLR0124 (NaN)
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
     experts = tl.zeros((BLOCK_K,), dtype=tl.int32)
