@@ -195,12 +195,13 @@ def _counted_zeros(name: str, rows_of, width_of):
                                                                               width_of(*args, **kwargs)))
 
 
-def _moe_reference(name: str):
-    """moe_inference_ops' torch path for `name`, with its kernels turned off while it runs."""
+def _moe_reference(reference):
+    """A moe_inference_ops function's torch path (`reference` of the kernel's arguments), its kernels turned off
+    while it runs."""
     def run(*args):
         previous, moe_inference_ops.MOE_DEVICE_TYPES = moe_inference_ops.MOE_DEVICE_TYPES, ()
         try:
-            return getattr(moe_inference_ops, name)(*args)
+            return reference(*args)
         finally:
             moe_inference_ops.MOE_DEVICE_TYPES = previous
     return run
@@ -214,9 +215,12 @@ KERNEL_STAND_INS = [
                                                              lambda x, w, *a, **k: w.shape[-2])),
     (kernels_fp8, "fp8_grouped_linear_kernel", _counted_zeros("fp8.grouped_linear", lambda x, *a, **k: x.shape[0],
                                                               lambda x, w, *a, **k: w.shape[-2])),
-    (moe_inference_ops, "triton_softmax_top_k_kernel",
-     _counted_reference("moe.softmax_top_k", _moe_reference("softmax_top_k"))),
-    (moe_inference_ops, "triton_add_gated_kernel", _counted_reference("moe.add_gated", _moe_reference("add_gated"))),
+    (moe_inference_ops, "triton_route_top_k_kernel",
+     _counted_reference("moe.route_top_k", _moe_reference(
+         lambda logits, k, sigmoid, normalize, bias, eps, scale: moe_inference_ops.route_top_k(
+             logits, k, sigmoid=sigmoid, normalize=normalize, bias=bias, eps=eps, scale=scale)))),
+    (moe_inference_ops, "triton_add_gated_kernel",
+     _counted_reference("moe.add_gated", _moe_reference(moe_inference_ops.add_gated))),
 ]
 # their dispatch's device types, with the CPU added while counting
 KERNEL_DEVICE_SWITCHES = [(kernels_fp8, "KERNEL_DEVICE_TYPES"), (kernels_fp8, "SWIGLU_INPUT_DEVICE_TYPES"),

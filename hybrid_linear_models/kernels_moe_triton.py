@@ -1,18 +1,22 @@
-"""Triton kernels for the elementwise ends of a sparse MoE block at inference: the softmax top-k router's choice, and
-the sigmoid-gated shared expert added to the routed experts' output. Each is one launch where torch takes several
-(softmax, the top-k's two kernels, its sum and division, the cast; sigmoid, product, sum): a decoding step of a
-512-expert model runs one MoE block a layer, so these launches, not their bytes, are their cost.
+"""Triton kernels for the elementwise ends of a MoE block at inference: the top-k router's choice (softmax or
+sigmoid scores), and the sigmoid-gated shared expert added to the routed experts' output. Each is one launch where
+torch takes several (softmax or sigmoid, the bias, the top-k's two kernels, the gather, its sum and division, the
+scale, the cast; sigmoid, product, sum): a decoding step runs one MoE block a layer, so these launches, not their
+bytes, are their cost.
 
-- `triton_softmax_top_k`: a program per row of logits [T, E] (E up to a few thousand: the row in registers). p =
-  softmax(logits) in float32 (the max subtracted first, as torch's softmax); the k largest p in descending order,
-  ties by the lowest expert index (as torch's CUDA top-k picks among values equal to its k-th), a NaN above every
-  number (as torch ranks it: a row of NaN logits routes to experts 0..k-1 with NaN weights, never past E - 1); with
-  `normalize`, divided by their float32 sum. The weights are stored in the logits' dtype, the experts as int64.
+- `triton_route_top_k`: a program per row of logits [T, E] (E up to a few thousand: the row in registers). Scores
+  in float32: softmax (the max subtracted first, as torch's softmax; Qwen3-Next) or sigmoid (Kimi-Linear); the choice
+  is the score plus a correction bias where given (Kimi-Linear's `e_score_correction_bias`: it steers the choice,
+  not the weight). The k largest choices in descending order, ties by the lowest expert index (as torch's CUDA top-k
+  picks among values equal to its k-th), a NaN above every number (as torch ranks it: a row of NaN logits routes to
+  experts 0..k-1 with NaN weights, never past E - 1); each weight is its expert's score, with `normalize` divided by
+  their float32 sum plus `eps`, then times `scale`. The weights are stored in the logits' dtype, the experts as int64.
 - `triton_add_gated`: routed + sigmoid(gate) * shared over rows [T, H], gate [T, 1], each op rounded to the dtype as
   torch's bf16/fp16 elementwise ops round (computed in float32, rounded once per op): the eager block's value.
 
 exp is triton's (a fast approximation on NVIDIA GPUs: a few float32 ulps from torch's, so a weight may differ from
-torch's in its last float32 bits, rarely in its last bf16 bit; the experts chosen are the same but where logits tie).
+torch's in its last float32 bits, rarely in its last bf16 bit; the experts chosen are the same but where choices tie
+or lie within those ulps).
 Imported only for CUDA tensors (`moe_inference_ops`), since importing triton needs a GPU driver.
 """
 
@@ -30,31 +34,39 @@ from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 
 @triton.jit(do_not_specialize=["E"])
-def _softmax_top_k_kernel(logits_ptr, weights_ptr, experts_ptr, E, stride_l, stride_w, stride_e,
-                          K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
-                          PDL: tl.constexpr = False):
+def _route_top_k_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, E, stride_l, stride_w, stride_e, eps, scale,
+                        K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     live = cols < E
+    if HAS_BIAS:  # (a weight of the model: read before the wait)
+        bias = tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)
     await_previous_kernel(PDL)
     logits = tl.load(logits_ptr + row * stride_l + cols, mask=live, other=float("-inf")).to(tl.float32)
-    exps = tl.where(live, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
-    probabilities = exps / tl.sum(exps, axis=0)
-    # the choice: probabilities are in [0, 1], so -1 (past E) is never chosen and 2 (a NaN: torch's top-k ranks NaN
-    # above every number) always is; each pick takes the largest left, its ties by the lowest index
-    left = tl.where(live, tl.where(probabilities != probabilities, 2.0, probabilities), -1.0)  # noqa: PLR0124 (NaN)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-logits))
+    else:
+        exps = tl.where(live, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
+        scores = exps / tl.sum(exps, axis=0)
+    choice = scores + bias if HAS_BIAS else scores
+    # a NaN ranks above every number (as torch's top-k ranks it); each pick takes the largest choice left among the
+    # experts, its ties by the lowest index, and its weight is that expert's score (a NaN kept)
+    choice = tl.where(choice != choice, float("inf"), choice)  # noqa: PLR0124 (NaN)
+    left = live
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
     experts = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for slot in tl.static_range(K):
-        best = tl.max(left, axis=0)
-        expert = tl.min(tl.where(left == best, cols, BLOCK_E), axis=0)
-        weight = tl.sum(tl.where(cols == expert, probabilities, 0.0), axis=0)  # (its probability, a NaN kept)
+        best = tl.max(tl.where(left, choice, float("-inf")), axis=0)
+        expert = tl.min(tl.where(left & (choice == best), cols, BLOCK_E), axis=0)
+        weight = tl.sum(tl.where(cols == expert, scores, 0.0), axis=0)
         weights = tl.where(slots == slot, weight, weights)
         experts = tl.where(slots == slot, expert, experts)
-        left = tl.where(cols == expert, -2.0, left)
+        left = left & (cols != expert)
     if NORMALIZE:
-        weights = weights / tl.sum(weights, axis=0)  # (slots past K hold 0)
+        weights = weights / (tl.sum(weights, axis=0) + eps)  # (slots past K hold 0)
+    weights = weights * scale
     kept = slots < K
     tl.store(weights_ptr + row * stride_w + slots, weights.to(weights_ptr.dtype.element_ty), mask=kept)
     tl.store(experts_ptr + row * stride_e + slots, experts.to(tl.int64), mask=kept)
@@ -66,18 +78,20 @@ def routing_warps(block_e: int) -> int:
     return max(4, min(16, block_e // 256))
 
 
-def triton_softmax_top_k(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (unit stride along E): (weights [T, k] in the logits' dtype, experts [T, k] int64); see the
-    module docstring."""
+def triton_route_top_k(logits: torch.Tensor, k: int, sigmoid: bool, normalize: bool, bias: torch.Tensor | None = None,
+                       eps: float = 0.0, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (unit stride along E), bias [E] (contiguous) or None: (weights [T, k] in the logits' dtype,
+    experts [T, k] int64); see the module docstring."""
     rows, experts = logits.shape
     weights = torch.empty(rows, k, device=logits.device, dtype=logits.dtype)
     chosen = torch.empty(rows, k, device=logits.device, dtype=torch.int64)
     if rows:
         block_e = triton.next_power_of_2(experts)
-        _softmax_top_k_kernel[(rows,)](logits, weights, chosen, experts, logits.stride(0), weights.stride(0),
-                                       chosen.stride(0), K=k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-                                       NORMALIZE=normalize, num_warps=routing_warps(block_e),
-                                       **dependent_launch(logits.device))
+        _route_top_k_kernel[(rows,)](logits, bias if bias is not None else logits, weights, chosen, experts,
+                                     logits.stride(0), weights.stride(0), chosen.stride(0), eps, scale, K=k,
+                                     BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k), SIGMOID=sigmoid,
+                                     HAS_BIAS=bias is not None, NORMALIZE=normalize, num_warps=routing_warps(block_e),
+                                     **dependent_launch(logits.device))
     return weights, chosen
 
 
@@ -111,4 +125,4 @@ def triton_add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Ten
     return out
 
 
-__all__ = ["triton_add_gated", "triton_softmax_top_k"]
+__all__ = ["routing_warps", "triton_add_gated", "triton_route_top_k"]

@@ -53,6 +53,7 @@ from torch import nn
 
 from .derived_weights import DerivedWeight
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
+from .moe_inference_ops import route_top_k
 from .mlp_sparse_moe import (
     HybridLinearSharedExpert,
     HybridLinearTopKRouter,
@@ -98,10 +99,15 @@ class HybridLinearKimiMoeRouter(HybridLinearTopKRouter):
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)
         hidden_states = hidden_states.reshape(-1, self.hidden_dim).to(dtype)
         router_logits = F.linear(hidden_states, self._float_weight(dtype))  # (tokens, E)
+        if self.topk_group >= self.num_group:  # every group kept: one kernel at inference on a GPU (moe_inference_ops)
+            top_weights, top_experts = route_top_k(
+                router_logits, self.top_k, sigmoid=True, normalize=self.norm_topk_prob,
+                bias=self.e_score_correction_bias, eps=NORM_EPSILON, scale=self.routed_scaling_factor)
+            return router_logits, top_weights, top_experts
         scores = router_logits.sigmoid()
         # only the choice's indices are used: computed outside autograd (no graph kept for it)
         choice = scores.detach() + self.e_score_correction_bias.to(dtype)
-        if self.topk_group < self.num_group:  # (all groups kept: no mask, the same choice)
+        if self.topk_group < self.num_group:  # (always here: all groups kept took route_top_k above)
             grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)
             group_scores = _sum_of_two_largest(grouped)  # (tokens, G)
             kept = group_scores.topk(self.topk_group, dim=-1).indices

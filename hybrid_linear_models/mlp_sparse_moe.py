@@ -61,7 +61,7 @@ from .experts_grouped_gather import CUDA_GROUPED_MM_GRAPH_DTYPES
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .mlp_dense import GatedMLP
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
-from .moe_inference_ops import add_gated, softmax_top_k
+from .moe_inference_ops import add_gated, route_top_k
 from .shown_values import brief
 from .token_chunks import chunks_apply, token_chunked
 
@@ -128,7 +128,7 @@ class HybridLinearTopKRouter(nn.Module):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         router_logits = F.linear(hidden_states, self.weight)  # (tokens, E)
         # (tokens, k) each; one kernel at inference on a GPU (moe_inference_ops)
-        top_weights, top_experts = softmax_top_k(router_logits, self.top_k, self.norm_topk_prob)
+        top_weights, top_experts = route_top_k(router_logits, self.top_k, normalize=self.norm_topk_prob)
         return router_logits, top_weights, top_experts
 
 

@@ -1,11 +1,12 @@
-"""The sparse MoE block's softmax top-k routing and its gated shared-expert sum, as one kernel each at inference.
+"""A MoE block's top-k routing and its gated shared-expert sum, as one kernel each at inference.
 
-    softmax_top_k:  p = softmax(logits) in float32; (w, e) = the k largest p and their experts; w /= sum(w) if asked;
-                    w in the logits' dtype
+    route_top_k:    s = softmax(logits) in float32 (Qwen3-Next), or sigmoid(logits) (Kimi-Linear); the choice c = s,
+                    or s + bias (Kimi-Linear's correction bias); e = the k largest c; w = s[e]; w /= sum(w) + eps if
+                    asked; w *= scale; w in the logits' dtype
     add_gated:      routed + sigmoid(gate) * shared
 
 On CUDA, where no gradient is wanted (and torch.compile is not tracing, no DTensor), each runs as one Triton kernel
-(`kernels_moe_triton`) in place of torch's five or so (the module docstring there gives their rounding). Elsewhere,
+(`kernels_moe_triton`) in place of torch's five to ten (the module docstring there gives their rounding). Elsewhere,
 and for training, torch's ops below: the reference, whose gradients flow. A kernel that failed for a layout is not
 tried again for it (one warning), and that layout runs through torch.
 """
@@ -25,11 +26,11 @@ _FAILED: dict = {}  # (kind, shape, dtype, device) -> the first error: torch fro
 
 
 @triton_kernel
-def triton_softmax_top_k_kernel():
-    """`kernels_moe_triton.triton_softmax_top_k`, or None where triton cannot be imported (CPU machines)."""
-    from .kernels_moe_triton import triton_softmax_top_k
+def triton_route_top_k_kernel():
+    """`kernels_moe_triton.triton_route_top_k`, or None where triton cannot be imported (CPU machines)."""
+    from .kernels_moe_triton import triton_route_top_k
 
-    return triton_softmax_top_k
+    return triton_route_top_k
 
 
 @triton_kernel
@@ -51,21 +52,33 @@ def _inference_on(*tensors: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and all(device_mesh(t) is None for t in tensors)
 
 
-def softmax_top_k(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E]: (weights [T, k] in the logits' dtype, experts [T, k] int64), the k most probable experts of each
-    row in descending order of probability (see the module docstring)."""
+def route_top_k(logits: torch.Tensor, k: int, *, sigmoid: bool = False, normalize: bool = True,
+                bias: torch.Tensor | None = None, eps: float = 0.0, scale: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E]: (weights [T, k] in the logits' dtype, experts [T, k] int64), each row's k experts of the largest
+    choice in descending order (see the module docstring)."""
     if (_inference_on(logits) and 0 < k <= logits.shape[1] <= MOST_EXPERTS
-            and triton_softmax_top_k_kernel() is not None):
-        out = kernel_result(_FAILED, ("top_k", logits.shape[1], k, normalize, logits.dtype, logits.device), logits,
-                            f"the Triton softmax top-k failed for {logits.shape[1]} experts; routing runs through "
-                            "torch", lambda: triton_softmax_top_k_kernel()(logits, k, normalize))
+            and (bias is None or (bias.shape == logits.shape[1:] and bias.device == logits.device
+                                  and bias.dtype in MOE_DTYPES and bias.is_contiguous()))
+            and triton_route_top_k_kernel() is not None):
+        key = ("top_k", logits.shape[1], k, sigmoid, normalize, bias is not None, logits.dtype, logits.device)
+        out = kernel_result(_FAILED, key, logits,
+                            f"the Triton top-k routing failed for {logits.shape[1]} experts; routing runs through "
+                            "torch", lambda: triton_route_top_k_kernel()(logits, k, sigmoid, normalize, bias, eps, scale))
         if out is not None:
             return out
-    probabilities = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probabilities, k, dim=-1)
+    if sigmoid:
+        scores = logits.sigmoid()
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if bias is None:
+        weights, experts = torch.topk(scores, k, dim=-1)
+    else:  # only the choice's indices are used: computed outside autograd (no graph kept for it)
+        experts = (scores.detach() + bias.to(scores.dtype)).topk(k, dim=-1).indices
+        weights = scores.gather(1, experts)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), experts
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps) if eps else weights / weights.sum(-1, True)
+    return (weights * scale if scale != 1.0 else weights).to(logits.dtype), experts
 
 
 def add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -80,4 +93,4 @@ def add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) ->
     return routed + torch.sigmoid(gate) * shared
 
 
-__all__ = ["MOE_DEVICE_TYPES", "add_gated", "softmax_top_k"]
+__all__ = ["MOE_DEVICE_TYPES", "add_gated", "route_top_k"]

@@ -73,7 +73,7 @@ RUNS = [
     ("count_decode_ops.py", [], ["kernels in the captured decoding step", "around the replay"]),
     ("count_decode_ops.py", ["--model", "kimi", "--eager"], ["kernels per eager decoding step"]),
     ("count_decode_ops.py", ["--model", "qwen3-next-fp8", "--by-site"],
-     ["qwen3-next-fp8: ", "fp8.routed_linear", "moe.softmax_top_k", "moe.add_gated"]),
+     ["qwen3-next-fp8: ", "fp8.routed_linear", "moe.route_top_k", "moe.add_gated"]),
     ("count_decode_ops.py", ["--verify", "4"], ["kernels in a verify round of 4 tokens", "in the captured decoding"]),
     ("diagnose_first_calls.py", ["--tiny"], ["pkg capture s", "forward      40 |"]),
     ("diagnose_first_calls.py", ["--tiny", "--model", "qwen3-next-fp8", "--caches", "static"],

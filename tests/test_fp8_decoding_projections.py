@@ -173,7 +173,7 @@ def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_lay
     step = count_decode_ops.count_step("qwen3-next-fp8", by_site=True)["graph"]
     sites = {(name, where.split(":")[0]) for name, where in step.sites}
     assert not [site for site in sites if site[1] == "mixer_gated_deltanet.py"], sites
-    assert step.counts["moe.softmax_top_k"] == step.counts["moe.add_gated"] == 4
+    assert step.counts["moe.route_top_k"] == step.counts["moe.add_gated"] == 4
     assert step.counts["fp8.routed_linear"] == 8  # (gate+up, and down with SwiGLU and the weight in its read)
     assert [name for name, where in sites if where == "fp8_layers.py"] == ["sum"]
     # the attention layer's FP8 q/k/v stack, so it takes the fused attention step's three kernels

@@ -13,7 +13,7 @@ import torch
 from model_helpers import runs_triton_kernels, tiny_model
 
 from hybrid_linear_models import moe_inference_ops
-from hybrid_linear_models.moe_inference_ops import add_gated, softmax_top_k
+from hybrid_linear_models.moe_inference_ops import add_gated, route_top_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}  # one unit in the last place
@@ -28,7 +28,7 @@ def kernels_on(monkeypatch):
         monkeypatch.setattr(moe_inference_ops, "MOE_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(moe_inference_ops, "_FAILED", {})
     calls = []
-    for name in ("triton_softmax_top_k_kernel", "triton_add_gated_kernel"):
+    for name in ("triton_route_top_k_kernel", "triton_add_gated_kernel"):
         kernel = getattr(moe_inference_ops, name)()
         assert kernel is not None
 
@@ -67,15 +67,15 @@ def _reference(logits: torch.Tensor, k: int, normalize: bool):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, experts, k", [(1, 512, 10), (3, 64, 8), (5, 6, 6), (2, 100, 1), (1, 8192, 10)])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_softmax_top_k_against_torch(kernels_on, dtype, rows, experts, k, normalize):
+def test_softmax_routing_against_torch(kernels_on, dtype, rows, experts, k, normalize):
     """The experts are torch's (equal probabilities in index order); the weights within one unit of a half dtype's
     last place (float32's exp and sums in another order, then rounded), and float32's within the bound below."""
     _skip_bf16_on_interpreter(dtype)
     if experts == 8192 and not torch.cuda.is_available():
         pytest.skip("a long row is slow under the interpreter")
     logits = _logits(rows, experts, dtype)
-    weights, chosen = softmax_top_k(logits, k, normalize)
-    assert kernels_on == ["triton_softmax_top_k_kernel"]
+    weights, chosen = route_top_k(logits, k, normalize=normalize)
+    assert kernels_on == ["triton_route_top_k_kernel"]
     expected_weights, expected = _reference(logits, k, normalize)
     assert chosen.dtype == torch.int64 and torch.equal(chosen, expected)
     assert weights.dtype == dtype and weights.shape == (rows, k)
@@ -89,7 +89,7 @@ def test_softmax_top_k_against_torch(kernels_on, dtype, rows, experts, k, normal
 def test_ties_at_the_kth_place_go_to_the_lowest_experts(kernels_on):
     """Experts 1, 3, 4 and 6 share the 2nd largest logit: top-3 takes expert 0 (the largest), then 1 and 3."""
     logits = torch.tensor([[3.0, 1.0, 0.0, 1.0, 1.0, -2.0, 1.0, 0.5]], device=DEVICE)
-    weights, chosen = softmax_top_k(logits, 3, normalize=True)
+    weights, chosen = route_top_k(logits, 3, normalize=True)
     assert chosen.tolist() == [[0, 1, 3]]
     assert weights[0, 1] == weights[0, 2]
     torch.testing.assert_close(weights.sum(), torch.tensor(1.0, device=DEVICE))
@@ -101,7 +101,7 @@ def test_a_row_of_nan_logits_routes_within_the_experts(kernels_on):
     never an index past the experts, which an experts kernel would read out of bounds."""
     logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     logits[1] = float("nan")
-    weights, chosen = softmax_top_k(logits, 4, normalize=True)
+    weights, chosen = route_top_k(logits, 4, normalize=True)
     assert chosen[1].tolist() == [0, 1, 2, 3] and weights[1].isnan().all()
     assert torch.equal(chosen[0], _reference(logits[:1], 4, True)[1][0]) and not weights[0].isnan().any()
 
@@ -130,7 +130,7 @@ def test_add_gated_against_torch(kernels_on, dtype, rows, width):
 def test_kernels_are_not_taken_where_a_gradient_is_wanted(kernels_on):
     """Training keeps torch's ops, whose gradients flow to the router and the shared expert's gate."""
     logits = _logits(2, 16, torch.float32).requires_grad_()
-    weights, _ = softmax_top_k(logits, 4, normalize=True)
+    weights, _ = route_top_k(logits, 4, normalize=True)
     gate = torch.zeros(2, 1, device=DEVICE, requires_grad=True)
     out = add_gated(torch.ones(2, 8, device=DEVICE), gate, torch.ones(2, 8, device=DEVICE))
     (weights.sum() + out.sum()).backward()
@@ -143,7 +143,7 @@ def test_the_reference_runs_off_the_kernels_devices():
     if DEVICE != "cpu":
         pytest.skip("the CPU's path")
     logits = _logits(3, 32, torch.bfloat16)
-    weights, chosen = softmax_top_k(logits, 4, normalize=True)
+    weights, chosen = route_top_k(logits, 4, normalize=True)
     expected_weights, expected = _reference(logits, 4, True)
     assert torch.equal(chosen, expected) and torch.equal(weights, expected_weights)
 
@@ -158,8 +158,79 @@ def test_a_sparse_moe_model_takes_the_kernels_and_keeps_its_logits(kernels_on):
     ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.no_grad():
         fused = model(ids).logits
-        assert kernels_on.count("triton_softmax_top_k_kernel") == 2
+        assert kernels_on.count("triton_route_top_k_kernel") == 2
         assert kernels_on.count("triton_add_gated_kernel") == 2
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(moe_inference_ops, "MOE_DEVICE_TYPES", ())
+            reference = model(ids).logits
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def _kimi_reference(logits, k, bias, eps, scale, normalize=True):
+    """Kimi-Linear's router after its logits (every group kept): sigmoid scores, the choice steered by the bias, the
+    weights the chosen scores, renormalised with eps, scaled."""
+    scores = logits.sigmoid()
+    experts = (scores + bias).topk(k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return weights * scale, experts
+
+
+@runs_triton_kernels
+@pytest.mark.parametrize("experts, k", [(256, 8), (64, 6), (10, 10)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sigmoid_routing_with_a_correction_bias_against_torch(kernels_on, experts, k, normalize):
+    """Kimi-Linear's routing (float32 logits, as its router computes them): the experts of the largest score plus
+    bias (the bias changes the choice: checked against the choice without it), the weights the unbiased scores."""
+    g = torch.Generator().manual_seed(6)
+    logits = _logits(3, experts, torch.float32, seed=7)
+    bias = (torch.randn(experts, generator=g) * 0.5).to(DEVICE)
+    weights, chosen = route_top_k(logits, k, sigmoid=True, normalize=normalize, bias=bias, eps=1e-20, scale=2.5)
+    assert kernels_on == ["triton_route_top_k_kernel"]
+    expected_weights, expected = _kimi_reference(logits, k, bias, 1e-20, 2.5, normalize)
+    assert torch.equal(chosen, expected)
+    torch.testing.assert_close(weights, expected_weights, rtol=2 ** -23 * (4 + math.log2(experts)), atol=0)
+    if k < experts:
+        assert not torch.equal(chosen, _kimi_reference(logits, k, torch.zeros_like(bias), 1e-20, 2.5)[1])
+
+
+def test_the_kimi_router_takes_route_top_k_where_every_group_is_kept(monkeypatch):
+    """Kimi-Linear's router calls route_top_k (its reference off the GPU: the same ops as before, bit for bit) where
+    every group is kept, and keeps its grouped choice otherwise."""
+    from hybrid_linear_models import mlp_kimi_moe
+    from hybrid_linear_models.mlp_kimi_moe import HybridLinearKimiMoeRouter
+
+    calls = []
+    real = mlp_kimi_moe.route_top_k
+    monkeypatch.setattr(mlp_kimi_moe, "route_top_k", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    for groups, kept in ((1, 1), (4, 2)):
+        settings = type("S", (), dict(num_experts_per_tok=4, num_experts=16, norm_topk_prob=True, hidden_size=8,
+                                      n_group=groups, topk_group=kept, routed_scaling_factor=2.0))()
+        router = HybridLinearKimiMoeRouter(settings)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(16, 8, generator=torch.Generator().manual_seed(8)))
+            router.e_score_correction_bias.copy_(torch.randn(16, generator=torch.Generator().manual_seed(9)))
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10))
+        logits, weights, experts = router(x)
+        if groups == 1:
+            expected_weights, expected = _kimi_reference(logits.cpu(), 4, router.e_score_correction_bias, 1e-20, 2.0)
+            assert torch.equal(experts, expected) and torch.equal(weights, expected_weights)
+    assert len(calls) == 1 and calls[0]["sigmoid"] and calls[0]["scale"] == 2.0
+
+
+@runs_triton_kernels
+def test_a_kimi_moe_model_takes_the_routing_kernel_and_keeps_its_logits(kernels_on):
+    """A tiny Kimi-Linear-style model (sigmoid router with a correction bias, every group kept as in
+    Kimi-Linear-48B-A3B) in float32 without gradients: each Kimi MoE layer routes through the kernel, and the logits
+    agree with the torch path's within float32's rounding."""
+    from test_kimi_moe import kimi_moe_model
+
+    model = kimi_moe_model(dtype=torch.float32, n_group=1, topk_group=1).to(DEVICE)
+    ids = torch.randint(2, 128, (2, 5), generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    with torch.no_grad():
+        fused = model(ids).logits
+        assert kernels_on.count("triton_route_top_k_kernel") == 3  # (the three Kimi MoE layers)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(moe_inference_ops, "MOE_DEVICE_TYPES", ())
             reference = model(ids).logits
@@ -190,10 +261,14 @@ def compiled(fn, pointers, constants, warps):
 
 for experts in (512, 4096, 8192):
     for pdl in (False, True):
-        stack = compiled(k._softmax_top_k_kernel, {"logits_ptr": "*bf16", "weights_ptr": "*bf16", "experts_ptr": "*i64"},
-                         {"K": 10, "BLOCK_E": experts, "BLOCK_K": 16, "NORMALIZE": True, "PDL": pdl},
-                         k.routing_warps(experts))
-        print(json.dumps({"kernel": "softmax_top_k", "experts": experts, "pdl": pdl, "stack": stack}))
+        for sigmoid in (False, True):  # (Qwen3-Next's softmax; Kimi-Linear's sigmoid with its correction bias)
+            stack = compiled(k._route_top_k_kernel, {"logits_ptr": "*bf16", "bias_ptr": "*fp32",
+                                                     "weights_ptr": "*bf16", "experts_ptr": "*i64", "eps": "fp32",
+                                                     "scale": "fp32"},
+                             {"K": 10, "BLOCK_E": experts, "BLOCK_K": 16, "SIGMOID": sigmoid, "HAS_BIAS": sigmoid,
+                              "NORMALIZE": True, "PDL": pdl}, k.routing_warps(experts))
+            print(json.dumps({"kernel": "route_top_k", "experts": experts, "sigmoid": sigmoid, "pdl": pdl,
+                              "stack": stack}))
 for pdl in (False, True):
     stack = compiled(k._add_gated_kernel, {"routed_ptr": "*bf16", "gate_ptr": "*bf16", "shared_ptr": "*bf16",
                                            "out_ptr": "*bf16"}, {"BLOCK_H": 1024, "PDL": pdl}, 4)
@@ -213,9 +288,9 @@ def _ptxas_present() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _ptxas_present(), reason="needs triton with its NVIDIA backend (ptxas)")
 def test_the_kernels_compile_for_an_h200_without_spilling():
-    """Both kernels, with and without dependent launch, for 512 experts (Qwen3-Next), 4,096 and the widest row the
-    dispatch gives the routing kernel (8,192), with the warps it launches, compile for sm_90 with no stack frame
-    (nothing spilled)."""
+    """Both kernels, with and without dependent launch, the routing one softmax (Qwen3-Next) and sigmoid with a bias
+    (Kimi-Linear) for 512 experts, 4,096 and the widest row the dispatch gives it (8,192), with the warps it launches,
+    compile for sm_90 with no stack frame (nothing spilled)."""
     import json
     import os
     import subprocess
@@ -227,4 +302,4 @@ def test_the_kernels_compile_for_an_h200_without_spilling():
                           timeout=600, check=False, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(results) == 8 and all(r["stack"] == 0 for r in results), results
+    assert len(results) == 14 and all(r["stack"] == 0 for r in results), results
