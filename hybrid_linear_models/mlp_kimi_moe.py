@@ -53,13 +53,13 @@ from torch import nn
 
 from .derived_weights import DerivedWeight
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
-from .moe_inference_ops import route_top_k
 from .mlp_sparse_moe import (
     HybridLinearSharedExpert,
     HybridLinearTopKRouter,
     RoutedMoeBlock,
     init_sparse_moe_weights,
 )
+from .moe_inference_ops import route_top_k
 
 NORM_EPSILON = 1e-20  # added to the sum of the chosen weights before dividing (transformers' KimiLinearTopkRouter)
 GROUP_SCORE_EXPERTS = 2  # a group's score: the sum of its best 2 corrected scores (DeepSeek-V3, transformers)

@@ -7,6 +7,7 @@ chosen are torch's, and among equal probabilities at the k-th place the lowest i
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -205,8 +206,8 @@ def test_the_kimi_router_takes_route_top_k_where_every_group_is_kept(monkeypatch
     real = mlp_kimi_moe.route_top_k
     monkeypatch.setattr(mlp_kimi_moe, "route_top_k", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     for groups, kept in ((1, 1), (4, 2)):
-        settings = type("S", (), dict(num_experts_per_tok=4, num_experts=16, norm_topk_prob=True, hidden_size=8,
-                                      n_group=groups, topk_group=kept, routed_scaling_factor=2.0))()
+        settings = SimpleNamespace(num_experts_per_tok=4, num_experts=16, norm_topk_prob=True, hidden_size=8,
+                                   n_group=groups, topk_group=kept, routed_scaling_factor=2.0)
         router = HybridLinearKimiMoeRouter(settings)
         with torch.no_grad():
             router.weight.copy_(torch.randn(16, 8, generator=torch.Generator().manual_seed(8)))
