@@ -33,7 +33,9 @@ MoE layers are all "kimi_moe" returns `aux_loss` None and adds nothing to the lo
 
 The routing is a fixed sequence of device ops (sigmoid, max, topk, scatter, masked_fill, gather) with shapes set by
 the token count: no host synchronisation, so a captured CUDA-graph decoding step routes every token afresh (a group's
-score is two maxes, not a topk: the same floats at a third of the CPU time). The experts are the sparse MoE's
+score is two maxes, not a topk: the same floats at a third of the CPU time). Where every group is kept
+(Kimi-Linear-48B-A3B: one group), the routing after the logits is `moe_inference_ops.route_top_k`: one kernel at
+inference on a GPU, these ops elsewhere. The experts are the sparse MoE's
 (`HybridLinearExperts`: transformers' experts implementations grouped_mm / batched_mm / eager and this package's
 grouped_mm_gather, the default), the captured step running a graph-safe one.
 
