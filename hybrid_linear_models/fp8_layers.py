@@ -128,8 +128,11 @@ class Fp8Experts(_KeepsStoredDtypes):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if not self.num_experts:
             return torch.zeros_like(hidden_states)
-        if routed_applies(hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv, top_k_index.numel()):
-            return self._routed(hidden_states, top_k_index, top_k_weights)
+        routes = self.route_rows(hidden_states, top_k_index, top_k_weights)
+        if routes is not None:
+            # each token's k rows summed in float32 and rounded once, in one kernel: torch's sum of bf16/fp16 rows
+            # accumulates in float32 (its opmath type), as the sorted path's float32 sum and cast do in two
+            return routes.sum(1)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         sorted_experts, order = torch.sort(flat, stable=True)  # the pairs grouped by expert
@@ -152,11 +155,15 @@ class Fp8Experts(_KeepsStoredDtypes):
         total = torch.promote_types(out.dtype, torch.float32)
         return out[inverse].view(-1, k, out.shape[-1]).sum(1, dtype=total).to(hidden_states.dtype)
 
-    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        """A decoding step's experts: each (token, slot) pair's products in (token, slot) order, with no sort and no
-        gather, each token's k rows summed in float32 as the sorted path sums them (an expert of another rank gives a
-        row of zeros)."""
+    def route_rows(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor | None:
+        """A decoding step's experts, [T, k, H]: each (token, slot) pair's weighted product in (token, slot) order,
+        with no sort and no gather (an expert of another rank gives a row of zeros), for the caller to sum (the MoE
+        block adds them to its shared expert in one kernel); None where the routed kernel does not apply
+        (`routed_applies`: more routes, or not a GPU)."""
+        if not self.num_experts or not routed_applies(hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv,
+                                                      top_k_index.numel()):
+            return None
         routes, k = top_k_index.reshape(-1), top_k_index.shape[1]
         gate_up = block_fp8_routed_linear(hidden_states, self.gate_up_proj, self.gate_up_proj_scale_inv, routes,
                                           self.block)
@@ -168,9 +175,7 @@ class Fp8Experts(_KeepsStoredDtypes):
             gate, up = gate_up.chunk(2, dim=-1)
             gated = self.act_fn(gate) * up * route_weights[:, None]
             out = block_fp8_routed_linear(gated, self.down_proj, self.down_proj_scale_inv, routes, self.block)
-        # each token's k rows summed in float32 and rounded once, in one kernel: torch's sum of bf16/fp16 rows
-        # accumulates in float32 (its opmath type), as the sorted path's float32 sum and cast do in two
-        return out.view(-1, k, out.shape[-1]).sum(1)
+        return out.view(-1, k, out.shape[-1])
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, "
@@ -193,9 +198,9 @@ def fp8_tuning_prompt_lengths(model: nn.Module) -> list[int]:
 
 
 def _is_experts(name: str, module: nn.Module) -> bool:
-    from .mlp_sparse_moe import HybridLinearExperts
-
-    return isinstance(module, HybridLinearExperts) and name.endswith("experts")
+    """The MoE experts module (its class says so: `fp8_layout = "experts"`, mlp_sparse_moe.HybridLinearExperts), as
+    the checkpoint names it."""
+    return getattr(type(module), "fp8_layout", None) == "experts" and name.endswith("experts")
 
 
 def _fp8_module(name: str, module: nn.Module, settings: BlockFp8Settings) -> nn.Module | None:

@@ -12,7 +12,9 @@ bytes, are their cost.
   experts 0..k-1 with NaN weights, never past E - 1); each weight is its expert's score, with `normalize` divided by
   their float32 sum plus `eps`, then times `scale`. The weights are stored in the logits' dtype, the experts as int64.
 - `triton_add_gated`: routed + sigmoid(gate) * shared over rows [T, H], gate [T, 1], each op rounded to the dtype as
-  torch's bf16/fp16 elementwise ops round (computed in float32, rounded once per op): the eager block's value.
+  torch's bf16/fp16 elementwise ops round (computed in float32, rounded once per op): the eager block's value. The
+  routed output may come as each token's k routes [T, k, H], summed here in float32 and rounded once, as torch's sum
+  of them (the FP8 routed experts' rows: `Fp8Experts.route_rows`).
 
 exp is triton's (a fast approximation on NVIDIA GPUs: a few float32 ulps from torch's, so a weight may differ from
 torch's in its last float32 bits, rarely in its last bf16 bit; the experts chosen are the same but where choices tie
@@ -96,8 +98,8 @@ def triton_route_top_k(logits: torch.Tensor, k: int, sigmoid: bool, normalize: b
 
 
 @triton.jit(do_not_specialize=["H"])
-def _add_gated_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, stride_r, stride_g, stride_s, stride_o,
-                      BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+def _add_gated_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, stride_r, stride_rk, stride_g, stride_s, stride_o,
+                      ROUTES: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     live = cols < H
@@ -106,20 +108,29 @@ def _add_gated_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, stride_r, st
     gate = tl.load(gate_ptr + row * stride_g).to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # torch.sigmoid's value, rounded
     shared = tl.load(shared_ptr + row * stride_s + cols, mask=live, other=0.0).to(tl.float32)
-    routed = tl.load(routed_ptr + row * stride_r + cols, mask=live, other=0.0).to(tl.float32)
+    if ROUTES > 0:  # the token's routes summed in float32 in route order, rounded once (as torch's sum of them)
+        routed = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for route in tl.static_range(ROUTES):
+            routed += tl.load(routed_ptr + row * stride_r + route * stride_rk + cols, mask=live, other=0.0).to(
+                tl.float32)
+        routed = routed.to(dtype).to(tl.float32)
+    else:
+        routed = tl.load(routed_ptr + row * stride_r + cols, mask=live, other=0.0).to(tl.float32)
     gated = (gate * shared).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (routed + gated).to(dtype), mask=live)
 
 
 def triton_add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """routed [T, H] + sigmoid(gate [T, 1]) * shared [T, H] (each with unit stride along its last dim), in routed's
-    dtype; see the module docstring."""
-    rows, width = routed.shape
-    out = torch.empty_like(routed, memory_format=torch.contiguous_format)
+    """routed [T, H] (or [T, k, H]: each token's k routes, summed first) + sigmoid(gate [T, 1]) * shared [T, H] (each
+    with unit stride along its last dim), [T, H] in routed's dtype; see the module docstring."""
+    rows, width = routed.shape[0], routed.shape[-1]
+    routes = routed.shape[1] if routed.dim() == 3 else 0
+    out = torch.empty(rows, width, device=routed.device, dtype=routed.dtype)
     block = min(1024, triton.next_power_of_2(max(width, 1)))
     if rows:
         _add_gated_kernel[(triton.cdiv(width, block), rows)](routed, gate, shared, out, width, routed.stride(0),
-                                                            gate.stride(0), shared.stride(0), out.stride(0),
+                                                            routed.stride(1) if routes else 0, gate.stride(0),
+                                                            shared.stride(0), out.stride(0), ROUTES=routes,
                                                             BLOCK_H=block, num_warps=4,
                                                             **dependent_launch(routed.device))
     return out

@@ -138,6 +138,8 @@ class HybridLinearExperts(nn.Module):
     model's (its `_experts_implementation` picks the forward, and follows `set_experts_implementation`), `settings`
     the layer's resolved config (its sizes)."""
 
+    fp8_layout = "experts"  # under an FP8 quantization_config, fp8_layers replaces it by its Fp8Experts
+
     def __init__(self, config: Any, settings: Any | None = None):
         super().__init__()
         settings = config if settings is None else settings
@@ -232,9 +234,19 @@ class HybridLinearSparseMoeBlock(RoutedMoeBlock):
 
     def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
-            return routed
-        # routed + sigmoid(gate) * shared: one kernel at inference on a GPU (moe_inference_ops)
+            return routed if routed.dim() == 2 else routed.sum(1)
+        # routed + sigmoid(gate) * shared: one kernel at inference on a GPU (moe_inference_ops), which sums routed
+        # experts' rows [tokens, k, H] first where they come unsummed
         return add_gated(routed, self.shared_expert_gate(x), self.shared_expert(hidden_states).reshape(x.shape))
+
+    def _experts_and_shared(self, x: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor,
+                            hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        # experts that give each route's row (the FP8 routed experts of a decoding step) leave their sum to add_shared
+        route_rows = getattr(self.experts, "route_rows", None)
+        rows = route_rows(x, selected_experts, routing_weights) if route_rows is not None else None
+        if rows is None:
+            return super()._experts_and_shared(x, selected_experts, routing_weights, hidden_states)
+        return self.add_shared(rows, x, x if hidden_states is None else hidden_states)
 
 
 def check_expert_parallel_size(config: Any, ep_size: int) -> None:

@@ -82,14 +82,19 @@ def route_top_k(logits: torch.Tensor, k: int, *, sigmoid: bool = False, normaliz
 
 
 def add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """routed [T, H] + sigmoid(gate [T, 1]) * shared [T, H], in routed's dtype."""
-    if (_inference_on(routed, gate, shared) and routed.shape == shared.shape and gate.shape == (routed.shape[0], 1)
-            and routed.dtype == gate.dtype == shared.dtype and triton_add_gated_kernel() is not None):
-        out = kernel_result(_FAILED, ("add_gated", routed.shape[1], routed.dtype, routed.device), routed,
-                            f"the Triton gated sum failed for width {routed.shape[1]}; it runs through torch",
-                            lambda: triton_add_gated_kernel()(routed, gate, shared))
+    """routed [T, H] + sigmoid(gate [T, 1]) * shared [T, H], in routed's dtype; routed may be each token's k routes
+    [T, k, H], summed first (in float32 for bf16/fp16 rows, rounded once)."""
+    flat = routed.flatten(1) if routed.dim() == 3 and routed.is_contiguous() else routed  # ([T, k H] for the checks)
+    if (_inference_on(flat, gate, shared) and (routed.shape[0], routed.shape[-1]) == shared.shape
+            and gate.shape == (routed.shape[0], 1) and routed.dtype == gate.dtype == shared.dtype
+            and triton_add_gated_kernel() is not None):
+        out = kernel_result(_FAILED, ("add_gated", routed.shape[1:], routed.dtype, routed.device), routed,
+                            f"the Triton gated sum failed for routed rows {tuple(routed.shape[1:])}; it runs through "
+                            "torch", lambda: triton_add_gated_kernel()(routed, gate, shared))
         if out is not None:
             return out
+    if routed.dim() == 3:
+        routed = routed.sum(1)
     return routed + torch.sigmoid(gate) * shared
 
 

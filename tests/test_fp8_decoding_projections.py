@@ -166,8 +166,8 @@ def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_lay
     """The kernels of a captured decoding step of the FP8 Qwen3-Next in miniature (3 GDN layers and an attention
     layer, each with its MoE), as benchmarks/count_decode_ops.py counts them: no op of the GDN mixer's own (its
     projections are the indexed FP8 product and the bf16 GEMV, no gather, copy or sigmoid), one routing kernel and one
-    gated sum a MoE layer, the routed experts' SwiGLU inside their down projection, and the attention layer on the
-    fused attention step."""
+    gated sum a MoE layer (which sums the routes too), the routed experts' SwiGLU inside their down projection, and
+    the attention layer on the fused attention step."""
     import count_decode_ops
 
     step = count_decode_ops.count_step("qwen3-next-fp8", by_site=True)["graph"]
@@ -175,7 +175,7 @@ def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_lay
     assert not [site for site in sites if site[1] == "mixer_gated_deltanet.py"], sites
     assert step.counts["moe.route_top_k"] == step.counts["moe.add_gated"] == 4
     assert step.counts["fp8.routed_linear"] == 8  # (gate+up, and down with SwiGLU and the weight in its read)
-    assert [name for name, where in sites if where == "fp8_layers.py"] == ["sum"]
+    assert [site for site in sites if site[1] == "fp8_layers.py"] == []  # (the routes summed in the gated sum)
     # the attention layer's FP8 q/k/v stack, so it takes the fused attention step's three kernels
     assert all(step.counts[f"attention_step.{kernel}"] == 1 for kernel in ("prepare", "attend", "combine"))
     assert "sigmoid" not in {name for name, where in sites if where != "mixer_attention.py"}
@@ -222,3 +222,29 @@ def test_fp8_layers_that_would_split_a_block_stay_separate():
         assert FusedProjections().applies(x, (whole, partial))
         assert not FusedProjections().applies(x, (partial, whole))
         assert not FusedProjections().applies(x, (whole, torch.nn.Linear(32, 8, dtype=torch.bfloat16)))
+
+
+def test_the_fp8_moe_layers_sum_their_routes_in_the_gated_sum(monkeypatch):
+    """Where the FP8 routed experts give each route's row (`Fp8Experts.route_rows`: a GPU's decoding step, stood in
+    here by taking the routed products' reference on the CPU), the MoE block hands them unsummed to the gated sum,
+    which sums them first (on a GPU in its kernel: test_moe_inference_ops): the decoding steps' logits equal those of
+    the experts summing their own rows, bit for bit on the CPU."""
+    from hybrid_linear_models import fp8_layers, moe_inference_ops
+
+    monkeypatch.setattr(fp8_layers, "routed_applies", lambda *args: True)
+    model = _fp8_qwen3_next()
+    model.set_cuda_graph_decoding(False)
+    ids = torch.randint(1, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(4))
+    shapes = []
+    real = moe_inference_ops.add_gated
+
+    def seen(routed, gate, shared):
+        shapes.append(routed.dim())
+        return real(routed, gate, shared)
+
+    monkeypatch.setattr("hybrid_linear_models.mlp_sparse_moe.add_gated", seen)
+    unsummed, _ = _prompt_then_steps(model, ids)
+    assert set(shapes) == {3}  # (every MoE layer's rows came unsummed)
+    monkeypatch.setattr(fp8_layers.Fp8Experts, "route_rows", lambda self, *args: None)
+    summed, _ = _prompt_then_steps(model, ids)
+    assert shapes[-1] == 2 and torch.equal(unsummed, summed)

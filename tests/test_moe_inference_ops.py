@@ -128,6 +128,24 @@ def test_add_gated_against_torch(kernels_on, dtype, rows, width):
 
 
 @runs_triton_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_gated_sums_unsummed_routes_first(kernels_on, dtype):
+    """Routed rows [T, k, H] are summed (float32, rounded once) before the gated sum: torch's routed.sum(1), then the
+    same bound as the summed rows."""
+    _skip_bf16_on_interpreter(dtype)
+    g = torch.Generator().manual_seed(12)
+    routes = torch.randn(3, 10, 200, generator=g).to(DEVICE, dtype)
+    shared = torch.randn(3, 200, generator=g).to(DEVICE, dtype)
+    gate = torch.randn(3, 1, generator=g).to(DEVICE, dtype)
+    got = add_gated(routes, gate, shared)
+    assert kernels_on == ["triton_add_gated_kernel"] and got.shape == (3, 200) and got.dtype == dtype
+    summed = routes.sum(1)
+    expected = summed + torch.sigmoid(gate) * shared
+    size = (summed.abs() + shared.abs()).float() + routes.abs().float().sum(1) * 2 ** -23 * 10
+    assert ((got.float() - expected.float()).abs() <= (2 * UNIT[dtype] + 2 ** -20) * size).all()
+
+
+@runs_triton_kernels
 def test_kernels_are_not_taken_where_a_gradient_is_wanted(kernels_on):
     """Training keeps torch's ops, whose gradients flow to the router and the shared expert's gate."""
     logits = _logits(2, 16, torch.float32).requires_grad_()
@@ -270,10 +288,11 @@ for experts in (512, 4096, 8192):
                               "NORMALIZE": True, "PDL": pdl}, k.routing_warps(experts))
             print(json.dumps({"kernel": "route_top_k", "experts": experts, "sigmoid": sigmoid, "pdl": pdl,
                               "stack": stack}))
-for pdl in (False, True):
-    stack = compiled(k._add_gated_kernel, {"routed_ptr": "*bf16", "gate_ptr": "*bf16", "shared_ptr": "*bf16",
-                                           "out_ptr": "*bf16"}, {"BLOCK_H": 1024, "PDL": pdl}, 4)
-    print(json.dumps({"kernel": "add_gated", "pdl": pdl, "stack": stack}))
+for routes in (0, 10):  # (summed rows; Qwen3-Next's 10 routes a token, summed in the kernel)
+    for pdl in (False, True):
+        stack = compiled(k._add_gated_kernel, {"routed_ptr": "*bf16", "gate_ptr": "*bf16", "shared_ptr": "*bf16",
+                                               "out_ptr": "*bf16"}, {"BLOCK_H": 1024, "ROUTES": routes, "PDL": pdl}, 4)
+        print(json.dumps({"kernel": "add_gated", "routes": routes, "pdl": pdl, "stack": stack}))
 """
 
 
@@ -303,4 +322,4 @@ def test_the_kernels_compile_for_an_h200_without_spilling():
                           timeout=600, check=False, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(results) == 14 and all(r["stack"] == 0 for r in results), results
+    assert len(results) == 16 and all(r["stack"] == 0 for r in results), results
