@@ -16,8 +16,10 @@ A decoding step (one token per row, no gradient) and a speculative verify round 
 taken in the flat order [q | k | v | z | b | a] the convolution, the gated norm and the delta rule read as slices
 (the grouped split would need a copy for z and for a): a gather after the GEMM, or none in a captured step or round,
 whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows`); a step's GEMV also runs the
-convolution's step on the [q | k | v] outputs in its epilogue (`kernels_gemv.linear_conv_step`). beta's sigmoid runs
-inside the recurrent kernel. On CUDA a verify round's layer runs from the projection's output to the rule's output in
+convolution's step on the [q | k | v] outputs in its epilogue (`kernels_gemv.linear_conv_step`). In the released FP8
+layout (in_proj_qkvz FP8, in_proj_ba bf16: they cannot stack) each runs as one launch in that flat order, the FP8
+product reading its weight rows through a row index (`kernels_fp8.RowIndex`), in_proj_ba through
+`kernels_gemv.linear_rows`; the convolution then runs on its own. beta's sigmoid runs inside the recurrent kernel. On CUDA a verify round's layer runs from the projection's output to the rule's output in
 one kernel of this package, and its restore in another (`verify_delta_rule`).
 """
 
