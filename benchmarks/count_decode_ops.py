@@ -211,8 +211,8 @@ def _moe_reference(reference):
 KERNEL_STAND_INS = [
     (kernels_fp8, "fp8_linear_kernel", _counted_zeros("fp8.linear", lambda x, *a, **k: x.shape[0],
                                                       lambda x, w, *a, **k: w.shape[-2])),
-    (kernels_fp8, "fp8_routed_linear_kernel", _counted_zeros("fp8.routed_linear", lambda x, w, s, r, *a, **k: r.shape[0],
-                                                             lambda x, w, *a, **k: w.shape[-2])),
+    (kernels_fp8, "fp8_routed_linear_kernel",
+     _counted_zeros("fp8.routed_linear", lambda x, w, s, r, *a, **k: r.shape[0], lambda x, w, *a, **k: w.shape[-2])),
     (kernels_fp8, "fp8_grouped_linear_kernel", _counted_zeros("fp8.grouped_linear", lambda x, *a, **k: x.shape[0],
                                                               lambda x, w, *a, **k: w.shape[-2])),
     (moe_inference_ops, "triton_route_top_k_kernel",

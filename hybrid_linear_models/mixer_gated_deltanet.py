@@ -19,8 +19,9 @@ whose GEMV kernel reads the weight rows in that order (`kernels_gemv.linear_rows
 convolution's step on the [q | k | v] outputs in its epilogue (`kernels_gemv.linear_conv_step`). In the released FP8
 layout (in_proj_qkvz FP8, in_proj_ba bf16: they cannot stack) each runs as one launch in that flat order, the FP8
 product reading its weight rows through a row index (`kernels_fp8.RowIndex`), in_proj_ba through
-`kernels_gemv.linear_rows`; the convolution then runs on its own. beta's sigmoid runs inside the recurrent kernel. On CUDA a verify round's layer runs from the projection's output to the rule's output in
-one kernel of this package, and its restore in another (`verify_delta_rule`).
+`kernels_gemv.linear_rows`; the convolution then runs on its own. beta's sigmoid runs inside the recurrent kernel. On
+CUDA a verify round's layer runs from the projection's output to the rule's output in one kernel of this package,
+and its restore in another (`verify_delta_rule`).
 """
 
 from __future__ import annotations

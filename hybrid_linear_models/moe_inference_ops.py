@@ -64,7 +64,8 @@ def route_top_k(logits: torch.Tensor, k: int, *, sigmoid: bool = False, normaliz
         key = ("top_k", logits.shape[1], k, sigmoid, normalize, bias is not None, logits.dtype, logits.device)
         out = kernel_result(_FAILED, key, logits,
                             f"the Triton top-k routing failed for {logits.shape[1]} experts; routing runs through "
-                            "torch", lambda: triton_route_top_k_kernel()(logits, k, sigmoid, normalize, bias, eps, scale))
+                            "torch",
+                            lambda: triton_route_top_k_kernel()(logits, k, sigmoid, normalize, bias, eps, scale))
         if out is not None:
             return out
     if sigmoid:

@@ -199,7 +199,8 @@ def test_fp8_projections_stack_as_plain_ones(monkeypatch):
     assert weights is not None and weights.dtype == torch.float8_e4m3fn
     assert attention.k_proj.weight.data_ptr() == weights[attention.q_proj.out_features:].data_ptr()
     scales = attention._qkv.kept_tensors()[2].value
-    assert attention.v_proj.weight_scale_inv.data_ptr() == scales[-attention.v_proj.weight_scale_inv.shape[0]:].data_ptr()
+    v_scales = attention.v_proj.weight_scale_inv
+    assert v_scales.data_ptr() == scales[-v_scales.shape[0]:].data_ptr()
     shared = [d for d in derived_weights(model) if isinstance(d, SharedRows) and d.value is not None]
     assert sum(d.value.dtype == torch.float8_e4m3fn for d in shared) == 1 + 4  # (q/k/v, and each layer's gate/up)
     monkeypatch.setattr(FusedProjections, "applies", lambda self, x, linears: False)

@@ -482,8 +482,9 @@ def test_the_dispatch_runs_the_grouped_kernel(on_the_cpu, monkeypatch):
 def test_decoding_experts_take_the_routed_kernel_and_agree_with_the_sorted_path(on_the_cpu, monkeypatch):
     """Fp8Experts with a decoding step's routes (2 tokens x top-3 of 6 experts, one route to another rank's expert)
     runs the routed kernel twice (gate+up, then down with SwiGLU in its read) and no sort; with ROUTED_MAX_ROUTES
-    below its routes it runs the sorted grouped path instead. Both sum float32 products of the same real weights in another order (the one_row
-    form against scaled_dot's tiles), so they agree within float32's rounding of those sums."""
+    below its routes it runs the sorted grouped path instead. Both sum float32 products of the same real weights in
+    another order (the one_row form against scaled_dot's tiles), so they agree within float32's rounding of those
+    sums."""
     if torch.cuda.is_available():
         pytest.skip("checks the CPU dispatch through triton's interpreter")
     from hybrid_linear_models import fp8_layers
@@ -627,7 +628,8 @@ def test_every_configuration_compiles_for_an_h200_without_spilling():
     assert {(r["form"], r["grouped"], r["routed"], r["variant"]) for r in results} == {
         ("one_row", False, False, ""), ("one_row", False, True, ""), ("one_row", False, True, "gated"),
         ("one_row", False, False, "indexed"), ("scaled_dot", False, False, "indexed")} | {
-        (form, grouped, False, "") for form in ("scaled_dot", "dequantized_dot", "fp8_dot") for grouped in (False, True)}
+        (form, grouped, False, "")
+        for form in ("scaled_dot", "dequantized_dot", "fp8_dot") for grouped in (False, True)}
     assert [r for r in results if r["stack"] or r["shared"] > SHARED_MEMORY_PER_BLOCK] == []
 
 
