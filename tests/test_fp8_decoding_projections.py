@@ -209,6 +209,28 @@ def test_fp8_projections_stack_as_plain_ones(monkeypatch):
     _assert_same_states(stacked_cache, separate_cache)
 
 
+def test_an_fp8_model_saved_after_decoding_reloads_the_same(tmp_path):
+    """After decoding, the FP8 attention and shared-expert projections are views of stacked weights and scales: a
+    saved folder still holds each tensor under its own name with its own bytes, FP8 kept, and reloads to the same
+    state and logits."""
+    model = _fp8_qwen3_next()
+    model.set_cuda_graph_decoding(False)
+    ids = torch.randint(1, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(5))
+    logits, _ = _prompt_then_steps(model, ids)  # (the projections now share storage)
+    model.save_pretrained(tmp_path)
+    reloaded = HybridLinearForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    reloaded.set_cuda_graph_decoding(False)
+    saved, loaded = model.state_dict(), reloaded.state_dict()
+    assert saved.keys() == loaded.keys()
+    for name, tensor in saved.items():  # (the decay's A_log and dt_bias load as float32: the same values)
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float32):
+            assert loaded[name].dtype == tensor.dtype, name
+        assert torch.equal(loaded[name].to(tensor.dtype).view(torch.uint8), tensor.view(torch.uint8)), name
+    assert any(tensor.dtype == torch.float8_e4m3fn for tensor in loaded.values())
+    reloaded.to(torch.bfloat16)  # (the decay's float32 parameters as the saved model held them: bf16)
+    assert torch.equal(_prompt_then_steps(reloaded, ids)[0], logits)
+
+
 def test_fp8_layers_that_would_split_a_block_stay_separate():
     """FP8 layers stack only where every layer's outputs but the last's are whole blocks of the weight's rows (their
     scales then stack by rows too), of one block size."""
