@@ -75,18 +75,28 @@ COUNTER: KernelCounter | None = None
 STRIDED_OK = {"swiglu": None, "causal_conv1d_update": 0}
 
 
-def _fused(name, fn):
+def _counted_reference(name: str, reference):
+    """One of this package's Triton kernels, counted as one launch, its output the torch reference's."""
     def run(*args, **kwargs):
-        COUNTER.count(f"fla.{name}")
+        COUNTER.count(name)
+        COUNTER.paused += 1
+        try:
+            return reference(*args, **kwargs)
+        finally:
+            COUNTER.paused -= 1
+    return run
+
+
+def _fused(name, fn):
+    """fla's kernel `name`, counted as one launch (plus the copies its input_guard makes), run as `fn`."""
+    kernel = _counted_reference(f"fla.{name}", fn)
+
+    def run(*args, **kwargs):
         ok = STRIDED_OK.get(name, -1)
         for i, arg in enumerate([*args, *kwargs.values()]):
             if isinstance(arg, torch.Tensor) and not arg.is_contiguous() and ok is not None and i != ok:
                 COUNTER.count("fla.input_guard_copy")  # fla's input_guard: .contiguous() before the kernel
-        COUNTER.paused += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            COUNTER.paused -= 1
+        return kernel(*args, **kwargs)
     return run
 
 
@@ -175,18 +185,6 @@ def _attention_step(qkv, keys, values, slot, q_scale, k_scale, eps, cos, sin, ro
         return qkv.new_zeros(qkv.shape[0], heads * keys.shape[-1])
     finally:
         COUNTER.paused -= 1
-
-
-def _counted_reference(name: str, reference):
-    """One of this package's Triton kernels, counted as one launch, its output the torch reference's."""
-    def run(*args, **kwargs):
-        COUNTER.count(name)
-        COUNTER.paused += 1
-        try:
-            return reference(*args, **kwargs)
-        finally:
-            COUNTER.paused -= 1
-    return run
 
 
 def _counted_zeros(name: str, rows_of, width_of):

@@ -77,9 +77,9 @@ def route_top_k(logits: torch.Tensor, k: int, *, sigmoid: bool = False, normaliz
     else:  # only the choice's indices are used: computed outside autograd (no graph kept for it)
         experts = (scores.detach() + bias.to(scores.dtype)).topk(k, dim=-1).indices
         weights = scores.gather(1, experts)
-    if normalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps) if eps else weights / weights.sum(-1, True)
-    return (weights * scale if scale != 1.0 else weights).to(logits.dtype), experts
+    if normalize:  # (eps 0 and scale 1 leave every value as it is: the weights are >= 0)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    return (weights * scale).to(logits.dtype), experts
 
 
 def add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

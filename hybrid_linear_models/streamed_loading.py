@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from .device_placement import placement_type
+from .safetensors_dtypes import DTYPES
 
 STREAMED_DEVICE_TYPES = ("cuda", "xpu")  # (tests add "cpu")
 
@@ -73,10 +74,6 @@ def read_shards(checkpoint_files: list[str]) -> Iterator[dict[str, Any] | None]:
             handle.__exit__(None, None, None)
 
 
-# safetensors' dtype names -> torch's (the dtypes a whole read views its bytes as; others read through safetensors)
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _MAX_READ = 2**30  # bytes a preadv call asks for (Linux returns at most 2 GiB - 4 KiB a call)
 
 
@@ -103,8 +100,8 @@ class _WholeReads:
         return cls(fd, 8 + length, header)
 
     def slice(self, name: str, fallback: Any) -> Any:
-        entry = self.entries[name]
-        return fallback if entry["dtype"] not in _DTYPES else _WholeSlice(self, entry, fallback)
+        entry = self.entries[name]  # (a dtype torch has no view for is read through safetensors)
+        return fallback if entry["dtype"] not in DTYPES else _WholeSlice(self, entry, fallback)
 
     def read(self, entry: dict) -> torch.Tensor:
         start, end = entry["data_offsets"]
@@ -115,7 +112,7 @@ class _WholeReads:
             if count == 0:
                 raise OSError(f"{end - start - done} bytes of a tensor are missing at the end of its safetensors file")
             done += count
-        return data.view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        return data.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
     def __exit__(self, *_) -> None:
         os.close(self.fd)

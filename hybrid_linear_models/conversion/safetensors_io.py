@@ -19,24 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ..safetensors_dtypes import DTYPES
 from .errors import ConversionError
 from .source_files import open_source_file
 from .untrusted import brief, describe, parse_json
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 _HEADER_ALIGNMENT = 8
