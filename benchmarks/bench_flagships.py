@@ -16,8 +16,9 @@ steps replayed from captured CUDA graphs), transformers with its default cache):
    call at that length (first calls included: autotuning, captures, allocations) and the best of the warm ones;
    prefill tokens/s = prompt / warm TTFT;
 2. decoding tokens/s at batch 1 and 16 after 1K and 256K tokens of prompt: batch x (N - 1) / (time of prompt + N
-   tokens - time of prompt + 1 token), N = `--new-tokens`, after one warm-up call; the best of `--repeats` at 1K,
-   one at 256K (each call a 256K prefill). After 256K only the batches of `--long-batches` run (default 1: at
+   tokens - time of prompt + 1 token), N = `--new-tokens`, after one warm-up call; the best of `--repeats` (at
+   least 3: both timings hold the prefill, whose spread would otherwise swing the rate) at 1K, one at 256K (each
+   call a 256K prefill). After 256K only the batches of `--long-batches` run (default 1: at
    batch 16 every call prefills 4M tokens, minutes each); a cell whose cache (static: prompt + N slots) would not
    fit the free memory is skipped with its size; an out-of-memory error is printed in its cell;
 3. the limit of each decoding cell: a step must read every weight it uses once (`step_bytes`: the routed experts
@@ -113,6 +114,9 @@ def step_bytes(model, batch: int, context: int) -> int:
     return int(total + cache_bytes(config, batch, context, model.lm_head.weight.element_size()))
 
 
+MIN_DECODE_REPEATS = 3  # timings of each decoding cell below 128K of context (see `decoding`)
+
+
 def _tokens(vocab: int, batch: int, length: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(batch * 1_000_003 + length)
     return torch.randint(1, vocab, (batch, length), generator=generator).to(device)
@@ -161,7 +165,10 @@ def decoding(model, config, contexts: dict[str, int], args, device, kwargs: dict
 
             def run(tokens=tokens, batch=batch, long=length >= 2**17):
                 timed_generate(model, tokens, new_tokens, **kwargs)  # warm-up: autotuning, captures
-                count = 1 if long else args.repeats
+                # the rate is a difference of two timings that each hold the prompt's prefill (0.3 s at 1K for the FP8
+                # Qwen3-Next, varying by tens of ms: ~1 ms a token over 64 tokens), so short contexts take the best of
+                # at least 3 of each
+                count = 1 if long else max(args.repeats, MIN_DECODE_REPEATS)
                 one = min(timed_generate(model, tokens, 1, **kwargs) for _ in range(count))
                 many = min(timed_generate(model, tokens, new_tokens, **kwargs) for _ in range(count))
                 if many <= one:  # timer noise on a tiny model: no figure rather than an absurd one

@@ -1,7 +1,8 @@
 """Host time per token that `generate(..., cache_implementation="static")` spends around each replayed decoding step:
 what the GPU waits for between replays at batch 1 (transformers' loop reads each step's result on the host).
 
-The benchmark models' layer structure (16 layers of the GDN, KDA or Kimi-Linear benchmark models) at tiny widths, on
+The benchmark models' layer structure (16 layers of the GDN, KDA or Kimi-Linear benchmark models; the FP8 Qwen3-Next's
+48) at tiny widths, on
 the CPU, with the captured step stood in by a replay that does nothing (its output is the capture's): what remains is
 the host work around it, transformers' loop and this package's (`CudaGraphDecoder.try_step`: the inputs copied into
 the graph's buffers, the check that no kept tensor changed, the cache's counters). Split in two: from the end of
@@ -10,7 +11,7 @@ transformers' per-step stop check (on a GPU, a synchronisation) to the next repl
 per-step change check, `ChangeWatch.changed()`, against its check at the start of a run (`addresses=True`) and
 against asking every kept tensor (`stale()`).
 
-    python benchmarks/decode_host_overhead.py [--tokens 200] [--models gdn kda kimi]
+    python benchmarks/decode_host_overhead.py [--tokens 200] [--models gdn kda kimi qwen3-next-fp8]
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from transformers.generation import utils as gen_utils
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flagship_models import (
+    QWEN3_NEXT_TINY,
+    TINY_FP8_BLOCK,
+    ours_config,
+    qwen3_next_fields,
+    qwen3_next_fp8_setting,
+)
 from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config
 
 from hybrid_linear_models import HybridLinearForCausalLM
@@ -39,7 +47,16 @@ CONFIGS = {
     "kda": lambda: kda_pair(**dict(GPU_KDA, **NARROW, kda_dim=16))[0],
     "kimi": lambda: kimi_linear_config(hidden=128, vocab=500, dense_width=256, expert_width=32, kda_dim=16, kda_heads=2,
                                        mla_heads=2, kv_lora_rank=32, qk_nope=16, qk_rope=16, v_dim=16),
+    "qwen3-next-fp8": lambda: _qwen3_next_fp8_narrow(),
 }
+
+
+def _qwen3_next_fp8_narrow():
+    """The FP8 Qwen3-Next-80B-A3B's 48 layers (GDN and attention, 512 experts' routing, FP8 layers) at tiny widths."""
+    fields = qwen3_next_fields(fp8=True)
+    fields.update({k: v for k, v in QWEN3_NEXT_TINY.items() if k != "num_hidden_layers"})
+    fields["quantization_config"] = qwen3_next_fp8_setting(TINY_FP8_BLOCK)
+    return ours_config(fields)
 
 
 def _timed_replays(model, ids, settings) -> tuple[float, float]:

@@ -135,9 +135,11 @@ def test_a_decoding_step_takes_the_flat_fp8_projections_and_keeps_its_logits(mon
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_fp8_decoding_projections(monkeypatch):
     """On a GPU (the indexed FP8 kernel, the bf16 GEMV, beta's sigmoid in fla's recurrent kernel): the captured step
-    decodes the uncaptured one's tokens, and its logits stay within bf16's noise of the unstacked path's (beta's
-    sigmoid rounded to bf16 there, in float32 here: relative differences of 2^-9 compounded over the layers; a wrong
-    row or scale would be of the logits' own size)."""
+    decodes the uncaptured one's tokens, and each GDN layer's output stays within bf16's noise of the unstacked path's
+    (beta's sigmoid rounded to bf16 there, in float32 here: relative differences of 2^-9 carried in the state; a wrong
+    row or scale would be of the output's own size). Each layer is compared on the same input: the unstacked run is
+    fed the indexed run's layer inputs, since a difference of bf16's noise may turn a MoE router's near-tie the other
+    way and change every later layer's input by far more than the projections differ."""
     from model_helpers import greedy
 
     model = _fp8_qwen3_next().cuda()
@@ -147,19 +149,40 @@ def test_gpu_fp8_decoding_projections(monkeypatch):
     model.set_cuda_graph_decoding(False)
     eager = greedy(model, ids, 8)  # (a dynamic cache: transformers would compile a static cache's uncaptured step)
     assert torch.equal(captured.sequences, eager.sequences)
-    steps = eager.sequences[:, :-1]
+    mixers = [m for m in model.modules() if isinstance(m, HybridLinearGatedDeltaNet)]
+    inputs, outputs = {m: [] for m in mixers}, {m: [] for m in mixers}
 
-    def logits():
-        cache = StaticCache(config=model.config, max_cache_len=24)
-        with torch.no_grad():
-            model(input_ids=steps[:, :12], cache=cache, use_cache=True)
-            return torch.stack([model(input_ids=steps[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1].float()
-                                for t in range(12, steps.shape[1])])
+    def run(feed: bool) -> None:
+        """Every GDN layer's outputs over a prompt and 7 steps; fed the recorded inputs where `feed`."""
+        for m in mixers:
+            outputs[m].clear()
 
-    indexed = logits()
+        def pre(module, args, kwargs):
+            if not feed:
+                inputs[module].append(args[0])
+                return None
+            return (inputs[module][len(outputs[module])], *args[1:]), kwargs
+
+        def post(module, args, kwargs, output):
+            outputs[module].append((output[0] if isinstance(output, tuple) else output).float())
+
+        hooks = [h for m in mixers for h in (m.register_forward_pre_hook(pre, with_kwargs=True),
+                                             m.register_forward_hook(post, with_kwargs=True))]
+        try:
+            _prompt_then_steps(model, eager.sequences[:, :-1], prompt=12)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    run(feed=False)
+    indexed = {m: list(o) for m, o in outputs.items()}
     monkeypatch.setattr(HybridLinearGatedDeltaNet, "_fp8_projections", lambda self, hidden_states: None)
-    plain = logits()
-    assert (indexed - plain).abs().max() <= 2 ** -5 * plain.abs().max()
+    run(feed=True)
+    for layer, m in enumerate(mixers):
+        assert len(indexed[m]) == len(outputs[m]) == 8
+        for step, (got, expected) in enumerate(zip(indexed[m], outputs[m])):
+            bound = 2 ** -5 * expected.abs().max()
+            assert (got - expected).abs().max() <= bound, (layer, step, (got - expected).abs().max().item(), bound)
 
 
 def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_layers():
