@@ -34,7 +34,7 @@ from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_conf
 
 from hybrid_linear_models import HybridLinearForCausalLM, fla_backend  # noqa: E402
 from hybrid_linear_models import attention_step, block_ops, kernels_conv, kernels_delta_rule, ops  # noqa: E402
-from hybrid_linear_models import kernels_fp8, moe_inference_ops
+from hybrid_linear_models import experts_routed, kernels_fp8, moe_inference_ops
 from hybrid_linear_models.cuda_graph_decoding import CudaGraphDecoder  # noqa: E402
 from hybrid_linear_models.speculative_decoding import prefill, verify_round  # noqa: E402
 from hybrid_linear_models.verify_cache import VerifyCache  # noqa: E402
@@ -213,6 +213,8 @@ KERNEL_STAND_INS = [
      _counted_zeros("fp8.routed_linear", lambda x, w, s, r, *a, **k: r.shape[0], lambda x, w, *a, **k: w.shape[-2])),
     (kernels_fp8, "fp8_grouped_linear_kernel", _counted_zeros("fp8.grouped_linear", lambda x, *a, **k: x.shape[0],
                                                               lambda x, w, *a, **k: w.shape[-2])),
+    (experts_routed, "routed_experts_kernel", _counted_zeros("experts.routed", lambda x, w, r, *a, **k: r.shape[0],
+                                                            lambda x, w, *a, **k: w.shape[-2])),
     (moe_inference_ops, "triton_route_top_k_kernel",
      _counted_reference("moe.route_top_k", _moe_reference(
          lambda logits, k, sigmoid, normalize, bias, eps, scale: moe_inference_ops.route_top_k(
@@ -222,7 +224,7 @@ KERNEL_STAND_INS = [
 ]
 # their dispatch's device types, with the CPU added while counting
 KERNEL_DEVICE_SWITCHES = [(kernels_fp8, "KERNEL_DEVICE_TYPES"), (kernels_fp8, "SWIGLU_INPUT_DEVICE_TYPES"),
-                          (moe_inference_ops, "MOE_DEVICE_TYPES")]
+                          (moe_inference_ops, "MOE_DEVICE_TYPES"), (experts_routed, "ROUTED_DEVICE_TYPES")]
 
 
 MODELS = {  # the GPU benchmark models' layer structure at narrow widths (the kernel count does not depend on them)

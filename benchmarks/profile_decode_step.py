@@ -35,7 +35,8 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   sparse MoE's softmax top-k and gated shared sum in torch's ops, or one kernel each: moe_inference_ops),
   `swiglu_input` (the FP8 routed experts' SwiGLU and routing weight as torch ops, or computed as the down projection
   reads its input: kernels_fp8.SWIGLU_INPUT_DEVICE_TYPES), `fp8_flat` (an FP8 GDN layer's input projections
-  gathered after the product, or read through a row index: mixer_gated_deltanet.FLAT_FP8_PROJECTION_DEVICE_TYPES);
+  gathered after the product, or read through a row index: mixer_gated_deltanet.FLAT_FP8_PROJECTION_DEVICE_TYPES),
+  `routed_bf16` (bf16 experts sorted and grouped, or each route's GEMV: experts_routed.ROUTED_MAX_ROUTES);
 - with `--mtp K ...` (the GDN and KDA models), instead, batch-1 `generate(use_mtp=K)` of `--generate` new tokens (64
   without it) on the model with one MTP layer (random weights: a round keeps about one token, and drafts all K):
   per round (one replayed graph: the verify forward of K + 1 tokens, the acceptance, the GDN/KDA restore, the head's
@@ -49,7 +50,8 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
 
     python benchmarks/profile_decode_step.py [--models gdn kda kimi qwen3-next-fp8 kimi-48b] [--prompt 512]
         [--steps 20] [--top 25] [--trace DIR] [--prefill 1024 8192] [--generate 64] [--batch 16]
-        [--ab gemv attention in_place norm pdl conv gated_norm routed moe swiglu_input fp8_flat] [--flagship-layers 4]
+        [--ab gemv attention in_place norm pdl conv gated_norm routed moe swiglu_input fp8_flat
+         routed_bf16] [--flagship-layers 4]
         [--verify 2 4]
         [--mtp 1 3]
 """
@@ -206,8 +208,9 @@ SWITCHES = {
     "swiglu_input": ("kernels_fp8", "SWIGLU_INPUT_DEVICE_TYPES", "experts' SwiGLU apart", "SwiGLU in the down read"),
     "fp8_flat": ("mixer_gated_deltanet", "FLAT_FP8_PROJECTION_DEVICE_TYPES", "GDN FP8 projections gathered",
                  "GDN FP8 projections indexed"),
+    "routed_bf16": ("experts_routed", "ROUTED_MAX_ROUTES", "bf16 experts grouped", "bf16 experts routed"),
 }
-OFF_VALUES = {"routed": 0}  # (the other switches' off value: no device type)
+OFF_VALUES = {"routed": 0, "routed_bf16": 0}  # (the other switches' off value: no device type)
 
 
 def compare(name: str, prompt: int, steps: int, kind: str, layers: int = FLAGSHIP_LAYERS) -> None:

@@ -30,12 +30,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import activations as transformers_activations
 from transformers import initialization as init
 
 from .experts_grouped_gather import expert_offsets
+from .experts_routed import is_silu
 from .fp8_kernel_contract import TILE_ROW_BOUNDS
 from .fp8_settings import SCALE_SUFFIX, BlockFp8Settings
 from .kernels_fp8 import (
@@ -47,14 +46,6 @@ from .kernels_fp8 import (
     routed_applies,
     scale_shape,
 )
-
-# the activations that are silu (torch's module, transformers' ACT2FN["silu"]): their experts fuse SwiGLU
-_SILU_TYPES = tuple({nn.SiLU, getattr(transformers_activations, "SiLUActivation", nn.SiLU)})
-
-
-def is_silu(act_fn: Callable) -> bool:
-    """Whether the activation `act_fn` (a module, or F.silu itself) computes silu."""
-    return act_fn is F.silu or isinstance(act_fn, _SILU_TYPES)
 
 
 def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:

@@ -60,6 +60,7 @@ from .mlp_sparse_moe import (
     HybridLinearTopKRouter,
     RoutedMoeBlock,
     init_sparse_moe_weights,
+    sum_routes,
 )
 from .moe_inference_ops import route_top_k
 
@@ -134,6 +135,7 @@ class HybridLinearKimiMoeBlock(RoutedMoeBlock):
             self.shared_experts = HybridLinearSharedExpert(settings, width)
 
     def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        routed = sum_routes(routed)
         return routed if self.shared_experts is None else routed + self.shared_experts(hidden_states).reshape(x.shape)
 
 

@@ -57,6 +57,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 
+from . import experts_routed
 from .experts_grouped_gather import CUDA_GROUPED_MM_GRAPH_DTYPES
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .mlp_dense import GatedMLP
@@ -150,6 +151,15 @@ class HybridLinearExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
         self.act_fn = ACT2FN[settings.hidden_act]
 
+    def route_rows(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor | None:
+        """A decoding step's experts, [T, k, H]: each (token, slot) route's weighted output, one GEMV launch a
+        projection on a GPU, for the caller to sum (`experts_routed`); None where that does not apply (more routes,
+        not a GPU, gradients, expert parallelism, or hooks on this module, which its forward would run)."""
+        if getattr(self, "_is_expert_parallel", False) or self._forward_hooks or self._forward_pre_hooks:
+            return None
+        return experts_routed.route_rows(self, hidden_states, top_k_index, top_k_weights)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """The "eager" implementation: a loop over the experts that received tokens (their list read on the host)."""
@@ -168,6 +178,14 @@ class HybridLinearExperts(nn.Module):
             out = F.linear(self.act_fn(gate) * up, self.down_proj[expert]) * top_k_weights[token, slot, None]
             output.index_add_(0, token, out.to(output.dtype))
         return output
+
+
+def sum_routes(routed: torch.Tensor) -> torch.Tensor:
+    """routed [T, H] as it is, or each token's k rows [T, k, H] summed (in float32 for bf16/fp16, rounded once: as
+    the experts' grouped path sums them)."""
+    if routed.dim() == 2:
+        return routed
+    return routed.sum(1, dtype=torch.promote_types(routed.dtype, torch.float32)).to(routed.dtype)
 
 
 class HybridLinearSharedExpert(GatedMLP):
@@ -200,8 +218,9 @@ class RoutedMoeBlock(nn.Module):
         raise NotImplementedError
 
     def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output [tokens, H] plus the shared part's for x = hidden_states [..., H] as rows. It is
-        given hidden_states too, as the shared experts' gated MLP sees a decoding step in its [batch, 1, H] shape."""
+        """The routed experts' output [tokens, H] (or each token's k rows [tokens, k, H], to sum) plus the shared
+        part's for x = hidden_states [..., H] as rows. It is given hidden_states too, as the shared experts' gated MLP
+        sees a decoding step in its [batch, 1, H] shape."""
         raise NotImplementedError
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -216,8 +235,13 @@ class RoutedMoeBlock(nn.Module):
 
     def _experts_and_shared(self, x: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor,
                             hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' output plus the shared part's, [tokens, H], for the rows x and their routes."""
-        out = self.experts(x, selected_experts, routing_weights)
+        """The routed experts' output plus the shared part's, [tokens, H], for the rows x and their routes. Experts
+        that give each route's row (a decoding step's: `route_rows` of their class, so no wrapper's forward is
+        skipped) leave their sum to `add_shared`."""
+        route_rows = getattr(type(self.experts), "route_rows", None)
+        out = route_rows(self.experts, x, selected_experts, routing_weights) if route_rows is not None else None
+        if out is None:
+            out = self.experts(x, selected_experts, routing_weights)
         return self.add_shared(out, x, x if hidden_states is None else hidden_states)
 
 
@@ -234,19 +258,11 @@ class HybridLinearSparseMoeBlock(RoutedMoeBlock):
 
     def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:
-            return routed if routed.dim() == 2 else routed.sum(1)
+            return sum_routes(routed)
         # routed + sigmoid(gate) * shared: one kernel at inference on a GPU (moe_inference_ops), which sums routed
         # experts' rows [tokens, k, H] first where they come unsummed
         return add_gated(routed, self.shared_expert_gate(x), self.shared_expert(hidden_states).reshape(x.shape))
 
-    def _experts_and_shared(self, x: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor,
-                            hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        # experts that give each route's row (the FP8 routed experts of a decoding step) leave their sum to add_shared
-        route_rows = getattr(self.experts, "route_rows", None)
-        rows = route_rows(x, selected_experts, routing_weights) if route_rows is not None else None
-        if rows is None:
-            return super()._experts_and_shared(x, selected_experts, routing_weights, hidden_states)
-        return self.add_shared(rows, x, x if hidden_states is None else hidden_states)
 
 
 def check_expert_parallel_size(config: Any, ep_size: int) -> None:
@@ -338,8 +354,20 @@ register(MlpSpec(
 ))
 
 
-__all__ = ["EXPERTS_IMPLEMENTATIONS", "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS", "LORA_TARGET_PARAMETERS",
-           "HybridLinearExperts", "HybridLinearSharedExpert", "HybridLinearSparseMoeBlock", "HybridLinearTopKRouter",
-           "RoutedMoeBlock",
-           "check_expert_parallel_size", "graph_capturable_expert_dispatch", "graph_safe_experts",
-           "graph_safe_experts_implementation", "init_sparse_moe_weights", "sparse_moe_parameter_count"]
+__all__ = [
+    "EXPERTS_IMPLEMENTATIONS",
+    "GRAPH_SAFE_EXPERTS_IMPLEMENTATIONS",
+    "LORA_TARGET_PARAMETERS",
+    "HybridLinearExperts",
+    "HybridLinearSharedExpert",
+    "HybridLinearSparseMoeBlock",
+    "HybridLinearTopKRouter",
+    "RoutedMoeBlock",
+    "check_expert_parallel_size",
+    "graph_capturable_expert_dispatch",
+    "graph_safe_experts",
+    "graph_safe_experts_implementation",
+    "init_sparse_moe_weights",
+    "sparse_moe_parameter_count",
+    "sum_routes",
+]

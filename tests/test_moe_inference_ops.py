@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from model_helpers import runs_triton_kernels, tiny_model
+from offline_compile import ptxas_present, run_compile_script
 
 from hybrid_linear_models import moe_inference_ops
 from hybrid_linear_models.moe_inference_ops import add_gated, route_top_k
@@ -259,24 +260,9 @@ def test_a_kimi_moe_model_takes_the_routing_kernel_and_keeps_its_logits(kernels_
 # compiles the MoE kernels for an H200 (sm_90) with triton's NVIDIA backend, no GPU needed, and prints each one's
 # stack frame (spilled registers)
 COMPILE = """
-import json, os, re, subprocess, tempfile
-from pathlib import Path
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+from offline_compile import stack_bytes as compiled
 from hybrid_linear_models import kernels_moe_triton as k
-
-def compiled(fn, pointers, constants, warps):
-    signature = {n: pointers.get(n, "constexpr" if n in constants else "i32") for n in fn.arg_names}
-    binary = triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as cubin:
-        cubin.write(binary.asm["cubin"])
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    usage = subprocess.run([str(tool), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
-                           check=True).stdout
-    os.unlink(cubin.name)
-    return int(re.search(r"STACK:(\\d+)", usage).group(1))
 
 for experts in (512, 4096, 8192):
     for pdl in (False, True):
@@ -296,30 +282,11 @@ for routes in (0, 10):  # (summed rows; Qwen3-Next's 10 routes a token, summed i
 """
 
 
-def _ptxas_present() -> bool:
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("triton")
-    return bool(spec and spec.submodule_search_locations and (
-        Path(next(iter(spec.submodule_search_locations))) / "backends" / "nvidia" / "bin" / "ptxas").is_file())
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _ptxas_present(), reason="needs triton with its NVIDIA backend (ptxas)")
+@pytest.mark.skipif(not ptxas_present(), reason="needs triton with its NVIDIA backend (ptxas)")
 def test_the_kernels_compile_for_an_h200_without_spilling():
     """Both kernels, with and without dependent launch, the routing one softmax (Qwen3-Next) and sigmoid with a bias
     (Kimi-Linear) for 512 experts, 4,096 and the widest row the dispatch gives it (8,192), with the warps it launches,
     compile for sm_90 with no stack frame (nothing spilled)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE], env=environment, capture_output=True, text=True,
-                          timeout=600, check=False, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
+    results = run_compile_script(COMPILE)
     assert len(results) == 16 and all(r["stack"] == 0 for r in results), results
