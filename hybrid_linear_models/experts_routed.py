@@ -84,12 +84,12 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor, routes: torch.Tensor) 
 def routed_linear(x: torch.Tensor, weight: torch.Tensor, routes: torch.Tensor,
                   gated_by: torch.Tensor | None = None) -> torch.Tensor:
     """[S, N]: route r's row of x times its expert's weight, x [T, K] with S / T routes a row, weight [E, N, K], routes
-    [S]; with `gated_by` [S], x is a [gate | up] row per route and the input silu(gate) * up * gated_by[r], each op
-    rounded to x's dtype. A route outside 0..E-1 (another rank's expert) gives a row of zeros. On CUDA one launch
+    [S]; with `gated_by` [S] (any float dtype, taken in x's), x is a [gate | up] row per route and the input
+    silu(gate) * up * gated_by[r], each op rounded to x's dtype. A route outside 0..E-1 (another rank's expert) gives a row of zeros. On CUDA one launch
     (`kernels_routed_experts_triton`); elsewhere each route's weight gathered and multiplied (the reference)."""
     check_routes(x, weight, routes, gated_by)
     if kernel_applies(x, weight, routes) and routed_experts_kernel() is not None and (
-            gated_by is None or (gated_by.dtype == x.dtype and gated_by.device == x.device)):
+            gated_by is None or (gated_by.is_floating_point() and gated_by.device == x.device)):
         out = kernel_result(_FAILED, (tuple(weight.shape[1:]), gated_by is not None, x.dtype, x.device), x,
                             f"the routed experts' Triton GEMV failed for a {tuple(weight.shape)} weight; the "
                             "experts gather each route's weight",
@@ -100,7 +100,7 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, routes: torch.Tensor,
     rows = x
     if gated_by is not None:
         gate, up = x.chunk(2, dim=-1)
-        rows = F.silu(gate) * up * gated_by[:, None]
+        rows = F.silu(gate) * up * gated_by.to(x.dtype)[:, None]
     elif x.shape[0]:
         rows = x.repeat_interleave(routes.shape[0] // x.shape[0], dim=0)
     experts = weight.shape[0]
@@ -122,12 +122,12 @@ def route_rows(experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
     if routes.shape[0] > ROUTED_MAX_ROUTES or not kernel_applies(x, experts.gate_up_proj, routes):
         return None
     gate_up = routed_linear(x, experts.gate_up_proj, routes)
-    weights = top_k_weights.reshape(-1).to(gate_up.dtype)
+    weights = top_k_weights.reshape(-1)  # (a float32 router's: rounded to the dtype where they are read)
     if is_silu(experts.act_fn):
         out = routed_linear(gate_up, experts.down_proj, routes, gated_by=weights)
     else:
         gate, up = gate_up.chunk(2, dim=-1)
-        out = routed_linear(experts.act_fn(gate) * up * weights[:, None], experts.down_proj, routes)
+        out = routed_linear(experts.act_fn(gate) * up * weights.to(gate_up.dtype)[:, None], experts.down_proj, routes)
     return out.view(-1, top_k_index.shape[1], out.shape[-1])
 
 

@@ -11,10 +11,11 @@ bytes, are their cost.
   picks among values equal to its k-th), a NaN above every number (as torch ranks it: a row of NaN logits routes to
   experts 0..k-1 with NaN weights, never past E - 1); each weight is its expert's score, with `normalize` divided by
   their float32 sum plus `eps`, then times `scale`. The weights are stored in the logits' dtype, the experts as int64.
-- `triton_add_gated`: routed + sigmoid(gate) * shared over rows [T, H], gate [T, 1], each op rounded to the dtype as
-  torch's bf16/fp16 elementwise ops round (computed in float32, rounded once per op): the eager block's value. The
-  routed output may come as each token's k routes [T, k, H], summed here in float32 and rounded once, as torch's sum
-  of them (the FP8 routed experts' rows: `Fp8Experts.route_rows`).
+- `triton_add_gated`: routed + sigmoid(gate) * shared over rows [T, H], gate [T, 1] (or routed + shared, without a
+  gate: Kimi-Linear's shared experts), each op rounded to the dtype as torch's bf16/fp16 elementwise ops round
+  (computed in float32, rounded once per op): the eager block's value. The routed output may come as each token's k
+  routes [T, k, H], summed here in float32 and rounded once, as torch's sum of them (the routed experts' rows:
+  `route_rows` of the FP8 and the bf16 experts).
 
 exp is triton's (a fast approximation on NVIDIA GPUs: a few float32 ulps from torch's, so a weight may differ from
 torch's in its last float32 bits, rarely in its last bf16 bit; the experts chosen are the same but where choices tie
@@ -99,15 +100,18 @@ def triton_route_top_k(logits: torch.Tensor, k: int, sigmoid: bool, normalize: b
 
 @triton.jit(do_not_specialize=["H"])
 def _add_gated_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, stride_r, stride_rk, stride_g, stride_s, stride_o,
-                      ROUTES: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                      ROUTES: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+                      GATED: tl.constexpr = True):
     row = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     live = cols < H
     await_previous_kernel(PDL)
     dtype = out_ptr.dtype.element_ty
-    gate = tl.load(gate_ptr + row * stride_g).to(tl.float32)
-    gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # torch.sigmoid's value, rounded
     shared = tl.load(shared_ptr + row * stride_s + cols, mask=live, other=0.0).to(tl.float32)
+    if GATED:
+        gate = tl.load(gate_ptr + row * stride_g).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # torch.sigmoid's value, rounded
+        shared = (gate * shared).to(dtype).to(tl.float32)
     if ROUTES > 0:  # the token's routes summed in float32 in route order, rounded once (as torch's sum of them)
         routed = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for route in tl.static_range(ROUTES):
@@ -116,23 +120,24 @@ def _add_gated_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, stride_r, st
         routed = routed.to(dtype).to(tl.float32)
     else:
         routed = tl.load(routed_ptr + row * stride_r + cols, mask=live, other=0.0).to(tl.float32)
-    gated = (gate * shared).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (routed + gated).to(dtype), mask=live)
+    tl.store(out_ptr + row * stride_o + cols, (routed + shared).to(dtype), mask=live)
 
 
-def triton_add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+def triton_add_gated(routed: torch.Tensor, gate: torch.Tensor | None, shared: torch.Tensor) -> torch.Tensor:
     """routed [T, H] (or [T, k, H]: each token's k routes, summed first) + sigmoid(gate [T, 1]) * shared [T, H] (each
-    with unit stride along its last dim), [T, H] in routed's dtype; see the module docstring."""
+    with unit stride along its last dim; without a gate, routed + shared), [T, H] in routed's dtype; see the module
+    docstring."""
     rows, width = routed.shape[0], routed.shape[-1]
     routes = routed.shape[1] if routed.dim() == 3 else 0
     out = torch.empty(rows, width, device=routed.device, dtype=routed.dtype)
     block = min(1024, triton.next_power_of_2(max(width, 1)))
     if rows:
-        _add_gated_kernel[(triton.cdiv(width, block), rows)](routed, gate, shared, out, width, routed.stride(0),
-                                                            routed.stride(1) if routes else 0, gate.stride(0),
-                                                            shared.stride(0), out.stride(0), ROUTES=routes,
-                                                            BLOCK_H=block, num_warps=4,
-                                                            **dependent_launch(routed.device))
+        gated = gate is not None
+        _add_gated_kernel[(triton.cdiv(width, block), rows)](routed, gate if gated else shared, shared, out, width,
+                                                            routed.stride(0), routed.stride(1) if routes else 0,
+                                                            gate.stride(0) if gated else 0, shared.stride(0),
+                                                            out.stride(0), ROUTES=routes, BLOCK_H=block, num_warps=4,
+                                                            GATED=gated, **dependent_launch(routed.device))
     return out
 
 

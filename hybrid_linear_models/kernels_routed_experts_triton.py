@@ -7,9 +7,10 @@ A program owns BLOCK_N output columns of one route (grid: column tiles x routes)
 expert's rows in BLOCK_K slices into a [BLOCK_N, BLOCK_K] float32 tile of elementwise products, summed over K at the
 end: the one-row GEMV form of `kernels_gemv_triton`, reading only the routed experts' weights. A route to an expert
 outside 0..E-1 (expert parallelism's sentinel for another rank's expert) reads nothing and writes a row of zeros.
-With `gated_by` (each route's routing weight), x holds a row per route, [gate | up] (2K wide), and each K slice of
-the input is computed as it is loaded, silu(gate) * up * weight, each op rounded to x's dtype as the experts' torch
-ops round (`kernels_fp8_triton._gated_input`): the down projection then needs no elementwise kernel before it.
+With `gated_by` (each route's routing weight, in any float dtype: rounded to x's first, as its cast would), x holds a
+row per route, [gate | up] (2K wide), and each K slice of the input is computed as it is loaded, silu(gate) * up *
+weight, each op rounded to x's dtype as the experts' torch ops round: the down projection then needs no elementwise
+kernel before it, nor the routing weights a cast.
 
 The routes come from the routing kernel just before, so with programmatic dependent launch a program waits for it
 first (`await_previous_kernel`) and only its launch overlaps. Configurations are autotuned per (N, K, gated) inside
@@ -32,7 +33,6 @@ except ImportError as error:
                       "grouped torch path") from error
 
 from .kernel_tuning import launch
-from .kernels_fp8_triton import _gated_input
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 # (BLOCK_N, BLOCK_K, warps, stages): the one-row GEMV's configurations (kernels_gemv_triton); the first runs untuned
@@ -41,6 +41,13 @@ _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=
                                (8, 256, 2, 1), (16, 256, 4, 1))]
 _INTERPRETED_BLOCKS = (4, 16)  # triton's interpreter (tests on CPUs): one small configuration, no timing
 _MAX_GRID_ROWS = 65535  # programs along the grid's second axis (routes)
+
+
+@triton.jit
+def _swiglu_input(gate, up, weight, dtype: tl.constexpr):
+    """silu(gate) * up * weight (float32 in and out), each op rounded to `dtype` as the experts' torch ops round."""
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return ((activated * up).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
 
 
 # R (routes per row of x) only maps routes to rows: not specialised, so a new batch compiles nothing new
@@ -57,6 +64,8 @@ def _routed_experts_kernel(x_ptr, w_ptr, routes_ptr, rw_ptr, y_ptr, E, R, N, str
     expert = tl.where(served, expert, 0)
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + (route // R).to(tl.int64) * stride_xm
+    if GATED:  # the route's weight rounded to the dtype (a float32 router's weights: as their cast rounds them)
+        weight = tl.load(rw_ptr + route).to(y_ptr.dtype.element_ty).to(tl.float32)
     tile = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
@@ -64,7 +73,8 @@ def _routed_experts_kernel(x_ptr, w_ptr, routes_ptr, rw_ptr, y_ptr, E, R, N, str
         w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0)
         x = tl.load(x_row + ks, mask=live_k, other=0.0).to(tl.float32)
         if GATED:
-            x = _gated_input(x, x_row + K + ks, rw_ptr + route, live_k, y_ptr.dtype.element_ty)
+            up = tl.load(x_row + K + ks, mask=live_k, other=0.0).to(tl.float32)
+            x = _swiglu_input(x, up, weight, y_ptr.dtype.element_ty)
         tile += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + route.to(tl.int64) * stride_ym + cols, tl.sum(tile, axis=1).to(y_ptr.dtype.element_ty),
              mask=live_cols)
@@ -90,8 +100,8 @@ def triton_routed_experts(x: torch.Tensor, weight: torch.Tensor, routes: torch.T
                           blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, K] (or [S, 2K] with `gated_by` [S]: a [gate | up] row per route), weight [E, N, K], routes [S] (int32 /
     int64, S a multiple of T): [S, N] in x's dtype, row r = x[r // (S / T)] @ weight[routes[r]]^T (see the module
-    docstring). x, weight and gated_by in one dtype, each with unit stride along its last dim. `blocks` (BLOCK_N,
-    BLOCK_K) runs that configuration instead of the tuned one (tests)."""
+    docstring). x and weight in one dtype, each with unit stride along its last dim; gated_by contiguous, any float
+    dtype. `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of the tuned one (tests)."""
     routes_count, (experts, out, inputs) = routes.shape[0], weight.shape
     if routes_count > _MAX_GRID_ROWS:
         raise ValueError(f"routed experts: {routes_count} routes, at most {_MAX_GRID_ROWS} (a kernel program row "

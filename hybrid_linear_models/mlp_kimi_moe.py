@@ -62,7 +62,7 @@ from .mlp_sparse_moe import (
     init_sparse_moe_weights,
     sum_routes,
 )
-from .moe_inference_ops import route_top_k
+from .moe_inference_ops import add_gated, route_top_k
 
 NORM_EPSILON = 1e-20  # added to the sum of the chosen weights before dividing (transformers' KimiLinearTopkRouter)
 GROUP_SCORE_EXPERTS = 2  # a group's score: the sum of its best 2 corrected scores (DeepSeek-V3, transformers)
@@ -135,8 +135,11 @@ class HybridLinearKimiMoeBlock(RoutedMoeBlock):
             self.shared_experts = HybridLinearSharedExpert(settings, width)
 
     def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        routed = sum_routes(routed)
-        return routed if self.shared_experts is None else routed + self.shared_experts(hidden_states).reshape(x.shape)
+        if self.shared_experts is None:
+            return sum_routes(routed)
+        # routed + shared: one kernel at inference on a GPU (moe_inference_ops), which sums routed rows [tokens, k, H]
+        # first where they come unsummed
+        return add_gated(routed, None, self.shared_experts(hidden_states).reshape(x.shape))
 
 
 def kimi_moe_parameter_count(settings: Any) -> int:

@@ -3,7 +3,7 @@
     route_top_k:    s = softmax(logits) in float32 (Qwen3-Next), or sigmoid(logits) (Kimi-Linear); the choice c = s,
                     or s + bias (Kimi-Linear's correction bias); e = the k largest c; w = s[e]; w /= sum(w) + eps if
                     asked; w *= scale; w in the logits' dtype
-    add_gated:      routed + sigmoid(gate) * shared
+    add_gated:      routed + sigmoid(gate) * shared (or routed + shared: a shared part without a gate)
 
 On CUDA, where no gradient is wanted (and torch.compile is not tracing, no DTensor), each runs as one Triton kernel
 (`kernels_moe_triton`) in place of torch's five to ten (the module docstring there gives their rounding). Elsewhere,
@@ -82,13 +82,14 @@ def route_top_k(logits: torch.Tensor, k: int, *, sigmoid: bool = False, normaliz
     return (weights * scale).to(logits.dtype), experts
 
 
-def add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """routed [T, H] + sigmoid(gate [T, 1]) * shared [T, H], in routed's dtype; routed may be each token's k routes
-    [T, k, H], summed first (in float32 for bf16/fp16 rows, rounded once)."""
+def add_gated(routed: torch.Tensor, gate: torch.Tensor | None, shared: torch.Tensor) -> torch.Tensor:
+    """routed [T, H] + sigmoid(gate [T, 1]) * shared [T, H] (routed + shared where gate is None), in routed's dtype;
+    routed may be each token's k routes [T, k, H], summed first (in float32 for bf16/fp16 rows, rounded once)."""
     flat = routed.flatten(1) if routed.dim() == 3 and routed.is_contiguous() else routed  # ([T, k H] for the checks)
-    if (_inference_on(flat, gate, shared) and (routed.shape[0], routed.shape[-1]) == shared.shape
-            and gate.shape == (routed.shape[0], 1) and routed.dtype == gate.dtype == shared.dtype
-            and triton_add_gated_kernel() is not None):
+    gates = (gate,) if gate is not None else ()
+    if (_inference_on(flat, *gates, shared) and (routed.shape[0], routed.shape[-1]) == shared.shape
+            and (gate is None or (gate.shape == (routed.shape[0], 1) and gate.dtype == routed.dtype))
+            and routed.dtype == shared.dtype and triton_add_gated_kernel() is not None):
         out = kernel_result(_FAILED, ("add_gated", routed.shape[1:], routed.dtype, routed.device), routed,
                             f"the Triton gated sum failed for routed rows {tuple(routed.shape[1:])}; it runs through "
                             "torch", lambda: triton_add_gated_kernel()(routed, gate, shared))
@@ -96,7 +97,7 @@ def add_gated(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) ->
             return out
     if routed.dim() == 3:
         routed = routed.sum(1)
-    return routed + torch.sigmoid(gate) * shared
+    return routed + (shared if gate is None else torch.sigmoid(gate) * shared)
 
 
 __all__ = ["MOE_DEVICE_TYPES", "add_gated", "route_top_k"]

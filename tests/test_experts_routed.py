@@ -69,19 +69,23 @@ def test_the_kernel_against_float64(dtype):
 @runs_triton_kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
-def test_the_gated_kernel_against_float64(dtype):
+@pytest.mark.parametrize("float32_weights", [False, True], ids=["weights in the dtype", "float32 weights"])
+def test_the_gated_kernel_against_float64(dtype, float32_weights):
     """The down projection's input read as silu(gate) * up * the route's weight (each op rounded to the dtype, as the
-    experts' torch ops), against the float64 product of that input as torch computes it."""
+    experts' torch ops; a float32 router's weights rounded to the dtype first, as their cast), against the float64
+    product of that input as torch computes it."""
     _skip_bf16_on_interpreter(dtype)
     from hybrid_linear_models.kernels_routed_experts_triton import triton_routed_experts
 
     weight = _weights(5, 24, 20, dtype, seed=3)
     gate_up = torch.randn(9, 40, generator=torch.Generator().manual_seed(4)).mul(2).to(DEVICE, dtype)
-    route_weights = torch.rand(9, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
+    route_weights = torch.rand(9, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    if not float32_weights:
+        route_weights = route_weights.to(dtype)
     routes = torch.tensor(ROUTES, device=DEVICE)
     got = triton_routed_experts(gate_up, weight, routes, gated_by=route_weights, blocks=(4, 16))
     gate, up = gate_up.chunk(2, dim=-1)
-    gated = F.silu(gate) * up * route_weights[:, None]
+    gated = F.silu(gate) * up * route_weights.to(dtype)[:, None]
     for route, expert in enumerate(ROUTES):
         if not 0 <= expert < 5:
             assert (got[route] == 0).all(), f"route {route} to expert {expert} of another rank"

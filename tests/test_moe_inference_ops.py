@@ -147,6 +147,29 @@ def test_add_gated_sums_unsummed_routes_first(kernels_on, dtype):
 
 
 @runs_triton_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("routes", [0, 8], ids=["summed rows", "8 routes a row"])
+def test_add_without_a_gate_sums_as_torch(kernels_on, dtype, routes):
+    """Without a gate (Kimi-Linear's shared experts), routed + shared, the routes summed first (float32, rounded
+    once): against torch's routed.sum(1) + shared, the two float32 sums of k terms each within k 2^-24 of the terms'
+    absolute sum of the exact one, and each side's two roundings half a unit of the dtype: the bound below. Summed
+    rows: the same one rounding of one sum, the same bits."""
+    _skip_bf16_on_interpreter(dtype)
+    g = torch.Generator().manual_seed(13)
+    routed = torch.randn(3, *((routes,) if routes else ()), 300, generator=g).to(DEVICE, dtype)
+    shared = torch.randn(3, 300, generator=g).to(DEVICE, dtype)
+    got = add_gated(routed, None, shared)
+    assert kernels_on == ["triton_add_gated_kernel"] and got.shape == (3, 300) and got.dtype == dtype
+    summed = routed.sum(1) if routes else routed
+    expected = summed + shared
+    summing = 2 * routes * 2 ** -24 * routed.abs().float().sum(1) if routes else 0
+    bound = UNIT[dtype] * (summed.abs() + shared.abs()).float() * 2 + summing
+    assert ((got.float() - expected.float()).abs() <= bound).all()
+    if not routes:  # (one rounding of one sum: the same bits)
+        assert torch.equal(got, expected)
+
+
+@runs_triton_kernels
 def test_kernels_are_not_taken_where_a_gradient_is_wanted(kernels_on):
     """Training keeps torch's ops, whose gradients flow to the router and the shared expert's gate."""
     logits = _logits(2, 16, torch.float32).requires_grad_()
@@ -276,9 +299,11 @@ for experts in (512, 4096, 8192):
                               "stack": stack}))
 for routes in (0, 10):  # (summed rows; Qwen3-Next's 10 routes a token, summed in the kernel)
     for pdl in (False, True):
-        stack = compiled(k._add_gated_kernel, {"routed_ptr": "*bf16", "gate_ptr": "*bf16", "shared_ptr": "*bf16",
-                                               "out_ptr": "*bf16"}, {"BLOCK_H": 1024, "ROUTES": routes, "PDL": pdl}, 4)
-        print(json.dumps({"kernel": "add_gated", "routes": routes, "pdl": pdl, "stack": stack}))
+        for gated in (True, False):  # (Qwen3-Next's gated shared expert; Kimi-Linear's plain shared experts)
+            stack = compiled(k._add_gated_kernel, {"routed_ptr": "*bf16", "gate_ptr": "*bf16", "shared_ptr": "*bf16",
+                                                   "out_ptr": "*bf16"},
+                             {"BLOCK_H": 1024, "ROUTES": routes, "PDL": pdl, "GATED": gated}, 4)
+            print(json.dumps({"kernel": "add_gated", "routes": routes, "pdl": pdl, "gated": gated, "stack": stack}))
 """
 
 
@@ -287,6 +312,6 @@ for routes in (0, 10):  # (summed rows; Qwen3-Next's 10 routes a token, summed i
 def test_the_kernels_compile_for_an_h200_without_spilling():
     """Both kernels, with and without dependent launch, the routing one softmax (Qwen3-Next) and sigmoid with a bias
     (Kimi-Linear) for 512 experts, 4,096 and the widest row the dispatch gives it (8,192), with the warps it launches,
-    compile for sm_90 with no stack frame (nothing spilled)."""
+    the sum with and without a gate, compile for sm_90 with no stack frame (nothing spilled)."""
     results = run_compile_script(COMPILE)
-    assert len(results) == 16 and all(r["stack"] == 0 for r in results), results
+    assert len(results) == 20 and all(r["stack"] == 0 for r in results), results
