@@ -264,7 +264,6 @@ class HybridLinearSparseMoeBlock(RoutedMoeBlock):
         return add_gated(routed, self.shared_expert_gate(x), self.shared_expert(hidden_states).reshape(x.shape))
 
 
-
 def check_expert_parallel_size(config: Any, ep_size: int) -> None:
     """Expert parallelism over `ep_size` ranks holds num_experts / ep_size whole experts per rank: a ValueError naming
     the first MoE layer (any MLP type with a `num_experts` field: the plan's patterns match every `experts` module by
