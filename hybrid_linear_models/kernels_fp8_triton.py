@@ -50,6 +50,12 @@ A dense product may take its outputs from weight rows in any order (`index`: out
 gather after the kernel). Where the index is block-aligned (each aligned run of BN outputs from one block row) a
 one_row tile keeps its one row of scales; otherwise it scales per element.
 
+With programmatic dependent launch (`kernels_launch_triton`, Hopper on) the dense one_row form (a decoding step's
+projections) loads its first weight slice, and its row index, which no kernel of a step writes, before it waits for
+the kernel ahead (x is that kernel's output), then loads each next slice after using the current one; the other forms
+wait first (the routes and the experts' offsets are the step's own). Either way the kernel after it may start its
+own weight loads as soon as every program has waited.
+
 K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width: a
 few per model). Configurations are autotuned per weight shape and block inside `kernel_tuning.autotuning()` (`warm_up`
 enters it; never inside a CUDA graph's capture), each timed over 25 ms with the L2 cache cleared before each run
@@ -74,6 +80,7 @@ except ImportError as error:
 
 from .fp8_kernel_contract import PREFILL_FORMS, TILE_ROW_BOUNDS, check_routes
 from .kernel_tuning import launch
+from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
@@ -99,13 +106,16 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
                        GROUPED: tl.constexpr, ROUTED: tl.constexpr, E_POW2: tl.constexpr, FORM: tl.constexpr,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GATED_INPUT: tl.constexpr = False, HAS_INDEX: tl.constexpr = False,
-                       ALIGNED_INDEX: tl.constexpr = False):
+                       ALIGNED_INDEX: tl.constexpr = False, PDL: tl.constexpr = False):
     """y tile (row tile program_id(1), BLOCK_N output columns program_id(0)) of FORM (an index into FORMS); x_ptr
     holds e4m3 values and xs_ptr their scales for fp8_dot (see the module docstring). offsets_ptr holds the experts'
     end rows (GROUPED) or each route's expert (ROUTED, R routes per row of x). With GATED_INPUT (one_row only), x's
     row is [gate | up] (2K wide) and the input is silu(gate) * up * rw[row], each op rounded to x's dtype. With
     HAS_INDEX (dense only), offsets_ptr holds the weight row of each output column; ALIGNED_INDEX: the outputs of an
-    aligned run of BN columns all come from one block row of the weight."""
+    aligned run of BN columns all come from one block row of the weight. With PDL (see the module docstring) the dense
+    one_row form loads its first weight slice before it waits for the kernel ahead; the others wait first."""
+    if not (FORM == 0 and not ROUTED and not GROUPED):  # (routes and offsets are the step's; every program waits)
+        await_previous_kernel(PDL)
     tile = tl.program_id(1)  # (output columns on axis 0, whose grid may exceed axis 1's 65,535 programs)
     y_start = tile * BLOCK_M  # (the first row of y the tile writes; grouped tiles write their rows of x)
     if ROUTED:  # route `tile`: row tile // R of x times its expert's weight, into row `tile` of y (BLOCK_M is 1)
@@ -150,10 +160,13 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
     s_rows = s_ptr + (w_ids // BN)[:, None] * stride_sn  # [BLOCK_N, 1]: each output column's row of scales
     if FORM == 0:  # one_row: elementwise products, summed over K at the end
         products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        ks = tl.arange(0, BLOCK_K)
+        slice_w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks < K)[None, :], other=0.0)
+        if not ROUTED and not GROUPED:  # (the first weight slice on its way while the kernel ahead finishes)
+            await_previous_kernel(PDL)
         for start in range(0, K, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
             live_k = ks < K
-            w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & live_k[None, :], other=0.0).to(tl.float32)
+            w = slice_w.to(tl.float32)
             x = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + ks, mask=live_k & (row_start < row_end),
                         other=0.0).to(tl.float32)  # (BLOCK_M is 1)
             if GATED_INPUT:
@@ -172,6 +185,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
                 s = tl.load(s_rows + (ks // BK)[None, :] * stride_sk, mask=live_cols[:, None] & live_k[None, :],
                             other=0.0)
                 products += w * s * x[None, :]
+            ks += BLOCK_K  # the next slice's weight, loaded after this one is used (past K: masked, no traffic)
+            slice_w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks < K)[None, :], other=0.0)
         acc = tl.sum(products, axis=1)[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -355,7 +370,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias
              "ROUTED": routed, "E_POW2": triton.next_power_of_2(experts) if grouped else 1, "FORM": _FORM_IDS[form],
              "PRECISION": "ieee" if y.dtype == torch.float32 else "tf32", "BLOCK_M": block_m,
              "GATED_INPUT": gated_by is not None, "HAS_INDEX": index is not None,
-             "ALIGNED_INDEX": index is not None and index[1]}
+             "ALIGNED_INDEX": index is not None and index[1], **dependent_launch(x.device)}
     if config is None and _INTERPRETED:
         config = _INTERPRETED_CONFIG[form]
     if config is not None:

@@ -1,5 +1,6 @@
 """Compiles the FP8 kernel (kernels_fp8_triton) for a GPU target ahead of time, with no GPU: every autotuning
-configuration of every form and tile height (one_row also routed: a program row per expert route), bf16 activations
+configuration of every form and tile height (one_row also routed: a program row per expert route), with dependent
+launch (what a Hopper GPU runs), bf16 activations
 (e4m3 for fp8_dot), Qwen3-Next's 128 x 128 blocks and K = 2,048, and prints one JSON line per configuration with its
 registers, its spilled bytes (the stack frame) and its shared memory.
 
@@ -52,7 +53,7 @@ def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], 
                  "ROUTED": routed, "E_POW2": 512 if grouped else 1,
                  "FORM": kernel.FORMS.index(form), "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k, "stride_sk": 1, "GATED_INPUT": variant == "gated", "HAS_INDEX": indexed,
-                 "ALIGNED_INDEX": indexed}
+                 "ALIGNED_INDEX": indexed, "PDL": True}
     if not grouped and not routed:
         constants.update(stride_we=0, stride_se=0)
     signature = {name: pointers.get(name, "i32" if name in INTEGERS and name not in constants else "constexpr")
