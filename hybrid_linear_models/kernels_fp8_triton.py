@@ -81,20 +81,11 @@ except ImportError as error:
 from .fp8_kernel_contract import PREFILL_FORMS, TILE_ROW_BOUNDS, check_routes
 from .kernel_tuning import launch
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
+from .kernels_moe_triton import swiglu_input
 
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
-
-
-@triton.jit
-def _gated_input(gate, up_ptrs, weight_ptr, live, dtype: tl.constexpr):
-    """silu(gate) * up * weight (float32 in, float32 out), each op rounded to `dtype` as the eager experts' torch ops
-    round them (silu, the product, the product with the route's weight)."""
-    up = tl.load(up_ptrs, mask=live, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    gated = (activated * up).to(dtype).to(tl.float32)
-    return (gated * tl.load(weight_ptr).to(tl.float32)).to(dtype).to(tl.float32)
 
 
 # M (rows of x) and R (routes per row) only bound the rows, so they are not specialised: triton would otherwise
@@ -170,8 +161,9 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
             x = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + ks, mask=live_k & (row_start < row_end),
                         other=0.0).to(tl.float32)  # (BLOCK_M is 1)
             if GATED_INPUT:
-                x = _gated_input(x, x_ptr + row_start.to(tl.int64) * stride_xm + K + ks, rw_ptr + row_start,
-                                 live_k & (row_start < row_end), y_ptr.dtype.element_ty)
+                up = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + K + ks, mask=live_k & (row_start < row_end),
+                             other=0.0).to(tl.float32)
+                x = swiglu_input(x, up, tl.load(rw_ptr + row_start).to(tl.float32), y_ptr.dtype.element_ty)
             # (where BN % BLOCK_N == 0 and the index, if any, is aligned, the tile's weight rows lie in one block row:
             # first_id's)
             if BN % BLOCK_N == 0 and (ALIGNED_INDEX or not HAS_INDEX) and BK % BLOCK_K == 0:  # one scale

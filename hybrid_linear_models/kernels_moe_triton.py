@@ -36,6 +36,15 @@ except ImportError as error:
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
 
 
+@triton.jit
+def swiglu_input(gate, up, weight, dtype: tl.constexpr):
+    """silu(gate) * up * weight (float32 in and out), each op rounded to `dtype` as the experts' torch ops round them
+    (silu, the product, the product with the route's weight): the routed experts' down projection computes its input
+    so as it reads gate and up (kernels_fp8_triton, kernels_routed_experts_triton)."""
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return ((activated * up).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["E"])
 def _route_top_k_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, E, stride_l, stride_w, stride_e, eps, scale,
                         K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SIGMOID: tl.constexpr,
@@ -141,4 +150,4 @@ def triton_add_gated(routed: torch.Tensor, gate: torch.Tensor | None, shared: to
     return out
 
 
-__all__ = ["routing_warps", "triton_add_gated", "triton_route_top_k"]
+__all__ = ["routing_warps", "swiglu_input", "triton_add_gated", "triton_route_top_k"]

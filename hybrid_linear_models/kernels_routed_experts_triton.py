@@ -9,8 +9,9 @@ end: the one-row GEMV form of `kernels_gemv_triton`, reading only the routed exp
 outside 0..E-1 (expert parallelism's sentinel for another rank's expert) reads nothing and writes a row of zeros.
 With `gated_by` (each route's routing weight, in any float dtype: rounded to x's first, as its cast would), x holds a
 row per route, [gate | up] (2K wide), and each K slice of the input is computed as it is loaded, silu(gate) * up *
-weight, each op rounded to x's dtype as the experts' torch ops round: the down projection then needs no elementwise
-kernel before it, nor the routing weights a cast.
+weight, each op rounded to x's dtype as the experts' torch ops round (`kernels_moe_triton.swiglu_input`, which the
+FP8 kernel's routed down projection shares): the down projection then needs no elementwise kernel before it, nor the
+routing weights a cast.
 
 The routes come from the routing kernel just before, so with programmatic dependent launch a program waits for it
 first (`await_previous_kernel`) and only its launch overlaps. Configurations are autotuned per (N, K, gated) inside
@@ -34,6 +35,7 @@ except ImportError as error:
 
 from .kernel_tuning import launch
 from .kernels_launch_triton import await_previous_kernel, dependent_launch
+from .kernels_moe_triton import swiglu_input
 
 # (BLOCK_N, BLOCK_K, warps, stages): the one-row GEMV's configurations (kernels_gemv_triton); the first runs untuned
 _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
@@ -41,13 +43,6 @@ _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=
                                (8, 256, 2, 1), (16, 256, 4, 1))]
 _INTERPRETED_BLOCKS = (4, 16)  # triton's interpreter (tests on CPUs): one small configuration, no timing
 _MAX_GRID_ROWS = 65535  # programs along the grid's second axis (routes)
-
-
-@triton.jit
-def _swiglu_input(gate, up, weight, dtype: tl.constexpr):
-    """silu(gate) * up * weight (float32 in and out), each op rounded to `dtype` as the experts' torch ops round."""
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return ((activated * up).to(dtype).to(tl.float32) * weight).to(dtype).to(tl.float32)
 
 
 # R (routes per row of x) only maps routes to rows: not specialised, so a new batch compiles nothing new
@@ -74,7 +69,7 @@ def _routed_experts_kernel(x_ptr, w_ptr, routes_ptr, rw_ptr, y_ptr, E, R, N, str
         x = tl.load(x_row + ks, mask=live_k, other=0.0).to(tl.float32)
         if GATED:
             up = tl.load(x_row + K + ks, mask=live_k, other=0.0).to(tl.float32)
-            x = _swiglu_input(x, up, weight, y_ptr.dtype.element_ty)
+            x = swiglu_input(x, up, weight, y_ptr.dtype.element_ty)
         tile += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + route.to(tl.int64) * stride_ym + cols, tl.sum(tile, axis=1).to(y_ptr.dtype.element_ty),
              mask=live_cols)
