@@ -20,7 +20,7 @@ wins up to 2,048 outputs and loses beyond. Hence the limits (`form`, `WIDEST_OUT
   layers' base weights, the LM head), and the graph replays the chosen kernels with no Python at all.
 Anything else keeps `F.linear`. The kernel is autotuned in the warm-up steps before the capture.
 
-Three products with more to them take part in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`),
+Four products with more to them take part in `__torch_function__` dispatch (`torch.overrides.handle_torch_function`),
 as torch's own functions do, so the mode sees them:
 - `linear_rows(x, W, b, rows)`, F.linear followed by a gather of its outputs (GDN's decoding step regroups its fused
   input projection so): one kernel reads the weight rows in the gathered order, and the gather, a kernel of its own
@@ -35,7 +35,11 @@ as torch's own functions do, so the mode sees them:
   each runs the step for its own channels as it stores them (fla's `causal_conv1d_update` math: the window's last
   KW - 1 inputs, the product rounded to the dtype shifted in, float32 taps, silu, one rounding; the window written
   back whole), and the convolution's kernel disappears. Where the epilogue does not apply the GEMV runs alone and the
-  convolution's kernel after it.
+  convolution's kernel after it;
+- `linear_widened(x, W, b)`, F.linear(x.to(W.dtype), W, b) for a float32 W and bf16/fp16 x (Kimi-Linear's float32
+  router on the hidden states): one kernel reads x as it is and W in float32 (the elementwise forms convert both to
+  float32 anyway), and writes float32, so neither the cast of x nor cuBLAS's float32 GEMV runs; 9 to 16 rows (the
+  tl.dot form, which takes one dtype) keep the cast and cuBLAS.
 The step's norms need no routing here: with no gradient wanted `block_ops.rms_norm` and `ops.gated_rms_norm` run as
 this package's Triton kernels wherever they are called (`inference_norm`).
 """
@@ -55,6 +59,7 @@ from .tensor_parallel_heads import device_mesh
 from .triton_loading import has_bf16_tensor_cores, kernel_result, triton_kernel
 
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
+WIDENED_DTYPE = torch.float32  # the weight dtype of `linear_widened`'s products the kernel takes
 GEMV_DEVICE_TYPES = ("cuda",)  # tests add "cpu", with the kernel stood in
 # where a GEMV runs the convolution's decoding step in its epilogue (`linear_conv_step`; emptied: the step's own kernel
 # after the GEMV, `benchmarks/profile_decode_step.py --ab conv`)
@@ -71,11 +76,16 @@ def triton_gemv_kernel():
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 rows: torch.Tensor | None = None, paired: bool = False) -> bool:
-    """Whether F.linear(x, weight, bias)[..., rows] (the SwiGLU of its (gate, up) pairs when `paired`) may run as the
-    Triton GEMV (the conditions of the module docstring)."""
-    if x.device.type not in GEMV_DEVICE_TYPES or x.dtype not in GEMV_DTYPES or weight.dtype != x.dtype:
+                 rows: torch.Tensor | None = None, paired: bool = False, widened: bool = False) -> bool:
+    """Whether F.linear(x, weight, bias)[..., rows] (the SwiGLU of its (gate, up) pairs when `paired`; with
+    `widened`, `linear_widened`'s product, weight and bias float32) may run as the Triton GEMV (the conditions of the
+    module docstring)."""
+    if x.device.type not in GEMV_DEVICE_TYPES or x.dtype not in GEMV_DTYPES:
         return False
+    if weight.dtype != (WIDENED_DTYPE if widened else x.dtype):
+        return False
+    if widened and (rows is not None or paired or form(x.numel() // max(x.shape[-1], 1), weight.shape[0]) == "rows"):
+        return False  # (tl.dot takes one dtype)
     if weight.dim() != 2 or weight.device != x.device or x.shape[-1] != weight.shape[1]:
         return False
     rows_of_x = x.numel() // max(x.shape[-1], 1)
@@ -88,7 +98,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return False
     if not within_width(weight.shape[0] if rows is None else rows.shape[0], rows_of_x, rows is not None, paired):
         return False
-    if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1):
+    if bias is not None and (bias.dtype != weight.dtype or bias.dim() != 1 or bias.stride(0) != 1):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
@@ -105,6 +115,11 @@ def torch_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """`linear_rows` without the Triton GEMV: F.linear (cuBLAS), the gather of `rows` as a kernel of its own."""
     out = F.linear(x, weight, bias)
     return out if rows is None else out.index_select(-1, rows)
+
+
+def torch_linear_widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear_widened` without the Triton GEMV: x cast to the weight's dtype (a kernel of its own), then F.linear."""
+    return F.linear(x.to(weight.dtype), weight, bias)
 
 
 def torch_linear_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -155,6 +170,12 @@ def decode_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out if out is not None else torch_linear_rows(input, weight, bias, rows)
 
 
+def decode_linear_widened(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_widened`'s result through the Triton GEMV where `gemv_applies` (widened), else the cast and F.linear."""
+    out = _gemv(input, weight, bias, None, widened=True)
+    return out if out is not None else torch_linear_widened(input, weight, bias)
+
+
 def decode_linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             rows: torch.Tensor | None, conv_weight: torch.Tensor,
                             window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,17 +192,19 @@ def decode_linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: tor
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,
-          paired: bool = False, convolution: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+          paired: bool = False, convolution: tuple[torch.Tensor, torch.Tensor] | None = None,
+          widened: bool = False) -> torch.Tensor | None:
     """The Triton GEMV's output [..., outputs] where `gemv_applies`, else None (the caller's torch path runs). A
     kernel that fails (a GPU or triton it cannot compile for) is not tried again for that shape, and one warning says
     so: the step is still captured, with cuBLAS (the first try happens in the warm-up before a capture, never inside
     it)."""
-    if not gemv_applies(x, weight, bias, rows, paired):
+    if not gemv_applies(x, weight, bias, rows, paired, widened):
         return None
-    key = (tuple(weight.shape), x.dtype, x.device, rows is not None, paired,
+    key = (tuple(weight.shape), x.dtype, weight.dtype, x.device, rows is not None, paired,
            tuple(convolution[0].shape) if convolution is not None else None)
     flat = x.reshape(-1, x.shape[-1])  # a view for a decoding step's inputs (the kernel takes any row stride)
-    options = {"swiglu_pairs": True} if paired else {"convolution": convolution} if convolution is not None else {}
+    options = ({"swiglu_pairs": True} if paired else {"convolution": convolution} if convolution is not None
+               else {"out_dtype": weight.dtype} if widened else {})
     fallback = ("that product runs without the convolution's step in it (the step's own kernel follows)"
                 if convolution is not None else "that product runs through cuBLAS")
     out = kernel_result(_FAILED, key, x, f"the Triton GEMV failed for a {tuple(weight.shape)} {x.dtype} weight; "
@@ -222,6 +245,15 @@ def linear_swiglu(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return torch_linear_swiglu(input, weight, bias)
 
 
+def linear_widened(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(input.to(weight.dtype), weight, bias): the product in its weight's wider dtype (a float32 router on
+    bf16 hidden states). Inside `DecodeGemvMode` one GEMV kernel reads the input as it is and writes the weight's dtype:
+    no cast of the input before it (see the module docstring)."""
+    if has_torch_function_variadic(input, weight, bias):
+        return handle_torch_function(linear_widened, (input, weight, bias), input, weight, bias=bias)
+    return torch_linear_widened(input, weight, bias)
+
+
 def linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None,
                      conv_weight: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoding step's input projection and its short convolution: out = `linear_rows(input, weight, bias, rows)`
@@ -237,7 +269,7 @@ def linear_conv_step(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 class DecodeGemvMode(TorchFunctionMode):
     """Sends the F.linear, `linear_rows` and `linear_swiglu` calls made while it is active through `decode_linear`,
-    `linear_conv_step` through `decode_linear_conv_step`."""
+    `linear_conv_step` through `decode_linear_conv_step`, `linear_widened` through `decode_linear_widened`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -247,6 +279,8 @@ class DecodeGemvMode(TorchFunctionMode):
             return decode_linear_conv_step(*args, **kwargs)
         if func is linear_swiglu:
             return decode_linear(*args, **kwargs, paired=True)
+        if func is linear_widened:
+            return decode_linear_widened(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -221,20 +221,24 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests on CPUs: one f
 def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 rows: torch.Tensor | None = None, blocks: tuple[int, int] | None = None,
                 swiglu_pairs: bool = False,
-                convolution: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x [M, K] (M <= ROWS, unit stride along K), weight [W, K] (unit stride along K), bias [W] or None, one dtype,
-    rows [N] (int32/int64 indices into W) or None for all W rows in order: [M, N] in x's dtype, column j the product
+                convolution: tuple[torch.Tensor, torch.Tensor] | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= ROWS, unit stride along K), weight [W, K] (unit stride along K), bias [W] or None, one dtype
+    (see `out_dtype`), rows [N] (int32/int64 indices into W) or None for all W rows in order: [M, N] in x's dtype,
+    column j the product
     with weight row rows[j] (see the module docstring); with `swiglu_pairs`, the products come in (gate, up) pairs
     (rows ordered so: `kernels_gemv.swiglu_pair_rows`) and the output is [M, N / 2], silu(gate) * up of each pair.
     `convolution` (kernels [C, KW], window [M, C, KW], both contiguous, C <= N): output columns below C are the short
     convolution's decoding step of the products (silu(sum over the taps of [window[..., 1:], product] * kernel)), and
-    the window is updated in place (see the module docstring).
+    the window is updated in place (see the module docstring). `out_dtype` (default x's): the output's dtype, and
+    with it a weight (and bias) of that dtype where x is narrower (`kernels_gemv.linear_widened`: the elementwise
+    forms convert both to float32 as they read them; not the tl.dot form).
     `blocks` (BLOCK_N, BLOCK_K) runs that configuration instead of the autotuned one (tests; BLOCK_N >= 16 for the
     tl.dot form, `gemv_forms.form`; even for pairs); triton's interpreter runs (16, 128) by default."""
     M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0] if rows is None else rows.shape[0]
     kind = form(M, N)
-    y = torch.empty(M, N // 2 if swiglu_pairs else N, device=x.device, dtype=x.dtype)
+    y = torch.empty(M, N // 2 if swiglu_pairs else N, device=x.device, dtype=out_dtype or x.dtype)
     taps, window = convolution if convolution is not None else (weight, weight)  # (unread without a convolution)
     channels, width = taps.shape if convolution is not None else (0, 0)
     args = (x, weight, bias if bias is not None else weight, rows if rows is not None else weight, y, M, N, K,

@@ -50,10 +50,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .derived_weights import DerivedWeight
+from .kernels_gemv import linear_widened
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .mlp_sparse_moe import (
     HybridLinearSharedExpert,
@@ -100,8 +100,8 @@ class HybridLinearKimiMoeRouter(HybridLinearTopKRouter):
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        hidden_states = hidden_states.reshape(-1, self.hidden_dim).to(dtype)
-        router_logits = F.linear(hidden_states, self._float_weight(dtype))  # (tokens, E)
+        # (tokens, E): in a captured decoding step one GEMV reads the bf16 rows and the float32 weight (kernels_gemv)
+        router_logits = linear_widened(hidden_states.reshape(-1, self.hidden_dim), self._float_weight(dtype))
         if self.topk_group >= self.num_group:  # every group kept: one kernel at inference on a GPU (moe_inference_ops)
             top_weights, top_experts = route_top_k(
                 router_logits, self.top_k, sigmoid=True, normalize=self.norm_topk_prob,

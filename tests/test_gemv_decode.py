@@ -14,9 +14,10 @@ from hybrid_linear_models import kernels_gemv
 from hybrid_linear_models.block_ops import silu_and_mul
 from hybrid_linear_models.ops import causal_conv1d_step
 from hybrid_linear_models.kernels_gemv import (DecodeGemvMode, conv_step_applies, decode_linear, gemv_applies,
-                                               linear_conv_step, linear_rows, linear_swiglu, swiglu_pair_rows,
-                                               torch_linear_conv_step)
+                                               linear_conv_step, linear_rows, linear_swiglu, linear_widened,
+                                               swiglu_pair_rows, torch_linear_conv_step)
 from model_helpers import assert_same_generation, greedy, replay_graphs_eagerly, runs_triton_kernels, tiny_model
+from offline_compile import ptxas_present, run_compile_script
 
 
 @pytest.fixture
@@ -24,13 +25,14 @@ def stand_in(monkeypatch) -> list:
     """The kernel stood in on the CPU by F.linear itself (then silu_and_mul of the pairs for a paired call, the
     convolution's step on the first columns for a call with one); returns the (rows of x, out, in) of each call it
     served, with the gathered outputs' count appended for a call given `rows`, "pairs" for a paired one and "conv" for
-    one with a convolution."""
+    one with a convolution, "widened" for one with an output dtype of its own (`linear_widened`)."""
     calls: list = []
 
-    def kernel(x, weight, bias, rows=None, swiglu_pairs=False, convolution=None):
+    def kernel(x, weight, bias, rows=None, swiglu_pairs=False, convolution=None, out_dtype=None):
         calls.append((x.shape[0], *weight.shape) + (() if rows is None else (rows.shape[0],))
-                     + (("pairs",) if swiglu_pairs else ()) + (("conv",) if convolution is not None else ()))
-        out = F.linear(x, weight, bias)
+                     + (("pairs",) if swiglu_pairs else ()) + (("conv",) if convolution is not None else ())
+                     + (("widened",) if out_dtype is not None else ()))
+        out = F.linear(x if out_dtype is None else x.to(out_dtype), weight, bias)
         out = out if rows is None else out[:, rows]
         if convolution is not None:
             taps, window = convolution
@@ -131,6 +133,46 @@ def test_linear_swiglu_is_the_gated_mlps_activation_and_the_mode_reads_the_rows_
     assert not gemv_applies(x, w, None, None, paired=True)  # pairs need their row order
 
 
+def test_linear_widened_is_the_cast_then_the_product_and_the_mode_reads_the_narrow_input(stand_in):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 1, 16, generator=g, dtype=torch.bfloat16)
+    w, b = torch.randn(10, 16, generator=g), torch.randn(10, generator=g)  # float32, as Kimi-Linear's router
+    expected = F.linear(x.float(), w, b)
+    assert torch.equal(linear_widened(x, w, b), expected) and stand_in == []  # no mode: the cast, then F.linear
+    with torch.no_grad(), DecodeGemvMode():
+        widened = linear_widened(x, w, bias=b)
+    assert stand_in == [(2, 10, 16, "widened")] and widened.dtype == torch.float32 and torch.equal(widened, expected)
+    assert gemv_applies(x, w, b, widened=True) and gemv_applies(x.half(), w, None, widened=True)
+    assert not gemv_applies(x, w, None)  # a plain product wants one dtype
+    assert not gemv_applies(x, w.bfloat16(), None, widened=True)  # widened: a float32 weight
+    assert not gemv_applies(x, w, b.bfloat16(), widened=True)  # and a float32 bias
+    assert not gemv_applies(x.float(), w, None, widened=True)  # a float32 input is no narrower
+    assert not gemv_applies(x, w, None, rows=torch.arange(3), widened=True)
+    many = torch.zeros(kernels_gemv.FEW_ROWS + 1, 16, dtype=torch.bfloat16)  # the tl.dot form takes one dtype
+    assert gemv_applies(many[:-1], w, None, widened=True) and not gemv_applies(many, w, None, widened=True)
+    with torch.no_grad(), DecodeGemvMode():
+        assert torch.equal(linear_widened(many, w), F.linear(many.float(), w))  # the cast and F.linear
+    assert len(stand_in) == 1
+
+
+def test_a_captured_kimi_moe_step_reads_its_router_in_float32_through_the_kernel(stand_in, monkeypatch):
+    """Kimi-Linear's router (float32 weight, bf16 hidden states) runs as one widened GEMV in the captured step, one a
+    MoE layer a step, and the tokens and logits are those of decoding without graphs."""
+    from test_kimi_moe import kimi_moe_model
+
+    model = kimi_moe_model(dtype=torch.bfloat16, n_group=1, topk_group=1)
+    input_ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(6))
+    replay_graphs_eagerly(monkeypatch)
+    graphed = greedy(model, input_ids, cache_implementation="static")
+    layers = model.config.mlp_types.count("kimi_moe")
+    experts, hidden = model.config.num_experts, model.config.hidden_size
+    widened = [call for call in stand_in if call[-1] == "widened"]  # (each replay here runs the step's Python)
+    assert widened and set(widened) == {(1, experts, hidden, "widened")} and len(widened) % layers == 0
+    model.set_cuda_graph_decoding(False)
+    eager = greedy(model, input_ids, cache_implementation="static")
+    assert_same_generation(graphed, eager, tolerance=0.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
     """Every linear layer of the tiny model is narrow (within WIDEST_OUTPUTS): in bf16 each of them, the LM head
@@ -206,6 +248,59 @@ def test_kernel_against_float64(shape, dtype, bias, form):
         got = triton_gemv(x, w, b, index, blocks=blocks)
         assert got.dtype == dtype and got.shape == expected.shape
         assert (got.double() - expected).abs().max() <= bound, blocks
+
+
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("shape", [(1, 256, 2304), (4, 256, 2304), (1, 40, 300), (8, 40, 300)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_widened_kernel_against_float64(shape, dtype, bias):
+    """`linear_widened`'s product (x in bf16/fp16, weight and bias in float32, a float32 output; one row and 2 to
+    FEW_ROWS rows: the elementwise forms): every product x_k w_k of float32's, summed in float32, so each output is
+    within (K + 1) 2^-24 sum_k |x_k w_k| of the exact value (float32's rounding of each product and each of the K
+    sums; the bias adds one more term to the sum and the bound), in two block configurations."""
+    if not torch.cuda.is_available() and dtype == torch.bfloat16:
+        pytest.skip("triton's interpreter has no bfloat16 arithmetic")
+    from hybrid_linear_models.kernels_gemv_triton import triton_gemv
+
+    rows, out, inp = shape
+    x, w, b = _inputs(rows, out, inp, torch.float32, bias, seed=1)
+    x = x.to(dtype)
+    expected = x.double() @ w.double().T + (b.double() if bias else 0)
+    bound = (inp + 2) * 2 ** -24 * (x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0))
+    for blocks in ((16, 128), (4, 512)):
+        got = triton_gemv(x, w, b, blocks=blocks, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        assert ((got.double() - expected).abs() <= bound).all(), blocks
+
+
+WIDENED_COMPILE = """
+import json
+from offline_compile import stack_bytes
+from hybrid_linear_models import kernels_gemv_triton as k
+
+for rows, configs in ((1, k._ONE_ROW_CONFIGS), (2, k._FEW_ROWS_CONFIGS), (8, k._FEW_ROWS_CONFIGS)):
+    for config in configs:
+        stack = stack_bytes(k._gemv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*fp32", "index_ptr": "*i64",
+                                             "y_ptr": "*fp32", "conv_w_ptr": "*fp32", "window_ptr": "*fp32"},
+                            {"HAS_BIAS": True, "HAS_INDEX": False, "SWIGLU_PAIRS": False, "ROWS": rows, "KW": 0,
+                             "BLOCK_KW": 1, "PDL": True, "FEW_ROWS": k.FEW_ROWS, **config.kwargs},
+                            config.num_warps, config.num_stages, aligned=("x_ptr", "w_ptr", "y_ptr", "stride_wn"))
+        print(json.dumps({"rows": rows, "config": str(config), "stack": stack}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ptxas_present(), reason="needs triton with its NVIDIA backend (ptxas)")
+def test_the_widened_product_compiles_for_an_h200_without_spilling():
+    """`linear_widened`'s kernel (bf16 rows, float32 weight, bias and output) in every configuration of the forms it
+    takes (one row; 2 and 8 rows), with dependent launch, compiles for sm_90 with no stack frame (nothing spilled)."""
+    from hybrid_linear_models import kernels_gemv_triton
+
+    results = run_compile_script(WIDENED_COMPILE)
+    assert len(results) == len(kernels_gemv_triton._ONE_ROW_CONFIGS) + 2 * len(kernels_gemv_triton._FEW_ROWS_CONFIGS)
+    assert [r for r in results if r["stack"]] == [], results
 
 
 @pytest.mark.gpu
