@@ -14,6 +14,10 @@ Weights as transformers stores them: `experts.gate_up_proj` (E, 2I, H), the gate
 `experts.down_proj` (E, H, I); `shared_expert.{gate,up,down}_proj` and `shared_expert_gate` (1, H) are Linear layers.
 The router's probabilities are rounded to the hidden dtype after the top-k (Qwen3-Next's rounding point), and the
 router logits are the first output of `HybridLinearTopKRouter`, which the model records (`output_router_logits`).
+A decoding step (one token per row, or few rows: `fused_projections.stacks_projections`) with no gradient computes
+the router's logits and the shared expert gate's as one product of their stacked weights [W_r; w_s] (shared rows, no
+copy: `derived_weights.SharedRows`; one GEMV in a captured step), and hands the router its logits: every output is
+the same dot product as apart, and the router's module still runs (hooks and the recorded logits see it).
 A long prompt without gradients is routed once, whole, then runs its experts and shared part a chunk of tokens at a
 time with each chunk's routes (`token_chunks`): their intermediates (k x T x 2I values for the experts) are held for
 one chunk, and every token goes to the experts it goes to unchunked. Both MoE MLPs (this one and Kimi's) do so
@@ -58,12 +62,15 @@ from transformers.activations import ACT2FN
 from transformers.integrations.moe import use_experts_implementation
 
 from . import experts_routed
+from .derived_weights import SharedRows
 from .experts_grouped_gather import CUDA_GROUPED_MM_GRAPH_DTYPES
 from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
+from .fused_projections import is_plain_linear, stacks_projections
 from .mlp_dense import GatedMLP
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
 from .moe_inference_ops import add_gated, route_top_k
 from .shown_values import brief
+from .tensor_parallel_heads import device_mesh
 from .token_chunks import chunks_apply, token_chunked
 
 # The experts implementations this module offers (transformers' names and ours); the first is the model's default.
@@ -125,9 +132,12 @@ class HybridLinearTopKRouter(nn.Module):
         self.hidden_dim = settings.hidden_size
         self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, logits: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`logits`: F.linear(hidden_states, weight) where the caller computed it (stacked with another product of the
+        same rows: the sparse MoE block's decoding step), else computed here."""
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states, self.weight)  # (tokens, E)
+        router_logits = F.linear(hidden_states, self.weight) if logits is None else logits  # (tokens, E)
         # (tokens, k) each; one kernel at inference on a GPU (moe_inference_ops)
         top_weights, top_experts = route_top_k(router_logits, self.top_k, normalize=self.norm_topk_prob)
         return router_logits, top_weights, top_experts
@@ -236,13 +246,16 @@ class RoutedMoeBlock(nn.Module):
     def _experts_and_shared(self, x: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor,
                             hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts' output plus the shared part's, [tokens, H], for the rows x and their routes. Experts
-        that give each route's row (a decoding step's: `route_rows` of their class, so no wrapper's forward is
-        skipped) leave their sum to `add_shared`."""
+        that give each route's row (a decoding step's: `_routed`) leave their sum to `add_shared`."""
+        return self.add_shared(self._routed(x, selected_experts, routing_weights), x,
+                               x if hidden_states is None else hidden_states)
+
+    def _routed(self, x: torch.Tensor, selected_experts: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output: [tokens, H], or each route's row [tokens, k, H] from experts whose class gives
+        them (`route_rows`, looked up on the class: a wrapper's forward is not skipped)."""
         route_rows = getattr(type(self.experts), "route_rows", None)
         out = route_rows(self.experts, x, selected_experts, routing_weights) if route_rows is not None else None
-        if out is None:
-            out = self.experts(x, selected_experts, routing_weights)
-        return self.add_shared(out, x, x if hidden_states is None else hidden_states)
+        return out if out is not None else self.experts(x, selected_experts, routing_weights)
 
 
 class HybridLinearSparseMoeBlock(RoutedMoeBlock):
@@ -255,6 +268,36 @@ class HybridLinearSparseMoeBlock(RoutedMoeBlock):
         if settings.shared_expert_intermediate_size > 0:
             self.shared_expert = HybridLinearSharedExpert(settings)
             self.shared_expert_gate = nn.Linear(settings.hidden_size, 1, bias=False)
+        self._router_and_gate = SharedRows()  # [W_r; w_s]: a decoding step's one product (module docstring)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        both = self._router_and_gate_logits(hidden_states)
+        if both is None:
+            return super().forward(hidden_states)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        experts = self.gate.num_experts
+        _, routing_weights, selected_experts = self.gate(x, logits=both[:, :experts])
+        routed = self._routed(x, selected_experts, routing_weights)
+        shared = self.shared_expert(hidden_states).reshape(x.shape)
+        return add_gated(routed, both[:, experts:], shared).reshape(hidden_states.shape)
+
+    def _router_and_gate_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """A decoding step's router logits and shared-expert gate logit [tokens, E + 1], one product of the stacked
+        weights; None where they stay apart: a forward of more rows, gradients or a compiler, no shared expert, a
+        router of another class or with input hooks or a sharded weight, a gate that is not a plain bias-less Linear
+        (peft's LoRA wraps it; hooks), or weights of two dtypes or devices."""
+        router, gate = self.gate, self.shared_expert_gate
+        if (gate is None or type(router) is not HybridLinearTopKRouter or not stacks_projections(hidden_states)
+                or torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            return None
+        if (router._forward_pre_hooks or "forward" in vars(router) or device_mesh(router.weight) is not None
+                or not is_plain_linear(gate) or gate.bias is not None):
+            return None
+        if (router.weight.dtype != gate.weight.dtype or router.weight.device != gate.weight.device
+                or router.weight.shape[1] != gate.weight.shape[1]):
+            return None
+        weight = self._router_and_gate.get([router.weight, gate.weight])
+        return F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), weight)
 
     def add_shared(self, routed: torch.Tensor, x: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is None:

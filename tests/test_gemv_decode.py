@@ -173,6 +173,24 @@ def test_a_captured_kimi_moe_step_reads_its_router_in_float32_through_the_kernel
     assert_same_generation(graphed, eager, tolerance=0.0)
 
 
+def test_a_captured_sparse_moe_step_reads_its_router_and_shared_gate_as_one_product(stand_in, monkeypatch):
+    """Qwen3-Next's MoE layer: the router's E rows and the shared expert gate's one row as one GEMV of E + 1 outputs
+    in the captured step, one a MoE layer a step (mlp_sparse_moe), and the tokens and logits those of decoding
+    without graphs."""
+    model = tiny_model(["gated_deltanet", "full_attention"], mlp_types=["sparse_moe", "sparse_moe"], num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24).to(torch.bfloat16).eval()
+    input_ids = torch.randint(2, 128, (1, 6), generator=torch.Generator().manual_seed(7))
+    replay_graphs_eagerly(monkeypatch)
+    graphed = greedy(model, input_ids, cache_implementation="static")
+    hidden = model.config.hidden_size
+    stacked = [call for call in stand_in if call[1:] == (9, hidden)]  # (each replay here runs the step's Python)
+    assert stacked and len(stacked) % 2 == 0 and (1, 8, hidden) not in stand_in and (1, 1, hidden) not in stand_in
+    model.set_cuda_graph_decoding(False)
+    eager = greedy(model, input_ids, cache_implementation="static")
+    assert_same_generation(graphed, eager, tolerance=0.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_captured_step_sends_its_narrow_linear_layers_to_the_kernel(stand_in, monkeypatch, dtype):
     """Every linear layer of the tiny model is narrow (within WIDEST_OUTPUTS): in bf16 each of them, the LM head

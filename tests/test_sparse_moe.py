@@ -178,3 +178,45 @@ def test_grouped_mm_gather_under_compile_avoids_the_host_synced_grouped_gemm(mon
     # batched_mm against the grouped path: the same products summed in another order (float32 ~1e-7 relative); the
     # bfloat16 path is the same code both times
     assert_close(compiled, eager, 1e-5 if switched else 0.0, "output under compile")
+
+
+def test_a_decoding_step_computes_the_router_and_the_shared_gate_as_one_product():
+    """A decoding step (x [B, 1, H], no gradient): the router's logits and the shared expert gate's come from one
+    product of their stacked weights, the router weight a view of the stack (no copy); the output equals transformers'
+    block on the same weights (float64: the same dot products, apart or stacked, agree to a few ulps), and the router
+    module still runs with the logits a hook records."""
+    ours, reference = _pair("grouped_mm_gather")
+    x = torch.randn(3, 1, 32, dtype=torch.float64)
+    seen = []
+    ours.gate.register_forward_hook(lambda module, args, output: seen.append(output[0]))
+    with torch.no_grad():
+        got = ours(x)
+        expected = reference(x)
+    stack = ours._router_and_gate.value
+    assert stack is not None and stack.shape == (9, 32)
+    assert ours.gate.weight.data_ptr() == stack.data_ptr()  # the router's weight: the stack's first rows
+    assert ours.shared_expert_gate.weight.data_ptr() == stack[8:].data_ptr()
+    assert_close(got, expected[0] if isinstance(expected, tuple) else expected, 1e-12, "stacked router and gate")
+    assert len(seen) == 1
+    assert_close(seen[0], x.reshape(3, 32) @ ours.gate.weight.T, 1e-12, "recorded router logits")
+
+
+def test_the_router_and_the_shared_gate_stay_apart_where_stacking_does_not_apply():
+    ours, _ = _pair("grouped_mm_gather")
+    step, prompt = torch.randn(2, 1, 32, dtype=torch.float64), torch.randn(1, 40, 32, dtype=torch.float64)
+    with torch.no_grad():
+        assert ours._router_and_gate_logits(step) is not None
+        assert ours._router_and_gate_logits(prompt) is None  # a prompt: the layers' own products
+    assert ours._router_and_gate_logits(step) is None  # gradients (training)
+    with torch.no_grad():
+        handle = ours.gate.register_forward_pre_hook(lambda module, args: None)  # it may change the router's input
+        assert ours._router_and_gate_logits(step) is None
+        handle.remove()
+        handle = ours.shared_expert_gate.register_forward_hook(lambda module, args, output: output)
+        assert ours._router_and_gate_logits(step) is None
+        handle.remove()
+        ours.shared_expert_gate.float()  # weights of two dtypes
+        assert ours._router_and_gate_logits(step) is None
+    without = HybridLinearSparseMoeBlock(_config("grouped_mm_gather", shared_expert_intermediate_size=0)).double()
+    with torch.no_grad():
+        assert without._router_and_gate_logits(step) is None
