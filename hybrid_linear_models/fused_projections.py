@@ -20,9 +20,10 @@ Plain `nn.Linear` layers are stacked, and so are block-scaled FP8 layers (`fp8_l
 checkpoint's attention and shared-expert projections) of one block size whose outputs keep the blocks whole (each
 layer's out_features but the last a multiple of the block's rows): their FP8 weights and their scales stack by rows
 alike, and the stack is one FP8 product (`kernels_fp8.block_fp8_linear`); gathered outputs, SwiGLU and the
-convolution's step then run after it. A subclass, a wrapper (peft's LoRA layers replace the module), hooks, sharded
-(DTensor) weights or a compiler tracing the step keep the projections separate, as do steps that need gradients
-(training keeps the parameters' own storage untouched).
+convolution's step then run after it, except a gated MLP's SwiGLU at batch 1, which its FP8 down projection computes
+as it reads its input (`swiglu_down`: `kernels_fp8.block_fp8_swiglu_linear`). A subclass, a wrapper (peft's LoRA
+layers replace the module), hooks, sharded (DTensor) weights or a compiler tracing the step keep the projections
+separate, as do steps that need gradients (training keeps the parameters' own storage untouched).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch import nn
 
 from .block_ops import silu_and_mul
 from .derived_weights import SharedRows
-from .kernels_fp8 import block_fp8_linear
+from .kernels_fp8 import block_fp8_linear, block_fp8_swiglu_linear, swiglu_input_applies
 from .kernels_gemv import (
     MAX_ROWS,
     convolve_first,
@@ -133,6 +134,16 @@ class FusedProjections:
         if self._is_fp8(linears):
             return silu_and_mul(*self._fp8_product(x, linears).chunk(2, dim=-1))
         return linear_swiglu(x, *self._stacked(linears))
+
+    def swiglu_down(self, x: torch.Tensor, linears: Sequence[nn.Module], down: nn.Module) -> torch.Tensor | None:
+        """down(silu(gate(x)) * up(x)) for FP8 linears = (gate, up) (check `applies` first) and a plain bias-less FP8
+        `down` at batch 1, as two kernels: the stacked gate/up product, then the down projection computing SwiGLU as
+        it reads its input (`kernels_fp8.block_fp8_swiglu_linear`); None elsewhere (the caller runs `swiglu`, then
+        down)."""
+        if not (self._is_fp8(linears) and _fp8_stackable([down]) and down.bias is None
+                and swiglu_input_applies(x, down.weight, down.weight_scale_inv)):
+            return None
+        return block_fp8_swiglu_linear(self._fp8_product(x, linears), down.weight, down.weight_scale_inv, down.block)
 
     def convolved(self, x: torch.Tensor, linears: Sequence[nn.Module], rows: torch.Tensor | None,
                   conv_weight: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

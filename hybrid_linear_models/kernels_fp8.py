@@ -13,9 +13,10 @@ kernels' dequantized weights round the same way, bit for bit.
 
 `block_fp8_linear` (x @ W.T, optionally only the weight rows of a `RowIndex`, in its order), `block_fp8_grouped_linear`
 (the experts: rows sorted by expert, rows of expert e times W_e.T), `block_fp8_routed_linear` (the experts of a
-decoding step: each route's row times its expert's W.T, no sort) and `block_fp8_routed_swiglu_linear` (their down
-projection, reading silu(gate) * up * routing weight from the gate/up rows) are the entry points the model's FP8
-layers call. On CUDA tensors they run this package's Triton kernels
+decoding step: each route's row times its expert's W.T, no sort), `block_fp8_routed_swiglu_linear` (their down
+projection, reading silu(gate) * up * routing weight from the gate/up rows) and `block_fp8_swiglu_linear` (a gated
+MLP's down projection at batch 1 reading silu(gate) * up: the same kernel with the weight as its one expert) are the
+entry points the model's FP8 layers call. On CUDA tensors they run this package's Triton kernels
 (`kernels_fp8_triton`: the FP8 weight read once, scaled per block as it is loaded, float32 sums) where
 `triton_applies`; anything else (the CPU, a gradient wanted for x, triton missing, a GPU older than compute capability
 8.9, whose triton has no e4m3) dequantizes and runs the dense op: the plain reference the kernels are checked against.
@@ -34,6 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .block_ops import silu_and_mul
 from .fp8_kernel_contract import OFFSET_DTYPES, PREFILL_FORMS, check_routes
 from .tensor_parallel_heads import device_mesh
 from .triton_loading import kernel_result, triton_kernel
@@ -256,6 +258,41 @@ def block_fp8_routed_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, 
     return block_fp8_routed_linear(gated, weight, scale_inv, routes, block)
 
 
+def swiglu_input_applies(gate_up: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> bool:
+    """Whether `block_fp8_swiglu_linear` runs as one kernel for rows of one row in all (its gate_up, or the MLP's
+    input: a decoding step at batch 1), where the routed SwiGLU kernel applies (and its one route's constants exist or
+    may be made: not first inside a CUDA graph's capture, whose memory they would outlive)."""
+    if gate_up.numel() != gate_up.shape[-1] or gate_up.device.type not in SWIGLU_INPUT_DEVICE_TYPES:
+        return False
+    made = (gate_up.device, gate_up.dtype) in _ONE_ROUTE
+    if not made and gate_up.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return triton_applies(gate_up, weight, scale_inv, None)
+
+
+def block_fp8_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                            block: tuple[int, int]) -> torch.Tensor:
+    """gate_up [..., 2 in] ([gate | up], as the stacked gate/up product gives it): [..., out], (silu(gate) * up) @
+    W.T, W (out, in) FP8 with `scale_inv`. Where `swiglu_input_applies` (one row), one launch of
+    `block_fp8_routed_swiglu_linear`'s kernel with W as the one expert of one route of weight 1: its loads compute the
+    input, each elementwise op rounded to the dtype as torch's ops round (x 1 is exact), so no SwiGLU kernel runs
+    before it; elsewhere SwiGLU (`block_ops.silu_and_mul`), then `block_fp8_linear`."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"FP8 SwiGLU down projection: gate_up {tuple(gate_up.shape)} must end in 2 * in ([gate | up])")
+    check_block_fp8_weight(weight, scale_inv, block, gate_up.shape[-1] // 2, grouped=False)
+    if swiglu_input_applies(gate_up, weight, scale_inv):
+        key = (gate_up.device, gate_up.dtype)
+        if key not in _ONE_ROUTE:  # (made once, outside any capture: every graph reads the same two tensors)
+            _ONE_ROUTE[key] = (torch.zeros(1, dtype=torch.int64, device=gate_up.device),
+                               torch.ones(1, dtype=gate_up.dtype, device=gate_up.device))
+        expert, one = _ONE_ROUTE[key]
+        out = block_fp8_routed_swiglu_linear(gate_up.reshape(1, -1), weight[None], scale_inv[None], expert, one,
+                                             block)
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
+    return block_fp8_linear(silu_and_mul(*gate_up.chunk(2, dim=-1)), weight, scale_inv, block)
+
+
+_ONE_ROUTE: dict = {}  # (device, dtype) -> (expert 0 as the one route, its weight 1): `block_fp8_swiglu_linear`
 _FAILED: dict = {}  # (kind, weight shape, block, dtype, device) -> the first error: the reference from then on
 
 
@@ -315,11 +352,13 @@ __all__ = [
     "block_fp8_linear",
     "block_fp8_routed_linear",
     "block_fp8_routed_swiglu_linear",
+    "block_fp8_swiglu_linear",
     "check_block_fp8_weight",
     "dequantize_block_fp8",
     "fp8_row_index",
     "quantize_block_fp8",
     "routed_applies",
     "scale_shape",
+    "swiglu_input_applies",
     "triton_applies",
 ]

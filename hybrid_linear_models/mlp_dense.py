@@ -5,7 +5,9 @@
 act is `hidden_act` (silu: SwiGLU, fused by fla on CUDA tensors). A decoding step (one token per row, no gradient), or a
 speculative verify round's few rows (`fused_projections.stacks_projections`), runs gate_proj and up_proj as one GEMM,
 with SwiGLU as `linear_swiglu` (in a captured step, one GEMV kernel that reads the stacked weight's rows in (gate, up)
-pairs and stores their SwiGLU: `kernels_gemv`). A long prompt without gradients runs a chunk of tokens at a time
+pairs and stores their SwiGLU: `kernels_gemv`); FP8 layers (a released FP8 checkpoint's shared experts) at batch 1
+run the stacked gate/up product, then a down projection that computes SwiGLU as it reads its input
+(`FusedProjections.swiglu_down`). A long prompt without gradients runs a chunk of tokens at a time
 (`token_chunks`: gate, up and their product, 3 x T x width values, are held for one chunk, not for the prompt). The
 module (`GatedMLP`) is also the MoE blocks' shared experts (mlp_sparse_moe, mlp_kimi_moe), which so decode the same way.
 Tensor names `mlp.gate_proj`, `mlp.up_proj`, `mlp.down_proj` (each Linear stores (out_features, in_features)), as every
@@ -46,7 +48,8 @@ class GatedMLP(nn.Module):
         projections = (self.gate_proj, self.up_proj)
         if stacks_projections(x) and self._gate_up.applies(x, projections):  # a decoding step, or a few rows
             if self.swiglu:  # (gate and up have one width: `width`)
-                return self.down_proj(self._gate_up.swiglu(x, projections))
+                fused = self._gate_up.swiglu_down(x, projections, self.down_proj)  # (FP8 layers at batch 1)
+                return fused if fused is not None else self.down_proj(self._gate_up.swiglu(x, projections))
             gate, up = self._gate_up(x, projections).split([self.gate_proj.out_features, self.up_proj.out_features], -1)
             return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)
         if chunks_apply(x.numel() // x.shape[-1]):  # a long prompt without gradients: a chunk of tokens at a time

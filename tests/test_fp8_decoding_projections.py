@@ -189,15 +189,17 @@ def test_the_fp8_decoding_step_gathers_and_copies_nothing_in_its_gdn_and_moe_lay
     """The kernels of a captured decoding step of the FP8 Qwen3-Next in miniature (3 GDN layers and an attention
     layer, each with its MoE), as benchmarks/count_decode_ops.py counts them: no op of the GDN mixer's own (its
     projections are the indexed FP8 product and the bf16 GEMV, no gather, copy or sigmoid), one routing kernel and one
-    gated sum a MoE layer (which sums the routes too), the routed experts' SwiGLU inside their down projection, and
-    the attention layer on the fused attention step."""
+    gated sum a MoE layer (which sums the routes too), the routed and shared experts' SwiGLU inside their down
+    projections, and the attention layer on the fused attention step."""
     import count_decode_ops
 
     step = count_decode_ops.count_step("qwen3-next-fp8", by_site=True)["graph"]
     sites = {(name, where.split(":")[0]) for name, where in step.sites}
     assert not [site for site in sites if site[1] == "mixer_gated_deltanet.py"], sites
     assert step.counts["moe.route_top_k"] == step.counts["moe.add_gated"] == 4
-    assert step.counts["fp8.routed_linear"] == 8  # (gate+up, and down with SwiGLU and the weight in its read)
+    # the experts' gate+up, and their down projection with SwiGLU and the weight in its read; the shared experts'
+    # down projection with SwiGLU in its read too (batch 1), so no SwiGLU kernel
+    assert step.counts["fp8.routed_linear"] == 12 and "fla.swiglu" not in step.counts
     assert [site for site in sites if site[1] == "fp8_layers.py"] == []  # (the routes summed in the gated sum)
     # the attention layer's FP8 q/k/v stack, so it takes the fused attention step's three kernels
     assert all(step.counts[f"attention_step.{kernel}"] == 1 for kernel in ("prepare", "attend", "combine"))
@@ -294,3 +296,33 @@ def test_the_fp8_moe_layers_sum_their_routes_in_the_gated_sum(monkeypatch):
     monkeypatch.setattr(fp8_layers.Fp8Experts, "route_rows", lambda self, *args: None)
     summed, _ = _prompt_then_steps(model, ids)
     assert shapes[-1] == 2 and torch.equal(unsummed, summed)
+
+
+def test_the_fp8_shared_experts_of_a_batch_1_step_compute_swiglu_in_their_down_projection(monkeypatch):
+    """At batch 1 each FP8 shared expert (a GatedMLP of Fp8Linear layers) runs its stacked gate/up product, then the
+    down projection that computes SwiGLU as it reads its input (`kernels_fp8.block_fp8_swiglu_linear`; here where it
+    applies is stood in by its one-row condition, the product by its CPU reference): once per MoE layer and decoding
+    step, none in the prompt, and the logits equal those of SwiGLU apart, bit for bit (the same ops on the CPU)."""
+    from hybrid_linear_models import fused_projections
+    from hybrid_linear_models.fused_projections import FusedProjections
+
+    monkeypatch.setattr(fused_projections, "swiglu_input_applies", lambda rows, *args: rows.numel() == rows.shape[-1])
+    calls = []
+    real = fused_projections.block_fp8_swiglu_linear
+
+    def counted(gate_up, *args):
+        calls.append(tuple(gate_up.shape))
+        return real(gate_up, *args)
+
+    monkeypatch.setattr(fused_projections, "block_fp8_swiglu_linear", counted)
+    model = _fp8_qwen3_next()
+    model.set_cuda_graph_decoding(False)
+    ids = torch.randint(1, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(5))
+    fused, fused_cache = _prompt_then_steps(model, ids)
+    moe_layers = model.config.mlp_types.count("sparse_moe")
+    width = model.config.shared_expert_intermediate_size
+    assert moe_layers and calls == [(1, 1, 2 * width)] * (3 * moe_layers)  # (three steps after the 8-token prompt)
+    monkeypatch.setattr(FusedProjections, "swiglu_down", lambda self, *args: None)
+    apart, apart_cache = _prompt_then_steps(model, ids)
+    assert torch.equal(fused, apart)
+    _assert_same_states(fused_cache, apart_cache)

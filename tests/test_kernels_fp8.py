@@ -42,6 +42,7 @@ from hybrid_linear_models.kernels_fp8 import (
     block_fp8_grouped_linear,
     block_fp8_linear,
     block_fp8_routed_linear,
+    block_fp8_swiglu_linear,
     dequantize_block_fp8,
     triton_applies,
 )
@@ -452,6 +453,43 @@ def test_the_dispatch_runs_the_kernel_on_any_layout_of_x(on_the_cpu, monkeypatch
         _assert_within(got.reshape(-1, 40), x.reshape(-1, 64), dequantize_block_fp8(w, scale, block, torch.float64),
                        None, str(tuple(x.shape)))
     assert calls == [(1, 64), (6, 64), (3, 64), (2, 64)]
+
+
+@runs_triton_kernels
+def test_a_dense_swiglu_down_projection_of_one_row_is_the_routed_kernels_one_route(on_the_cpu, monkeypatch):
+    """block_fp8_swiglu_linear at one row ([1, 1, 2 in], a decoding step's MLP at batch 1): one launch of the routed
+    SwiGLU kernel with the weight as its one expert, within the routed SwiGLU bound of (silu(gate) * up, torch's
+    rounding) times the real weight in float64; two rows: SwiGLU apart, then the dense product, as before."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU dispatch through triton's interpreter")
+    from hybrid_linear_models.kernels_fp8_triton import fp8_routed_linear
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append((tuple(args[0].shape), tuple(args[1].shape), kwargs["gated_by"].tolist()))
+        return fp8_routed_linear(*args, **kwargs)
+
+    monkeypatch.setattr(kernels_fp8, "fp8_routed_linear_kernel", lambda: counted)
+    monkeypatch.setattr(kernels_fp8, "_ONE_ROUTE", {})
+    block, dtype = (32, 16), torch.float16
+    w, scale = _weight(40, 36, block, seed=31)
+    gate_up = _x(1, 72, dtype, seed=32).mul(2)
+    got = block_fp8_swiglu_linear(gate_up.view(1, 1, 72), w, scale, block)
+    assert got.shape == (1, 1, 40) and got.dtype == dtype and calls == [((1, 72), (1, 40, 36), [1.0])]
+    gate, up = gate_up.chunk(2, dim=-1)
+    inputs = (F.silu(gate) * up).double()
+    weight = _reference_weight(w, scale, block, torch.float64)
+    exact, sizes = inputs @ weight.T, inputs.abs() @ weight.abs().T
+    summed = (36 + 2) * 2 ** -23 * sizes
+    bound = summed + UNIT[dtype] * (exact.abs() + summed) + 2 * UNIT[dtype] * sizes
+    assert ((got.view(1, 40).double() - exact).abs() <= bound).all()
+    two = _x(2, 72, dtype, seed=33)
+    gate, up = two.chunk(2, dim=-1)
+    assert torch.equal(block_fp8_swiglu_linear(two, w, scale, block),
+                       block_fp8_linear(F.silu(gate) * up, w, scale, block)) and len(calls) == 1
+    with pytest.raises(ValueError, match="must end in 2"):
+        block_fp8_swiglu_linear(_x(1, 71, dtype), w, scale, block)
 
 
 @runs_triton_kernels
