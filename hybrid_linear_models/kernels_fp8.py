@@ -283,8 +283,9 @@ def block_fp8_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale_i
     if swiglu_input_applies(gate_up, weight, scale_inv):
         key = (gate_up.device, gate_up.dtype)
         if key not in _ONE_ROUTE:  # (made once, outside any capture: every graph reads the same two tensors)
-            _ONE_ROUTE[key] = (torch.zeros(1, dtype=torch.int64, device=gate_up.device),
-                               torch.ones(1, dtype=gate_up.dtype, device=gate_up.device))
+            with torch.inference_mode(False):  # (normal tensors, whatever mode the first call runs in)
+                _ONE_ROUTE[key] = (torch.zeros(1, dtype=torch.int64, device=gate_up.device),
+                                   torch.ones(1, dtype=gate_up.dtype, device=gate_up.device))
         expert, one = _ONE_ROUTE[key]
         out = block_fp8_routed_swiglu_linear(gate_up.reshape(1, -1), weight[None], scale_inv[None], expert, one,
                                              block)
