@@ -37,7 +37,7 @@ from torch import nn
 
 from .block_ops import silu_and_mul
 from .derived_weights import SharedRows
-from .kernels_fp8 import block_fp8_linear, block_fp8_swiglu_linear, swiglu_input_applies
+from .kernels_fp8 import block_fp8_linear, block_fp8_swiglu_linear
 from .kernels_gemv import (
     MAX_ROWS,
     convolve_first,
@@ -137,11 +137,10 @@ class FusedProjections:
 
     def swiglu_down(self, x: torch.Tensor, linears: Sequence[nn.Module], down: nn.Module) -> torch.Tensor | None:
         """down(silu(gate(x)) * up(x)) for FP8 linears = (gate, up) (check `applies` first) and a plain bias-less FP8
-        `down` at batch 1, as two kernels: the stacked gate/up product, then the down projection computing SwiGLU as
-        it reads its input (`kernels_fp8.block_fp8_swiglu_linear`); None elsewhere (the caller runs `swiglu`, then
-        down)."""
-        if not (self._is_fp8(linears) and _fp8_stackable([down]) and down.bias is None
-                and swiglu_input_applies(x, down.weight, down.weight_scale_inv)):
+        `down`: the stacked gate/up product, then `kernels_fp8.block_fp8_swiglu_linear` (at batch 1 on a GPU, the down
+        projection computing SwiGLU as it reads its input; elsewhere SwiGLU, then down's own product); None for other
+        layers (the caller runs `swiglu`, then down)."""
+        if not (self._is_fp8(linears) and _fp8_stackable([down]) and down.bias is None):
             return None
         return block_fp8_swiglu_linear(self._fp8_product(x, linears), down.weight, down.weight_scale_inv, down.block)
 

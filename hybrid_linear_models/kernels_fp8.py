@@ -259,9 +259,9 @@ def block_fp8_routed_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, 
 
 
 def swiglu_input_applies(gate_up: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> bool:
-    """Whether `block_fp8_swiglu_linear` runs as one kernel for rows of one row in all (its gate_up, or the MLP's
-    input: a decoding step at batch 1), where the routed SwiGLU kernel applies (and its one route's constants exist or
-    may be made: not first inside a CUDA graph's capture, whose memory they would outlive)."""
+    """Whether `block_fp8_swiglu_linear` runs as one kernel for gate_up of one row in all (a decoding step at batch
+    1), where the routed SwiGLU kernel applies (and its one route's constants exist or may be made: not first inside a
+    CUDA graph's capture, whose memory they would outlive)."""
     if gate_up.numel() != gate_up.shape[-1] or gate_up.device.type not in SWIGLU_INPUT_DEVICE_TYPES:
         return False
     made = (gate_up.device, gate_up.dtype) in _ONE_ROUTE

@@ -84,13 +84,13 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return False
     if weight.dtype != (WIDENED_DTYPE if widened else x.dtype):
         return False
-    if widened and (rows is not None or paired or form(x.numel() // max(x.shape[-1], 1), weight.shape[0]) == "rows"):
-        return False  # (tl.dot takes one dtype)
     if weight.dim() != 2 or weight.device != x.device or x.shape[-1] != weight.shape[1]:
         return False
     rows_of_x = x.numel() // max(x.shape[-1], 1)
     if rows_of_x > MAX_ROWS or x.stride(-1) != 1 or weight.stride(1) != 1:
         return False
+    if widened and (rows is not None or paired or form(rows_of_x, weight.shape[0]) == "rows"):
+        return False  # (tl.dot takes one dtype)
     if paired and (rows is None or rows.shape[0] % 2):
         return False
     if rows is not None and (rows.dtype not in INDEX_DTYPES or rows.dim() != 1 or rows.device != x.device

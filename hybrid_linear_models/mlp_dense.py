@@ -48,7 +48,7 @@ class GatedMLP(nn.Module):
         projections = (self.gate_proj, self.up_proj)
         if stacks_projections(x) and self._gate_up.applies(x, projections):  # a decoding step, or a few rows
             if self.swiglu:  # (gate and up have one width: `width`)
-                fused = self._gate_up.swiglu_down(x, projections, self.down_proj)  # (FP8 layers at batch 1)
+                fused = self._gate_up.swiglu_down(x, projections, self.down_proj)  # (FP8 layers)
                 return fused if fused is not None else self.down_proj(self._gate_up.swiglu(x, projections))
             gate, up = self._gate_up(x, projections).split([self.gate_proj.out_features, self.up_proj.out_features], -1)
             return self.down_proj(silu_and_mul(gate, up) if self.swiglu else self.act_fn(gate) * up)

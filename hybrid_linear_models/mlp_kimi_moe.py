@@ -60,9 +60,8 @@ from .mlp_sparse_moe import (
     HybridLinearTopKRouter,
     RoutedMoeBlock,
     init_sparse_moe_weights,
-    sum_routes,
 )
-from .moe_inference_ops import add_gated, route_top_k
+from .moe_inference_ops import add_gated, route_top_k, sum_routes
 
 NORM_EPSILON = 1e-20  # added to the sum of the chosen weights before dividing (transformers' KimiLinearTopkRouter)
 GROUP_SCORE_EXPERTS = 2  # a group's score: the sum of its best 2 corrected scores (DeepSeek-V3, transformers)

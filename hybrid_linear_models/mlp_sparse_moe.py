@@ -68,7 +68,7 @@ from .experts_grouped_gather import NAME as GROUPED_MM_GATHER
 from .fused_projections import is_plain_linear, stacks_projections
 from .mlp_dense import GatedMLP
 from .mlp_registry import MLPS, ConfigField, MlpSpec, register
-from .moe_inference_ops import add_gated, route_top_k
+from .moe_inference_ops import add_gated, route_top_k, sum_routes
 from .shown_values import brief
 from .tensor_parallel_heads import device_mesh
 from .token_chunks import chunks_apply, token_chunked
@@ -188,14 +188,6 @@ class HybridLinearExperts(nn.Module):
             out = F.linear(self.act_fn(gate) * up, self.down_proj[expert]) * top_k_weights[token, slot, None]
             output.index_add_(0, token, out.to(output.dtype))
         return output
-
-
-def sum_routes(routed: torch.Tensor) -> torch.Tensor:
-    """routed [T, H] as it is, or each token's k rows [T, k, H] summed (in float32 for bf16/fp16, rounded once: as
-    the experts' grouped path sums them)."""
-    if routed.dim() == 2:
-        return routed
-    return routed.sum(1, dtype=torch.promote_types(routed.dtype, torch.float32)).to(routed.dtype)
 
 
 class HybridLinearSharedExpert(GatedMLP):
@@ -411,5 +403,4 @@ __all__ = [
     "graph_safe_experts_implementation",
     "init_sparse_moe_weights",
     "sparse_moe_parameter_count",
-    "sum_routes",
 ]

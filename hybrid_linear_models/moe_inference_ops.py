@@ -95,9 +95,16 @@ def add_gated(routed: torch.Tensor, gate: torch.Tensor | None, shared: torch.Ten
                             "torch", lambda: triton_add_gated_kernel()(routed, gate, shared))
         if out is not None:
             return out
-    if routed.dim() == 3:
-        routed = routed.sum(1)
+    routed = sum_routes(routed)
     return routed + (shared if gate is None else torch.sigmoid(gate) * shared)
 
 
-__all__ = ["MOE_DEVICE_TYPES", "add_gated", "route_top_k"]
+def sum_routes(routed: torch.Tensor) -> torch.Tensor:
+    """routed [T, H] as it is, or each token's k rows [T, k, H] summed (in float32 for bf16/fp16, rounded once: as
+    the experts' grouped path sums them)."""
+    if routed.dim() == 2:
+        return routed
+    return routed.sum(1, dtype=torch.promote_types(routed.dtype, torch.float32)).to(routed.dtype)
+
+
+__all__ = ["MOE_DEVICE_TYPES", "add_gated", "route_top_k", "sum_routes"]

@@ -300,13 +300,12 @@ def test_the_fp8_moe_layers_sum_their_routes_in_the_gated_sum(monkeypatch):
 
 def test_the_fp8_shared_experts_of_a_batch_1_step_compute_swiglu_in_their_down_projection(monkeypatch):
     """At batch 1 each FP8 shared expert (a GatedMLP of Fp8Linear layers) runs its stacked gate/up product, then the
-    down projection that computes SwiGLU as it reads its input (`kernels_fp8.block_fp8_swiglu_linear`; here where it
-    applies is stood in by its one-row condition, the product by its CPU reference): once per MoE layer and decoding
-    step, none in the prompt, and the logits equal those of SwiGLU apart, bit for bit (the same ops on the CPU)."""
+    down projection that computes SwiGLU as it reads its input (`kernels_fp8.block_fp8_swiglu_linear`; on the CPU
+    its reference, SwiGLU then the product): once per MoE layer and decoding step, none in the prompt, and the logits
+    equal those of SwiGLU apart, bit for bit (the same ops on the CPU)."""
     from hybrid_linear_models import fused_projections
     from hybrid_linear_models.fused_projections import FusedProjections
 
-    monkeypatch.setattr(fused_projections, "swiglu_input_applies", lambda rows, *args: rows.numel() == rows.shape[-1])
     calls = []
     real = fused_projections.block_fp8_swiglu_linear
 
