@@ -9,7 +9,12 @@ so the FP8 weight is read once per row tile and nothing else is written:
   hundreds of programs, whose loads together keep enough bytes in flight to approach the memory bandwidth (the bytes
   read are out x in FP8 plus the scales). Each slice's scales multiply x's slice (one scale where the slice lies in
   one block, a [BLOCK_K] vector shared by the tile's rows where BLOCK_N divides BN), so a weight element costs one
-  conversion and one fused multiply-add.
+  conversion and one fused multiply-add. The K slices run in chunks of UNROLLED_SLICES unrolled at compile time (K
+  is a constant): in a loop whose iterations carry the next slice's bytes, the compiled kernel spent some 8
+  instructions per weight byte (Hopper SASS: it repacked each loaded byte pair for the e4m3 conversion), unrolled
+  about 4.5 (a pair conversion, two f16-to-f32 conversions and two FMAs per 2 weights, plus x's slice); at 8 a
+  byte the kernel's issue rate, not the memory, bounded it (the bf16 GEMV issues as many instructions per second
+  at 3.4 a byte and reads at 4.3 TB/s). Chunks, not all of K, keep a wide K's compile time to seconds.
 - "scaled_dot" (up to 16 rows: decoding, and the experts of a decoding step): rows padded to BLOCK_M, each K slice
   inside one block column (BK a multiple of BLOCK_K), the FP8 slice converted to x's dtype (exact: e4m3's 4
   significant bits and exponents fit bf16 and fp16) and multiplied on the tensor cores, the [BLOCK_M, BLOCK_N] float32
@@ -52,15 +57,14 @@ one_row tile keeps its one row of scales; otherwise it scales per element.
 
 With programmatic dependent launch (`kernels_launch_triton`, Hopper on) the dense one_row form (a decoding step's
 projections) loads its first weight slice, and its row index, which no kernel of a step writes, before it waits for
-the kernel ahead (x is that kernel's output), then loads each next slice after using the current one; the other forms
-wait first (the routes and the experts' offsets are the step's own). Either way the kernel after it may start its
-own weight loads as soon as every program has waited.
+the kernel ahead (x is that kernel's output); the other forms wait first (the routes and the experts' offsets are the
+step's own). Either way the kernel after it may start its own weight loads as soon as every program has waited.
 
 K (the weight's inputs) is a compile-time constant, so the K loop's trip count is known (one compilation per width: a
 few per model). Configurations are autotuned per weight shape and block inside `kernel_tuning.autotuning()` (`warm_up`
 enters it; never inside a CUDA graph's capture), each timed over 25 ms with the L2 cache cleared before each run
-(triton's do_bench), and kept in triton's cache folder; elsewhere a call runs its form's default (`_UNTUNED`). Imported
-only for CUDA tensors (`kernels_fp8`), since importing triton needs a GPU driver.
+(triton's do_bench), and kept in triton's cache folder; elsewhere a call runs its form's default (`_UNTUNED`).
+Imported only for CUDA tensors (`kernels_fp8`), since importing triton needs a GPU driver.
 """
 
 from __future__ import annotations
@@ -86,6 +90,34 @@ from .kernels_moe_triton import swiglu_input
 FORMS = ("one_row", "scaled_dot", "dequantized_dot", "fp8_dot")
 DECODING_ROWS = 16  # rows of x (rows per expert, on average, for the experts) up to which "scaled_dot" is taken
 _FORM_IDS = {form: index for index, form in enumerate(FORMS)}
+
+
+UNROLLED_SLICES = tl.constexpr(8)  # one_row's K slices unrolled together (a chunk; see the module docstring)
+
+
+@triton.jit
+def _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk, first_id, live_cols,
+                   start, ks, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GATED_INPUT: tl.constexpr, HAS_INDEX: tl.constexpr,
+                   ALIGNED_INDEX: tl.constexpr):
+    """products [BLOCK_N, BLOCK_K] plus the one_row form's products of the weight slice w (columns start + ks) with
+    x's slice (x_row; with GATED_INPUT, silu(gate) * up * rw_ptr[0], each op rounded to x's dtype), scaled."""
+    live_k = start + ks < K
+    x = tl.load(x_row + start + ks, mask=live_k & x_live, other=0.0).to(tl.float32)
+    if GATED_INPUT:
+        up = tl.load(x_row + K + start + ks, mask=live_k & x_live, other=0.0).to(tl.float32)
+        x = swiglu_input(x, up, tl.load(rw_ptr).to(tl.float32), x_row.dtype.element_ty)
+    # (where BN % BLOCK_N == 0 and the index, if any, is aligned, the tile's weight rows lie in one block row:
+    # first_id's)
+    if BN % BLOCK_N == 0 and (ALIGNED_INDEX or not HAS_INDEX) and BK % BLOCK_K == 0:  # one scale
+        s = tl.load(s_ptr + (first_id // BN) * stride_sn + (start // BK) * stride_sk)
+        return products + w.to(tl.float32) * (x * s)[None, :]
+    if BN % BLOCK_N == 0 and (ALIGNED_INDEX or not HAS_INDEX):  # one row of scales: x's slice scaled once
+        s = tl.load(s_ptr + (first_id // BN) * stride_sn + ((start + ks) // BK) * stride_sk, mask=live_k, other=0.0)
+        return products + w.to(tl.float32) * (x * s)[None, :]
+    s = tl.load(s_rows + ((start + ks) // BK)[None, :] * stride_sk, mask=live_cols[:, None] & live_k[None, :],
+                other=0.0)
+    return products + w.to(tl.float32) * s * x[None, :]
 
 
 # M (rows of x) and R (routes per row) only bound the rows, so they are not specialised: triton would otherwise
@@ -150,35 +182,30 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
     w_rows = w_ptr + w_ids.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + (w_ids // BN)[:, None] * stride_sn  # [BLOCK_N, 1]: each output column's row of scales
     if FORM == 0:  # one_row: elementwise products, summed over K at the end
-        products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
-        slice_w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks < K)[None, :], other=0.0)
+        x_row = x_ptr + row_start.to(tl.int64) * stride_xm
+        x_live = row_start < row_end
+        rw_ptr += row_start
+        # the slices of the first chunk unrolled (see the module docstring), the first loaded before the wait
+        CHUNK: tl.constexpr = min(UNROLLED_SLICES, (K + BLOCK_K - 1) // BLOCK_K)
+        w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks < K)[None, :], other=0.0)
         if not ROUTED and not GROUPED:  # (the first weight slice on its way while the kernel ahead finishes)
             await_previous_kernel(PDL)
-        for start in range(0, K, BLOCK_K):
-            live_k = ks < K
-            w = slice_w.to(tl.float32)
-            x = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + ks, mask=live_k & (row_start < row_end),
-                        other=0.0).to(tl.float32)  # (BLOCK_M is 1)
-            if GATED_INPUT:
-                up = tl.load(x_ptr + row_start.to(tl.int64) * stride_xm + K + ks, mask=live_k & (row_start < row_end),
-                             other=0.0).to(tl.float32)
-                x = swiglu_input(x, up, tl.load(rw_ptr + row_start).to(tl.float32), y_ptr.dtype.element_ty)
-            # (where BN % BLOCK_N == 0 and the index, if any, is aligned, the tile's weight rows lie in one block row:
-            # first_id's)
-            if BN % BLOCK_N == 0 and (ALIGNED_INDEX or not HAS_INDEX) and BK % BLOCK_K == 0:  # one scale
-                s = tl.load(s_ptr + (first_id // BN) * stride_sn + (start // BK) * stride_sk)
-                products += w * (x * s)[None, :]
-            elif BN % BLOCK_N == 0 and (ALIGNED_INDEX or not HAS_INDEX):  # one row of scales: x's slice scaled once
-                s = tl.load(s_ptr + (first_id // BN) * stride_sn + (ks // BK) * stride_sk,
-                            mask=live_k, other=0.0)
-                products += w * (x * s)[None, :]
-            else:
-                s = tl.load(s_rows + (ks // BK)[None, :] * stride_sk, mask=live_cols[:, None] & live_k[None, :],
+        products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in tl.static_range(0, CHUNK * BLOCK_K, BLOCK_K):
+            if start > 0:
+                w = tl.load(w_rows + (start + ks)[None, :], mask=live_cols[:, None] & (start + ks < K)[None, :],
                             other=0.0)
-                products += w * s * x[None, :]
-            ks += BLOCK_K  # the next slice's weight, loaded after this one is used (past K: masked, no traffic)
-            slice_w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks < K)[None, :], other=0.0)
+            products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
+                                      first_id, live_cols, start, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
+                                      HAS_INDEX, ALIGNED_INDEX)
+        for chunk in range(CHUNK * BLOCK_K, K, CHUNK * BLOCK_K):  # (K past CHUNK slices: chunks of them)
+            for step in tl.static_range(0, CHUNK * BLOCK_K, BLOCK_K):
+                at = chunk + step  # (past K: masked, no traffic)
+                w = tl.load(w_rows + (at + ks)[None, :], mask=live_cols[:, None] & (at + ks < K)[None, :], other=0.0)
+                products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
+                                          first_id, live_cols, at, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
+                                          HAS_INDEX, ALIGNED_INDEX)
         acc = tl.sum(products, axis=1)[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

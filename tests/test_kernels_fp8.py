@@ -291,6 +291,42 @@ def test_grouped_offsets_past_the_rows_stay_within_them():
 @pytest.mark.gpu
 @runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inp", [129, 200, 256, 300])
+@pytest.mark.parametrize("config", [(4, 16), (64, 16)])  # one scale a slice; per-element scales
+def test_one_row_over_several_chunks_of_slices(dtype, inp, config):
+    """one_row unrolls its K slices in chunks of UNROLLED_SLICES (8): with 16-column slices, K of 129, 200, 256 and
+    300 takes the first chunk, then 1 to 2 more, the last of them full or partly (or, at 129, all but one slice)
+    past K; dense and routed (each route's gated input) against float64, with the bounds above."""
+    _skip_bf16_on_interpreter(dtype)
+    from hybrid_linear_models.kernels_fp8_triton import UNROLLED_SLICES, fp8_linear, fp8_routed_linear
+
+    assert inp > UNROLLED_SLICES * config[1]
+    block = (32, 32)
+    w, scale = _weight(70, inp, block, seed=inp)
+    x = _x(1, inp, dtype, seed=inp + 1)
+    got = fp8_linear(x, w, scale, block, None, form="one_row", config=config)
+    _assert_within(got, x, _reference_weight(w, scale, block, torch.float64), None, f"dense K {inp} {config}")
+
+    experts, scales = _weight(40, inp, block, experts=3, seed=inp + 2)
+    gate_up = _x(2, 2 * inp, dtype, seed=inp + 3)
+    routes = torch.tensor([2, 0], device=DEVICE)
+    route_weights = torch.rand(2, generator=torch.Generator().manual_seed(inp)).to(DEVICE, dtype)
+    got = fp8_routed_linear(gate_up, experts, scales, routes, block, config=config[:1] + (16,),
+                            gated_by=route_weights)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gated = (F.silu(gate) * up * route_weights[:, None]).double()
+    for route, expert in enumerate(routes.tolist()):
+        weight = _reference_weight(experts[expert], scales[expert], block, torch.float64)
+        exact = gated[route:route + 1] @ weight.T
+        sizes = gated[route:route + 1].abs() @ weight.abs().T
+        summed = (inp + 2) * 2 ** -23 * sizes
+        bound = summed + UNIT[dtype] * (exact.abs() + summed) + 2 * UNIT[dtype] * sizes
+        assert ((got[route:route + 1].double() - exact).abs() <= bound).all(), f"route {route}, K {inp} {config}"
+
+
+@pytest.mark.gpu
+@runs_triton_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("routes_dtype", [torch.int32, torch.int64])
 def test_routed_against_float64(dtype, routes_dtype):
     """Each route's row (row r // 3 of x, 3 routes per row) against its expert's real weight in float64 (32 x 16
