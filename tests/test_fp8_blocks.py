@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -111,6 +112,25 @@ def test_fp8_folder_converts_dequantized(tmp_path, block):
     theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path / "reference", dtype=torch.float32).eval()
     ours = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert_same_predictions(theirs, ours, theirs.config.vocab_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_folder_dequantizes_to_the_asked_dtype_in_one_rounding(tmp_path, dtype):
+    """--dequantize-fp8 with --dtype: each FP8 weight is its float64 real weight rounded to the dtype (float16 through
+    float32, whose rounding of the exact product is the one float64 -> float32 gives), not through bfloat16."""
+    write_fp8_folders(tmp_path, (12, 20))
+    convert_checkpoint(tmp_path / "fp8", tmp_path / "hf", from_format="qwen3_next", to_format="qwen3_next",
+                       dequantize_fp8=True, dtype=dtype)
+    source, converted = SafetensorsFile(tmp_path / "fp8" / "model.safetensors"), {}
+    for path in (tmp_path / "hf").glob("*.safetensors"):
+        file = SafetensorsFile(path)
+        converted.update((key, file.read(key)) for key in file.keys())
+    fp8 = [key for key in source.keys() if source.info(key).dtype == torch.float8_e4m3fn]
+    assert fp8 and all(key in converted for key in fp8)
+    for key in fp8:
+        exact = reference_dequantize(source.read(key), source.read(key + "_scale_inv"), (12, 20))
+        assert converted[key].dtype == dtype and torch.equal(converted[key], exact.to(torch.float32).to(dtype)), key
+    assert any(not torch.equal(converted[key], converted[key].to(torch.bfloat16).to(dtype)) for key in fp8)
 
 
 def edit_folder(folder: Path, change_tensors=None, change_config=None) -> None:
@@ -251,6 +271,31 @@ def fuse_fp8_experts(folder: Path) -> None:
     assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in fused
     (folder / "model.safetensors").unlink()
     save_file(fused, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kept_per_expert", ["model.layers.1.", "model.layers.0.mlp.experts.0.down_proj"],
+                         ids=["layer 1 per expert", "one layer's down per expert"])
+def test_experts_stored_in_two_layouts_are_refused_by_name(tmp_path, kept_per_expert):
+    """A folder whose experts are fused in some tensors and per expert in others (put together from two exports) is
+    refused in one line naming one tensor of each layout, with and without --dequantize-fp8, writing nothing."""
+    block = (TINY_MOE["moe_intermediate_size"], 20)
+    write_fp8_folders(tmp_path, block)
+    (tmp_path / "whole").mkdir()
+    shutil.copy(tmp_path / "fp8" / "model.safetensors", tmp_path / "whole" / "model.safetensors")
+    fuse_fp8_experts(tmp_path / "fp8")
+    from safetensors.torch import load_file
+
+    fused, whole = load_file(tmp_path / "fp8" / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    mixed = {**fused, **{k: v for k, v in whole.items() if k.startswith(kept_per_expert) and ".experts." in k}}
+    save_file(mixed, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    for dequantize in (False, True):
+        with pytest.raises(ConversionError) as raised:
+            convert_checkpoint(tmp_path / "fp8", tmp_path / "out", from_format="qwen3_next", to_format="hf",
+                               dequantize_fp8=dequantize)
+        message = str(raised.value)
+        assert "two layouts" in message and re.search(r"experts\.(gate_up|down)_proj", message), message
+        assert re.search(r"experts\.0\.(gate|up|down)_proj", message), message
+        assert "\n" not in message and not (tmp_path / "out").exists()
 
 
 def test_fused_fp8_experts_read_as_the_per_expert_layout(tmp_path):

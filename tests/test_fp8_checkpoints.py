@@ -250,7 +250,10 @@ def _edited(folders: Path, tmp_path: Path, tensors=None, quantization=None) -> P
     return folder
 
 
-SCALE = "model.layers.3.self_attn.o_proj.weight_scale_inv"
+WEIGHT = "model.layers.3.self_attn.o_proj.weight"
+SCALE = WEIGHT + "_scale_inv"
+EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"
+ROUTER_SCALE = "model.layers.0.mlp.gate.weight_scale_inv"
 BAD_LOADS = {
     "missing scale": (dict(tensors=lambda t: t.pop(SCALE)), [SCALE, "no tensor", "[3, 2]"]),
     "scale of the wrong shape": (dict(tensors=lambda t: t.update({SCALE: torch.ones(2, 2)})),
@@ -263,6 +266,16 @@ BAD_LOADS = {
     "an FP8 module kept in bf16 by the config": (
         dict(quantization=lambda c: c["quantization_config"]["modules_to_not_convert"].append("o_proj")),
         ["model.layers.3.self_attn.o_proj", "float8_e4m3fn"]),
+    "an e5m2 weight": (dict(tensors=lambda t: t.update({WEIGHT: t[WEIGHT].float().to(torch.float8_e5m2)})),
+                       [WEIGHT, "float8_e5m2", "float8_e4m3fn"]),
+    "a NaN scale": (dict(tensors=lambda t: t[SCALE].__setitem__((1, 0), float("nan"))), [SCALE, "nan", "[1, 0]"]),
+    "a zero scale": (dict(tensors=lambda t: t[SCALE].__setitem__((2, 1), 0.0)), [SCALE, "0", "[2, 1]"]),
+    "a negative scale": (dict(tensors=lambda t: t[SCALE].neg_()), [SCALE, "finite and positive"]),
+    "a float64 scale": (dict(tensors=lambda t: t.update({SCALE: t[SCALE].double()})), [SCALE, "float64", "float32"]),
+    "a missing FP8 weight": (dict(tensors=lambda t: t.pop(WEIGHT)), [WEIGHT, "no tensor", "random"]),
+    "a missing FP8 expert stack": (dict(tensors=lambda t: t.pop(EXPERTS)), [EXPERTS, "no tensor"]),
+    "a scale beside a bf16 router": (dict(tensors=lambda t: t.update({ROUTER_SCALE: torch.ones(1, 2)})),
+                                     [ROUTER_SCALE, "unquantized", "modules_to_not_convert"]),
 }
 
 
@@ -274,6 +287,18 @@ def test_bad_fp8_folder_is_refused_in_one_line(folders, tmp_path, case):
         HybridLinearForCausalLM.from_pretrained(folder)
     message = str(raised.value)
     assert "\n" not in message and all(fragment in message for fragment in fragments), message
+
+
+@pytest.mark.parametrize("kept", [lambda data: data[:-1000], lambda data: data[:20], lambda data: b""],
+                         ids=["data cut", "header cut", "empty"])
+def test_a_truncated_shard_is_refused_by_name(folders, tmp_path, kept):
+    folder = _edited(folders, tmp_path)
+    shard = folder / "model.safetensors"
+    shard.write_bytes(kept(shard.read_bytes()))
+    with pytest.raises(ValueError) as raised:
+        HybridLinearForCausalLM.from_pretrained(folder)
+    message = str(raised.value)
+    assert "\n" not in message and str(shard) in message and "truncated or corrupt" in message, message
 
 
 @pytest.mark.parametrize(("pattern", "name", "kept"), [

@@ -84,7 +84,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
     tokenizer files of the folder `tokenizer` (what `tokenizer.save_pretrained` wrote), else those found beside the
     source. A source of block-scaled FP8 weights (`fp8_blocks`) keeps them, with their scales and quantization_config,
     byte for byte (`dtype` casts only the other tensors), to a format that holds them (hf, qwen3_next); with
-    `dequantize_fp8` they convert to bfloat16 weights instead.
+    `dequantize_fp8` they convert to floating-point weights instead (`dtype`'s, bfloat16 by default).
     """
     started = time.perf_counter()
     torch_dtype = _torch_dtype(dtype)
@@ -96,7 +96,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, from_format: str, to
         check_source(src)
         source = reader.read(Path(src))
         if source.quantization == "fp8" and dequantize_fp8:
-            source = dequantized_source(source)
+            source = dequantized_source(source, torch_dtype)
         if source.quantization == "fp8":
             source = kept_fp8_source(source, to_format, writer.target_rows)
         check_carried(source, to_format, writer.keeps_extra_tensors)

@@ -234,9 +234,10 @@ def kept_fp8_source(source: SourceCheckpoint, to_format: str,
     return source
 
 
-def dequantized_source(source: SourceCheckpoint) -> SourceCheckpoint:
-    """An FP8 `source` read as the floating-point model: each FP8 weight (carried ones too) dequantized to bfloat16,
-    the scales consumed, and the config without its FP8 setting."""
+def dequantized_source(source: SourceCheckpoint, dtype: torch.dtype | None = None) -> SourceCheckpoint:
+    """An FP8 `source` read as the floating-point model: each FP8 weight (carried ones too) dequantized to `dtype`
+    (bfloat16 by default; the exact product rounded once, not through bfloat16 on the way to float32), the scales
+    consumed, and the config without its FP8 setting."""
     settings = source.config.block_fp8_settings
     quantized = _fp8_weights(source)
     scales = {scale_name(name) for name in quantized}
@@ -246,7 +247,7 @@ def dequantized_source(source: SourceCheckpoint) -> SourceCheckpoint:
     if carried is not None:
         carried = dataclasses.replace(carried, keys=tuple(key for key in carried.keys if key not in scales))
     rows = [row for row in source.rows if not row.canonical_keys[0].endswith(SCALE_SUFFIX)]
-    tensors = DequantizedTensors(source.tensors, quantized, settings.block, torch.bfloat16)
+    tensors = DequantizedTensors(source.tensors, quantized, settings.block, dtype or torch.bfloat16)
     return dataclasses.replace(source, config=config, rows=rows, carried=carried, tensors=tensors, quantization=None)
 
 

@@ -120,8 +120,8 @@ def _build_config(data: Any, label: str, census: TensorCensus | None) -> HybridL
     _check_before_building(fields, census)
     try:
         return HybridLinearConfig.from_dict(dict(fields.data))
-    except ValueError as error:  # the config's own validation, naming the field
-        raise ConversionError(f"{fields.file} is not a valid HybridLinearConfig: {clip(str(error))}") from None
+    except ValueError as error:  # the config's own validation, naming the field (its values already shown briefly)
+        raise ConversionError(f"{fields.file} is not a valid HybridLinearConfig: {clip(str(error), 1000)}") from None
     except Exception as error:  # noqa: BLE001
         # transformers' PreTrainedConfig handles many base fields itself (dtype, id2label, ...) and fails in its own
         # ways when one holds a value of the wrong type; we cannot vouch for every such path, so any failure of

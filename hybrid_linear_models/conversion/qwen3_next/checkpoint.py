@@ -88,8 +88,23 @@ def qwen3_next_rows(config: HybridLinearConfig, fused_experts: bool = False) -> 
 
 
 def _has_fused_experts(keys: Iterable[str], config: HybridLinearConfig) -> bool:
-    sparse = _sparse_prefixes(config)
-    return bool(sparse) and f"{sparse[0]}mlp.experts.gate_up_proj" in set(keys)
+    """Whether the sparse layers' experts are stored fused (`experts.gate_up_proj`) rather than one tensor per expert
+    (`experts.{e}.gate_proj.weight`); one ConversionError line where the checkpoint holds both layouts (a folder
+    put together from two exports): every layer of a checkpoint uses one."""
+    fused = per_expert = None
+    for key in keys:
+        _, found, tail = key.partition(".mlp.experts.")
+        if not found:
+            continue
+        if tail.split(".", 1)[0].isdigit():
+            per_expert = per_expert or key
+        elif tail.startswith(("gate_up_proj", "down_proj")):
+            fused = fused or key
+    if fused and per_expert:
+        raise ConversionError(f"the checkpoint stores experts in two layouts, fused ({clip(fused)}) and one tensor per "
+                              f"expert ({clip(per_expert)}); a Qwen3-Next checkpoint stores every layer's experts "
+                              "one way: export it again.")
+    return bool(_sparse_prefixes(config)) and fused is not None
 
 
 def _check_model_type(data: Any, label: str) -> None:
