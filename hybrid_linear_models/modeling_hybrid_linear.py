@@ -34,7 +34,8 @@ from .block_ops import fused_causal_lm_loss
 from .cache_checks import check_cache, check_static_cache_size
 from .checkpoint_dtypes import check_checkpoint_dtypes
 from .cache_hybrid_linear import adopt_linear_layers, generation_cache, linear_layer_cache, past_length
-from .speculative_decoding import assisted_generate_batch, batched_loop_refuses
+from .speculative_decoding import (assisted_generate_batch, batched_loop_refuses, cap_drafts,
+                                   check_assisted_request)
 from .static_window_rollback import adopt_static_window_layers
 from .chunked_recurrence import recur_in_token_chunks, recurrence_chunks_apply
 from .configuration_hybrid_linear import HybridLinearConfig
@@ -926,16 +927,21 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         return torch.stack(losses).mean()
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
-        # `use_mtp` (True or a draft length 1..4): checked here, before the cache or any forward (mtp_drafting)
+        # `use_mtp` (True or a draft length 1..4), prompt lookup's length and an assistant's vocabulary: checked
+        # here, before the cache or any forward (mtp_drafting, speculative_decoding)
         check_mtp_generation(self, generation_config, generation_mode_kwargs)
+        check_assisted_request(self, generation_config, generation_mode_kwargs)
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
         # `use_mtp`: this family's drafter, the MTP head applied recursively (mtp_drafting); transformers' own
-        # MTPCandidateGenerator loads an `MtpModel` of another layout
+        # MTPCandidateGenerator loads an `MtpModel` of another layout. Every drafter's rounds are cut to what a
+        # GDN/KDA layer can restore after a rejection (speculative_decoding.cap_drafts)
         if generation_config.use_mtp:
-            return MtpCandidateGenerator(self, generation_config, kwargs.get("logits_processor"))
-        return super()._get_candidate_generator(generation_config, *args, **kwargs)
+            generator = MtpCandidateGenerator(self, generation_config, kwargs.get("logits_processor"))
+        else:
+            generator = super()._get_candidate_generator(generation_config, *args, **kwargs)
+        return cap_drafts(generator, generation_config.max_length)
 
     def _routers(self) -> list[HybridLinearTopKRouter]:
         """The router of each MoE layer, in layer order (the order their logits are recorded)."""

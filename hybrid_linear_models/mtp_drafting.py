@@ -73,6 +73,9 @@ def check_mtp_generation(model: PreTrainedModel, generation_config: GenerationCo
     if generation_config.prompt_lookup_num_tokens is not None or generation_mode_kwargs.get("assistant_model"):
         raise ValueError("use_mtp drafts with the model's MTP head; pass it without prompt_lookup_num_tokens or "
                          "assistant_model (one drafter per generate call).")
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(f"use_mtp drafts for greedy or sampled decoding, one sequence a row, and num_beams is "
+                         f"{generation_config.num_beams}; pass num_beams=1, or leave out use_mtp for beam search.")
 
 
 class MtpCandidateGenerator(CandidateGenerator):

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -326,6 +326,22 @@ def check_speculative_inputs(model, input_ids: torch.Tensor, attention_mask: tor
                          "its drafts would be other tokens; draft with a model of the same tokenizer and vocabulary.")
 
 
+def check_assisted_request(model, generation_config, generation_mode_kwargs: dict) -> None:
+    """One line, before any work, for an assisted `generate` request no loop takes: a prompt_lookup_num_tokens that
+    is not a positive integer, or an `assistant_model` of another vocabulary given without the two tokenizers that
+    transformers' universal assisted decoding translates drafts with (one row)."""
+    if generation_config.prompt_lookup_num_tokens is not None:
+        _requested_drafts("prompt_lookup_num_tokens", generation_config.prompt_lookup_num_tokens)
+    assistant = generation_mode_kwargs.get("assistant_model")
+    if assistant is None or {"tokenizer", "assistant_tokenizer"} <= set(generation_mode_kwargs):
+        return
+    theirs, ours = assistant.config.get_text_config().vocab_size, model.config.get_text_config().vocab_size
+    if theirs != ours:
+        raise ValueError(f"the assistant model's vocabulary has {theirs} tokens and this model's {ours}: its drafts "
+                         "would be other tokens; draft with a model of the same tokenizer, or (one row) pass "
+                         "tokenizer= and assistant_tokenizer= for transformers' universal assisted decoding.")
+
+
 def _check_draft(draft: object, batch: int, count: int, vocab: int) -> torch.Tensor:
     if not isinstance(draft, torch.Tensor) or tuple(draft.shape) != (batch, count) or draft.is_floating_point():
         shape = tuple(draft.shape) if isinstance(draft, torch.Tensor) else type(draft).__name__
@@ -494,12 +510,34 @@ def batched_loop_refuses(logits_processor, stopping_criteria, generation_config,
     eos = generation_config._eos_token_tensor
     return [name for name, present in (
         ("do_sample=True", generation_config.do_sample),
-        ("logits processors (repetition penalty, min_new_tokens, bad words, ...)", len(logits_processor or []) > 0),
+        # (with do_sample, sampling's own warpers are logits processors: do_sample names the request)
+        ("logits processors (repetition penalty, min_new_tokens, bad words, ...)",
+         len(logits_processor or []) > 0 and not generation_config.do_sample),
         ("stopping criteria other than max_length and eos_token_id",
          any(not isinstance(c, (MaxLengthCriteria, EosTokenCriteria)) for c in stopping_criteria or [])),
         ("a streamer", streamer is not None),
         ("return_dict_in_generate=True", generation_config.return_dict_in_generate),
         ("several eos_token_id values", eos is not None and eos.numel() > 1)) if present]
+
+
+def cap_drafts(generator: Any, max_length: int) -> Any:
+    """transformers' candidate generator (one row's assisted decoding: prompt lookup, an assistant model, the MTP head)
+    with its drafts cut to MAX_VERIFY_TOKENS - 1 (what a GDN/KDA layer restores after a rejection: its window of a
+    forward's last MAX_ROLLBACK_TOKENS) and to max_length (prompt lookup may propose past it; the static cache holds
+    max_length). The generator keeps its class (transformers checks it) and its own schedule of draft lengths, which
+    sees the cut drafts."""
+    drafts = generator.get_candidates
+
+    def get_candidates(input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        ids, logits = drafts(input_ids, **kwargs)
+        kept = min(MAX_VERIFY_TOKENS - 1, max(max_length - input_ids.shape[1] - 1, 0))
+        if ids.shape[1] - input_ids.shape[1] > kept:
+            ids = ids[:, : input_ids.shape[1] + kept]
+            logits = logits[:, :kept] if logits is not None else None
+        return ids, logits
+
+    generator.get_candidates = get_candidates
+    return generator
 
 
 def _requested_drafts(name: str, value: object, default: int | None = None) -> int:
@@ -566,6 +604,8 @@ __all__ = [
     "VerifyRound",
     "assisted_generate_batch",
     "batched_loop_refuses",
+    "check_assisted_request",
+    "cap_drafts",
     "chain_round",
     "check_speculative_inputs",
     "drafting_round",

@@ -316,6 +316,16 @@ def test_a_model_without_mtp_weights_is_refused_before_any_forward():
     assert "\n" not in str(caught.value) and not calls
 
 
+@pytest.mark.parametrize("extra", [{"do_sample": False}, {"do_sample": True}])
+def test_use_mtp_with_beam_search_is_refused_before_any_forward(extra):
+    model = _model()
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=r"^use_mtp drafts for greedy or sampled decoding.*num_beams is 2") as caught:
+        model.generate(_ids((1, 5)), max_new_tokens=4, num_beams=2, use_mtp=2, **extra)
+    assert "\n" not in str(caught.value) and not calls
+
+
 @pytest.mark.parametrize("head", ["random", "nearly_right"])
 def test_every_first_draft_is_the_head_run_afresh_over_the_accepted_tokens(monkeypatch, head):
     """The head's own cache after rounds of full, partial and no acceptance: each round's first draft logits equal

@@ -382,6 +382,33 @@ def test_a_verify_width_out_of_range_is_refused_before_any_work(num_tokens):
     assert "\n" not in str(error.value) and not calls
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_generate_with_an_assistant_of_another_vocabulary_is_refused_before_any_work(rows):
+    """generate(assistant_model=) of another vocabulary size, without the tokenizers of transformers' universal
+    assisted decoding: one line naming both sizes, for one row and a batch, before any forward."""
+    model = _model(MODELS["gdn+attention"])
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match="vocabulary has 64 tokens and this model's 128") as error:
+        model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=4, pad_token_id=0,
+                       assistant_model=tiny_model(["gated_deltanet"], vocab_size=64))
+    assert "\n" not in str(error.value) and not calls
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("count", [0, -2, 2.5])
+def test_a_prompt_lookup_length_that_is_not_a_positive_integer_is_refused(rows, count):
+    model = _model(MODELS["gdn+attention"])
+    calls = []
+    model.model.embed_tokens.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match=f"prompt_lookup_num_tokens={count}: .* positive integer") as error:
+        model.generate(ids[:rows], attention_mask=mask[:rows], max_new_tokens=4, pad_token_id=0,
+                       prompt_lookup_num_tokens=count)
+    assert "\n" not in str(error.value) and not calls
+
+
 def test_a_drafter_of_another_vocabulary_is_refused_before_any_work():
     model = _model(MODELS["gdn+attention"])
     calls = []
@@ -448,6 +475,8 @@ def test_generate_of_a_batch_refuses_what_it_does_not_take_in_one_line():
             model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, prompt_lookup_num_tokens=3,
                            **extra)
         assert "\n" not in str(error.value)
+        # (sampling's own warpers are not named as logits processors the request did not pass)
+        assert extra != {"do_sample": True} or "logits processors" not in str(error.value)
 
 
 def test_one_row_with_several_eos_ids_runs_transformers_loop_where_graphs_are_on(monkeypatch):

@@ -139,6 +139,40 @@ def test_greedy_with_a_drafter_equals_plain_greedy(name, kind, cache, monkeypatc
         assert any(n < 0 for n in crops)  # drafts were rejected and the states restored
 
 
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["wrong", "random"])
+def test_rounds_of_more_drafts_than_a_state_restores_are_cut(kind, cache, monkeypatch):
+    """A drafter proposing 80 tokens a round (more than a GDN/KDA window restores: MAX_ROLLBACK_TOKENS) has each
+    round cut to MAX_VERIFY_TOKENS - 1 drafts and to max_length, and the output is still plain greedy's."""
+    from transformers.generation.utils import GenerationMixin
+
+    from hybrid_linear_models.speculative_decoding import MAX_VERIFY_TOKENS
+
+    model = _model(MODELS["sliding"])
+    input_ids = _ids((1, 9), 4)
+    with torch.no_grad():
+        truth = model.generate(input_ids, max_new_tokens=70, min_new_tokens=70, do_sample=False, pad_token_id=0)
+    drafter = ScriptedDrafter(truth, kind, k=80, seed=5)
+    monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", lambda *args, **kwargs: drafter)
+    drafted = []
+    original = ScriptedDrafter.get_candidates
+    monkeypatch.setattr(ScriptedDrafter, "get_candidates", lambda self, ids, **kwargs: (
+        lambda out: (drafted.append(out[0].shape[1] - ids.shape[1]), out)[1])(original(self, ids, **kwargs)))
+    with torch.no_grad():
+        got = model.generate(input_ids, max_new_tokens=70, min_new_tokens=70, do_sample=False, pad_token_id=0,
+                             prompt_lookup_num_tokens=80, **cache)
+    assert torch.equal(got, truth)
+    assert max(drafted) > MAX_VERIFY_TOKENS - 1  # (the drafter's own rounds: cut by the model's generator)
+
+
+def test_prompt_lookup_of_a_long_repeat_equals_plain_greedy():
+    """transformers' prompt lookup proposing 70 tokens (a prompt that repeats a 100-token stretch): rounds cut to
+    what a crop restores, the tokens plain greedy's."""
+    model = _model(MODELS["gdn+attention"])
+    stretch = _ids((1, 100), 11)
+    _assert_same_as_plain(model, torch.cat([stretch, stretch[:, :10]], dim=1), 16, prompt_lookup_num_tokens=70)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_transformers_prompt_lookup_equals_plain_greedy(name):
     model = _model(MODELS[name])
