@@ -65,9 +65,9 @@ def check_static_cache_size(model: nn.Module, cache: Cache, batch: int) -> None:
         positions, made_up = reach
         raise ValueError(
             f"the static cache has {slots} key slots per row (max_cache_len; generate sizes it as the prompt plus "
-            f"max_new_tokens), more than the model's {positions} positions ({made_up}): ask for at most "
-            f"{positions} tokens in all (prompt plus max_new_tokens), extend the positions (rope_parameters with "
-            "rope_type 'yarn' and a factor), or use the dynamic cache."
+            f"max_new_tokens, less the last token, never fed back), more than the model's {positions} positions "
+            f"({made_up}): ask for at most {positions + 1} tokens in all (prompt plus max_new_tokens), extend the "
+            "positions (rope_parameters with rope_type 'yarn' and a factor), or use the dynamic cache."
         )
     needed: dict[torch.device, int] = defaultdict(int)
     per_slot: dict[torch.device, int] = defaultdict(int)

@@ -638,12 +638,12 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         if self.rope_parameters is None and legacy is not None:
             self.rope_parameters = legacy
         if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "default", "partial_rotary_factor": 0.25}
-        if isinstance(self.rope_parameters, dict):
+            self.rope_parameters = {"rope_type": "default"}
+        if isinstance(self.rope_parameters, dict):  # (the missing keys as Qwen3-Next fills them: a quarter rotates)
             self.rope_parameters = dict(self.rope_parameters)
             self.rope_parameters.setdefault("rope_type", "default")
             self.rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", 10_000.0))
-            self.rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor", 1.0))
+            self.rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor", 0.25))
         self._resolve_mtp_mlp_type()
         unset = set()
         for name, declared in declared_fields().items():  # defaults that follow another field (gdn_norm_eps)

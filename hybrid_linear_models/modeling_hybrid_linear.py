@@ -340,6 +340,9 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
 
     def __init__(self, config: HybridLinearConfig):
         super().__init__(config)
+        # a config changed after construction (config.rope_parameters = {...}) is checked as a new one is: one line
+        # naming the field, not an error deep inside a layer
+        config.validate()
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(HybridLinearDecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -630,10 +633,12 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
 
     def _validate_generated_length(self, generation_config, input_ids_length: int, has_default_max_length: bool):
         # transformers' checks, then one warning, before the cache is allocated, where the prompt plus the new tokens
-        # pass the model's positions (position_limit: transformers generates there, and warns once it is past)
+        # pass the model's positions (position_limit: transformers generates there, and warns once it is past). The
+        # last new token is never fed back: max_length - 1 positions are taken
         super()._validate_generated_length(generation_config, input_ids_length, has_default_max_length)
         if generation_config.max_length is not None:
-            warn_past_positions(self.model, generation_config.max_length, "the prompt plus max_new_tokens")
+            warn_past_positions(self.model, generation_config.max_length - 1,
+                                "the prompt plus max_new_tokens (less the last, never fed back)")
 
     def captures_graphs_on(self, device: torch.device) -> bool:
         """Whether graph decoding is on and captures steps and prompts on `device`: not for a model that a device

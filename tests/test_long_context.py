@@ -233,8 +233,21 @@ def test_generate_warns_before_the_prefill_when_prompt_plus_new_tokens_pass_the_
         out = model.generate(prompt(50), max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 80)
     [record] = [record for record in caplog.records if record.name == "hybrid_linear_models.position_limit"]
-    assert record.getMessage().startswith("the prompt plus max_new_tokens reaches 80 positions; this model's "
-                                          "positions go to 64 (max_position_embeddings)")
+    assert record.getMessage().startswith("the prompt plus max_new_tokens (less the last, never fed back) reaches 79 "
+                                          "positions; this model's positions go to 64 (max_position_embeddings)")
+
+
+def test_generate_to_exactly_the_positions_plus_the_last_token_is_silent_and_static_takes_it(caplog):
+    """50 + 15 = 65 tokens feed 64 positions (the last token is never fed back): no warning, and the static cache of
+    64 slots takes it; one token more is refused, naming 65 tokens in all."""
+    model = tiny_model(LAYERS["gdn"], max_position_embeddings=64)
+    settings = {"do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
+    with caplog.at_level(logging.WARNING, logger="hybrid_linear_models.position_limit"), torch.no_grad():
+        out = model.generate(prompt(50), max_new_tokens=15, min_new_tokens=15, **settings)
+        assert out.shape == (1, 65)
+        assert not [record for record in caplog.records if record.name == "hybrid_linear_models.position_limit"]
+        with pytest.raises(ValueError, match="ask for at most 65 tokens in all"):
+            model.generate(prompt(50), max_new_tokens=16, min_new_tokens=16, **settings)
 
 
 def test_a_static_cache_takes_the_positions_yarn_extends_and_refuses_past_them():
