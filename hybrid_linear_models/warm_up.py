@@ -19,8 +19,10 @@ not token counts), so one call up front takes all of it for the requests it cove
   tuning key of theirs), their last piece of each divisibility; and with FP8 weights, the prompts that reach each
   row tile of their products (`fp8_layers.fp8_tuning_prompt_lengths`).
 
-It refuses, in one line and before allocating anything, a length past the model's positions or a static cache that
-would not fit in memory, and prints what it did and the seconds it took.
+On a CPU nothing is compiled, tuned or captured: one short prompt per batch size (what a first decoding step builds
+once, the stacked projections). It refuses, in one line and before allocating anything, arguments that are not
+positive integers, a length past the model's positions, or caches that would not fit in memory (the default cache's
+prompts of the largest batch, and each static cache), and prints what it did and the seconds it took.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .cuda_graph_prefill import captured_buckets
 from .fp8_layers import fp8_tuning_prompt_lengths
 from .kernel_tuning import autotuning
 from .position_limit import model_position_limit
+from .shown_values import brief
 from .static_cache_slots import static_cache_slots
 from .token_chunks import shortest_chunked_length
 
@@ -72,16 +75,23 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
     reach = model_position_limit(model.model)  # (None: no limit; max_position_embeddings is then the default)
     positions = reach[0] if reach is not None else None
     max_length = (positions or model.config.max_position_embeddings) if max_length is None else max_length
-    sizes = tuple(sorted(set(batch_sizes if batch_sizes is not None else (1, max_batch_size))))
+    sizes = _batch_sizes(batch_sizes, max_batch_size)
     _check_arguments(max_batch_size, max_length, sizes, reach)
     device = next(model.parameters()).device
     graphs = model.captures_graphs_on(device)
     # (a larger size an earlier call fixed stays: transformers never shrinks it)
     slots = max(static_cache_slots(max_length, positions), getattr(model, "_previous_max_cache_length", 0) or 0) \
         if graphs else None
+    # on a CPU nothing is compiled, tuned or captured: one short prompt per batch size builds what a first decoding
+    # step builds once (stacked projections); the other lengths and the padded rows serve GPU kernels' keys
+    lengths = _dynamic_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)) if device.type == "cuda" else \
+        _dynamic_cache_lengths(max_length)[:1]
+    # the memory of every cache asked for, before any allocation: the dynamic prompts' (as large as a static cache
+    # of their tokens) and each static cache's
+    _check_cache_memory(model, max(sizes), max(lengths) + NEW_TOKENS, max_length, "its prompts' caches")
     if graphs:
-        for batch in sizes:  # the memory of every static cache asked for, before any allocation
-            _check_static_cache(model, batch, slots, max_length)
+        for batch in sizes:
+            _check_cache_memory(model, batch, slots, max_length, "a static cache")
     start = time.perf_counter()
     steps_before = len(model._graph_decoder.captured_keys) if graphs else 0
     prompt_graphs = model._graph_prefill if graphs else None  # (None: prompts run uncaptured)
@@ -94,8 +104,8 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             # the dynamic cache first: its decoding steps stack projection weights into shared storage once
             # (fused_projections), which graphs captured before would read as moved weights and capture again
             for batch in sizes:
-                for padded in (False, True) if batch > 1 else (False,):
-                    for length in _dynamic_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)):
+                for padded in (False, True) if batch > 1 and device.type == "cuda" else (False,):
+                    for length in lengths:
                         _generate(model, batch, length, padded, device, "dynamic")
                         calls += 1
             if graphs:
@@ -163,15 +173,27 @@ def _check_arguments(max_batch_size, max_length, sizes, reach: tuple[int, str] |
                          f"ask for at least {NEW_TOKENS + 1}.")
 
 
-def _check_static_cache(model, batch: int, slots: int, max_length: int) -> None:
-    """The static cache of `batch` rows the warm-up would allocate, checked for memory before it is (no buffer is
-    allocated here: transformers' static layers allocate on their first update)."""
+def _batch_sizes(batch_sizes, max_batch_size) -> tuple:
+    """The batch sizes to warm, sorted without repeats: 1 and max_batch_size by default (checked with the other
+    arguments), or a non-empty list of positive integers."""
+    if batch_sizes is None:
+        return tuple(sorted({1, max_batch_size})) if isinstance(max_batch_size, int) else (max_batch_size,)
+    if (not isinstance(batch_sizes, (list, tuple)) or not batch_sizes
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes)):
+        raise ValueError(f"warm_up: batch_sizes must be a non-empty list of positive integers (the batch sizes to "
+                         f"warm), got {brief(batch_sizes)}; pass e.g. batch_sizes=[1, 8], or leave it out.")
+    return tuple(sorted(set(batch_sizes)))
+
+
+def _check_cache_memory(model, batch: int, slots: int, max_length: int, what: str) -> None:
+    """A cache of `batch` rows and `slots` tokens the warm-up would fill, checked for memory before any is allocated
+    (no buffer is allocated here: transformers' static layers allocate on their first update)."""
     cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=slots)
     try:
         check_static_cache_size(model.model, cache, batch)
     except ValueError as error:
-        raise ValueError(f"warm_up(max_batch_size={batch}, max_length={max_length}), a static cache of {slots} "
-                         f"slots: {error}") from None
+        raise ValueError(f"warm_up(max_batch_size={batch}, max_length={max_length}), {what} of {slots} slots: "
+                         f"{error}") from None
 
 
 def _generate(model, batch: int, length: int, padded: bool, device: torch.device, cache: str | None) -> None:

@@ -124,6 +124,38 @@ def test_warm_up_refuses_what_does_not_fit_in_one_line(monkeypatch):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("batch_sizes", [3, [], [1, 0], [2, "4"], "1", [[1]], [True]])
+def test_warm_up_refuses_batch_sizes_that_are_not_a_list_of_positive_integers(batch_sizes):
+    model = tiny_model(LAYERS).eval()
+    with pytest.raises(ValueError, match=r"^warm_up: batch_sizes must be a non-empty list of positive integers") as e:
+        model.warm_up(batch_sizes=batch_sizes, max_length=100)
+    assert "\n" not in str(e.value)
+
+
+def test_warm_up_refuses_a_batch_whose_caches_do_not_fit_before_any_work(monkeypatch):
+    """Graphs off (the CPU): the default cache's prompts of the largest batch are checked against the memory
+    available before any generate (a batch of 10**5 rows is one line, not an allocator's error after minutes)."""
+    model = tiny_model(LAYERS).eval()
+    calls = []
+    monkeypatch.setattr(warm_up, "_generate", lambda *args: calls.append(args))
+    monkeypatch.setattr(cache_checks, "available_memory", lambda device: 2**30)  # (1 GiB: a tiny model's 10**5 rows)
+    with pytest.raises(ValueError, match=r"warm_up\(max_batch_size=100000, max_length=300\), its prompts' caches .* "
+                                         r"more than the .* available") as error:
+        model.warm_up(max_batch_size=10**5, max_length=300)
+    assert "\n" not in str(error.value) and not calls
+
+
+def test_warm_up_on_the_cpu_runs_one_short_prompt_per_batch_size(monkeypatch, capsys):
+    """Nothing compiles, tunes or captures on a CPU: one short default-cache generate per batch size, whatever
+    max_length (the GPU's lengths and padded rows serve its kernels' keys)."""
+    model = tiny_model(LAYERS).eval()
+    calls = []
+    monkeypatch.setattr(warm_up, "_generate", lambda *args: calls.append(args[1:4]))
+    report = model.warm_up(max_batch_size=16, max_length=16384)
+    assert calls == [(1, 64, False), (16, 64, False)] and report.generate_calls == 2
+    assert "static caches not warmed" in capsys.readouterr().out
+
+
 def test_a_rounded_cache_that_does_not_fit_gives_way_to_the_exact_size(monkeypatch):
     """generate's static cache takes the exact size where the rounded one's buffers would not fit in memory, and is
     refused (one line, before allocating) only where the exact size does not fit either."""
