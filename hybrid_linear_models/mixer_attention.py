@@ -12,7 +12,11 @@ Sliding-window attention in linear memory: for eager and sdpa, transformers expr
 at most `window` keys. The model hands such layers a `SlidingWindowMask` instead (a description of the mask, O(T)),
 and `sliding_window_attention` runs the same attention function over blocks of queries, each against only the keys
 its window can reach, with that block's slice of the mask: O(T * window) memory. The keys it skips are exactly those
-the full mask hides, so the result is the same up to floating-point summation order.
+the full mask hides, so the result is the same up to floating-point summation order. Full attention gets the same
+description, with an unbounded window, for prompts of DESCRIBED_MASK_QUERIES tokens or more whose mask would be
+materialised (padded rows, packed documents, keys cached before the prompt: sdpa's causal kernel needs no mask
+otherwise): blocks of 1,024 queries against the keys before them, 1,024 x keys mask elements at a time instead of
+T x keys.
 
 A decoding step (one token per row, no gradient) runs q_proj, k_proj and v_proj as one GEMM (`fused_projections`; so
 does a speculative verify round: `stacks_projections`), rotates q and k together (one concatenation, then x * cos +
@@ -162,9 +166,17 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+# A full-attention layer's window, as a described mask takes it: wider than any sequence (every earlier key is seen)
+UNBOUNDED_WINDOW = 2**62
+# Prompts of at least this many tokens whose full-attention mask would be materialised get it described instead
+# (modeling's `_describes_full_mask`): a padded prompt of T tokens would otherwise hold [batch, 1, T, T] booleans
+DESCRIBED_MASK_QUERIES = 4096
+
+
 @dataclass
 class SlidingWindowMask:
-    """The mask of a sliding-window attention layer, described instead of materialised (see the module docstring).
+    """The mask of a sliding-window attention layer, described instead of materialised (see the module docstring);
+    with UNBOUNDED_WINDOW, a full-attention layer's causal mask.
 
     Query i (absolute position q_offset + i) sees key j (absolute position kv_offset + j) when 0 <= q - k < window,
     the key is not padding, and both are in the same packed document: transformers' sliding-window mask, element for

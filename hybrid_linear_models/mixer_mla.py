@@ -50,7 +50,12 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from .attention_one_query import one_query_applies, one_query_attention
 from .mixer_attention import _FIELDS as ATTENTION_FIELDS
-from .mixer_attention import apply_rotary, eager_attention_forward
+from .mixer_attention import (
+    SlidingWindowMask,
+    apply_rotary,
+    eager_attention_forward,
+    sliding_window_attention,
+)
 from .mixer_registry import ConfigField, MixerSpec, register
 from .norms import HybridLinearRMSNorm
 from .prompt_attention_backend import attention_function
@@ -191,7 +196,12 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         key = torch.cat([key_nope, shared_key.expand(-1, key_nope.shape[1], -1, -1)], dim=-1)
         if pad_value and self.v_head_dim != self.qk_head_dim:  # flash attention wants one width for q, k and v
             value = nn.functional.pad(value, [0, self.qk_head_dim - self.v_head_dim])
-        output, weights = attention(self, query, key, value, attention_mask, **settings)
+        if isinstance(attention_mask, SlidingWindowMask):  # a long prompt's mask, described (mixer_attention)
+            additive = self.config._attn_implementation == "eager"
+            output, weights = sliding_window_attention(self, attention, query, key, value, attention_mask, additive,
+                                                       **settings)
+        else:
+            output, weights = attention(self, query, key, value, attention_mask, **settings)
         return output[..., : self.v_head_dim], weights
 
     def _absorbed(self, attention: Callable, query: torch.Tensor, compressed: torch.Tensor, attention_mask,

@@ -50,7 +50,8 @@ from .derived_weights import DerivedWeight
 from .device_memory_check import check_weights_fit
 from .device_placement import placement_device
 from .fp8_layers import init_fp8_weights, quantize_module, quantize_modules
-from .mixer_attention import HybridLinearAttention, RotaryTables, SlidingWindowMask  # noqa: F401  (kept importable)
+from .mixer_attention import (  # noqa: F401  (kept importable)
+    DESCRIBED_MASK_QUERIES, UNBOUNDED_WINDOW, HybridLinearAttention, RotaryTables, SlidingWindowMask)
 from .kept_verify_rounds import KeptVerifyRounds
 from .mixer_attention import additive_mask
 from .component_registry import all_specs
@@ -387,11 +388,13 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 for rotary in self._rotary_embeddings()]
 
     def _layer_masks(self, inputs_embeds, attention_mask, cache, position_ids, weights_wanted: bool,
-                     causal: bool = False) -> list:
+                     causal: bool = False, described_full: bool = False) -> list:
         """The attention mask of every layer (None for GDN/KDA layers): one for all full (and latent) attention,
         one per distinct sliding window, each built once. A dict given by the caller maps layer indices
         (`create_masks_for_generate`'s) or layer types (transformers') to masks.
-        `causal`: sdpa's own causal mask is the full-attention one (`_causal_kernel_suffices`), None is passed."""
+        `causal`: sdpa's own causal mask is the full-attention one (`_causal_kernel_suffices`), None is passed.
+        `described_full`: a long prompt whose full-attention mask would be materialised (`_describes_full_mask`)
+        gets it described, as a sliding window wider than the sequence, applied block by block."""
         if isinstance(attention_mask, dict):
             return [attention_mask[i] if i in attention_mask else attention_mask.get(t)
                     for i, t in enumerate(self.config.layer_types)]
@@ -403,8 +406,8 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                 settings = self.config.per_layer_config[i]
                 key = settings.sliding_window
                 if key not in built:
-                    described = None if weights_wanted else self._sliding_window_mask(
-                        inputs_embeds, attention_mask, cache, position_ids, key)
+                    described = None if weights_wanted else self._described_mask(
+                        inputs_embeds, attention_mask, cache, position_ids, key, i)
                     # sized by this window's first layer: transformers' default (the cache's first sliding layer)
                     # has another buffer length in a static cache when the windows differ
                     built[key] = described or create_sliding_window_causal_mask(config=settings, layer_idx=i,
@@ -412,8 +415,10 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
             elif MIXERS[self.config.mixer_types[i]].state == "kv":  # full attention, and every other attention
                 key = "full"
                 if key not in built:
-                    built[key] = None if causal and not weights_wanted else create_causal_mask(config=self.config,
-                                                                                                **kwargs)
+                    described = self._described_mask(inputs_embeds, attention_mask, cache, position_ids,
+                                                      UNBOUNDED_WINDOW, i) if described_full else None
+                    built[key] = None if causal and not weights_wanted else described or create_causal_mask(
+                        config=self.config, **kwargs)
             else:
                 key = None
             masks.append(built.get(key))
@@ -431,9 +436,19 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
                                                 and attention_mask.shape[1] == inputs_embeds.shape[1]))
                 and info.padding_mask is None and info.cu_seqlens is None and not past)  # (padding: `info` found it)
 
-    def _sliding_window_mask(self, inputs_embeds, attention_mask, cache, position_ids,
-                             window: int) -> SlidingWindowMask | None:
-        """The sliding-window mask described, not built (attention applies it block by block in O(T * window)
+    def _describes_full_mask(self, inputs_embeds, weights_wanted: bool, causal: bool, past,
+                             info: SequenceInfo) -> bool:
+        """Whether the full-attention layers get their mask described (`_described_mask` with an unbounded window)
+        rather than built: a prompt of DESCRIBED_MASK_QUERIES tokens or more whose mask transformers would
+        materialise, [batch, 1, T, keys] (padded rows, packed documents, or keys cached before it), where sdpa's
+        own causal mask does not serve. Below that, one masked kernel is faster than blocks, and T x keys small."""
+        return (not causal and not weights_wanted and inputs_embeds.shape[1] >= DESCRIBED_MASK_QUERIES
+                and (info.padding_mask is not None or info.cu_seqlens is not None or bool(past)))
+
+    def _described_mask(self, inputs_embeds, attention_mask, cache, position_ids, window: int,
+                        layer_idx: int) -> SlidingWindowMask | None:
+        """Layer `layer_idx`'s sliding-window mask (the first layer of its window; a full-attention layer's with
+        UNBOUNDED_WINDOW) described, not built (attention applies it block by block in O(T * min(window, keys))
         memory), wherever transformers would materialise a [batch, 1, T, keys] mask: eager and sdpa, several query
         tokens, no cache or a dynamic one; padded, packed or continuing a cache alike. None otherwise (one-token
         steps, whose mask is one row; static caches, whose key slots do not follow the positions; other attention
@@ -444,10 +459,7 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
         if (self.config._attn_implementation not in ("sdpa", "eager") or q_length == 1 or four_d_mask
                 or getattr(cache, "is_compileable", False)):
             return None
-        if cache is not None:
-            # the first layer of this window: the one transformers would size the mask by
-            layer_idx = next(i for i, t in enumerate(self.config.layer_types) if t == "sliding_attention"
-                             and self.config.per_layer_config[i].sliding_window == window)
+        if cache is not None:  # (layer_idx: the layer transformers would size the mask by)
             q_offset = cache.get_query_offset(layer_idx)
             kv_length, kv_offset = cache.get_mask_sizes(q_length, layer_idx)
         else:
@@ -504,7 +516,9 @@ class HybridLinearModel(HybridLinearPreTrainedModel):
 
         weights_wanted = bool(kwargs.get("output_attentions", self.config.output_attentions))
         causal = self._causal_kernel_suffices(inputs_embeds, attention_mask, cache, past, sequence_info)
-        masks = self._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted, causal)
+        described = self._describes_full_mask(inputs_embeds, weights_wanted, causal, past, sequence_info)
+        masks = self._layer_masks(inputs_embeds, attention_mask, cache, position_ids, weights_wanted, causal,
+                                  described)
         position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:

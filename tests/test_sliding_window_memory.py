@@ -1,6 +1,6 @@
 """Sliding-window attention runs block by block (O(T * window) memory) and equals transformers' masked attention.
 
-The reference is the same model with the block path switched off (`_sliding_window_mask` returning None), which hands
+The reference is the same model with the block path switched off (`_described_mask` returning None), which hands
 the layers transformers' 4-D sliding-window mask. The blocked path sums the same terms (the keys it skips are exactly
 those the mask hides, whose softmax weights are exactly 0), in another order: in float64 the two agree to ~1e-13, which
 is what the tight comparisons below check; in float32 the different order of the softmax sums moves the logits by a few
@@ -34,7 +34,7 @@ def small_query_blocks(monkeypatch):
 def reference(monkeypatch):
     """Context in which sliding layers get transformers' materialised mask (the path before the blocked one)."""
     with monkeypatch.context() as patch:
-        patch.setattr(HybridLinearModel, "_sliding_window_mask", lambda *args, **kwargs: None)
+        patch.setattr(HybridLinearModel, "_described_mask", lambda *args, **kwargs: None)
         yield
 
 
@@ -145,7 +145,7 @@ def test_sliding_window_prefill_builds_no_t_by_t_tensor(monkeypatch, implementat
         assert largest_tensor(model, input_ids) >= length * length
 
 
-def test_sliding_window_mask_is_described_not_built_for_a_padded_prefill(monkeypatch):
+def test_described_mask_is_described_not_built_for_a_padded_prefill(monkeypatch):
     built = []
     real = modeling_hybrid_linear.create_sliding_window_causal_mask
     monkeypatch.setattr(modeling_hybrid_linear, "create_sliding_window_causal_mask",
@@ -171,3 +171,54 @@ def test_full_attention_sdpa_prefill_builds_no_t_by_t_tensor():
     length = 2048
     model = tiny_model(["full_attention"], vocab_size=16, hidden_size=16, intermediate_size=16)
     assert largest_tensor(model, ids(1, length) % 16) < length * length // 8  # sdpa's is_causal: no mask at all
+
+
+# ------------------------------------------------------------------------ full attention, described (long prompts)
+
+FULL_LAYERS = ["full_attention", "gated_deltanet", "mla_attention", "kimi_delta_attention"]
+
+
+@contextlib.contextmanager
+def full_masks_described(monkeypatch):
+    """Prompts of 32 tokens or more get the full-attention mask described, in blocks of 16 queries."""
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_hybrid_linear, "DESCRIBED_MASK_QUERIES", 32)
+        patch.setattr(mixer_attention, "_MAX_QUERY_BLOCK", 16)
+        yield
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("case", ["left-padded", "packed", "chunked prefill and decode"])
+def test_described_full_attention_equals_the_masked_path(monkeypatch, implementation, case):
+    """Full attention and MLA with their mask described (a long prompt that is padded, packed or continues a cache)
+    against transformers' materialised mask, in float64."""
+    model = tiny_model(FULL_LAYERS, attn_implementation=implementation).double()
+    seen = []
+    monkeypatch.setattr(model.model.layers[0].self_attn, "forward", _recording(model.model.layers[0].self_attn, seen))
+    with torch.no_grad():
+        with full_masks_described(monkeypatch):
+            described = CASES[case](model)
+        assert any(isinstance(mask, SlidingWindowMask) for mask in seen)
+        seen.clear()
+        expected = CASES[case](model)
+        assert not any(isinstance(mask, SlidingWindowMask) for mask in seen)
+    assert torch.isfinite(described).all()
+    torch.testing.assert_close(described, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_a_long_padded_prompt_builds_no_t_by_t_mask(monkeypatch):
+    """A left-padded prompt past DESCRIBED_MASK_QUERIES: no tensor of T x T elements (the materialised mask is
+    [batch, 1, T, T]); below it (the spy's check), the mask is built."""
+    monkeypatch.setattr(modeling_hybrid_linear, "DESCRIBED_MASK_QUERIES", 1024)
+    length = 4096
+    model = tiny_model(["full_attention", "gated_deltanet"], vocab_size=16, hidden_size=16, intermediate_size=16)
+    input_ids = ids(2, length) % 16
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :100] = 0
+    with torch.no_grad(), LargestTensor() as spy:
+        model(input_ids, attention_mask=mask, use_cache=False)
+    assert spy.numel <= 2 * 1024 * length  # (a block of 1,024 queries: rows x heads x 1,024 x keys at most)
+    monkeypatch.setattr(modeling_hybrid_linear, "DESCRIBED_MASK_QUERIES", 4 * length)
+    with torch.no_grad(), LargestTensor() as spy:
+        model(input_ids, attention_mask=mask, use_cache=False)
+    assert spy.numel >= 2 * length * length
