@@ -10,9 +10,10 @@ p (qk_rope_head_dim), value width v (v_head_dim), for a token x:
 `mla_use_nope` True (Kimi-Linear, whose released config says so with p = 64): no rotary embedding at all, kp is just
 an unrotated shared key slice. False (DeepSeek): qp_i and kp are rotated by position (the model's rope_parameters;
 all p dims of the slice rotate, so partial_rotary_factor does not apply; pairs (j, j + p/2) as transformers' Llama
-rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job; the
-softmax scale is 1/sqrt(n + p) whatever the rope type: DeepSeek-V3's YaRN correction of it, mscale_all_dim, is not
-applied).
+rotates them: DeepSeek's interleaved pairs are a permutation of the rope rows of Wq and Wkva, a converter's job).
+The softmax scale is 1/sqrt(n + p), times DeepSeek-V3's YaRN correction m^2 where the rope parameters give
+`mscale_all_dim` with a rope type other than "default": m = 0.1 mscale_all_dim ln(factor) + 1 (factor > 1), as
+transformers' DeepseekV3Attention scales it.
 Parameter names are Kimi-Linear's (q_proj | q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
 kv_b_proj, o_proj), so checkpoints map one to one; `attention_bias` puts biases where transformers' KimiLinearAttention
 and DeepSeek-V3 put them, on q_a_proj, kv_a_proj_with_mqa and o_proj (never on q_proj, q_b_proj or kv_b_proj, so the
@@ -41,6 +42,7 @@ Two ways to attend, the same math:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -104,6 +106,15 @@ class _LayerRopeWidth:
         return getattr(self._config, name)
 
 
+
+def yarn_softmax_correction(rope: dict) -> float:
+    """DeepSeek-V3's YaRN factor m of the attention logits' scale (applied squared: queries and keys), 1 unless the
+    rope type is not "default" and `mscale_all_dim` is given: m = 0.1 mscale_all_dim ln(factor) + 1 for factor > 1."""
+    mscale_all_dim, factor = rope.get("mscale_all_dim"), rope.get("factor")
+    if rope.get("rope_type", "default") == "default" or not mscale_all_dim or not factor or factor <= 1:
+        return 1.0
+    return 0.1 * mscale_all_dim * math.log(factor) + 1.0
+
 class HybridLinearMultiHeadLatentAttention(nn.Module):
     def __init__(self, config: HybridLinearConfig, layer_idx: int):
         """config: the model's (its attention implementation can change after construction); the layer's own
@@ -118,7 +129,7 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         self.v_head_dim = s.v_head_dim
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.rotary = not s.mla_use_nope and self.qk_rope_head_dim > 0
-        self.scaling = self.qk_head_dim**-0.5
+        self.scaling = self.qk_head_dim**-0.5 * yarn_softmax_correction(s.rope_parameters) ** 2
         self.attention_dropout = s.attention_dropout
         self.is_causal = True
         self.num_key_value_groups = 1  # keys are per head (expanded) or one head for one query head (absorbed)
