@@ -5,8 +5,11 @@ loop without its software pipeline, and against other settings where asked, side
 For each case (batch, tokens a row, cache slots; the GDN benchmark model's attention, 16 query and 2 KV heads of 256,
 gated, bf16, every slot before the step's filled) it captures `attention_step` in a CUDA graph and times replays (the
 median of `--repeats`) with each side's settings in turn (A B A B, the best of each): microseconds, the rate at which
-the keys and values are read (TB/s), and how many times faster the package's settings are. Without CUDA it says so
-and exits.
+the keys and values are read (TB/s), and how many times faster the package's settings are.
+
+Without CUDA (or with `--tiny`, the CPU smoke configuration), the kernels' sides are skipped and the table holds what
+a CPU runs instead: the torch path's step (a one-layer full-attention model of the given heads, float32, a static
+cache filled to the case's slots; `--tiny`: 4 query / 2 KV heads of 16 and small caches), us per step.
 
     python benchmarks/bench_attention_step.py [--heads 16] [--kv-heads 2] [--head-dim 256] [--repeats 20]
         [--cases 1x1x131072 1x4x131072 16x1x16384 ...] [--variants slots_per_tile=64,stages=2 ...]
@@ -87,8 +90,42 @@ def variants(kernels, asked: list[str]) -> dict[str, dict]:
     return sides
 
 
+TINY_CASES = ["1x1x64", "1x4x64", "2x1x256"]
+
+
+def cpu_table(cases: list[str], heads: int, kv_heads: int, width: int, repeats: int) -> None:
+    """Each case's step on the torch path (a CPU): a one-layer full-attention model's forward of `tokens` a row
+    into a static cache of `slots`, filled before the step's last tokens; us per step (the median of `repeats`)."""
+    import time
+
+    from transformers import StaticCache
+
+    from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+
+    config = HybridLinearConfig(mixer_types=["full_attention"], hidden_size=heads * width, num_attention_heads=heads,
+                                num_key_value_heads=kv_heads, head_dim=width, intermediate_size=4 * width,
+                                vocab_size=256)
+    torch.manual_seed(0)
+    model = HybridLinearForCausalLM(config).eval()
+    print(f"{heads} query / {kv_heads} KV heads of {width}, float32, the CPU's torch path (the Triton kernels' sides "
+          "need CUDA); us per step of a one-layer model")
+    print(f"{'batch x tokens x slots':>24} | {'torch path, us':>14} | {'package kernels':>22}")
+    for case in cases:
+        batch, tokens, slots = (int(n) for n in case.split("x"))
+        ids = torch.randint(1, 256, (batch, slots))
+        times = []
+        with torch.no_grad():
+            for _ in range(repeats):
+                cache = StaticCache(config=config, max_cache_len=slots)
+                model(input_ids=ids[:, : slots - tokens], cache=cache, use_cache=True)
+                start = time.perf_counter()
+                model(input_ids=ids[:, slots - tokens:], cache=cache, use_cache=True)
+                times.append((time.perf_counter() - start) * 1e6)
+        print(f"{case:>24} | {sorted(times)[len(times) // 2]:>14.1f} | {'skipped (needs CUDA)':>22}", flush=True)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=256)
@@ -96,10 +133,13 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=CASES, help="BATCHxTOKENSxSLOTS")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="also these settings, each FIELD=VALUE[,FIELD=VALUE] of AttendSettings (e.g. stages=2)")
+    parser.add_argument("--tiny", action="store_true", help="the CPU smoke configuration (see above)")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
-    if not torch.cuda.is_available():
-        print("bench_attention_step.py: skipped, it times the attention step's Triton kernels and needs a CUDA device")
+    if args.tiny or not torch.cuda.is_available():
+        heads = (4, 2, 16) if args.tiny else (args.heads, args.kv_heads, args.head_dim)
+        # (the GPU's default cases reach 10**6 slots: a CPU takes the tiny ones unless others are asked)
+        cpu_table(TINY_CASES if args.cases == CASES else args.cases, *heads, min(args.repeats, 5))
         return
     import triton
 

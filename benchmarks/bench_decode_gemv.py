@@ -118,7 +118,7 @@ def tuned_config(batch: int, outputs: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0)
     parser.add_argument("--tiny", action="store_true", help="without CUDA: narrow shapes on the CPU (a smoke test)")

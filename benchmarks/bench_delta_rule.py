@@ -289,7 +289,7 @@ def run_gpu(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="run the CUDA comparison (fla vs ops) instead of the CPU one")
     parser.add_argument("--reps", type=int, default=15, help="timed CPU repetitions per side (GDN, and ours for KDA)")
     parser.add_argument("--kda-reps", type=int, default=2, help="timed repetitions of transformers' slow KDA")

@@ -127,7 +127,7 @@ def routing(tokens: int, experts: int, device: torch.device) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 16, 4096],
                         help="rows of x (tokens; the experts take TOP_K rows per token)")
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0)

@@ -178,7 +178,7 @@ def bench_decoding(ours, theirs, size: dict, device: torch.device, dtype: torch.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: gpu on CUDA, else tiny")
     parser.add_argument("--decode", type=int, nargs="*", default=[1, 16], help="decoding batch sizes (none: skip)")
     parser.add_argument("--repeats", type=int, default=3)

@@ -222,7 +222,8 @@ def cell(row: dict | None, key: str, fmt: str) -> str:
 
 def print_table(model: str, results: dict[str, list[dict]], args) -> None:
     print(f"\n{model} vs {PEERS[model]}: batch 1, prefill `model(ids, use_cache=True, logits_to_keep=1)`, "
-          f"decoding {args.decode_steps} steps at that context (ours: static cache, CUDA graphs)")
+          f"decoding {args.decode_steps} steps at that context (ours: static cache"
+          f"{', CUDA graphs' if args.device.startswith('cuda') else ', eager on the CPU'})")
     print(f"{'tokens':>9} | {'side':<12} {'first tok/s':>12} {'warm tok/s':>11} {'peak GiB':>9} | "
           f"{'decode tok/s':>12} {'limit tok/s':>11} {'share':>6} | {'prefill ratio':>13} {'decode ratio':>12}")
     by_length = {side: {row["length"]: row for row in rows} for side, rows in results.items()}

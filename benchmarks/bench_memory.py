@@ -82,7 +82,7 @@ def print_table(table: dict[str, list[float]], lengths: list[int], window: int, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])

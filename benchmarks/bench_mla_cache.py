@@ -44,7 +44,7 @@ def measured(heads: int, rank: int, nope: int, rope: int, v: int, dtype: torch.d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     dtype = getattr(torch, parser.parse_args().dtype)
     print("| shapes | heads | latent + shared slice | MLA cache (formula / static / dynamic) | full KV | ratio |")

@@ -305,7 +305,7 @@ def bench_decode(ours, theirs, device: torch.device, batches: list[int], prompt:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help="default: gpu on CUDA, else cpu")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--repeats", type=int, default=5)

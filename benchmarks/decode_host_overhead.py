@@ -116,7 +116,7 @@ def measure(name: str, tokens: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--models", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     args = parser.parse_args()

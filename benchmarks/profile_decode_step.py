@@ -48,6 +48,10 @@ the graph, then `--steps` replayed steps under torch.profiler. Printed per model
   per token of each, and from a profile of one generate call, per token in its decoding phase: the GPU's kernel time,
   its kernels (the graph's and those outside it), and the time the GPU idles.
 
+On a CPU (`--tiny`, the CPU smoke configuration; also what runs without CUDA), the tiny GDN and KDA models' eager
+decoding step (a CPU runs no graphs and none of this package's Triton kernels) in float32, its torch ops ranked by
+their own CPU time per step: which ops a step runs on the CPU path and how often.
+
     python benchmarks/profile_decode_step.py [--models gdn kda kimi qwen3-next-fp8 kimi-48b] [--prompt 512]
         [--steps 20] [--top 25] [--trace DIR] [--prefill 1024 8192] [--generate 64] [--batch 16]
         [--ab gemv attention in_place norm pdl conv gated_norm routed moe swiglu_input fp8_flat
@@ -71,7 +75,15 @@ from transformers import StaticCache
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flagship_models import build_ours, kimi_linear_fields, qwen3_next_fields  # noqa: E402
-from model_configs import GPU_GDN, GPU_KDA, gdn_pair, kda_pair, kimi_linear_config  # noqa: E402
+from model_configs import (  # noqa: E402
+    GPU_GDN,
+    GPU_KDA,
+    TINY_GDN,
+    TINY_KDA,
+    gdn_pair,
+    kda_pair,
+    kimi_linear_config,
+)
 
 from hybrid_linear_models import HybridLinearForCausalLM  # noqa: E402
 
@@ -414,8 +426,46 @@ def profile_model(name: str, prompt: int, steps: int, top: int, trace: Path | No
         profile_prefill(model, name, length, top)
 
 
+TINY = {"gdn": lambda: gdn_pair(**TINY_GDN)[0], "kda": lambda: kda_pair(**TINY_KDA)[0]}
+
+
+def profile_cpu_step(name: str, prompt: int, steps: int, top: int) -> None:
+    """The tiny model `name`'s eager decoding step on the CPU (float32, a static cache after a `prompt`-token
+    prefill): wall ms per step, and its torch ops by own CPU time per step (aten ops: the kernels a CPU runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = HybridLinearForCausalLM(TINY[name]()).eval()
+    input_ids = torch.randint(1, model.config.vocab_size, (1, prompt))
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 4 + 2 * steps)
+    token = input_ids[:, -1:]
+    with torch.no_grad():
+        model(input_ids=input_ids, cache=cache, use_cache=True)
+        for _ in range(3):
+            model(input_ids=token, cache=cache, use_cache=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            model(input_ids=token, cache=cache, use_cache=True)
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                model(input_ids=token, cache=cache, use_cache=True)
+    ops: dict[str, list[float]] = collections.defaultdict(list)
+    for event in prof.events():
+        if event.name.startswith("aten::"):
+            ops[event.name].append(event.self_cpu_time_total / 1e3)  # microseconds -> ms
+    total = sum(sum(times) for times in ops.values()) / steps
+    params = sum(p.numel() for p in model.parameters())
+    print(f"\n{name} (tiny, CPU): {params / 1e3:.0f}K params, prompt {prompt}, eager decoding step: wall "
+          f"{wall_ms:.3f} ms, aten ops' own time {total:.3f} ms, "
+          f"{sum(len(times) for times in ops.values()) / steps:.0f} aten ops")
+    print(f"{'ms/step':>8} {'share':>6} {'n/step':>6}  op")
+    for op, times in sorted(ops.items(), key=lambda item: -sum(item[1]))[:top]:
+        print(f"{sum(times) / steps:>8.4f} {sum(times) / steps / total:>6.1%} {len(times) / steps:>6.1f}  {op}")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=list(CONFIGS), choices=[*CONFIGS, *FLAGSHIPS])
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
@@ -431,12 +481,17 @@ def main() -> None:
                         help="instead: each model's replayed step without and with these kernels, in turn")
     parser.add_argument("--mtp", type=int, nargs="*", default=[], metavar="K",
                         help="instead: generate(use_mtp=K) rounds of the model with an MTP layer, profiled")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the CPU smoke configuration: the tiny models' eager step on the CPU (see above)")
     parser.add_argument("--generate", type=int, default=0, metavar="N",
                         help="instead: generate N new tokens at batch 1 against the step alone, and where it waits")
     args = parser.parse_args()
     print("command: python " + " ".join(sys.argv))
-    if not torch.cuda.is_available():
-        print("profile_decode_step.py: skipped, it profiles replays of captured CUDA graphs and needs a CUDA device")
+    if args.tiny or not torch.cuda.is_available():
+        if not args.tiny:
+            print("profile_decode_step.py: no CUDA device: the tiny models' eager step on the CPU (--tiny) instead")
+        for name in [name for name in args.models if name in TINY] or list(TINY):
+            profile_cpu_step(name, min(args.prompt, 32) if args.tiny else args.prompt, args.steps, args.top)
         return
     for name in args.models:
         try:

@@ -25,7 +25,7 @@ BENCHMARKS = REPO / "benchmarks"
 # (script, the arguments of its tiny CPU configuration, texts its output holds: its tables, or its line that the part
 # needs CUDA)
 RUNS = [
-    ("bench_attention_step.py", [], ["skipped, it times the attention step's Triton kernels and needs a CUDA device"]),
+    ("bench_attention_step.py", ["--tiny"], ["torch path, us", "1x4x64 |", "skipped (needs CUDA)"]),
     ("bench_conversion.py", ["--tiny"], ["fast_llm -> hf", "hf -> fast_llm", "HF output: 1 safetensors file"]),
     ("bench_conversion.py", ["--planning"], ["build_fast_llm_rows:", "whole model on meta"]),
     ("bench_decode_gemv.py", ["--tiny", "--batches", "1"],
@@ -79,7 +79,8 @@ RUNS = [
     ("diagnose_first_calls.py", ["--tiny", "--model", "qwen3-next-fp8", "--caches", "static"],
      ["model qwen3-next-fp8", "  static      33 |"]),
     ("decode_host_overhead.py", ["--tokens", "4", "--models", "gdn"], ["of host time per token around the replay"]),
-    ("profile_decode_step.py", [], ["skipped, it profiles replays of captured CUDA graphs and needs a CUDA device"]),
+    ("profile_decode_step.py", ["--tiny", "--steps", "2", "--top", "5"],
+     ["gdn (tiny, CPU):", "kda (tiny, CPU):", "ms/step  share n/step  op", "aten::mm"]),
     ("profile_gpu.py", ["--tiny"], ["ours training step", "transformers eager decoding step",
                                     "graph decoding: skipped, a CUDA-graph replay needs a CUDA device"]),
 ]
