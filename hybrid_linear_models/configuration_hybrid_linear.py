@@ -300,7 +300,7 @@ def _field_problems(s: _Settings, p: str, names: tuple[str, ...]) -> list[str]:
             problems += _number_problems(name, value, low=0.0)
         elif kind == "size_or_zero":
             if value != 0 and (problem := _positive_int_problem(p + name, value, MAX_PARAMETERS)):
-                problems.append(problem + " or 0 (none)")
+                problems.append(problem.replace("a positive integer", "a positive integer or 0 (none)"))
         elif kind == "dropout":
             problems += _number_problems(name, value, low=0.0, high=1.0)
         elif kind == "bool":
@@ -644,6 +644,9 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
             self.rope_parameters.setdefault("rope_type", "default")
             self.rope_parameters.setdefault("rope_theta", kwargs.pop("rope_theta", 10_000.0))
             self.rope_parameters.setdefault("partial_rotary_factor", kwargs.pop("partial_rotary_factor", 0.25))
+        for name, declared in declared_fields().items():  # (None: the part left out, as DeepSeek's q_lora_rank)
+            if declared.kind == "size_or_zero" and getattr(self, name, 0) is None:
+                setattr(self, name, 0)
         self._resolve_mtp_mlp_type()
         unset = set()
         for name, declared in declared_fields().items():  # defaults that follow another field (gdn_norm_eps)

@@ -382,7 +382,7 @@ def test_qwen3_next_writer_refuses_kimi_moe_layers():
     ({"n_group": 8, "topk_group": 4}, "n_group=8 leaves 1 expert per group, and a group's score is the sum of its best "
                                       "2: use at most num_experts / 2 = 4 groups (or topk_group = n_group)."),
     ({"routed_scaling_factor": -1.0}, "routed_scaling_factor must be in (0.0, inf), got -1.0."),
-    ({"n_shared_experts": -1}, "n_shared_experts must be a positive integer, got -1 or 0 (none)."),
+    ({"n_shared_experts": -1}, "n_shared_experts must be a positive integer or 0 (none), got -1."),
     ({"n_group": 0}, "n_group must be a positive integer, got 0."),
     ({"per_layer_config": {2: {"topk_group": 6}}}, "per_layer_config[2].topk_group=6 exceeds n_group=4; a token "
                                                     "keeps at most every group: lower topk_group."),
