@@ -99,4 +99,19 @@ def read_block_fp8_settings(fields: Any) -> BlockFp8Settings | None:
     return BlockFp8Settings(FP8_DTYPES[fmt], (block[0], block[1]), tuple(skipped), dict(fields))
 
 
-__all__ = ["QUANTIZATION_KEY", "SCALE_SUFFIX", "BlockFp8Settings", "read_block_fp8_settings"]
+def check_requested_quantization(requested: Any) -> None:
+    """`from_pretrained(..., quantization_config=...)` with an FP8 config (transformers' FineGrainedFP8Config, or a
+    dict of quant_method "fp8"): one ValueError line. This family runs a checkpoint's FP8 layout with its own kernels
+    from config.json's quantization_config; a requested one would hand the model to transformers' FP8 quantizer (a
+    kernel fetched from the Hub, a GPU) or, with dequantize=True, be ignored. Other methods are transformers'."""
+    method = requested.get("quant_method") if isinstance(requested, Mapping) else getattr(requested, "quant_method",
+                                                                                        None)
+    if str(getattr(method, "value", method)).lower() != "fp8":
+        return
+    raise ValueError("from_pretrained(quantization_config=<fp8>): this family runs FP8 checkpoints with its own "
+                     "kernels, from the quantization_config in config.json; leave the argument out (the checkpoint's "
+                     "FP8 weights load as they are), or for bfloat16 weights convert the checkpoint with "
+                     "hybrid-linear-convert --dequantize-fp8.")
+
+
+__all__ = ["QUANTIZATION_KEY", "SCALE_SUFFIX", "BlockFp8Settings", "check_requested_quantization", "read_block_fp8_settings"]

@@ -50,6 +50,7 @@ from .derived_weights import DerivedWeight
 from .device_memory_check import check_weights_fit
 from .device_placement import placement_device
 from .fp8_layers import init_fp8_weights, quantize_module, quantize_modules
+from .fp8_settings import check_requested_quantization
 from .mixer_attention import (  # noqa: F401  (kept importable)
     DESCRIBED_MASK_QUERIES, UNBOUNDED_WINDOW, HybridLinearAttention, RotaryTables, SlidingWindowMask)
 from .kept_verify_rounds import KeptVerifyRounds
@@ -219,6 +220,7 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
+        check_requested_quantization(kwargs.get("quantization_config"))  # (FP8: this family's own, from config.json)
         loaded = super().from_pretrained(*args, **kwargs)  # (the model, or it and its loading info)
         (loaded[0] if isinstance(loaded, tuple) else loaded)._load_device_kernels()
         return loaded

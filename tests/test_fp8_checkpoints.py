@@ -289,6 +289,20 @@ def test_bad_fp8_folder_is_refused_in_one_line(folders, tmp_path, case):
     assert "\n" not in message and all(fragment in message for fragment in fragments), message
 
 
+@pytest.mark.parametrize("requested", [{"quant_method": "fp8", "dequantize": True}, "FineGrainedFP8Config"])
+def test_an_fp8_quantization_config_argument_is_refused_in_one_line(folders, requested):
+    """from_pretrained(quantization_config=<fp8>) would go to transformers' FP8 quantizer or, with dequantize=True,
+    be ignored: refused, naming the converter's --dequantize-fp8."""
+    if requested == "FineGrainedFP8Config":
+        from transformers import FineGrainedFP8Config
+
+        requested = FineGrainedFP8Config(dequantize=True)
+    with pytest.raises(ValueError) as raised:
+        HybridLinearForCausalLM.from_pretrained(folders / "hf", quantization_config=requested)
+    message = str(raised.value)
+    assert "\n" not in message and "--dequantize-fp8" in message and "quantization_config" in message, message
+
+
 @pytest.mark.parametrize("kept", [lambda data: data[:-1000], lambda data: data[:20], lambda data: b""],
                          ids=["data cut", "header cut", "empty"])
 def test_a_truncated_shard_is_refused_by_name(folders, tmp_path, kept):
