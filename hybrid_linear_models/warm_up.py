@@ -84,7 +84,8 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
         if graphs else None
     # on a CPU nothing is compiled, tuned or captured: one short prompt per batch size builds what a first decoding
     # step builds once (stacked projections); the other lengths and the padded rows serve GPU kernels' keys
-    lengths = _dynamic_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)) if device.type == "cuda" else \
+    tunes = compiles_kernels_on(device)
+    lengths = _dynamic_cache_lengths(max_length, fp8_tuning_prompt_lengths(model)) if tunes else \
         _dynamic_cache_lengths(max_length)[:1]
     # the memory of every cache asked for, before any allocation: the dynamic prompts' (as large as a static cache
     # of their tokens) and each static cache's
@@ -104,7 +105,7 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             # the dynamic cache first: its decoding steps stack projection weights into shared storage once
             # (fused_projections), which graphs captured before would read as moved weights and capture again
             for batch in sizes:
-                for padded in (False, True) if batch > 1 and device.type == "cuda" else (False,):
+                for padded in (False, True) if batch > 1 and tunes else (False,):
                     for length in lengths:
                         _generate(model, batch, length, padded, device, "dynamic")
                         calls += 1
@@ -171,6 +172,12 @@ def _check_arguments(max_batch_size, max_length, sizes, reach: tuple[int, str] |
     if max_length <= NEW_TOKENS:
         raise ValueError(f"warm_up: max_length={max_length} leaves no room for a prompt and {NEW_TOKENS} new tokens: "
                          f"ask for at least {NEW_TOKENS + 1}.")
+
+
+def compiles_kernels_on(device: torch.device) -> bool:
+    """Whether generate on `device` runs kernels compiled and tuned per shape (Triton's, fla's: CUDA), which the
+    warm-up's prompt lengths and padded rows are chosen to reach."""
+    return device.type == "cuda"
 
 
 def _batch_sizes(batch_sizes, max_batch_size) -> tuple:
