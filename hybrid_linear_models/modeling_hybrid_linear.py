@@ -69,7 +69,7 @@ from .mlp_sparse_moe import (
 from .moe_load_balancing import load_balancing_loss
 from .mtp_drafting import MtpCandidateGenerator, check_mtp_generation
 from .mtp_head import (HybridLinearMtpHead, check_mtp_loss_inputs, mtp_positions, shifted_labels,
-                       valid_entries)
+                       valid_entries, with_carried_head)
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info, may_hold_padding
 from .short_convolution import ShortConvolution
@@ -264,6 +264,8 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
     @staticmethod
     def _load_pretrained_model(model: PreTrainedModel, state_dict: dict | None, checkpoint_files: list[str] | None,
                                load_config, *args, **kwargs):
+        # an MTP head the folder carries beside the model's files (mtp_head.with_carried_head) loads with them
+        checkpoint_files = with_carried_head(model, checkpoint_files) if state_dict is None else checkpoint_files
         # transformers casts each checkpoint tensor to its parameter's dtype: a tensor of another kind (int8 into a
         # float weight) is refused first, naming it (checkpoint_dtypes)
         check_checkpoint_dtypes(model, state_dict, checkpoint_files, load_config)

@@ -25,6 +25,7 @@ block reads the model's global settings, as Qwen3-Next's MTP layer does.
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,9 @@ from .norms import HybridLinearRMSNorm
 from .sequence_info import SequenceInfo
 
 MTP_ATTRIBUTE = "mtp"  # the LM's attribute (checkpoint names "mtp.*", Qwen3-Next's)
+# a converted folder keeps a head its config.json did not declare in this file, not loaded by default
+# (conversion.extra_tensors); a model built with an MTP head loads it from there (`with_carried_head`)
+CARRIED_TENSORS_FILE = "extra_tensors.safetensors"
 
 
 def mtp_config(config: HybridLinearConfig) -> HybridLinearConfig:
@@ -142,9 +146,16 @@ def mtp_positions(position_ids: torch.Tensor | None, attention_mask: torch.Tenso
 
 def check_mtp_loss_inputs(position_ids: torch.Tensor | None, attention_mask, kwargs: dict) -> None:
     """The MTP loss pairs each position with the next token of its row: packed documents (cu_seq_lens, positions
-    that restart) would pair a document's last token with the next document's first; refused in one line."""
-    restarts = (position_ids is not None and position_ids.shape[-1] > 1
-                and bool((position_ids[..., 1:] != position_ids[..., :-1] + 1).any()))
+    that restart) would pair a document's last token with the next document's first; refused in one line. Padded
+    entries (a 2-D attention_mask's zeros) have positions of their own choosing (transformers fills them with 1):
+    only two neighbouring real tokens whose positions do not step by one are a restart."""
+    restarts = False
+    if position_ids is not None and position_ids.shape[-1] > 1:
+        steps = position_ids[..., 1:] != position_ids[..., :-1] + 1
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            real = attention_mask.to(torch.bool).to(steps.device)
+            steps = steps & real[..., 1:] & real[..., :-1]
+        restarts = bool(steps.any())
     if kwargs.get("cu_seq_lens_q") is not None or restarts:
         raise ValueError("mtp_loss_weight > 0 with packed sequences (cu_seq_lens or position_ids that restart): the "
                          "MTP loss would pair one document's tokens with the next one's; train the MTP heads on "
@@ -153,5 +164,29 @@ def check_mtp_loss_inputs(position_ids: torch.Tensor | None, attention_mask, kwa
         raise ValueError("mtp_loss_weight > 0 needs a 2-D attention_mask (or none); pass the [batch, tokens] mask.")
 
 
-__all__ = ["MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config", "mtp_positions",
-           "shifted_labels", "valid_entries"]
+
+def with_carried_head(model: nn.Module, checkpoint_files: list[str] | None) -> list[str] | None:
+    """The checkpoint files to load, with the folder's CARRIED_TENSORS_FILE added where the model has an MTP head,
+    the file holds exactly that head's tensors (`mtp.*`, by name) and the model's files hold none of them (a
+    Qwen3-Next head converted beside a config that declared no MTP layers, then loaded with num_mtp_layers=1): the
+    head is the checkpoint's, not a fresh one. A carried set that is not the head's (another layout) is left."""
+    if not checkpoint_files or getattr(model, MTP_ATTRIBUTE, None) is None:
+        return checkpoint_files
+    carried = os.path.join(os.path.dirname(str(checkpoint_files[0])), CARRIED_TENSORS_FILE)
+    if not os.path.isfile(carried) or carried in map(str, checkpoint_files):
+        return checkpoint_files
+    from safetensors import safe_open
+
+    def names(path: str) -> list[str]:
+        with safe_open(path, framework="pt") as handle:
+            return list(handle.keys())
+
+    prefix = MTP_ATTRIBUTE + "."
+    head = {name for name in model.state_dict() if name.startswith(prefix)}
+    if set(names(carried)) != head or any(name.startswith(prefix) for path in checkpoint_files
+                                          if str(path).endswith(".safetensors") for name in names(str(path))):
+        return checkpoint_files
+    return [*checkpoint_files, carried]
+
+__all__ = ["CARRIED_TENSORS_FILE", "MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config", "mtp_positions",
+           "shifted_labels", "valid_entries", "with_carried_head"]

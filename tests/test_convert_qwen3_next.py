@@ -193,6 +193,10 @@ def test_mtp_tensors_survive_every_hop(tmp_path):
     again, info = Qwen3NextForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not info["missing_keys"]
     assert_same_predictions(theirs, again.eval(), 96)
+    # (a model built with an MTP head leaves these three tensors: they are not a whole head; see
+    # test_convert_qwen3_next_mtp.py for a carried whole head, which it loads)
+    with_head = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf2", num_mtp_layers=1)
+    assert not torch.equal(with_head.state_dict()["mtp.fc.weight"], mtp["mtp.fc.weight"].to(torch.float32))
     with pytest.raises(ConversionError, match=r"holds 3 tensor\(s\) beside the model's \(mtp\.fc\.weight.*fast_llm"):
         convert_checkpoint(tmp_path / "hf", tmp_path / "fast_llm", from_format="hf", to_format="fast_llm")
     assert not (tmp_path / "fast_llm").exists()

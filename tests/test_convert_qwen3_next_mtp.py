@@ -147,6 +147,23 @@ def test_the_head_converts_with_transformers_math_and_back_bit_for_bit(tmp_path,
     assert_same_predictions(theirs, again.eval(), 96)
 
 
+def test_a_carried_head_loads_into_a_model_built_with_mtp_layers(tmp_path):
+    """A head stored beside a config that declares no MTP layers converts carried (extra_tensors.safetensors);
+    from_pretrained(num_mtp_layers=1) then loads that head, not a fresh one, and its logits are the reference's."""
+    theirs = save_qwen3_next(tmp_path / "source", **DENSE_CASES["ratio_4"])
+    head = mtp_head_tensors(tmp_path / "source", MTP_FIELDS)
+    add_to_folder(tmp_path / "source", head, {"mtp_use_dedicated_embeddings": False})  # (no layer count)
+    convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
+    assert (tmp_path / "hf" / "extra_tensors.safetensors").is_file()
+    assert getattr(HybridLinearForCausalLM.from_pretrained(tmp_path / "hf"), "mtp", None) is None  # (not built)
+    ours, info = HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", num_mtp_layers=1, output_loading_info=True)
+    assert not any(info.values()), info
+    ids = torch.randint(1, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected, got = reference_mtp_logits(theirs, head, ids), our_mtp_logits(ours.eval(), ids)
+    assert (expected - got).abs().max() <= LOGITS_TOLERANCE and expected.abs().max() > 0.1
+
+
 def test_the_other_name_of_the_layer_count_reads_the_same(tmp_path):
     qwen3_next_source(tmp_path / "source", fields={"num_nextn_predict_layers": 1}, **DENSE_CASES["ratio_4"])
     convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")

@@ -63,7 +63,8 @@ def test_a_tensor_in_the_shards_and_the_extra_file_is_refused(sharded_hf, tmp_pa
     save_file({name: load_file(folder / shard)[name]}, folder / "extra_tensors.safetensors",
               metadata={"carried_from": "qwen3_next", "carried_fields": "{}"})
     assert refusal("hf", folder) == (f"tensor {name} is stored twice, in {shard} and extra_tensors.safetensors; the "
-                                     "checkpoint is corrupt.")
+                                     "carried extra_tensors.safetensors is stale (a model with these tensors of its "
+                                     "own was saved beside it): remove extra_tensors.safetensors.")
 
 
 def test_the_writer_checks_the_read_back_before_writing_anything(tmp_path):

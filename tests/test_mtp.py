@@ -148,7 +148,12 @@ def test_mtp_loss_skips_ignored_labels_and_padding():
         mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
         labels = padded_ids.masked_fill(mask == 0, -100)
         padded = model(input_ids=padded_ids, attention_mask=mask, labels=labels, mtp_loss_weight=1.0).mtp_loss
+        # positions as transformers and common collators build them (a pad's is 1): padding, not packing
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        given = model(input_ids=padded_ids, attention_mask=mask, labels=labels, position_ids=positions,
+                      mtp_loss_weight=1.0).mtp_loss
     assert (padded - alone).abs() <= LOSS_TOL, (padded, alone)
+    assert (given - padded).abs() <= LOSS_TOL, (given, padded)
 
 
 def test_two_mtp_layers_chain_with_labels_shifted_by_depth():

@@ -4,10 +4,12 @@ Qwen3-Next checkpoints carry a multi-token-prediction head (`mtp.*`: its own dec
 projection) that transformers' `Qwen3NextForCausalLM` does not load either (`_keys_to_ignore_on_load_unexpected`) but
 serving engines use for speculative decoding. A conversion must not drop it, and `--to qwen3_next` must give it
 back. Our folder keeps such tensors in one file of their own, `extra_tensors.safetensors`, which is not listed in
-`model.safetensors.index.json`: `from_pretrained` never reads it (no load time, no memory, no warning about
-unexpected keys), while `--from hf` reads it back and carries it on. The file's safetensors metadata says where the
-tensors came from (`carried_from`: the format, e.g. "qwen3_next") and holds that format's config fields describing
-them (`carried_fields`: JSON, e.g. {"mtp_num_hidden_layers": 1}), so the folder's config.json stays our model's.
+`model.safetensors.index.json`: `from_pretrained` does not read it (no load time, no memory, no warning about
+unexpected keys), except into a model built with an MTP head whose tensors it holds exactly
+(`from_pretrained(path, num_mtp_layers=1)`: `mtp_head.with_carried_head`), while `--from hf` reads it back and
+carries it on. The file's safetensors metadata says where the tensors came from (`carried_from`: the format, e.g.
+"qwen3_next") and holds that format's config fields describing them (`carried_fields`: JSON, e.g.
+{"mtp_num_hidden_layers": 1}), so the folder's config.json stays our model's.
 
 A model fine-tuned and saved with `save_pretrained` has no such file: the head was not trained with it, so it would
 no longer match; convert the original checkpoint again to keep it.
@@ -18,13 +20,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..mtp_head import CARRIED_TENSORS_FILE
 from .errors import ConversionError
 from .pipeline import CarriedTensors, ConversionPlan
 from .safetensors_io import FilePlan, SafetensorsFile
 from .source_files import is_source_file
 from .untrusted import Fields, brief, clip, parse_json
 
-EXTRA_TENSORS_FILE = "extra_tensors.safetensors"
+EXTRA_TENSORS_FILE = CARRIED_TENSORS_FILE  # (the model loads a carried MTP head from it: mtp_head)
 _ORIGIN_KEY, _FIELDS_KEY = "carried_from", "carried_fields"
 
 

@@ -25,11 +25,34 @@ import torch
 
 from ..configuration_hybrid_linear import HybridLinearConfig
 from .errors import ConversionError
+from .extra_tensors import EXTRA_TENSORS_FILE
 from .name_maps import MapRow
-from .pipeline import CarriedTensors, ConversionPlan, SourceCheckpoint, TensorCensus, WriteOptions, check_tensor_sizes
-from .safetensors_io import FilePlan, SafetensorsFile, SafetensorsTensors, plan_files, write_files
+from .pipeline import (
+    CarriedTensors,
+    ConversionPlan,
+    SourceCheckpoint,
+    TensorCensus,
+    WriteOptions,
+    check_tensor_sizes,
+)
+from .safetensors_io import (
+    FilePlan,
+    SafetensorsFile,
+    SafetensorsTensors,
+    plan_files,
+    write_files,
+)
 from .source_files import is_source_file
-from .untrusted import REQUIRED, Fields, brief, clip, describe, parse_json, plain_file_name, read_text
+from .untrusted import (
+    REQUIRED,
+    Fields,
+    brief,
+    clip,
+    describe,
+    parse_json,
+    plain_file_name,
+    read_text,
+)
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -128,8 +151,12 @@ def _add_files(files: dict[str, SafetensorsFile], opened: SafetensorsFile, keys:
     """Adds `keys` of `opened` to `files`, refusing a tensor stored twice."""
     for key in keys:
         if key in files:
+            names = {files[key].path.name, opened.path.name}
+            fix = (f"the carried {EXTRA_TENSORS_FILE} is stale (a model with these tensors of its own was saved "
+                   f"beside it): remove {EXTRA_TENSORS_FILE}" if EXTRA_TENSORS_FILE in names else
+                   "the checkpoint is corrupt")
             raise ConversionError(f"tensor {clip(key, 100)} is stored twice, in {files[key].path.name} and "
-                                  f"{opened.path.name}; the checkpoint is corrupt.")
+                                  f"{opened.path.name}; {fix}.")
         files[key] = opened
 
 
