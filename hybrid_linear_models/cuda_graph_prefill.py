@@ -39,8 +39,8 @@ It does not fault on every run: a warm-up of batch sizes 1 and 4 up to 4,096 tok
 from 43 to 3,858 tokens at batch 1 and 4, faulted; the warm-up of batch 1 up to 2,048 tokens, then 1,000 tokens
 (tests/test_gpu_warm_up_prompt_graphs.py), has faulted and has run clean. A cause that fits (prompts' GEMMs are
 cuBLAS's, and every graph was captured on torch's one default stream, whose cuBLAS workspace any graph's destruction
-frees: capture_streams) is now avoided, each graph captured on a stream of its own; until a GPU run confirms that the
-fault is gone, prompts run the plain forward (at batch 1 a 1k-token prompt then takes some 44 ms of host time where
+frees: capture_streams) is avoided, each graph being captured on a stream of its own; until a GPU run shows the
+fault gone, prompts run the plain forward (at batch 1 a 1k-token prompt then takes some 44 ms of host time where
 its graph takes under 10: docs/performance.md).
 """
 
