@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{', '.join(with_tokenizer)} (default: the tokenizer found in SRC, if any)")
     parser.add_argument("--dequantize-fp8", action="store_true",
                         help="convert an FP8 checkpoint's weights (block-scaled, quantization_config quant_method "
-                             "fp8) to bfloat16, or to --dtype; without it they stay FP8 with their scales (--to hf, qwen3_next)")
+                             "fp8) to bfloat16, or to --dtype; without it they stay FP8 with their scales (--to hf, "
+                             "qwen3_next)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     return parser
 

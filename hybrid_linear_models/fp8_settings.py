@@ -114,4 +114,5 @@ def check_requested_quantization(requested: Any) -> None:
                      "hybrid-linear-convert --dequantize-fp8.")
 
 
-__all__ = ["QUANTIZATION_KEY", "SCALE_SUFFIX", "BlockFp8Settings", "check_requested_quantization", "read_block_fp8_settings"]
+__all__ = ["QUANTIZATION_KEY", "SCALE_SUFFIX", "BlockFp8Settings", "check_requested_quantization",
+           "read_block_fp8_settings"]

@@ -188,5 +188,5 @@ def with_carried_head(model: nn.Module, checkpoint_files: list[str] | None) -> l
         return checkpoint_files
     return [*checkpoint_files, carried]
 
-__all__ = ["CARRIED_TENSORS_FILE", "MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config", "mtp_positions",
-           "shifted_labels", "valid_entries", "with_carried_head"]
+__all__ = ["CARRIED_TENSORS_FILE", "MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config",
+           "mtp_positions", "shifted_labels", "valid_entries", "with_carried_head"]

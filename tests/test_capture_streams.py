@@ -9,7 +9,11 @@ import itertools
 
 import torch
 
-from hybrid_linear_models.capture_streams import POOLED_PER_PRIORITY, PRIORITIES, CaptureStreams
+from hybrid_linear_models.capture_streams import (
+    POOLED_PER_PRIORITY,
+    PRIORITIES,
+    CaptureStreams,
+)
 
 
 class Stream:

@@ -165,8 +165,8 @@ def test_a_config_mutated_after_construction_is_not_saved(tmp_path):
 def test_a_size_that_may_be_zero_takes_none_as_zero_and_names_bad_values_in_one_sentence():
     """q_lora_rank=None (DeepSeek's and Kimi's spelling of no q LoRA) is 0; a negative one is refused, the message
     one sentence: "... must be a positive integer or 0 (none), got -3"."""
-    mla = dict(mixer_types=["mla_attention"], hidden_size=64, num_attention_heads=4, kv_lora_rank=16,
-               qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    mla = {"mixer_types": ["mla_attention"], "hidden_size": 64, "num_attention_heads": 4, "kv_lora_rank": 16,
+           "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}
     assert HybridLinearConfig(**mla, q_lora_rank=None).q_lora_rank == 0
     with pytest.raises(ValueError, match=r"q_lora_rank must be a positive integer or 0 \(none\), got -3\.$"):
         HybridLinearConfig(**mla, q_lora_rank=-3)

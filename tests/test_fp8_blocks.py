@@ -124,8 +124,10 @@ def test_fp8_folder_dequantizes_to_the_asked_dtype_in_one_rounding(tmp_path, dty
     source, converted = SafetensorsFile(tmp_path / "fp8" / "model.safetensors"), {}
     for path in (tmp_path / "hf").glob("*.safetensors"):
         file = SafetensorsFile(path)
-        converted.update((key, file.read(key)) for key in file.keys())
-    fp8 = [key for key in source.keys() if source.info(key).dtype == torch.float8_e4m3fn]
+        names = file.keys()  # (a file's tensor names)
+        converted.update((key, file.read(key)) for key in names)
+    stored = source.keys()
+    fp8 = [key for key in stored if source.info(key).dtype == torch.float8_e4m3fn]
     assert fp8 and all(key in converted for key in fp8)
     for key in fp8:
         exact = reference_dequantize(source.read(key), source.read(key + "_scale_inv"), (12, 20))
@@ -285,7 +287,8 @@ def test_experts_stored_in_two_layouts_are_refused_by_name(tmp_path, kept_per_ex
     fuse_fp8_experts(tmp_path / "fp8")
     from safetensors.torch import load_file
 
-    fused, whole = load_file(tmp_path / "fp8" / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    fused = load_file(tmp_path / "fp8" / "model.safetensors")
+    whole = load_file(tmp_path / "whole" / "model.safetensors")
     mixed = {**fused, **{k: v for k, v in whole.items() if k.startswith(kept_per_expert) and ".experts." in k}}
     save_file(mixed, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
     for dequantize in (False, True):

@@ -157,7 +157,7 @@ def test_fp8_model_matches_the_dequantized_model_and_generates(folders):
         expected, got = dense(tokens).logits, fp8(tokens).logits
     assert expected.abs().max() > 0.1  # logits of a real size: the comparison means something
     assert (expected - got).abs().max().item() <= FLOAT32_TOLERANCE
-    greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(tokens))
+    greedy = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(tokens)}
     assert torch.equal(fp8.generate(tokens, **greedy), dense.generate(tokens, **greedy))
 
 
@@ -255,26 +255,26 @@ SCALE = WEIGHT + "_scale_inv"
 EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"
 ROUTER_SCALE = "model.layers.0.mlp.gate.weight_scale_inv"
 BAD_LOADS = {
-    "missing scale": (dict(tensors=lambda t: t.pop(SCALE)), [SCALE, "no tensor", "[3, 2]"]),
-    "scale of the wrong shape": (dict(tensors=lambda t: t.update({SCALE: torch.ones(2, 2)})),
+    "missing scale": ({"tensors": lambda t: t.pop(SCALE)}, [SCALE, "no tensor", "[3, 2]"]),
+    "scale of the wrong shape": ({"tensors": lambda t: t.update({SCALE: torch.ones(2, 2)})},
                                  [SCALE, "[2, 2]", "[3, 2]"]),
-    "fmt e5m2": (dict(quantization=lambda c: c["quantization_config"].update(fmt="e5m2")), ["fmt", "e5m2"]),
-    "static activations": (dict(quantization=lambda c: c["quantization_config"].update(activation_scheme="static")),
+    "fmt e5m2": ({"quantization": lambda c: c["quantization_config"].update(fmt="e5m2")}, ["fmt", "e5m2"]),
+    "static activations": ({"quantization": lambda c: c["quantization_config"].update(activation_scheme="static")},
                            ["activation_scheme", "static"]),
-    "FP8 weights without quantization_config": (dict(quantization=lambda c: c.pop("quantization_config")),
+    "FP8 weights without quantization_config": ({"quantization": lambda c: c.pop("quantization_config")},
                                                 ["float8_e4m3fn", "quantization_config"]),
     "an FP8 module kept in bf16 by the config": (
-        dict(quantization=lambda c: c["quantization_config"]["modules_to_not_convert"].append("o_proj")),
+        {"quantization": lambda c: c["quantization_config"]["modules_to_not_convert"].append("o_proj")},
         ["model.layers.3.self_attn.o_proj", "float8_e4m3fn"]),
-    "an e5m2 weight": (dict(tensors=lambda t: t.update({WEIGHT: t[WEIGHT].float().to(torch.float8_e5m2)})),
+    "an e5m2 weight": ({"tensors": lambda t: t.update({WEIGHT: t[WEIGHT].float().to(torch.float8_e5m2)})},
                        [WEIGHT, "float8_e5m2", "float8_e4m3fn"]),
-    "a NaN scale": (dict(tensors=lambda t: t[SCALE].__setitem__((1, 0), float("nan"))), [SCALE, "nan", "[1, 0]"]),
-    "a zero scale": (dict(tensors=lambda t: t[SCALE].__setitem__((2, 1), 0.0)), [SCALE, "0", "[2, 1]"]),
-    "a negative scale": (dict(tensors=lambda t: t[SCALE].neg_()), [SCALE, "finite and positive"]),
-    "a float64 scale": (dict(tensors=lambda t: t.update({SCALE: t[SCALE].double()})), [SCALE, "float64", "float32"]),
-    "a missing FP8 weight": (dict(tensors=lambda t: t.pop(WEIGHT)), [WEIGHT, "no tensor", "random"]),
-    "a missing FP8 expert stack": (dict(tensors=lambda t: t.pop(EXPERTS)), [EXPERTS, "no tensor"]),
-    "a scale beside a bf16 router": (dict(tensors=lambda t: t.update({ROUTER_SCALE: torch.ones(1, 2)})),
+    "a NaN scale": ({"tensors": lambda t: t[SCALE].__setitem__((1, 0), float("nan"))}, [SCALE, "nan", "[1, 0]"]),
+    "a zero scale": ({"tensors": lambda t: t[SCALE].__setitem__((2, 1), 0.0)}, [SCALE, "0", "[2, 1]"]),
+    "a negative scale": ({"tensors": lambda t: t[SCALE].neg_()}, [SCALE, "finite and positive"]),
+    "a float64 scale": ({"tensors": lambda t: t.update({SCALE: t[SCALE].double()})}, [SCALE, "float64", "float32"]),
+    "a missing FP8 weight": ({"tensors": lambda t: t.pop(WEIGHT)}, [WEIGHT, "no tensor", "random"]),
+    "a missing FP8 expert stack": ({"tensors": lambda t: t.pop(EXPERTS)}, [EXPERTS, "no tensor"]),
+    "a scale beside a bf16 router": ({"tensors": lambda t: t.update({ROUTER_SCALE: torch.ones(1, 2)})},
                                      [ROUTER_SCALE, "unquantized", "modules_to_not_convert"]),
 }
 

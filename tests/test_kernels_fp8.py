@@ -96,7 +96,13 @@ def test_autotuning_only_tries_slices_within_one_block_column(form, bk):
     """Whatever the block's columns, the configurations the autotuner may pick for a form fit it (`_fits`): a
     scaled_dot or fp8_dot slice of BLOCK_K columns never spans two block columns (one scale per slice), also where
     the listed slices are all wider than the block (16 or 48 columns)."""
-    from hybrid_linear_models.kernels_fp8_triton import _CONFIGS, FORMS, _autotuned, _fits, _pruned
+    from hybrid_linear_models.kernels_fp8_triton import (
+        _CONFIGS,
+        FORMS,
+        _autotuned,
+        _fits,
+        _pruned,
+    )
 
     configs = _autotuned(form).configs
     assert len(configs) == len(_CONFIGS[form])
@@ -298,7 +304,11 @@ def test_one_row_over_several_chunks_of_slices(dtype, inp, config):
     300 takes the first chunk, then 1 to 2 more, the last of them full or partly (or, at 129, all but one slice)
     past K; dense and routed (each route's gated input) against float64, with the bounds above."""
     _skip_bf16_on_interpreter(dtype)
-    from hybrid_linear_models.kernels_fp8_triton import UNROLLED_SLICES, fp8_linear, fp8_routed_linear
+    from hybrid_linear_models.kernels_fp8_triton import (
+        UNROLLED_SLICES,
+        fp8_linear,
+        fp8_routed_linear,
+    )
 
     assert inp > UNROLLED_SLICES * config[1]
     block = (32, 32)

@@ -147,7 +147,8 @@ def test_rotary_form_equals_a_reference_from_the_math():
     assert (captured["y"][0].double() - expected).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("mscale", [{}, {"mscale": 1.0, "mscale_all_dim": 1.0}, {"mscale": 0.707, "mscale_all_dim": 0.707}],
+@pytest.mark.parametrize("mscale", [{}, {"mscale": 1.0, "mscale_all_dim": 1.0},
+                                    {"mscale": 0.707, "mscale_all_dim": 0.707}],
                          ids=["plain yarn", "mscale 1", "mscale 0.707"])
 def test_rotary_form_with_yarn_equals_transformers_deepseek_v3_past_the_trained_length(mscale):
     """MLA with rotary keys (DeepSeek's form, rope_interleave False) and YaRN, mscale_all_dim's softmax correction
@@ -158,9 +159,9 @@ def test_rotary_form_with_yarn_equals_transformers_deepseek_v3_past_the_trained_
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
             **mscale}
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
-                  rms_norm_eps=1e-6, max_position_embeddings=32, kv_lora_rank=16, qk_nope_head_dim=8,
-                  qk_rope_head_dim=4, v_head_dim=8, tie_word_embeddings=False)
+    common = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "max_position_embeddings": 32, "kv_lora_rank": 16,
+              "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "tie_word_embeddings": False}
     theirs = DeepseekV3Config(**common, num_hidden_layers=2, first_k_dense_replace=2, q_lora_rank=None,
                               rope_interleave=False, rope_parameters=dict(yarn), n_routed_experts=4,
                               num_experts_per_tok=2, moe_intermediate_size=16)

@@ -156,8 +156,13 @@ def test_rounds_of_more_drafts_than_a_state_restores_are_cut(kind, cache, monkey
     monkeypatch.setattr(GenerationMixin, "_get_candidate_generator", lambda *args, **kwargs: drafter)
     drafted = []
     original = ScriptedDrafter.get_candidates
-    monkeypatch.setattr(ScriptedDrafter, "get_candidates", lambda self, ids, **kwargs: (
-        lambda out: (drafted.append(out[0].shape[1] - ids.shape[1]), out)[1])(original(self, ids, **kwargs)))
+
+    def recorded(self, ids, **kwargs):
+        out = original(self, ids, **kwargs)
+        drafted.append(out[0].shape[1] - ids.shape[1])
+        return out
+
+    monkeypatch.setattr(ScriptedDrafter, "get_candidates", recorded)
     with torch.no_grad():
         got = model.generate(input_ids, max_new_tokens=70, min_new_tokens=70, do_sample=False, pad_token_id=0,
                              prompt_lookup_num_tokens=80, **cache)
