@@ -11,6 +11,7 @@ order 1 in float32, as tests/test_convert_qwen3_next.py (the same math through d
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -170,12 +171,16 @@ def test_the_other_name_of_the_layer_count_reads_the_same(tmp_path):
     assert HybridLinearForCausalLM.from_pretrained(tmp_path / "hf").config.num_mtp_layers == 1
 
 
-def test_a_config_with_mtp_layers_but_no_stored_head_converts_without_it(tmp_path):
+def test_a_config_with_mtp_layers_but_no_stored_head_converts_without_it(tmp_path, caplog):
+    """(transformers' save_pretrained of Qwen3NextForCausalLM writes such a folder) converted, with one notice."""
     save_qwen3_next(tmp_path / "source", **DENSE_CASES["ratio_4"])
     config = json.loads((tmp_path / "source" / "config.json").read_text())
     (tmp_path / "source" / "config.json").write_text(json.dumps({**config, **MTP_FIELDS}))
-    convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
+    with caplog.at_level(logging.WARNING, logger="hybrid_linear_models.conversion"):
+        convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
     assert HybridLinearForCausalLM.from_pretrained(tmp_path / "hf").config.num_mtp_layers == 0
+    [notice] = [record.getMessage() for record in caplog.records if "MTP layer" in record.getMessage()]
+    assert "declares 1 MTP layer(s) but no mtp.* tensor is stored" in notice and "\n" not in notice
 
 
 @pytest.mark.parametrize("change, fragment", [

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,8 @@ from ..read_back import check_reads_back
 from ..safetensors_io import SafetensorsFile
 from ..untrusted import clip, parse_json
 from .config import MODEL_TYPE, hybrid_config_to_qwen3_next, is_carried_field, qwen3_next_to_hybrid_config
+
+logger = logging.getLogger(__name__)
 
 MTP_PREFIX = "mtp."
 _EXPERT_TENSORS = (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
@@ -132,7 +135,10 @@ def _with_checked_mtp_head(source: SourceCheckpoint) -> SourceCheckpoint:
     if not config.num_mtp_layers:
         return source
     stored = {key for key in source.tensors.keys() if key.startswith(MTP_PREFIX)}
-    if not stored:
+    if not stored:  # (as transformers' save_pretrained of Qwen3NextForCausalLM writes a folder: said, not refused)
+        logger.warning(f"{source.path}: config.json declares {config.num_mtp_layers} MTP layer(s) but no mtp.* "
+                       "tensor is stored: the model converts without a multi-token-prediction head (use_mtp needs "
+                       "one; convert a checkpoint that stores it).")
         config = _without_mtp_layers(config)
         return dataclasses.replace(source, config=config, rows=qwen3_next_rows(
             config, fused_experts=_has_fused_experts(source.tensors.keys(), config)))
