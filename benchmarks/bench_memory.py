@@ -7,7 +7,10 @@ the RSS before the forward, i.e. what the forward itself needed. Printed as a ta
 (4x is linear, 16x quadratic).
 
 The row "sliding_attention (4-D mask)" runs sliding-window attention through transformers' materialised
-[batch, 1, T, T] mask (the path before mixer_attention.sliding_window_attention) for comparison.
+[batch, 1, T, T] mask (instead of mixer_attention.sliding_window_attention's blocks) for comparison. The
+"left-padded" rows run two rows, the second left-padded by a quarter of T: full attention's mask is then described
+and applied in blocks from DESCRIBED_MASK_QUERIES tokens on (modeling's `_described_mask`), or materialised with
+"(4-D mask)".
 
     python benchmarks/bench_memory.py [--lengths 2048 8192 32768] [--window 128] [--attn sdpa] [--rows ROW ...]
 """
@@ -21,7 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROWS = ["full_attention", "sliding_attention", "sliding_attention (4-D mask)", "gated_deltanet", "kimi_delta_attention"]
+ROWS = ["full_attention", "full_attention, left-padded", "full_attention, left-padded (4-D mask)", "sliding_attention",
+        "sliding_attention (4-D mask)", "gated_deltanet", "kimi_delta_attention"]
 
 
 def _status_kib(field: str) -> int:
@@ -39,21 +43,25 @@ def measure_one(row: str, length: int, window: int, attn: str) -> float:
     from hybrid_linear_models import HybridLinearConfig, HybridLinearModel
 
     torch.manual_seed(0)
-    layer_type = row.split()[0]
+    layer_type = row.split()[0].rstrip(",")
     config = HybridLinearConfig(
         layer_types=[layer_type], vocab_size=1024, hidden_size=512, intermediate_size=1536, num_attention_heads=8,
         num_key_value_heads=2, head_dim=64, gdn_num_key_heads=4, gdn_num_value_heads=8, gdn_key_head_dim=64,
         gdn_value_head_dim=64, kda_num_heads=8, kda_head_dim=64, sliding_window=window, attn_implementation=attn,
     )
     model = HybridLinearModel(config).eval()
-    if row.endswith("(4-D mask)"):
-        HybridLinearModel._sliding_window_mask = lambda *args, **kwargs: None  # transformers' mask for every layer
-    input_ids = torch.randint(0, config.vocab_size, (1, length))
+    if row.endswith("(4-D mask)"):  # (the method replaced must exist: a renamed one would be patched in vain)
+        assert callable(HybridLinearModel._described_mask)
+        HybridLinearModel._described_mask = lambda *args, **kwargs: None  # transformers' mask for every layer
+    rows = 2 if "left-padded" in row else 1
+    input_ids = torch.randint(0, config.vocab_size, (rows, length))
+    mask = torch.ones_like(input_ids)
+    mask[1:, : length // 4] = 0  # (the second row, where there is one, left-padded)
     with torch.no_grad():
-        model(input_ids[:, :64], use_cache=False)  # warm-up: kernels and thread pools set up
+        model(input_ids[:, :64], attention_mask=mask[:, :64], use_cache=False)  # warm-up: kernels, thread pools
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (peak RSS) to the current RSS
         before = _status_kib("VmRSS")
-        model(input_ids, use_cache=False)
+        model(input_ids, attention_mask=mask, use_cache=False)
         peak = _status_kib("VmHWM")
     return (peak - before) / 1024
 
@@ -72,7 +80,7 @@ def run_all(rows: list[str], lengths: list[int], window: int, attn: str) -> dict
 
 def print_table(table: dict[str, list[float]], lengths: list[int], window: int, attn: str) -> None:
     growth = [f"{b}/{a}" for a, b in itertools.pairwise(lengths)]
-    header = ["layer (one, hidden 512, batch 1)"] + [f"T={n}" for n in lengths] + [f"growth {g}" for g in growth]
+    header = ["layer (one, hidden 512, batch 1; padded: 2)"] + [f"T={n}" for n in lengths] + [f"growth {g}" for g in growth]
     print(f"Peak memory of one forward (MiB over the RSS before it), window {window}, {attn}, CPU float32")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

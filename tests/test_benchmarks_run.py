@@ -45,8 +45,9 @@ RUNS = [
                                            "YaRN factor 4"]),
     # a subprocess per row: the linear layers' rows, and the one that patches the model (transformers' 4-D mask)
     ("bench_memory.py", ["--lengths", "64", "--rows", "sliding_attention (4-D mask)", "gated_deltanet",
-                         "kimi_delta_attention"],
-     ["| sliding_attention (4-D mask) |", "| gated_deltanet |", "| kimi_delta_attention |"]),
+                         "kimi_delta_attention", "full_attention, left-padded (4-D mask)"],
+     ["| sliding_attention (4-D mask) |", "| gated_deltanet |", "| kimi_delta_attention |",
+      "| full_attention, left-padded (4-D mask) |"]),
     ("bench_mla_cache.py", [], ["| Kimi-Linear 48B-A3B |"]),
     ("bench_mla_static_prefill.py", ["--prompt", "16", "--slots", "16", "64", "--repeats", "1"],
      ["max_cache_len     64"]),
