@@ -2,7 +2,8 @@
 configuration of every form and tile height (one_row also routed: a program row per expert route), with dependent
 launch (what a Hopper GPU runs), bf16 activations
 (e4m3 for fp8_dot), Qwen3-Next's 128 x 128 blocks and K = 2,048, and prints one JSON line per configuration with its
-registers, its spilled bytes (the stack frame) and its shared memory.
+registers, its spilled bytes (the stack frame) and its shared memory; for one_row, also the SASS instructions per
+weight a thread reads (the whole kernel: at K = 2,048 its slices are unrolled).
 
 A launch specializes its arguments (16-byte aligned pointers, strides that are multiples of 16, a unit stride as the
 constant 1), and so does this compile: without those hints the loads do not vectorize and the kernel spills, which
@@ -31,6 +32,7 @@ from triton.compiler import ASTSource
 
 from hybrid_linear_models import kernels_fp8_triton as kernel
 
+K = 2048  # the weight's inputs (Qwen3-Next's hidden size)
 INTEGERS = ("M", "N", "E", "R", "stride_xm", "stride_xsm", "stride_we", "stride_wn", "stride_se", "stride_sn",
             "stride_sk", "stride_ym")
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "y_ptr", "offsets_ptr", "xs_ptr", "stride_xm", "stride_xsm",
@@ -49,7 +51,7 @@ def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], 
                 "b_ptr": "*fp32", "y_ptr": "*bf16",
                 "offsets_ptr": "*i32" if grouped or routed else "*i64" if indexed else "*fp32", "xs_ptr": "*fp32",
                 "rw_ptr": "*bf16" if variant == "gated" else "*fp32"}
-    constants = {"K": 2048, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped,
+    constants = {"K": K, "BN": 128, "BK": 128, "HAS_BIAS": False, "GROUPED": grouped,
                  "ROUTED": routed, "E_POW2": 512 if grouped else 1,
                  "FORM": kernel.FORMS.index(form), "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k, "stride_sk": 1, "GATED_INPUT": variant == "gated", "HAS_INDEX": indexed,
@@ -68,11 +70,24 @@ def compile_config(form: str, grouped: bool, config: tuple[int, int, int, int], 
         cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", cubin.name], capture_output=True, text=True,
                                check=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
     finally:
         os.unlink(cubin.name)
     registers, stack = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
-    return {"form": form, "grouped": grouped, "routed": routed, "variant": variant, "config": list(config),
-            "block_m": block_m, "registers": registers, "stack": stack, "shared": compiled.metadata.shared}
+    found = {"form": form, "grouped": grouped, "routed": routed, "variant": variant, "config": list(config),
+             "block_m": block_m, "registers": registers, "stack": stack, "shared": compiled.metadata.shared}
+    if form == "one_row":  # its K slices unrolled: the whole kernel's instructions over the weights a thread reads
+        weights = block_n * K // (32 * warps)
+        found["instructions_per_weight"] = round(_instructions(sass) / weights, 2)
+    return found
+
+
+def _instructions(sass: str) -> int:
+    """The instructions of a cuobjdump -sass listing, NOPs left out (static count: the one_row kernel has no loop
+    at K = 2,048 once unrolled, so it is the count one thread runs)."""
+    return sum(1 for line in sass.splitlines()
+               if re.match(r"\s*/\*[0-9a-f]{4}\*/\s+", line) and not re.match(r"\s*/\*[0-9a-f]{4}\*/\s+NOP", line))
 
 
 def main() -> None:
