@@ -95,7 +95,8 @@ def warm_up(model, max_batch_size: int = 1, max_length: int | None = None, batch
             _check_cache_memory(model, batch, slots, max_length, "a static cache")
     start = time.perf_counter()
     steps_before = len(model._graph_decoder.captured_keys) if graphs else 0
-    prompt_graphs = model._graph_prefill if graphs else None  # (None: prompts run uncaptured)
+    # (None: prompts run uncaptured; so do a model's with sliding-window layers: cuda_graph_prefill's obstacle)
+    prompt_graphs = model._graph_prefill if graphs and "sliding_attention" not in model.config.layer_types else None
     prompts_before = len(prompt_graphs._graphs) if prompt_graphs is not None else 0
     calls = 0
     was_training = model.training

@@ -156,6 +156,28 @@ def test_warm_up_on_the_cpu_runs_one_short_prompt_per_batch_size(monkeypatch, ca
     assert "static caches not warmed" in capsys.readouterr().out
 
 
+def test_a_model_whose_prompts_cannot_be_captured_warms_no_prompt_bucket(graphs, monkeypatch):
+    """Sliding-window layers keep prompts uncaptured (cuda_graph_prefill's obstacle): the warm-up captures each batch
+    size's decoding step and runs no generate per prompt bucket."""
+    model = tiny_model(["gated_deltanet", "sliding_attention"], sliding_window=4).double().eval()
+    calls = []
+    generate = warm_up._generate
+    monkeypatch.setattr(warm_up, "_generate", lambda *args: calls.append(args[1:]) or generate(*args))
+    report = model.warm_up(max_batch_size=2, max_length=300)
+    assert report.captured_prompts == 0 and report.captured_steps == 2
+    static = [call for call in calls if call[-1] == "static"]
+    assert len(static) == 1 + 3  # the first static generate, then one per batch size and padding (1; 2; 2 padded)
+
+
+def test_a_one_token_prompt_into_a_static_cache_says_nothing(graphs, caplog):
+    """A one-token prompt's forward is the prefill: it runs uncaptured without the warning of an unfilled cache."""
+    model = tiny_model(LAYERS).double().eval()
+    with caplog.at_level("WARNING"):
+        out = _generate(model, *_ids(1, 1, 0))
+    assert out.sequences.shape == (1, 4)
+    assert not [record for record in caplog.records if "not been filled" in record.getMessage()]
+
+
 def test_a_rounded_cache_that_does_not_fit_gives_way_to_the_exact_size(monkeypatch):
     """generate's static cache takes the exact size where the rounded one's buffers would not fit in memory, and is
     refused (one line, before allocating) only where the exact size does not fit either."""
