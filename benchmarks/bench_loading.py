@@ -163,6 +163,13 @@ def main() -> None:
     import torch
 
     args.device = args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if not args.tiny and not args.device.startswith("cuda"):  # (the flagships' layers are GBs: host memory is no GPU)
+        raise SystemExit("bench_loading: the flagships' layers load onto a CUDA device; run with --tiny for the CPU "
+                         "smoke test.")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"bench_loading: --device {args.device} but this torch sees no CUDA device.")
+    if args.layers < 1 or args.shard_gb <= 0:
+        raise SystemExit("bench_loading: --layers and --shard-gb must be positive.")
     args.shard_size = "20KB" if args.tiny else f"{int(args.shard_gb * 1000)}MB"
     if args.folder and Path(args.folder).exists():
         raise SystemExit(f"bench_loading: --folder {args.folder} exists; name a new folder (it is written, then read)")

@@ -108,7 +108,7 @@ def _first_layers(types: list[str], layers: int | None) -> list[str]:
     if layers is None:
         return types
     if not 1 <= layers <= len(types):
-        raise SystemExit(f"--layers {layers}: the model has {len(types)} layers; ask for 1 to {len(types)}.")
+        raise SystemExit(f"{layers} layers asked: the model has {len(types)} layers; ask for 1 to {len(types)}.")
     return types[:layers]
 
 
@@ -224,7 +224,7 @@ def check_fits(needed: int, device: torch.device, what: str) -> None:
         free = torch.cuda.mem_get_info(device)[0]
         if needed > free:
             raise SystemExit(f"{what} needs {needed / 2**30:.1f} GiB and {device} has {free / 2**30:.1f} GiB free; "
-                             "ask for fewer layers (--layers) or free the device.")
+                             "ask for fewer of its layers (the script's layer option) or free the device.")
 
 
 @contextmanager

@@ -706,7 +706,15 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
-        """As the base class, then validates again: keyword overrides are set after construction."""
+        """As the base class, then validates again: keyword overrides are set after construction. A config.json of
+        another model type (an unconverted Qwen3-Next or Kimi-Linear folder) is refused in one line: transformers
+        would build this family's default model from it and fail on its weights."""
+        model_type = config_dict.get("model_type") if isinstance(config_dict, dict) else None
+        if model_type is not None and model_type != cls.model_type:
+            raise ValueError(f"config.json's model_type is {brief(model_type)}, not {cls.model_type!r}: the folder is "
+                             "another family's checkpoint; convert it first (hybrid-linear-convert --from FORMAT "
+                             "--to hf SRC DST; hybrid-linear-convert --help lists the formats), or load it with its "
+                             "own class.")
         loaded = super().from_dict(config_dict, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded
         config._resolve_mtp_mlp_type()  # (an override of num_mtp_layers adds MTP layers to a config without them)

@@ -41,10 +41,18 @@ def weight_bytes_by_device(model: nn.Module, device_map: dict[str, Any]) -> dict
     placements = expand_device_map(device_map, list(tensors))
     needed: dict[torch.device, int] = collections.Counter()
     for name, tensor in tensors.items():
-        device = placement_device(placements[name])
+        device = _indexed(placement_device(placements[name]))
         if device is not None and device.type in CHECKED_DEVICE_TYPES:
             needed[device] += tensor.numel() * tensor.element_size()
     return dict(needed)
+
+
+def _indexed(device: torch.device | None) -> torch.device | None:
+    """`device` with its index: "cuda" is the current CUDA device (a map naming one GPU "cuda" and 0 places both
+    parts on it, counted together)."""
+    if device is not None and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _size(count: int) -> str:
@@ -59,13 +67,15 @@ def check_weights_fit(model: nn.Module, load_config: Any) -> None:
     if (not load_config.device_map or load_config.device_mesh is not None or load_config.hf_quantizer is not None
             or is_deepspeed_zero3_enabled()):
         return
+    fp8 = any(tensor.is_floating_point() and tensor.element_size() == 1 for tensor in model.parameters())
+    smaller = "a smaller checkpoint" if fp8 else "a smaller checkpoint (an FP8 one) or dtype (torch.bfloat16)"
     for device, needed in weight_bytes_by_device(model, load_config.device_map).items():
         free = free_bytes(device)
         if needed > free:
             raise ValueError(
-                f"The model's weights need {_size(needed)} on {device}, which has {_size(free)} free: "
-                "load a smaller checkpoint (an FP8 one) or dtype (torch.bfloat16), free the device, or spread the "
-                "model over devices with device_map=\"auto\" (max_memory= sets each device's share).")
+                f"The model's weights need {_size(needed)} on {device}, which has {_size(free)} free: load "
+                f"{smaller}, free the device, or spread the model over devices with device_map=\"auto\" "
+                "(max_memory= sets each device's share).")
 
 
 __all__ = ["CHECKED_DEVICE_TYPES", "check_weights_fit", "free_bytes", "weight_bytes_by_device"]

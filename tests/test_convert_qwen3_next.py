@@ -377,3 +377,13 @@ def test_bfloat16_loading_keeps_the_stored_float32_decay_parameters(tmp_path):
     for name in decay:
         assert held[name].dtype == torch.float32 and torch.equal(held[name], stored[name]), name
     assert all(t.dtype == torch.bfloat16 for n, t in held.items() if n not in decay and "gate.weight" not in n)
+
+
+def test_an_unconverted_folder_is_refused_by_from_pretrained_in_one_line(tmp_path):
+    """A folder of another family (transformers' Qwen3-Next, as the hub has it) is not built as this family's
+    default model and then failed on its weights: refused, naming the converter."""
+    save_qwen3_next(tmp_path / "source")
+    with pytest.raises(ValueError) as raised:
+        HybridLinearForCausalLM.from_pretrained(tmp_path / "source")
+    message = str(raised.value)
+    assert "\n" not in message and "'qwen3_next'" in message and "hybrid-linear-convert" in message, message

@@ -81,6 +81,22 @@ def test_weights_are_counted_on_the_devices_the_map_places_them(monkeypatch):
     assert set(by_device) == {torch.device("cuda", 0), torch.device("cuda", 1)}  # (the CPU and the disk unchecked)
 
 
+def test_one_gpu_named_two_ways_is_counted_once(monkeypatch):
+    """"cuda" (the current device) and 0 in one map are one GPU: its bytes are summed, not checked apart."""
+    monkeypatch.setattr(device_memory_check, "CHECKED_DEVICE_TYPES", ("cuda",))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    model = tiny_model(["linear_attention", "full_attention"])
+    by_device = device_memory_check.weight_bytes_by_device(model, {"model.layers.1": "cuda", "": 0})
+    assert by_device == {torch.device("cuda", 0): _bytes(model)}
+
+
+def test_an_fp8_model_is_not_told_to_load_an_fp8_checkpoint(folders, cpu_checked):  # noqa: F811
+    cpu_checked["free"] = 1
+    with pytest.raises(ValueError, match="weights need") as error:
+        HybridLinearForCausalLM.from_pretrained(folders / "hf", dtype=torch.bfloat16, device_map="cpu")
+    assert "FP8" not in str(error.value)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_gpu_load_is_checked_against_its_free_memory(saved, monkeypatch):
