@@ -126,7 +126,7 @@ def test_layer_reduced_models_keep_the_released_pattern():
     assert theirs_on_meta(qwen3_next_fields(layers=24)).config.num_hidden_layers == 24
     kimi = ours_on_meta(kimi_linear_fields(layers=9)).config.mixer_types
     assert [i + 1 for i, t in enumerate(kimi) if t == "mla_attention"] == [4, 8]
-    with pytest.raises(SystemExit, match=r"--layers 49: the model has 48 layers; ask for 1 to 48"):
+    with pytest.raises(SystemExit, match=r"49 layers asked: the model has 48 layers; ask for 1 to 48"):
         qwen3_next_fields(layers=49)
 
 
@@ -236,8 +236,8 @@ def test_memory_estimate_is_what_the_built_models_hold(tiny_qwen, tiny_qwen_fp8)
 def test_a_model_larger_than_the_free_memory_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 141 * 2**30))
     needed = model_bytes(ours_on_meta(qwen3_next_fields()))
-    with pytest.raises(SystemExit, match=r"^ours needs 148\.4 GiB and cuda has 10\.0 GiB free; ask for fewer layers "
-                                         r"\(--layers\) or free the device\.$"):
+    with pytest.raises(SystemExit, match=r"^ours needs 148\.4 GiB and cuda has 10\.0 GiB free; ask for fewer of its "
+                                         r"layers \(the script's layer option\) or free the device\.$"):
         check_fits(needed, torch.device("cuda"), "ours")
 
 
