@@ -528,8 +528,8 @@ def cap_drafts(generator: Any, max_length: int) -> Any:
     sees the cut drafts."""
     drafts = generator.get_candidates
 
-    def get_candidates(input_ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        ids, logits = drafts(input_ids, **kwargs)
+    def get_candidates(input_ids: torch.LongTensor, *args, **kwargs) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        ids, logits = drafts(input_ids, *args, **kwargs)
         kept = min(MAX_VERIFY_TOKENS - 1, max(max_length - input_ids.shape[1] - 1, 0))
         if ids.shape[1] - input_ids.shape[1] > kept:
             ids = ids[:, : input_ids.shape[1] + kept]
