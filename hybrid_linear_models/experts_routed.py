@@ -27,7 +27,7 @@ from torch import nn
 from transformers import activations as transformers_activations
 
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import kernel_result, triton_kernel
+from .triton_loading import kernel_result, triton_kernel, unit_stride
 
 ROUTED_DEVICE_TYPES = ("cuda",)  # (tests add "cpu": the kernel run by triton's interpreter, or the reference)
 ROUTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,7 +93,7 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, routes: torch.Tensor,
         out = kernel_result(_FAILED, (tuple(weight.shape[1:]), gated_by is not None, x.dtype, x.device), x,
                             f"the routed experts' Triton GEMV failed for a {tuple(weight.shape)} weight; the "
                             "experts gather each route's weight",
-                            lambda: routed_experts_kernel()(_unit_stride(x), _unit_stride(weight), routes,
+                            lambda: routed_experts_kernel()(unit_stride(x), unit_stride(weight), routes,
                                                             gated_by.contiguous() if gated_by is not None else None))
         if out is not None:
             return out
@@ -107,10 +107,6 @@ def routed_linear(x: torch.Tensor, weight: torch.Tensor, routes: torch.Tensor,
     served = (routes >= 0) & (routes < experts)
     out = torch.bmm(weight[routes.clamp(0, max(experts - 1, 0))], rows.unsqueeze(-1)).squeeze(-1)
     return torch.where(served[:, None], out, 0)
-
-
-def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def route_rows(experts: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from .block_ops import silu_and_mul
 from .fp8_kernel_contract import OFFSET_DTYPES, PREFILL_FORMS, check_routes
 from .tensor_parallel_heads import device_mesh
-from .triton_loading import kernel_result, triton_kernel
+from .triton_loading import kernel_result, triton_kernel, unit_stride
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # activations the Triton kernels take
 KERNEL_DEVICE_TYPES = ("cuda",)
@@ -155,12 +155,12 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     check_block_fp8_weight(weight, scale_inv, block, x.shape[-1], grouped=False)
     if triton_applies(x, weight, scale_inv, bias) and _checked_prefill_form() and (
             rows is None or rows.rows.device == x.device):
-        flat = _unit_stride(x.reshape(-1, x.shape[-1]))
+        flat = unit_stride(x.reshape(-1, x.shape[-1]))
         out = kernel_result(_FAILED, ("linear", tuple(weight.shape), tuple(block), x.dtype, x.device,
                                       rows is not None), x,
                             f"the FP8 Triton kernel failed for a {tuple(weight.shape)} weight; that product "
                             "dequantizes and runs F.linear",
-                            lambda: fp8_linear_kernel()(flat, _unit_stride(weight), scale_inv, block, bias,
+                            lambda: fp8_linear_kernel()(flat, unit_stride(weight), scale_inv, block, bias,
                                                         prefill=PREFILL_FORM, index=rows))
         if out is not None:
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -185,7 +185,7 @@ def block_fp8_grouped_linear(rows: torch.Tensor, weight: torch.Tensor, scale_inv
         out = kernel_result(_FAILED, ("grouped", tuple(weight.shape), tuple(block), rows.dtype, rows.device), rows,
                             f"the FP8 Triton grouped kernel failed for a {tuple(weight.shape)} weight; the experts "
                             "dequantize and run F.linear one by one",
-                            lambda: fp8_grouped_linear_kernel()(_unit_stride(rows), _unit_stride(weight), scale_inv,
+                            lambda: fp8_grouped_linear_kernel()(unit_stride(rows), unit_stride(weight), scale_inv,
                                                                 offsets, block, prefill=PREFILL_FORM))
         if out is not None:
             return out
@@ -216,7 +216,7 @@ def block_fp8_routed_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: to
         out = kernel_result(_FAILED, ("routed", tuple(weight.shape), tuple(block), x.dtype, x.device), x,
                             f"the FP8 Triton routed kernel failed for a {tuple(weight.shape)} weight; the experts "
                             "dequantize each route's weight",
-                            lambda: fp8_routed_linear_kernel()(_unit_stride(x), _unit_stride(weight), scale_inv,
+                            lambda: fp8_routed_linear_kernel()(unit_stride(x), unit_stride(weight), scale_inv,
                                                                routes, block))
         if out is not None:
             return out
@@ -249,7 +249,7 @@ def block_fp8_routed_swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, 
                                       gate_up.device), gate_up,
                             f"the FP8 Triton routed SwiGLU kernel failed for a {tuple(weight.shape)} weight; the "
                             "experts run SwiGLU apart",
-                            lambda: fp8_routed_linear_kernel()(_unit_stride(gate_up), _unit_stride(weight), scale_inv,
+                            lambda: fp8_routed_linear_kernel()(unit_stride(gate_up), unit_stride(weight), scale_inv,
                                                                routes, block, gated_by=route_weights.contiguous()))
         if out is not None:
             return out
@@ -302,11 +302,6 @@ def _checked_prefill_form() -> bool:
     if PREFILL_FORM not in PREFILL_FORMS:
         raise ValueError(f"kernels_fp8.PREFILL_FORM {PREFILL_FORM!r}: expected one of {', '.join(PREFILL_FORMS)}")
     return True
-
-
-def _unit_stride(matrix: torch.Tensor) -> torch.Tensor:
-    """The matrix (a weight or rows of x) with unit stride along its inputs (the kernels read its rows so)."""
-    return matrix if matrix.stride(-1) == 1 else matrix.contiguous()
 
 
 def check_block_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], inputs: int,

@@ -73,3 +73,9 @@ def kernel_result(failed: dict, key, tensor: torch.Tensor, what: str, call: Call
     except Exception as error:  # compilation or launch failure
         record_failure(failed, key, error, tensor, what)
         return None
+
+
+def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with a unit stride along its last dim (a view where it has one, else a contiguous copy): how the
+    kernels read a weight's or an input's rows."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
