@@ -16,14 +16,15 @@ verify round of a few tokens (speculative_decoding), whose products a captured r
 Other forwards keep the layers' own GEMMs, so a prompt's logits are bit for bit those of the same model with its
 projections wrapped (LoRA) or compiled.
 
-Plain `nn.Linear` layers are stacked, and so are block-scaled FP8 layers (`fp8_layers.Fp8Linear`, a released FP8
-checkpoint's attention and shared-expert projections) of one block size whose outputs keep the blocks whole (each
-layer's out_features but the last a multiple of the block's rows): their FP8 weights and their scales stack by rows
-alike, and the stack is one FP8 product (`kernels_fp8.block_fp8_linear`); gathered outputs, SwiGLU and the
-convolution's step then run after it, except a gated MLP's SwiGLU at batch 1, which its FP8 down projection computes
-as it reads its input (`swiglu_down`: `kernels_fp8.block_fp8_swiglu_linear`). A subclass, a wrapper (peft's LoRA
-layers replace the module), hooks, sharded (DTensor) weights or a compiler tracing the step keep the projections
-separate, as do steps that need gradients (training keeps the parameters' own storage untouched).
+Plain `nn.Linear` layers (or subclasses keeping its forward: MLA's `LatentProjection`) are stacked, and so are
+block-scaled FP8 layers (`fp8_layers.Fp8Linear`, a released FP8 checkpoint's attention and shared-expert
+projections) of one block size whose outputs keep the blocks whole (each layer's out_features but the last a
+multiple of the block's rows): their FP8 weights and their scales stack by rows alike, and the stack is one FP8
+product (`kernels_fp8.block_fp8_linear`); gathered outputs, SwiGLU and the convolution's step then run after it,
+except a gated MLP's SwiGLU at batch 1, which its FP8 down projection computes as it reads its input (`swiglu_down`:
+`kernels_fp8.block_fp8_swiglu_linear`). A subclass with a forward of its own, a wrapper (peft's LoRA layers replace
+the module), hooks, sharded (DTensor) weights or a compiler tracing the step keep the projections separate, as do
+steps that need gradients (training keeps the parameters' own storage untouched).
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ def _unwrapped(linear: nn.Module) -> bool:
 
 
 def is_plain_linear(linear: nn.Module) -> bool:
-    """An nn.Linear itself (no subclass, wrapper, hooks, replaced forward or sharded weight): its output is
-    F.linear(x, weight, bias), so a fused kernel may compute it."""
-    return type(linear) is nn.Linear and _unwrapped(linear)
+    """An nn.Linear computing nn.Linear's forward (itself, or a subclass that keeps that forward and adds no
+    parametrization: mixer_mla's LatentProjection), with no wrapper, hooks, replaced forward or sharded weight: its
+    output is F.linear(x, weight, bias), so a fused kernel may compute it."""
+    return (isinstance(linear, nn.Linear) and type(linear).forward is nn.Linear.forward
+            and not hasattr(linear, "parametrizations") and _unwrapped(linear))
 
 
 def _fp8_stackable(linears: Sequence[nn.Module]) -> bool:
@@ -155,7 +158,7 @@ class FusedProjections:
 
     @staticmethod
     def _is_fp8(linears: Sequence[nn.Module]) -> bool:
-        return type(linears[0]) is not nn.Linear
+        return not isinstance(linears[0], nn.Linear)
 
     def _fp8_product(self, x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor:
         """The FP8 layers' stacked weight and scales (and biases) as one FP8 product."""

@@ -37,7 +37,9 @@ Two ways to attend, the same math:
   context. The sums are regrouped, so it equals the expanded form up to rounding (float32: ~1e-6, checked in the
   tests against the uncached forward). A kv_b_proj that is no plain Linear (a LoRA adapter around it) is expanded.
   On a GPU under sdpa the absorbed step attends by two GEMMs (`attention_one_query`: the memory-efficient SDPA
-  kernel, which a 576-wide key falls back to, is built for long query blocks).
+  kernel, which a 576-wide key falls back to, is built for long query blocks). The query's first projection (q_proj,
+  or q_a_proj) and kv_a_proj_with_mqa read the same hidden state: a decoding step runs them as one stacked GEMM
+  (`fused_projections`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torch import nn
 from transformers.cache_utils import Cache, StaticLayer
 
 from .attention_one_query import one_query_applies, one_query_attention
+from .fused_projections import FusedProjections, stacks_projections
 from .mixer_attention import _FIELDS as ATTENTION_FIELDS
 from .mixer_attention import (
     SlidingWindowMask,
@@ -147,15 +150,24 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = norm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_head_dim, H, bias=bias)
+        # the query's first projection and kv_a_proj_with_mqa read the same hidden state: one GEMM in a decoding
+        # step (fused_projections)
+        self._first_projections = FusedProjections()
 
     def cache_values_per_token(self) -> int:
         """Values its KV cache layer holds per token and batch row: the latent and the shared key slice."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return self.q_proj(x)
+    def _queries_and_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries [.., heads * (n + p)] and kv_a_proj_with_mqa's [c | kp]; in a decoding step the query's first
+        projection (q_proj, or q_a_proj with a q LoRA) and kv_a_proj_with_mqa as one stacked GEMM."""
+        first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        linears = [first, self.kv_a_proj_with_mqa]
+        if stacks_projections(x) and self._first_projections.applies(x, linears):
+            q_first, latent = self._first_projections(x, linears).split([m.out_features for m in linears], dim=-1)
+        else:
+            q_first, latent = first(x), self.kv_a_proj_with_mqa(x)
+        return (self.q_b_proj(self.q_a_layernorm(q_first)) if self.q_lora_rank else q_first), latent
 
     def forward(
         self,
@@ -168,8 +180,9 @@ class HybridLinearMultiHeadLatentAttention(nn.Module):
         B, T = hidden_states.shape[:2]
         nope, rope, r = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         # head counts follow from the projections' sizes (-1), so a tensor-parallel shard runs its local heads
-        query = self._queries(hidden_states).view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, h, T, n + p]
-        latent, shared_key = self.kv_a_proj_with_mqa(hidden_states).split([r, rope], dim=-1)
+        queries, compressed_kv = self._queries_and_latent(hidden_states)
+        query = queries.view(B, T, -1, self.qk_head_dim).transpose(1, 2)  # [B, h, T, n + p]
+        latent, shared_key = compressed_kv.split([r, rope], dim=-1)
         shared_key = shared_key[:, None]  # [B, 1, T, p]
         if self.rotary:
             q_nope, q_rope = query.split([nope, rope], dim=-1)

@@ -244,6 +244,40 @@ def test_absorbed_decoding_step_equals_the_expanded_one(monkeypatch):
             torch.testing.assert_close(step, full, rtol=TOLERANCE, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("q_lora_rank", [0, 12])
+def test_a_decoding_step_stacks_the_query_and_latent_projections(monkeypatch, q_lora_rank):
+    """In a one-token step q_proj (or q_a_proj) and kv_a_proj_with_mqa (a Linear subclass keeping Linear's forward)
+    run as one stacked GEMM, whose parameters become views of the stack; the step's logits are those of the two
+    products apart (float64: the same dot products)."""
+    from hybrid_linear_models import fused_projections
+
+    model = mla_model(["mla_attention"], per_layer_config={0: {"q_lora_rank": q_lora_rank}}).double()
+    layer = model.model.layers[0].self_attn
+    input_ids = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(8))
+    stacked = []
+    call = fused_projections.FusedProjections.__call__
+
+    def counted(self, x, linears, *args, **kwargs):
+        stacked.append(len(linears))
+        return call(self, x, linears, *args, **kwargs)
+
+    monkeypatch.setattr(fused_projections.FusedProjections, "__call__", counted)
+
+    def step():
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            model(input_ids[:, :5], cache=cache, use_cache=True)
+            return model(input_ids[:, 5:], cache=cache, use_cache=True).logits
+
+    together = step()
+    assert stacked == [2]  # (the prompt's projections ran apart; the step's as one)
+    first = layer.q_a_proj if q_lora_rank else layer.q_proj
+    assert first.weight.untyped_storage().data_ptr() == layer.kv_a_proj_with_mqa.weight.untyped_storage().data_ptr()
+    monkeypatch.setattr(fused_projections, "stacks_projections", lambda x: False)
+    monkeypatch.setattr("hybrid_linear_models.mixer_mla.stacks_projections", lambda x: False)
+    torch.testing.assert_close(together, step(), rtol=1e-12, atol=1e-12)
+
+
 def test_a_lora_adapter_on_kv_b_proj_is_decoded_with_its_update():
     """peft wraps kv_b_proj; the one-token steps then expand the latents through the wrapper (the absorbed form reads
     the plain weight, which would leave the adapter out), so cached decoding still equals uncached decoding."""
