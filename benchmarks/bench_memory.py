@@ -80,7 +80,8 @@ def run_all(rows: list[str], lengths: list[int], window: int, attn: str) -> dict
 
 def print_table(table: dict[str, list[float]], lengths: list[int], window: int, attn: str) -> None:
     growth = [f"{b}/{a}" for a, b in itertools.pairwise(lengths)]
-    header = ["layer (one, hidden 512, batch 1; padded: 2)"] + [f"T={n}" for n in lengths] + [f"growth {g}" for g in growth]
+    header = ["layer (one, hidden 512, batch 1; padded: 2)"]
+    header += [f"T={n}" for n in lengths] + [f"growth {g}" for g in growth]
     print(f"Peak memory of one forward (MiB over the RSS before it), window {window}, {attn}, CPU float32")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
