@@ -186,8 +186,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
         x_row = x_ptr + row_start.to(tl.int64) * stride_xm
         x_live = row_start < row_end
         rw_ptr += row_start
-        # the slices of the first chunk unrolled (see the module docstring), the first loaded before the wait
-        CHUNK: tl.constexpr = min(UNROLLED_SLICES, (K + BLOCK_K - 1) // BLOCK_K)
+        # the slices of the first chunk unrolled (see the module docstring), the first loaded before the wait; then
+        # whole chunks, then the slices left (every slice starts before K: its scale column exists)
+        SLICES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+        CHUNK: tl.constexpr = min(UNROLLED_SLICES, SLICES)
+        WHOLE: tl.constexpr = SLICES // CHUNK * CHUNK
         w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks < K)[None, :], other=0.0)
         if not ROUTED and not GROUPED:  # (the first weight slice on its way while the kernel ahead finishes)
             await_previous_kernel(PDL)
@@ -199,13 +202,19 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
             products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
                                       first_id, live_cols, start, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
                                       HAS_INDEX, ALIGNED_INDEX)
-        for chunk in range(CHUNK * BLOCK_K, K, CHUNK * BLOCK_K):  # (K past CHUNK slices: chunks of them)
+        for chunk in range(CHUNK * BLOCK_K, WHOLE * BLOCK_K, CHUNK * BLOCK_K):  # (K past CHUNK slices)
             for step in tl.static_range(0, CHUNK * BLOCK_K, BLOCK_K):
-                at = chunk + step  # (past K: masked, no traffic)
+                at = chunk + step
                 w = tl.load(w_rows + (at + ks)[None, :], mask=live_cols[:, None] & (at + ks < K)[None, :], other=0.0)
                 products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
                                           first_id, live_cols, at, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
                                           HAS_INDEX, ALIGNED_INDEX)
+        for start in tl.static_range(WHOLE * BLOCK_K, SLICES * BLOCK_K, BLOCK_K):  # (fewer than CHUNK)
+            w = tl.load(w_rows + (start + ks)[None, :], mask=live_cols[:, None] & (start + ks < K)[None, :],
+                        other=0.0)
+            products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
+                                      first_id, live_cols, start, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
+                                      HAS_INDEX, ALIGNED_INDEX)
         acc = tl.sum(products, axis=1)[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

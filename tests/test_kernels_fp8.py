@@ -336,6 +336,33 @@ def test_one_row_over_several_chunks_of_slices(dtype, inp, config):
 
 @pytest.mark.gpu
 @runs_triton_kernels
+@pytest.mark.parametrize("inp, config", [(9 * 32, (4, 32)), (9 * 32 + 5, (4, 32)), (17 * 16, (4, 16))])
+def test_one_row_reads_no_scale_past_its_tensor(inp, config):
+    """K slices past a whole number of chunks (9 slices: a chunk of 8, then 1) read only scale columns that exist:
+    the scales sit in a buffer followed by NaN, and the products stay finite and within the float64 bound (dense,
+    and routed with gated inputs)."""
+    from hybrid_linear_models.kernels_fp8_triton import fp8_linear, fp8_routed_linear
+
+    block = (32, 32)
+
+    def poisoned(scale: torch.Tensor) -> torch.Tensor:
+        buffer = torch.full((scale.numel() + 64,), float("nan"), device=scale.device)
+        buffer[: scale.numel()] = scale.flatten()
+        return buffer[: scale.numel()].view(scale.shape)
+
+    w, scale = _weight(8, inp, block, seed=inp)
+    x = _x(1, inp, torch.float32, seed=inp + 1)
+    got = fp8_linear(x, w, poisoned(scale), block, None, form="one_row", config=config)
+    _assert_within(got, x, _reference_weight(w, scale, block, torch.float64), None, f"K {inp} {config}")
+    experts, scales = _weight(8, inp, block, experts=2, seed=inp + 2)
+    gate_up = _x(1, 2 * inp, torch.float32, seed=inp + 3)
+    routed = fp8_routed_linear(gate_up, experts, poisoned(scales), torch.tensor([1], device=DEVICE), block,
+                               config=config, gated_by=torch.ones(1, device=DEVICE))
+    assert torch.isfinite(routed).all(), f"routed K {inp} {config}"
+
+
+@pytest.mark.gpu
+@runs_triton_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("routes_dtype", [torch.int32, torch.int64])
 def test_routed_against_float64(dtype, routes_dtype):
