@@ -54,11 +54,8 @@ class CaptureStreams:
     def hold(self, graph: Any, stream: Any) -> None:
         """Counts `graph` as captured on `stream` until it is freed."""
         handle = stream.cuda_stream
-        try:
-            weakref.finalize(graph, self._release, handle)
-        except TypeError:  # (a graph object that takes no weak reference: its stream cannot be tracked)
-            return
         self._holders[handle] = self._holders.get(handle, 0) + 1
+        weakref.finalize(graph, self._release, handle)
 
     def holders(self, stream: Any) -> int:
         return self._holders.get(stream.cuda_stream, 0)
