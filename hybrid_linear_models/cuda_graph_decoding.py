@@ -36,7 +36,6 @@ from transformers.cache_utils import StaticCache, StaticLayer, StaticSlidingWind
 from .attention_step import KernelKVLayer
 from .cache_checks import static_cache_room_fix
 from .cache_hybrid_linear import LinearStateLayer
-from .capture_streams import CAPTURE_STREAMS
 from .configuration_hybrid_linear import config_value
 from .derived_weights import ChangeWatch, derived_weights
 from .graph_cache_storage import CacheStorage, CacheStorages, cache_tensors
@@ -277,8 +276,7 @@ def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=Non
     pool shared with other graphs replayed one at a time. reset: called before each warm-up run after the first, so
     that every one starts from the same state (a decoding step writes its token at the cache's counter and moves it
     on: a run from where the last left off would write one slot further, past the buffer when the step's token has
-    the cache's last slot); the caller puts its state back after the capture. The graph is captured on a stream of
-    its own (capture_streams), so that dropping another graph never frees the cuBLAS workspace this one uses."""
+    the cache's last slot); the caller puts its state back after the capture."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -288,10 +286,8 @@ def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=Non
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    capture = CAPTURE_STREAMS.take(device)  # (a stream no other live graph was captured on: capture_streams)
-    with torch.cuda.graph(graph, pool=pool, stream=capture):
+    with torch.cuda.graph(graph, pool=pool):
         out = run()
-    CAPTURE_STREAMS.hold(graph, capture)
     return graph, out
 
 

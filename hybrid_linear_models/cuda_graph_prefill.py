@@ -37,11 +37,11 @@ shorter than its bucket (1,000 tokens in the 1,024 bucket) can raise an illegal 
 for all the buckets or one each; the same replay right after capturing that bucket alone, or after two buckets, runs.
 It does not fault on every run: a warm-up of batch sizes 1 and 4 up to 4,096 tokens, then prompts of 16 lengths
 from 43 to 3,858 tokens at batch 1 and 4, faulted; the warm-up of batch 1 up to 2,048 tokens, then 1,000 tokens
-(tests/test_gpu_warm_up_prompt_graphs.py), has faulted and has run clean. A cause that fits (prompts' GEMMs are
-cuBLAS's, and every graph was captured on torch's one default stream, whose cuBLAS workspace any graph's destruction
-frees: capture_streams) is avoided, each graph being captured on a stream of its own; until a GPU run shows the
-fault gone, prompts run the plain forward (at batch 1 a 1k-token prompt then takes some 44 ms of host time where
-its graph takes under 10: docs/performance.md).
+(tests/test_gpu_warm_up_prompt_graphs.py), has faulted and has run clean. A cause that fits (pytorch/pytorch#193402):
+torch captures every graph on one default stream, whose cuBLAS workspace each captured GEMM bakes in, and destroying
+any graph (an evicted or recaptured bucket) frees that stream's workspace. Until a fix is run on a GPU, prompts run
+the plain forward (at batch 1 a 1k-token prompt then takes some 44 ms of host time where its graph takes under 10:
+docs/performance.md).
 """
 
 from __future__ import annotations
