@@ -62,6 +62,9 @@ def check_checkpoint_dtypes(model: nn.Module, state_dict: dict[str, Any] | None,
         if parameter is None:
             _check_not_a_stray_scale(source, name, target, targets)
             continue
+        if dtype is None:
+            raise ValueError(f"checkpoint tensor {name!r} ({source}) has a dtype this package does not load into "
+                             f"{target!r} (it loads {', '.join(DTYPES)}); store it in one of them.")
         if target in scales:
             _check_scale(source, name, target, dtype, shape, scales.pop(target), values)
             continue
@@ -144,9 +147,11 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def _checkpoint_tensors(state_dict: dict[str, Any] | None, checkpoint_files: list[str] | None
-                        ) -> Iterator[tuple[str, str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]]:
-    """(where, tensor name, its dtype, its shape, a call that reads its values) of every checkpoint tensor: the given
-    state dict's, else the safetensors files' (headers read and validated; values only when asked)."""
+                        ) -> Iterator[tuple[str, str, torch.dtype | None, tuple[int, ...],
+                                            Callable[[], torch.Tensor]]]:
+    """(where, tensor name, its dtype (None: one this package has no name for), its shape, a call that reads its
+    values) of every checkpoint tensor: the given state dict's, else the safetensors files' (headers read and
+    validated; values only when asked)."""
     if state_dict is not None:
         for name, tensor in state_dict.items():
             if isinstance(tensor, torch.Tensor):
@@ -160,11 +165,8 @@ def _checkpoint_tensors(state_dict: dict[str, Any] | None, checkpoint_files: lis
                 names = handle.keys()  # (a safetensors handle: its keys() lists the tensors)
                 for name in names:
                     header = handle.get_slice(name)
-                    dtype = DTYPES.get(header.get_dtype())
-                    if dtype is None:
-                        raise ValueError(f"checkpoint tensor {name!r} ({path}) has dtype {header.get_dtype()!r}, "
-                                         f"which this package does not load (it loads {', '.join(DTYPES)}).")
-                    yield (os.path.basename(path), name, dtype, tuple(header.get_shape()),
+                    # (a dtype this package has no name for: None, refused only where it loads into a parameter)
+                    yield (os.path.basename(path), name, DTYPES.get(header.get_dtype()), tuple(header.get_shape()),
                            lambda handle=handle, name=name: handle.get_tensor(name))
         except SafetensorError as error:  # (safetensors' own words: the header or the file's size)
             raise ValueError(f"{path} is not a valid safetensors file ({error}); the file is truncated or corrupt: "

@@ -289,6 +289,19 @@ def test_bad_fp8_folder_is_refused_in_one_line(folders, tmp_path, case):
     assert "\n" not in message and all(fragment in message for fragment in fragments), message
 
 
+def test_a_tensor_of_a_dtype_without_a_name_here_is_refused_only_where_it_loads(folders, tmp_path):
+    """A stored tensor of a dtype this package has no name for (e8m0 scales of another format) that no parameter
+    takes is left to transformers (an unexpected key); the same dtype into a parameter is refused by name."""
+    extra = {"model.unknown.e8m0": torch.ones(4).to(torch.float8_e8m0fnu)}
+    folder = _edited(folders, tmp_path, tensors=lambda t: t.update(extra))
+    _, info = HybridLinearForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert info["unexpected_keys"] == set(extra)
+    shutil.rmtree(folder)
+    folder = _edited(folders, tmp_path, tensors=lambda t: t.update({SCALE: t[SCALE].to(torch.float8_e8m0fnu)}))
+    with pytest.raises(ValueError, match=rf"{SCALE}.* has a dtype this package does not load"):
+        HybridLinearForCausalLM.from_pretrained(folder)
+
+
 @pytest.mark.parametrize("requested", [{"quant_method": "fp8", "dequantize": True}, "FineGrainedFP8Config"])
 def test_an_fp8_quantization_config_argument_is_refused_in_one_line(folders, requested):
     """from_pretrained(quantization_config=<fp8>) would go to transformers' FP8 quantizer or, with dequantize=True,
