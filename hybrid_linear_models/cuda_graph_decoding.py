@@ -422,11 +422,11 @@ class CudaGraphDecoder:
     def try_step(self, model, input_ids, position_ids, attention_mask, cache, kwargs) -> torch.Tensor | None:
         """The logits of a captured step, or None (after a once-per-reason warning) when the uncaptured forward must
         run: the step cannot be captured, or its capture failed."""
-        if not self.layout(cache).ready():  # (a one-token prompt: this forward is the prefill, run as one)
+        layout = self.layout(cache)
+        if not layout.unknown and not layout.ready():  # (a one-token prompt: this forward is the prefill, run as one)
             return None
         reason = self.obstacle(model, cache, attention_mask, kwargs)
         if reason is None:
-            layout = self.layout(cache)
             key = storage_key(input_ids.shape[0], layout, input_ids.device)
             _check_room(layout)
             if key not in self._failed:

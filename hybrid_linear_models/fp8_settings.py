@@ -109,9 +109,9 @@ def check_requested_quantization(requested: Any) -> None:
     if str(getattr(method, "value", method)).lower() != "fp8":
         return
     raise ValueError("from_pretrained(quantization_config=<fp8>): this family runs FP8 checkpoints with its own "
-                     "kernels, from the quantization_config in config.json; leave the argument out (the checkpoint's "
-                     "FP8 weights load as they are), or for bfloat16 weights convert the checkpoint with "
-                     "hybrid-linear-convert --dequantize-fp8.")
+                     "kernels, from the quantization_config in config.json; leave the argument out (an FP8 "
+                     "checkpoint's weights load as they are; a bfloat16 one is not quantized on the fly), or for "
+                     "bfloat16 weights of an FP8 checkpoint convert it with hybrid-linear-convert --dequantize-fp8.")
 
 
 __all__ = ["QUANTIZATION_KEY", "SCALE_SUFFIX", "BlockFp8Settings", "check_requested_quantization",

@@ -25,6 +25,7 @@ block reads the model's global settings, as Qwen3-Next's MTP layer does.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections.abc import Callable
 
@@ -39,6 +40,8 @@ from .mixer_attention import RotaryTables
 from .mlp_registry import MLPS
 from .norms import HybridLinearRMSNorm
 from .sequence_info import SequenceInfo
+
+logger = logging.getLogger(__name__)
 
 MTP_ATTRIBUTE = "mtp"  # the LM's attribute (checkpoint names "mtp.*", Qwen3-Next's)
 # a converted folder keeps a head its config.json did not declare in this file, not loaded by default
@@ -169,7 +172,8 @@ def with_carried_head(model: nn.Module, checkpoint_files: list[str] | None) -> l
     """The checkpoint files to load, with the folder's CARRIED_TENSORS_FILE added where the model has an MTP head,
     the file holds exactly that head's tensors (`mtp.*`, by name) and the model's files hold none of them (a
     Qwen3-Next head converted beside a config that declared no MTP layers, then loaded with num_mtp_layers=1): the
-    head is the checkpoint's, not a fresh one. A carried set that is not the head's (another layout) is left."""
+    head is the checkpoint's, not a fresh one. A carried set that is not the head's (a sparse head's experts stored
+    one by one, another layout) is left, with one warning line."""
     if not checkpoint_files or getattr(model, MTP_ATTRIBUTE, None) is None:
         return checkpoint_files
     carried = os.path.join(os.path.dirname(str(checkpoint_files[0])), CARRIED_TENSORS_FILE)
@@ -183,10 +187,18 @@ def with_carried_head(model: nn.Module, checkpoint_files: list[str] | None) -> l
 
     prefix = MTP_ATTRIBUTE + "."
     head = {name for name in model.state_dict() if name.startswith(prefix)}
-    if set(names(carried)) != head or any(name.startswith(prefix) for path in checkpoint_files
-                                          if str(path).endswith(".safetensors") for name in names(str(path))):
+    stored = set(names(carried))
+    if not any(name.startswith(prefix) for name in stored) or any(
+            name.startswith(prefix) for path in checkpoint_files if str(path).endswith(".safetensors")
+            for name in names(str(path))):
+        return checkpoint_files
+    if stored != head:  # (a sparse head's experts stored one by one, as the hub does: the model holds them stacked)
+        logger.warning(f"{carried} carries an MTP head whose tensors are not this model's head (its experts stored "
+                       "one by one, or another layout), so the model's head is fresh: convert the source checkpoint "
+                       "with its MTP layers declared (mtp_num_hidden_layers) to load it.")
         return checkpoint_files
     return [*checkpoint_files, carried]
+
 
 __all__ = ["CARRIED_TENSORS_FILE", "MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config",
            "mtp_positions", "shifted_labels", "valid_entries", "with_carried_head"]

@@ -165,6 +165,19 @@ def test_a_carried_head_loads_into_a_model_built_with_mtp_layers(tmp_path):
     assert (expected - got).abs().max() <= LOGITS_TOLERANCE and expected.abs().max() > 0.1
 
 
+def test_a_carried_sparse_head_is_not_loaded_and_says_so(tmp_path, caplog):
+    """A carried head whose experts are stored one by one (the hub's layout) is not the model's (stacked experts):
+    the model's head is fresh, with one warning line naming the file and the fix."""
+    save_qwen3_next(tmp_path / "source", **{**DENSE_CASES["ratio_4"], **MOE})
+    add_to_folder(tmp_path / "source", mtp_head_tensors(tmp_path / "source", MTP_FIELDS),
+                  {"mtp_use_dedicated_embeddings": False})
+    convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
+    with caplog.at_level(logging.WARNING, logger="hybrid_linear_models.mtp_head"):
+        HybridLinearForCausalLM.from_pretrained(tmp_path / "hf", num_mtp_layers=1)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "hybrid_linear_models.mtp_head"]
+    assert "extra_tensors.safetensors carries an MTP head" in line and "mtp_num_hidden_layers" in line
+
+
 def test_the_other_name_of_the_layer_count_reads_the_same(tmp_path):
     qwen3_next_source(tmp_path / "source", fields={"num_nextn_predict_layers": 1}, **DENSE_CASES["ratio_4"])
     convert_checkpoint(tmp_path / "source", tmp_path / "hf", from_format="qwen3_next", to_format="hf")
