@@ -38,6 +38,7 @@ from transformers.core_model_loading import (
 )
 
 from .fp8_settings import SCALE_SUFFIX
+from .kernels_fp8 import SCALE_DTYPES, first_bad_scale
 from .safetensors_dtypes import DTYPES
 
 
@@ -93,29 +94,23 @@ def check_checkpoint_dtypes(model: nn.Module, state_dict: dict[str, Any] | None,
                          "is incomplete: every FP8 weight is stored with its weight_scale_inv.")
 
 
-# the scales' dtypes that load exactly into the float32 scales
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check_scale(source: str, name: str, target: str, dtype: torch.dtype, shape: tuple[int, ...],
                  expected: tuple[int, ...], values: Callable[[], torch.Tensor]) -> None:
-    """A checkpoint scale of the model's FP8 weight: its shape, a dtype that loads exactly, and finite, positive
-    values (a zero, negative, inf or NaN scale makes no real weight)."""
+    """A checkpoint scale of the model's FP8 weight: its shape, a dtype that loads exactly (`SCALE_DTYPES`), and
+    finite, positive values (`first_bad_scale`)."""
     weight = target.removesuffix(SCALE_SUFFIX)
     if shape != expected:
         raise ValueError(f"checkpoint tensor {name!r} ({source}) has shape {list(shape)}, but the FP8 weight "
                          f"{weight!r} has scales of shape {list(expected)} (one per weight_block_size block); the "
                          "checkpoint is corrupt or its quantization_config's weight_block_size is wrong.")
-    if dtype not in _SCALE_DTYPES:
+    if dtype not in SCALE_DTYPES:
         raise ValueError(f"checkpoint tensor {name!r} ({source}) is {dtype}, but the scales of the FP8 weight "
                          f"{weight!r} are float32 (bfloat16 and float16 load exactly); store them in float32.")
-    scale = values()
-    bad = ~(torch.isfinite(scale) & (scale > 0))
-    if bool(bad.any()):
-        index = [int(i) for i in bad.nonzero()[0]]
-        raise ValueError(f"checkpoint tensor {name!r} ({source}) holds {scale[tuple(index)].item():g} at block "
-                         f"{index}; the scales of an FP8 weight are finite and positive, so the checkpoint is "
-                         "corrupt.")
+    bad = first_bad_scale(values())
+    if bad is not None:
+        index, value = bad
+        raise ValueError(f"checkpoint tensor {name!r} ({source}) holds {value:g} at block {index}; the scales of an "
+                         "FP8 weight are finite and positive, so the checkpoint is corrupt.")
 
 
 def _check_not_a_stray_scale(source: str, name: str, target: str, targets: dict[str, torch.Tensor]) -> None:

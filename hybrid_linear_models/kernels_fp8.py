@@ -97,6 +97,19 @@ def scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int]) -> tuple[
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # stored scales that load exactly into float32
+
+
+def first_bad_scale(scale_inv: torch.Tensor) -> tuple[list[int], float] | None:
+    """The block index and value of the first scale that is not finite and positive (a zero, negative, inf or NaN
+    scale makes no real weight); None where every scale is."""
+    bad = ~(torch.isfinite(scale_inv) & (scale_inv > 0))
+    if not bool(bad.any()):
+        return None
+    index = [int(i) for i in bad.nonzero()[0]]
+    return index, scale_inv[tuple(index)].item()
+
+
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The real weight of an FP8 `weight` (..., out, in) with its per-block `scale_inv` (block: rows, columns), exact
@@ -343,6 +356,7 @@ def triton_applies(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
 
 
 __all__ = [
+    "SCALE_DTYPES",
     "RowIndex",
     "block_fp8_grouped_linear",
     "block_fp8_linear",
@@ -351,6 +365,7 @@ __all__ = [
     "block_fp8_swiglu_linear",
     "check_block_fp8_weight",
     "dequantize_block_fp8",
+    "first_bad_scale",
     "fp8_row_index",
     "quantize_block_fp8",
     "routed_applies",

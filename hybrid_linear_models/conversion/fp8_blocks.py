@@ -43,7 +43,12 @@ from ..fp8_settings import (
     BlockFp8Settings,
     read_block_fp8_settings,
 )
-from ..kernels_fp8 import dequantize_block_fp8, scale_shape
+from ..kernels_fp8 import (
+    SCALE_DTYPES,
+    dequantize_block_fp8,
+    first_bad_scale,
+    scale_shape,
+)
 from .converters import StackedExperts
 from .errors import ConversionError
 from .hf_layout import hf_tensor_shapes
@@ -53,7 +58,6 @@ from .safetensors_io import TensorInfo
 from .untrusted import brief
 
 # float32 as released; bfloat16 and float16 scales (some exports) are exact in float64 as well
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_FORMATS = ("hf", "qwen3_next")  # the formats whose writers keep FP8 weights with their scales
 
 
@@ -119,12 +123,12 @@ def check_block_scales(infos: Mapping[str, TensorInfo], config: BlockFp8Config, 
 
 
 def check_scale_values(name: str, scale_inv: torch.Tensor) -> None:
-    """Every scale finite and positive: a zero, negative, inf or NaN scale makes no real weight."""
-    bad = ~(torch.isfinite(scale_inv) & (scale_inv > 0))
-    if bool(bad.any()):
-        index = [int(i) for i in bad.nonzero()[0]]
-        raise ConversionError(f"scale {brief(name)} holds {scale_inv[tuple(index)].item():g} at block {index}; "
-                              "scales are finite and positive, so the checkpoint is corrupt.")
+    """Every scale finite and positive (`kernels_fp8.first_bad_scale`)."""
+    bad = first_bad_scale(scale_inv)
+    if bad is not None:
+        index, value = bad
+        raise ConversionError(f"scale {brief(name)} holds {value:g} at block {index}; scales are finite and "
+                              "positive, so the checkpoint is corrupt.")
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
