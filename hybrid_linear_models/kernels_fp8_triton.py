@@ -96,6 +96,12 @@ UNROLLED_SLICES = tl.constexpr(8)  # one_row's K slices unrolled together (a chu
 
 
 @triton.jit
+def _one_row_weights(w_rows, live_cols, start, ks, K: tl.constexpr):
+    """The one_row form's weight slice at columns start + ks ([BLOCK_N, BLOCK_K] FP8; past K or out of N: 0)."""
+    return tl.load(w_rows + (start + ks)[None, :], mask=live_cols[:, None] & (start + ks < K)[None, :], other=0.0)
+
+
+@triton.jit
 def _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk, first_id, live_cols,
                    start, ks, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, GATED_INPUT: tl.constexpr, HAS_INDEX: tl.constexpr,
@@ -191,30 +197,26 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, offsets_ptr, xs_ptr, r
         SLICES: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
         CHUNK: tl.constexpr = min(UNROLLED_SLICES, SLICES)
         WHOLE: tl.constexpr = SLICES // CHUNK * CHUNK
-        w = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks < K)[None, :], other=0.0)
+        w = _one_row_weights(w_rows, live_cols, 0, ks, K)
         if not ROUTED and not GROUPED:  # (the first weight slice on its way while the kernel ahead finishes)
             await_previous_kernel(PDL)
         products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in tl.static_range(0, CHUNK * BLOCK_K, BLOCK_K):
             if start > 0:
-                w = tl.load(w_rows + (start + ks)[None, :], mask=live_cols[:, None] & (start + ks < K)[None, :],
-                            other=0.0)
+                w = _one_row_weights(w_rows, live_cols, start, ks, K)
             products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
                                       first_id, live_cols, start, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
                                       HAS_INDEX, ALIGNED_INDEX)
         for chunk in range(CHUNK * BLOCK_K, WHOLE * BLOCK_K, CHUNK * BLOCK_K):  # (K past CHUNK slices)
             for step in tl.static_range(0, CHUNK * BLOCK_K, BLOCK_K):
                 at = chunk + step
-                w = tl.load(w_rows + (at + ks)[None, :], mask=live_cols[:, None] & (at + ks < K)[None, :], other=0.0)
-                products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
-                                          first_id, live_cols, at, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
-                                          HAS_INDEX, ALIGNED_INDEX)
+                products = _one_row_slice(products, _one_row_weights(w_rows, live_cols, at, ks, K), x_row, x_live,
+                                          rw_ptr, s_ptr, s_rows, stride_sn, stride_sk, first_id, live_cols, at, ks, K,
+                                          BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT, HAS_INDEX, ALIGNED_INDEX)
         for start in tl.static_range(WHOLE * BLOCK_K, SLICES * BLOCK_K, BLOCK_K):  # (fewer than CHUNK)
-            w = tl.load(w_rows + (start + ks)[None, :], mask=live_cols[:, None] & (start + ks < K)[None, :],
-                        other=0.0)
-            products = _one_row_slice(products, w, x_row, x_live, rw_ptr, s_ptr, s_rows, stride_sn, stride_sk,
-                                      first_id, live_cols, start, ks, K, BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT,
-                                      HAS_INDEX, ALIGNED_INDEX)
+            products = _one_row_slice(products, _one_row_weights(w_rows, live_cols, start, ks, K), x_row, x_live,
+                                      rw_ptr, s_ptr, s_rows, stride_sn, stride_sk, first_id, live_cols, start, ks, K,
+                                      BN, BK, BLOCK_N, BLOCK_K, GATED_INPUT, HAS_INDEX, ALIGNED_INDEX)
         acc = tl.sum(products, axis=1)[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
