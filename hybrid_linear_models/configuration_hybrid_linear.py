@@ -401,8 +401,19 @@ def _mlp_types_problems(s: _Settings) -> list[str]:
     return problems
 
 
+# The kinds of multi-token-prediction head (`mtp_type`; the modules: mtp_heads.MTP_HEADS): Qwen3-Next's layers that
+# chain the next token's embedding into the last hidden state (mtp_head.py), Fast-LLM's heads that each run a copy
+# of the last decoder block on the input of that block, in parallel (mtp_parallel_heads.py)
+MTP_TYPES = ("qwen3_next", "fast_llm")
+PARALLEL_MTP_TYPE = "fast_llm"  # the kind whose layers copy the last decoder layer (its mixer, MLP and settings)
+
+
 def _mtp_problems(s: _Settings) -> list[str]:
-    """mtp_mlp_type: a registered MLP when the model has MTP layers, None (or one) without."""
+    """mtp_type: a known kind; mtp_mlp_type: a registered MLP when the model has MTP layers, None (or one) without,
+    the last layer's for Fast-LLM's heads (copies of that layer)."""
+    kind = s.mtp_type
+    if not isinstance(kind, str) or kind not in MTP_TYPES:
+        return [f"mtp_type must be one of {MTP_TYPES}, got {brief(kind)}"]
     value = s.mtp_mlp_type
     if value is not None and (not isinstance(value, str) or value not in MLPS):
         return [f"mtp_mlp_type must be one of {tuple(MLPS)} (or None: the first layer's MLP), got {brief(value)}"]
@@ -411,6 +422,10 @@ def _mtp_problems(s: _Settings) -> list[str]:
         return [f"num_mtp_layers must be at most {MAX_LAYERS}, got {brief(count)}"]
     if value is None and _is_int(count) and count > 0:
         return ["mtp_mlp_type is None but num_mtp_layers > 0; name the MTP layers' MLP, one of " + str(tuple(MLPS))]
+    last = s.mlp_types[-1] if isinstance(s.mlp_types, list) and s.mlp_types else None
+    if kind == PARALLEL_MTP_TYPE and _is_int(count) and count > 0 and value != last:
+        return [(f"mtp_mlp_type is {brief(value)} but mtp_type={kind!r} heads are copies of the last decoder layer, "
+                 f"whose MLP is {brief(last)}; leave mtp_mlp_type unset (or set it to {brief(last)})")]
     return []
 
 
@@ -521,12 +536,16 @@ _CLASS_DOC = """
         output_router_logits (`bool`, defaults to False): return each sparse MoE layer's router logits and the
             load-balancing loss `aux_loss`, added to the loss times `router_aux_loss_coef` (Qwen3-Next's names).
         router_aux_loss_coef (`float`, defaults to 0.001): the weight of the load-balancing loss in the loss.
-        num_mtp_layers (`int`, defaults to 0): multi-token-prediction layers (`mtp_head.py`, Qwen3-Next's `mtp.*`:
-            the token embedding and the last hidden state fused by `fc`, one decoder block of full attention, a final
-            norm, the shared LM head); 0: none (transformers' name; Qwen3-Next's config.json says
-            `mtp_num_hidden_layers` or `num_nextn_predict_layers`).
+        num_mtp_layers (`int`, defaults to 0): multi-token-prediction layers, tensors `mtp.*`, of the kind
+            `mtp_type`; 0: none (transformers' name; Qwen3-Next's config.json says `mtp_num_hidden_layers` or
+            `num_nextn_predict_layers`, Fast-LLM's `prediction_heads` counts the next-token head too).
+        mtp_type (`str`, defaults to "qwen3_next"): "qwen3_next" (`mtp_head.py`: the token embedding and the last
+            hidden state fused by `fc`, one decoder block of full attention, a final norm, the shared LM head) or
+            "fast_llm" (`mtp_parallel_heads.py`: layer d runs a copy of the last decoder layer on that layer's input,
+            then its own final norm and the shared LM head, predicting token t + d + 1).
         mtp_mlp_type (`str`, *optional*): the MLP of the MTP layers, one of the registered MLPs; defaults to the
-            first decoder layer's when `num_mtp_layers` > 0 (None without MTP layers).
+            first decoder layer's when `num_mtp_layers` > 0 (the last layer's for "fast_llm"; None without MTP
+            layers).
         mtp_loss_weight (`float`, defaults to 0.0): with labels, the MTP loss (the mean over the MTP layers of the
             cross-entropy of token t + 1 + d at depth d) times this weight is added to `loss` and returned apart as
             `mtp_loss`; 0: not computed (the forward's `mtp_loss_weight=` overrides it).
@@ -605,6 +624,7 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     num_mtp_layers: int = 0
+    mtp_type: str = "qwen3_next"
     mtp_mlp_type: str | None = None
     mtp_loss_weight: float = 0.0
     use_cache: bool = True
@@ -657,10 +677,10 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
 
     def _resolve_mtp_mlp_type(self) -> None:
         """mtp_mlp_type left None for a model with MTP layers: layer 0's MLP (the one vLLM builds for Qwen3-Next's
-        MTP layer)."""
+        MTP layer), the last layer's for Fast-LLM's heads (copies of that layer)."""
         if (self.mtp_mlp_type is None and _is_int(self.num_mtp_layers) and self.num_mtp_layers > 0
                 and isinstance(self.mlp_types, list) and self.mlp_types):
-            self.mtp_mlp_type = self.mlp_types[0]
+            self.mtp_mlp_type = self.mlp_types[-1 if self.mtp_type == PARALLEL_MTP_TYPE else 0]
 
     def _resolve_layer_lists(self) -> None:
         """Completes each pair of per-layer lists from what is given: `mixer_types` and transformers' `layer_types`,
@@ -869,4 +889,5 @@ def _sync_registered_fields() -> None:
 _sync_registered_fields()  # the docstring, and the check that no registered field clashes with the config's own
 on_change(_sync_registered_fields)
 
-__all__ = ["HybridLinearConfig", "LAYER_TYPES", "MIXER_TYPES", "MLP_TYPES", "PER_LAYER_FIELDS"]
+__all__ = ["HybridLinearConfig", "LAYER_TYPES", "MIXER_TYPES", "MLP_TYPES", "MTP_TYPES", "PARALLEL_MTP_TYPE",
+           "PER_LAYER_FIELDS"]

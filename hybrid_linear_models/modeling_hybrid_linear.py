@@ -67,9 +67,10 @@ from .mlp_sparse_moe import (
     check_expert_parallel_size,
 )
 from .moe_load_balancing import load_balancing_loss
-from .mtp_drafting import MtpCandidateGenerator, check_mtp_generation
-from .mtp_head import (HybridLinearMtpHead, check_mtp_loss_inputs, mtp_positions, shifted_labels,
-                       valid_entries, with_carried_head)
+from .mtp_drafting import check_mtp_generation
+from .mtp_head import check_mtp_loss_inputs, mtp_positions, shifted_labels, valid_entries, with_carried_head
+from .mtp_heads import MTP_HEADS
+from .mtp_parallel_heads import hidden_states_asked, with_hidden_state
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info, may_hold_padding
 from .short_convolution import ShortConvolution
@@ -623,8 +624,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = quantize_module(nn.Linear(config.hidden_size, config.vocab_size, bias=False), "lm_head",
                                        config.block_fp8_settings)
-        if config.num_mtp_layers:  # Qwen3-Next's multi-token-prediction layers, "mtp.*" (mtp_head.py)
-            self.mtp = HybridLinearMtpHead(config, HybridLinearDecoderLayer, HybridLinearRotaryEmbedding)
+        if config.num_mtp_layers:  # multi-token-prediction layers, "mtp.*", of the kind config.mtp_type (mtp_heads)
+            self.mtp = MTP_HEADS[config.mtp_type].head(config, HybridLinearDecoderLayer, HybridLinearRotaryEmbedding)
         self.set_cuda_graph_decoding(True)
         self.post_init()
 
@@ -860,6 +861,12 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             self._graph_decoder.ran_uncaptured()
         if output_router_logits is None:  # resolved here: the base model records the routers only when asked
             output_router_logits = getattr(self.config, "output_router_logits", False)
+        asked_hidden = kwargs.get("output_hidden_states")
+        trunk_index = None  # the MTP heads that read the last layer's input get it as a selected hidden state
+        if mtp_weight and self.mtp.reads == "trunk":
+            trunk_index = self.config.num_hidden_layers - 1
+            kwargs["output_hidden_states"] = with_hidden_state(asked_hidden, trunk_index,
+                                                               self.config.num_hidden_layers + 1)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -870,6 +877,10 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             output_router_logits=output_router_logits,
             **kwargs,
         )
+        mtp_input = outputs.last_hidden_state
+        if trunk_index is not None:
+            mtp_input = outputs.hidden_states[trunk_index]
+            outputs.hidden_states = hidden_states_asked(outputs.hidden_states, asked_hidden, trunk_index)
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = None
         loss = self._fused_loss(hidden_states, labels, kwargs.get("shift_labels"),
@@ -889,7 +900,7 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                 loss = loss + getattr(self.config, "router_aux_loss_coef", 0.001) * aux_loss.to(loss.device)
         mtp_loss = None
         if mtp_weight:
-            mtp_loss = self._mtp_loss(outputs.last_hidden_state, input_ids, inputs_embeds, labels, attention_mask,
+            mtp_loss = self._mtp_loss(mtp_input, input_ids, inputs_embeds, labels, attention_mask,
                                       position_ids, kwargs)
             loss = loss + mtp_weight * mtp_loss.to(loss.device)
         return HybridLinearCausalLMOutputWithPast(
@@ -929,8 +940,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
 
     def _mtp_loss(self, hidden_states: torch.Tensor, input_ids, inputs_embeds, labels: torch.Tensor,
                   attention_mask, position_ids, kwargs: dict) -> torch.Tensor:
-        """The mean over the MTP depths of each depth's next-next-token cross-entropy (mtp_head.py), each
-        normalised as the main loss is (mean over the counted targets, or sum / num_items_in_batch)."""
+        """The mean over the MTP depths of each depth's cross-entropy (depth d: token t + d + 1; mtp_head.py,
+        mtp_parallel_heads.py), each normalised as the main loss is (mean over the counted targets, or sum /
+        num_items_in_batch). hidden_states: what the heads read (`mtp.reads`)."""
         embeddings = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
         batch, length = embeddings.shape[:2]
         positions = mtp_positions(position_ids, attention_mask, batch, length, embeddings.device)
@@ -957,11 +969,12 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         super()._validate_generation_mode(generation_mode, generation_config, generation_mode_kwargs)
 
     def _get_candidate_generator(self, generation_config, *args, **kwargs):
-        # `use_mtp`: this family's drafter, the MTP head applied recursively (mtp_drafting); transformers' own
+        # `use_mtp`: this family's drafter, the MTP head of its kind (mtp_heads); transformers' own
         # MTPCandidateGenerator loads an `MtpModel` of another layout. Every drafter's rounds are cut to what a
         # GDN/KDA layer can restore after a rejection (speculative_decoding.cap_drafts)
         if generation_config.use_mtp:
-            generator = MtpCandidateGenerator(self, generation_config, kwargs.get("logits_processor"))
+            generator = MTP_HEADS[self.config.mtp_type].candidate_generator(self, generation_config,
+                                                                            kwargs.get("logits_processor"))
         else:
             generator = super()._get_candidate_generator(generation_config, *args, **kwargs)
         return cap_drafts(generator, generation_config.max_length)

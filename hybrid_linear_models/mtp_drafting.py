@@ -48,8 +48,9 @@ MAX_MTP_DRAFT_TOKENS = 4  # drafts per round: the head's accuracy falls with eac
 
 
 def draft_length(use_mtp: Any, mtp_layers: int) -> int:
-    """The drafts per round `use_mtp` asks for: True -> one per MTP layer, an integer k -> k."""
-    return mtp_layers if use_mtp is True else int(use_mtp)
+    """The drafts per round `use_mtp` asks for: True -> one per MTP layer (at most MAX_MTP_DRAFT_TOKENS), an integer
+    k -> k."""
+    return min(mtp_layers, MAX_MTP_DRAFT_TOKENS) if use_mtp is True else int(use_mtp)
 
 
 def check_mtp_generation(model: PreTrainedModel, generation_config: GenerationConfig,
@@ -65,9 +66,14 @@ def check_mtp_generation(model: PreTrainedModel, generation_config: GenerationCo
     layers = model.config.num_mtp_layers
     if not layers or getattr(model, "mtp", None) is None:
         raise ValueError("use_mtp needs the model's multi-token-prediction weights, and this model has none "
-                         "(config.num_mtp_layers is 0); convert a checkpoint that has them (Qwen3-Next's mtp.*), or "
-                         "generate without use_mtp.")
-    if layers != 1:
+                         "(config.num_mtp_layers is 0); convert a checkpoint that has them (Qwen3-Next's mtp.*, "
+                         "Fast-LLM's prediction_heads > 1), or generate without use_mtp.")
+    if model.mtp.one_draft_per_layer:
+        if use_mtp is not True and use_mtp > layers:
+            raise ValueError(f"use_mtp={use_mtp} asks for more drafts than this model's {layers} MTP layer(s) give "
+                             f"(Fast-LLM's heads: one draft each, config.num_mtp_layers); pass use_mtp from 1 to "
+                             f"{min(layers, MAX_MTP_DRAFT_TOKENS)}, or True.")
+    elif layers != 1:
         raise ValueError(f"use_mtp drafts with one MTP layer applied recursively (Qwen3-Next's), and this model has "
                          f"{layers} (config.num_mtp_layers); generate without use_mtp.")
     if generation_config.prompt_lookup_num_tokens is not None or generation_mode_kwargs.get("assistant_model"):

@@ -70,6 +70,9 @@ class HybridLinearMtpHead(nn.Module):
     """The MTP layers of Qwen3-Next (see the module docstring). `decoder_layer(config, index)` builds a decoder block;
     `rotary(config)` the rotary embedding of the block's attention."""
 
+    reads = "final"  # the final norm's output h (Fast-LLM's parallel heads read the last layer's input)
+    one_draft_per_layer = False  # drafting applies the one layer recursively (Fast-LLM's heads draft one each)
+
     def __init__(self, config: HybridLinearConfig, decoder_layer: Callable[[HybridLinearConfig, int], nn.Module],
                  rotary: Callable[[HybridLinearConfig], nn.Module]):
         super().__init__()

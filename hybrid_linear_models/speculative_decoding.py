@@ -30,11 +30,12 @@ device needs nothing from the host: on CUDA the next round is launched before th
 A drafter is any object with `draft(sequences, count) -> [B, count]` (sequences: each row's prompt and generated
 tokens, 1-D) and optionally `vocab_size`; `PromptLookupDrafter` (n-gram lookup in the row's own tokens) and
 `AssistantDrafter` (greedy drafts of a smaller model) are given. A drafter with `observes_hidden_states` true is
-handed the model's final hidden states of every verified position: `start(input_ids, attention_mask, hidden [B, P,
-H], first [B], slots)` after the prefill and `observe(greedy, kept, hidden [B, k, H])` after each round (the model's
-MTP head: `mtp_drafting.MtpBatchDrafter`). One that also has `drafts_on_device` true (the MTP head) drafts from its
-device state alone, without the sequences: each round is `drafting_round`, the next round's drafts made after the
-acceptance in the same forward pass, and in the same captured graph, so the host reads nothing but the tokens gained.
+handed the hidden states the model's MTP head reads (`forward_tokens`) at every verified position: `start(input_ids,
+attention_mask, hidden [B, P, H], first [B], slots)` after the prefill and `observe(greedy, kept, hidden [B, k, H])`
+after each round (the model's MTP head: the `batch_drafter` of its kind, mtp_heads.py). One that also has
+`drafts_on_device` true (the MTP head) drafts from its device state alone, without the sequences: each round is
+`drafting_round`, the next round's drafts made after the acceptance in the same forward pass, and in the same captured
+graph, so the host reads nothing but the tokens gained.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from .fused_projections import projections_stacked_for_few_rows
 from .kept_verify_rounds import kept_rounds, round_key
 from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_safe_experts
-from .mtp_drafting import MtpBatchDrafter, draft_length
+from .mtp_drafting import draft_length
+from .mtp_heads import MTP_HEADS
 from .ops import recurrent_kernels_for_short_sequences
 from .sequence_info import SequenceInfo
 from .state_rollback import MAX_ROLLBACK_TOKENS
@@ -72,8 +74,9 @@ class Drafter(Protocol):
 def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: torch.Tensor | None = None,
                    last_only: bool = False, with_hidden: bool = False):
     """The logits [B, T, V] (or [B, 1, V] with `last_only`) of T tokens per row written at each row's next slots of
-    `cache` (`cache.lengths` is not moved: `VerifyCache.restore` does); with `with_hidden`, (logits, the final norm's
-    output [B, T, H] at every position: what an MTP head reads). real [B, T] bool marks a prompt's tokens that are
+    `cache` (`cache.lengths` is not moved: `VerifyCache.restore` does); with `with_hidden`, (logits, what the model's
+    MTP head reads at every position, [B, T, H]: the final norm's output, or the last layer's input for heads that
+    read it, `mtp.reads`). real [B, T] bool marks a prompt's tokens that are
     not padding (the GDN/KDA layers keep their states through pads); None: all are real. No host synchronisation
     (capturable)."""
     base = model.model
@@ -86,15 +89,21 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     masks = {window: cache.attention_mask(tokens, window, hidden.dtype, eager) for window in cache.windows}
     info = SequenceInfo(batch, tokens, padding_mask=real)
     residual = None  # each layer's last residual add is done by the next norm, as in a decoding step
+    # the MTP heads that read the last layer's input (mtp_parallel_heads) get it: the sum of what the layer before
+    # left (its MLP output, its residual)
+    reads_trunk = with_hidden and getattr(getattr(model, "mtp", None), "reads", None) == "trunk"
+    last, trunk = model.config.num_hidden_layers - 1, None
     for layer in base.layers[: model.config.num_hidden_layers]:
+        if reads_trunk and layer.layer_idx == last:
+            trunk = hidden if residual is None else hidden + residual
         kv = cache.layers[layer.layer_idx]
         rotary = base.rotary_of_layer[layer.layer_idx]
         hidden, residual = layer.decode(hidden, residual, position_embeddings[rotary] if rotary is not None else None,
                                         masks[kv.window] if layer.mixer_state == "kv" else None, info, cache,
                                         position_ids=positions)
     if with_hidden:
-        hidden = _final_norm(base, hidden, residual)
-        return model.lm_head(hidden[:, -1:] if last_only else hidden), hidden
+        normed = _final_norm(base, hidden, residual)
+        return model.lm_head(normed[:, -1:] if last_only else normed), trunk if reads_trunk else normed
     if last_only:
         hidden, residual = hidden[:, -1:], residual[:, -1:] if residual is not None else None
     return model.lm_head(_final_norm(base, hidden, residual))
@@ -566,7 +575,7 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
         raise ValueError(f"assisted generate of {rows} runs batched greedy speculative decoding, which does not take "
                          f"{', '.join(unsupported)}; leave those out, or generate one row at a time.")
     if generation_config.use_mtp:  # (checked by mtp_drafting.check_mtp_generation before any work)
-        drafter = MtpBatchDrafter(model)
+        drafter = MTP_HEADS[model.config.mtp_type].batch_drafter(model)
         drafts = draft_length(generation_config.use_mtp, model.config.num_mtp_layers)
     elif assistant_model is not None:
         drafter = AssistantDrafter(assistant_model)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
-from ..configuration_hybrid_linear import DEFAULT_MLP_TYPE, HybridLinearConfig
+from ..configuration_hybrid_linear import DEFAULT_MLP_TYPE, PARALLEL_MTP_TYPE, HybridLinearConfig
 
 Shape = tuple[int, ...]
 
@@ -100,9 +100,13 @@ def _top_level_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
 
     one_layer = copy.copy(config)
     one_layer.__dict__.pop("_heterogeneity_spec", None)  # layer 0's overrides do not change the top-level tensors
+    # (Fast-LLM's MTP layers, `mtp.*`, are copies of the last layer: that one is kept, with its overrides)
+    kept = config.num_hidden_layers - 1 if config.num_mtp_layers and config.mtp_type == PARALLEL_MTP_TYPE else 0
     for name in ("layer_types", "mixer_types", "mlp_types", "mlp_layer_types"):  # the per-layer lists
-        setattr(one_layer, name, list(getattr(config, name)[:1]))
+        setattr(one_layer, name, [getattr(config, name)[kept]])
     one_layer.num_hidden_layers = 1
+    if kept and layer_overrides(config, kept):
+        one_layer.per_layer_config = {0: layer_overrides(config, kept)}
     with torch.device("meta"):
         model = HybridLinearForCausalLM(one_layer)
     shapes = {name: shape for name, shape in _meta_shapes(model).items() if not name.startswith(_LAYERS)}

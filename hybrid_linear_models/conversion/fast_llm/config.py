@@ -21,8 +21,10 @@ from typing import Any
 from ...configuration_hybrid_linear import (
     BLOCK_FIELDS,
     DEFAULT_MLP_TYPE,
+    MAX_LAYERS,
     MIXER_FIELDS,
     MLP_FIELDS,
+    PARALLEL_MTP_TYPE,
     HybridLinearConfig,
 )
 from ..errors import ConversionError
@@ -209,10 +211,9 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     head = base.sub("head")
     head.expect("logits_scale_factor", (1.0,), 1.0, "scaled logits")
     head.expect("final_logit_softcapping", (None,), None, "logit soft-capping")
-    # Fast-LLM's multi-token prediction: a decoder block and final norm per distance on the shared trunk, in parallel,
-    # with no next-token embedding fused in; not the MTP head this model has (Qwen3-Next's, mtp_head.py)
-    head.expect("prediction_heads", (1,), 1, "Fast-LLM's multi-token prediction heads: one block per distance on the "
-                "shared trunk, without Qwen3-Next's next-token embedding fusion, which is this model's MTP head")
+    # Fast-LLM's multi-token prediction: the next-token head and prediction_heads - 1 more, each a copy of the last
+    # decoder block on that block's input, then a final norm of the head's normalization (mtp_type "fast_llm")
+    mtp_layers = head.integer("prediction_heads", 1, minimum=1, maximum=MAX_LAYERS + 1) - 1
     final_eps = _rms_norm_eps(head.sub("normalization"), "the final norm")
     head.finish()
 
@@ -237,6 +238,8 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
         kwargs["mlp_types"] = mlp_types
     if overrides:
         kwargs["per_layer_config"] = overrides
+    if mtp_layers:
+        kwargs.update(num_mtp_layers=mtp_layers, mtp_type=PARALLEL_MTP_TYPE)
     if max_positions is not None:
         kwargs["max_position_embeddings"] = max_positions
     base.finish(frozenset({"type"}))
@@ -264,7 +267,7 @@ def block_path(base_model: Mapping[str, Any], index: int) -> str:
 # Per-layer values are compared layer by layer (`fast_llm_carried_layer_fields`): every field of the layer's mixer
 # (the config's own MIXER_FIELDS, from each mixer's registration) and of its block.
 _CARRIED_ALWAYS = ("vocab_size", "hidden_size", "mixer_types", "mlp_types", "num_hidden_layers", "rms_norm_eps",
-                   "tie_word_embeddings", "zero_centered_norms")
+                   "tie_word_embeddings", "zero_centered_norms", "num_mtp_layers", "mtp_type")
 
 
 def fast_llm_carried_fields(config: HybridLinearConfig) -> list[str]:
@@ -286,6 +289,10 @@ def _unsupported_for_fast_llm(config: HybridLinearConfig) -> list[str]:
     problems = []
     if config.zero_centered_norms:
         problems.append("zero_centered_norms=True (Fast-LLM's RMSNorm is x_hat * w)")
+    if config.num_mtp_layers and config.mtp_type != PARALLEL_MTP_TYPE:
+        problems.append(f"{config.num_mtp_layers} MTP layer(s) of mtp_type {config.mtp_type!r} (Fast-LLM's MTP heads "
+                        f"are copies of the last block on its input, mtp_type {PARALLEL_MTP_TYPE!r}); convert to the "
+                        "hf or qwen3_next format")
     for index in distinct_layers(config).values():
         layer, layer_type = layer_config(config, index), config.mixer_types[index]
         mlp_type = our_mlp_type(config, index)
@@ -342,8 +349,10 @@ def hybrid_config_to_fast_llm(config: HybridLinearConfig) -> dict[str, Any]:
                     "pattern": [names[setting] for setting in layer_settings(config)],
                     "num_blocks": config.num_hidden_layers},
         "embeddings": {"vocab_size": config.vocab_size},
-        # the final norm's epsilon is the flat default, whatever the blocks override
-        "head": {"normalization": _norm(config._getattr_without_heterogeneous_validation("rms_norm_eps"))},
+        # the final norm's epsilon is the flat default, whatever the blocks override; the MTP heads count the
+        # next-token head too
+        "head": {"normalization": _norm(config._getattr_without_heterogeneous_validation("rms_norm_eps")),
+                 **({"prediction_heads": config.num_mtp_layers + 1} if config.num_mtp_layers else {})},
         "hidden_size": config.hidden_size,
         "peft": {"type": "none"},
         "tied_embedding_weight": bool(config.tie_word_embeddings),

@@ -3,7 +3,9 @@ holding one flat buffer per state shard (`weights_shard`, optimizer shards). Sup
 (world size 1), whose `weights_shard` is the model's parameters laid out by Fast-LLM's stage rules:
 
 - one stage for the embeddings, one per decoder block, one for the head (final norm, then the output weight unless
-  tied); each stage's slice is padded with zeros to a multiple of 32 elements;
+  tied), then for each multi-token-prediction head one for its block (a copy of the last block) and one for its
+  final norm (its output weight is the first head's, not stored again); each stage's slice is padded with zeros to
+  a multiple of 32 elements;
 - inside a stage, parameters in definition order (block: norm_1, norm_2, mixer, MLP), then stably sorted by
   (weight decay, weight decay == tensor-parallel), i.e. no-decay tensor-parallel parameters (dt_bias, A_log) first,
   then norms, then weights that are not tensor-parallel (low-rank KDA projections, MQA key_value), then the rest.
@@ -42,10 +44,13 @@ from .mixers import mixer_of_layer_type
 from .parameters import (
     EMBEDDINGS_PARAMETERS,
     HEAD_PARAMETERS,
+    MTP_HEAD_PARAMETERS,
     Parameter,
     block_definition_order,
     block_prefix,
     build_fast_llm_rows,
+    mtp_block_prefix,
+    mtp_head_prefix,
 )
 
 STAGE_PAD = 32
@@ -74,6 +79,11 @@ def stage_layout(config: HybridLinearConfig) -> list[list[str]]:
         stages.append(_stage_order(list(block_definition_order(config, index)), block_prefix(index),
                                    layer_config(config, index)))
     stages.append(_stage_order(list(HEAD_PARAMETERS), "", config))
+    last = config.num_hidden_layers - 1  # each MTP head: a stage for its block (a copy of the last), one for its norm
+    for index in range(config.num_mtp_layers):
+        stages.append(_stage_order(list(block_definition_order(config, last)), mtp_block_prefix(index),
+                                   layer_config(config, last)))
+        stages.append(_stage_order(list(MTP_HEAD_PARAMETERS), mtp_head_prefix(index), config))
     return stages
 
 
@@ -122,8 +132,10 @@ def buffer_elements(config: HybridLinearConfig) -> int:
     """The flat buffer's length for `config`, by arithmetic over one meta layer per distinct layer setting (no
     per-layer table: it is compared with the stored buffer before `stage_layout` builds one)."""
     head = config.hidden_size + (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
-    blocks = sum(_padded(elements) for elements in elements_per_layer(config))
-    return _padded(config.vocab_size * config.hidden_size) + blocks + _padded(head)
+    per_layer = elements_per_layer(config)
+    blocks = sum(_padded(elements) for elements in per_layer)
+    mtp = config.num_mtp_layers * (_padded(per_layer[-1]) + _padded(config.hidden_size))  # (copies of the last block)
+    return _padded(config.vocab_size * config.hidden_size) + blocks + _padded(head) + mtp
 
 
 def read_fast_llm_distributed(path: Path) -> SourceCheckpoint:

@@ -29,6 +29,11 @@ HEAD_PARAMETERS = (
     Parameter("head.output_weights", IDENTITY, LM_HEAD, when=lambda config: not config.tie_word_embeddings),
 )
 
+# Fast-LLM's MTP head d + 1 (d = 0..prediction_heads - 2), beside its block: a final norm (its output weight is the
+# first head's, tied, and not stored again)
+MTP_HEAD_PARAMETERS = (same("final_norm.weight", "weight", weight_decay=False, tensor_parallel=NEVER),)
+MTP_PREFIX = "mtp."  # our LM's attribute (mtp_parallel_heads.py: `mtp.layers.{d}.*`, `mtp.norms.{d}.weight`)
+
 BLOCK_NORMS = (
     same("norm_1.weight", "input_layernorm.weight", weight_decay=False, tensor_parallel=NEVER),
     same("norm_2.weight", "post_attention_layernorm.weight", weight_decay=False, tensor_parallel=NEVER),
@@ -69,6 +74,14 @@ def block_prefix(index: int) -> str:
     return f"decoder.{index}."
 
 
+def mtp_block_prefix(index: int) -> str:
+    return f"multi_token_prediction.blocks.{index}."
+
+
+def mtp_head_prefix(index: int) -> str:
+    return f"multi_token_prediction.heads.{index}."
+
+
 def build_fast_llm_rows(config: HybridLinearConfig) -> list[MapRow]:
     """Fast-LLM parameter names <-> canonical names for `config`, layer by layer, each layer's converters bound to
     that layer's own config (its head counts decide the Gated DeltaNet row grouping)."""
@@ -77,8 +90,15 @@ def build_fast_llm_rows(config: HybridLinearConfig) -> list[MapRow]:
         rows += instantiate(name_map_entries(block_name_map_order(config, index)), layer_config(config, index),
                             block_prefix(index), layer_prefix(index))
     rows += instantiate(name_map_entries(HEAD_PARAMETERS), config)
+    last = config.num_hidden_layers - 1  # the MTP heads' blocks are copies of the last one (mtp_parallel_heads)
+    for index in range(config.num_mtp_layers):
+        rows += instantiate(name_map_entries(block_name_map_order(config, last)), layer_config(config, last),
+                            mtp_block_prefix(index), f"{MTP_PREFIX}layers.{index}.")
+        rows += instantiate(name_map_entries(MTP_HEAD_PARAMETERS), config, mtp_head_prefix(index),
+                            f"{MTP_PREFIX}norms.{index}.")
     return rows
 
 
-__all__ = ["Parameter", "EMBEDDINGS_PARAMETERS", "HEAD_PARAMETERS", "BLOCK_NORMS", "mixer_parameters", "mlp_parameters",
-           "block_definition_order", "block_name_map_order", "name_map_entries", "block_prefix", "build_fast_llm_rows"]
+__all__ = ["Parameter", "EMBEDDINGS_PARAMETERS", "HEAD_PARAMETERS", "MTP_HEAD_PARAMETERS", "BLOCK_NORMS",
+           "mixer_parameters", "mlp_parameters", "block_definition_order", "block_name_map_order", "name_map_entries",
+           "block_prefix", "mtp_block_prefix", "mtp_head_prefix", "build_fast_llm_rows"]

@@ -260,6 +260,10 @@ def check_fits_qwen3_next(config: HybridLinearConfig) -> None:
     if has_gdn and config.gdn_norm_eps != config.rms_norm_eps:
         raise _refuse(f"gdn_norm_eps ({config.gdn_norm_eps}) differs from rms_norm_eps ({config.rms_norm_eps}), and "
                       "Qwen3-Next's gated norm uses rms_norm_eps")
+    if config.num_mtp_layers and config.mtp_type != "qwen3_next":
+        raise _refuse(f"its {config.num_mtp_layers} MTP layer(s) are of mtp_type {config.mtp_type!r} (copies of the "
+                      "last layer on its input), and Qwen3-Next's MTP layer fuses the next token's embedding into "
+                      "the last hidden state (mtp_type 'qwen3_next'); the fast_llm format keeps them")
     if config.num_mtp_layers and config.mtp_mlp_type != config.mlp_types[0]:
         raise _refuse(f"the MTP layers' MLP is {brief(config.mtp_mlp_type)} (mtp_mlp_type) and layer 0's "
                       f"{brief(config.mlp_types[0])}, and Qwen3-Next's MTP layer has layer 0's")

@@ -1,0 +1,361 @@
+"""Fast-LLM's parallel MTP heads (mtp_parallel_heads.py, mtp_parallel_drafting.py): the heads' math against their
+definition, the MTP loss, and `generate(use_mtp=k)` for one row and for a left-padded batch.
+
+The reference of head d is Fast-LLM's definition taken literally: the model with its last decoder layer replaced by
+head d's block and its final norm by head d's norm is a plain model of this family, whose logits at position t are
+head d's prediction of token t + d + 1. Built as a separate model from the same tensors, its forward runs the block
+on the trunk through the model's own code path, so a head fed the last layer's output instead of its input, the
+final norm instead of its own, or a target shifted by one position too few differs by 1e-2 and more. Float64.
+
+Drafting is checked three ways: greedy output is plain greedy decoding's whatever the heads say (random heads);
+heads that always agree have every draft accepted, heads that never agree none, and heads that agree on the first
+draft only have exactly one accepted a round; and every round's draft logits equal the heads run afresh over the
+accepted tokens (an uncached forward), which the heads' own caches (GDN/KDA states included) must reproduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_helpers import tiny_model
+from test_speculative_batched import NEW, _alone, _batch
+
+from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models.configuration_hybrid_linear import MTP_TYPES
+from hybrid_linear_models.mtp_heads import MTP_HEADS
+from hybrid_linear_models.mtp_parallel_drafting import (
+    ParallelMtpBatchDrafter,
+    ParallelMtpCandidateGenerator,
+)
+from hybrid_linear_models.speculative_decoding import speculative_generate
+
+# transformers' loss takes the logits in float32 (see test_mtp.LOSS_TOL)
+LOSS_TOL = 2e-6
+# draft logits are float32, as generate takes the model's: rounding ~1e-6 on logits of order 10
+DRAFT_TOL = 1e-5
+LAST_LAYERS = {  # the last layer, which the heads copy: recurrent (GDN, KDA) and attention (full, sliding)
+    "gdn": ["full_attention", "kimi_delta_attention", "gated_deltanet"],
+    "kda": ["gated_deltanet", "full_attention", "kimi_delta_attention"],
+    "attention": ["gated_deltanet", "kimi_delta_attention", "full_attention"],
+    "sliding": ["gated_deltanet", "full_attention", "sliding_attention"],
+}
+
+
+def _model(last="gdn", heads=2, seed=0, **overrides) -> HybridLinearForCausalLM:
+    return tiny_model(LAST_LAYERS[last], seed=seed, num_mtp_layers=heads, mtp_type="fast_llm", **overrides).double()
+
+
+def _ids(shape, seed=0):
+    return torch.randint(2, 128, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _head_as_model(model: HybridLinearForCausalLM, depth: int) -> HybridLinearForCausalLM:
+    """The model with its last layer replaced by head `depth`'s block (1-based) and its final norm by the head's."""
+    config = HybridLinearConfig.from_dict({**model.config.to_dict(), "num_mtp_layers": 0, "mtp_mlp_type": None})
+    plain = HybridLinearForCausalLM(config).double().eval()
+    last = model.config.num_hidden_layers - 1
+    weights = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("mtp.")}
+    for name, tensor in model.mtp.layers[depth - 1].state_dict().items():
+        weights[f"model.layers.{last}.{name}"] = tensor
+    weights["model.norm.weight"] = model.mtp.norms[depth - 1].weight
+    plain.load_state_dict(weights)
+    return plain
+
+
+def _trunk(model: HybridLinearForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The last decoder layer's input over `ids`, by an uncached forward."""
+    return model.model(ids, output_hidden_states=True).hidden_states[model.config.num_hidden_layers - 1]
+
+
+# ------------------------------------------------------------------------------------------- config and math
+
+
+def test_every_mtp_type_has_its_modules():
+    assert tuple(MTP_HEADS) == MTP_TYPES
+
+
+@pytest.mark.parametrize("last", sorted(LAST_LAYERS))
+def test_each_head_is_the_model_with_its_block_and_norm_in_place_of_the_last(last):
+    model = _model(last, heads=3)
+    ids = _ids((2, 11))
+    with torch.no_grad():
+        outputs = model.mtp(_trunk(model, ids), torch.arange(11).unsqueeze(0))
+        for depth, g in enumerate(outputs, start=1):
+            expected = _head_as_model(model, depth)(ids).logits
+            assert (model.lm_head(g) - expected).abs().max() <= 1e-10, depth
+
+
+def test_the_heads_copy_the_last_layer_with_its_own_settings():
+    """A last layer with per-layer settings of its own (one KV head) gives its heads the same."""
+    model = _model("attention", per_layer_config={2: {"num_key_value_heads": 1}})
+    assert model.mtp.layers[1].self_attn.k_proj.weight.shape[0] == 16  # one KV head of 16
+    assert model.mtp.config.mixer_types == ["full_attention"] * 2
+    ids = _ids((1, 7))
+    with torch.no_grad():
+        g = model.mtp(_trunk(model, ids), torch.arange(7).unsqueeze(0))[1]
+        assert (model.lm_head(g) - _head_as_model(model, 2)(ids).logits).abs().max() <= 1e-10
+
+
+def test_mtp_loss_is_the_mean_of_each_heads_cross_entropy_at_its_distance():
+    model = _model(heads=3)
+    ids = _ids((2, 12), seed=1)
+    with torch.no_grad():
+        losses = []
+        for depth in (1, 2, 3):  # head d predicts token t + d + 1
+            logits = _head_as_model(model, depth)(ids).logits[:, : 12 - depth - 1]
+            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, 128).float(),
+                                                            ids[:, depth + 1:].reshape(-1)))
+        out = model(input_ids=ids, labels=ids, mtp_loss_weight=0.5)
+        plain = model(input_ids=ids, labels=ids)
+    expected = torch.stack(losses).mean()
+    assert (out.mtp_loss - expected).abs() <= LOSS_TOL, (out.mtp_loss, expected)
+    assert (out.loss - (plain.loss + 0.5 * out.mtp_loss)).abs() <= LOSS_TOL
+    assert out.hidden_states is None  # (the trunk was selected for the loss, not returned)
+
+
+def test_the_loss_returns_the_hidden_states_the_caller_asked_for():
+    model = _model()
+    ids = _ids((1, 8))
+    with torch.no_grad():
+        every = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0, output_hidden_states=True)
+        last = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0, output_hidden_states=-1)
+        plain = model(input_ids=ids, output_hidden_states=True)
+    assert len(every.hidden_states) == 4 and all(torch.equal(a, b) for a, b in zip(every.hidden_states,
+                                                                                    plain.hidden_states))
+    assert [h is None for h in last.hidden_states] == [True, True, True, False]
+
+
+def test_a_padded_rows_loss_is_its_unpadded_loss():
+    model = _model("kda")
+    ids = _ids((1, 9), seed=3)
+    with torch.no_grad():
+        alone = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0).mtp_loss
+        padded_ids = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+        mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+        padded = model(input_ids=padded_ids, attention_mask=mask, labels=padded_ids.masked_fill(mask == 0, -100),
+                       mtp_loss_weight=1.0).mtp_loss
+    assert (padded - alone).abs() <= LOSS_TOL, (padded, alone)
+
+
+def test_training_the_heads_alone_reduces_their_loss():
+    model = _model().train()
+    model.config.fuse_linear_cross_entropy = False
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith("mtp."))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = _ids((2, 12), seed=5)
+    losses = []
+    for _ in range(8):
+        out = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0)
+        losses.append(out.mtp_loss.item())
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"mtp_type": "medusa"}, "mtp_type must be one of ('qwen3_next', 'fast_llm'), got 'medusa'"),
+    ({"mtp_type": "fast_llm", "mlp_types": ["dense", "dense", "sparse_moe"], "mtp_mlp_type": "dense"},
+     ("mtp_mlp_type is 'dense' but mtp_type='fast_llm' heads are copies of the last decoder layer, whose MLP is "
+      "'sparse_moe'")),
+])
+def test_bad_mtp_settings_are_refused_in_one_line(overrides, fragment):
+    with pytest.raises(ValueError, match="^Invalid HybridLinearConfig: ") as caught:
+        tiny_model(LAST_LAYERS["gdn"], num_mtp_layers=1, **overrides)
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_heads_mlp_defaults_to_the_last_layers():
+    config = tiny_model(LAST_LAYERS["gdn"], num_mtp_layers=1, mtp_type="fast_llm",
+                        mlp_types=["dense", "dense", "sparse_moe"], num_experts=4, num_experts_per_tok=2).config
+    assert config.mtp_mlp_type == "sparse_moe"
+
+
+# ------------------------------------------------------------------------------------------------ drafting
+
+
+def _zero_blocks(model: HybridLinearForCausalLM) -> None:
+    """Every block adds nothing (output projections zero) and every norm scales by 1: the trunk is the embedding
+    and each head's g is rms(e(x_t)), as the model's own h."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+                parameter.zero_()
+        for module in model.modules():
+            if type(module).__name__ == "HybridLinearRMSNorm":
+                module.weight.zero_()  # (zero-centred: a scale of 1)
+
+
+def _constant_model(signs: tuple[float, ...]) -> HybridLinearForCausalLM:
+    """A model whose every next token is 5 (the embeddings share a direction the LM head's row 5 reads, every other
+    row zero), with heads whose norms scale by signs[d]: a head of sign 1 drafts 5 (right), of sign -1 a token of
+    zero logit (never 5)."""
+    model = _model(heads=len(signs))
+    _zero_blocks(model)
+    with torch.no_grad():
+        base = torch.randn(64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        model.model.embed_tokens.weight.mul_(0.1).add_(base)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[5] = base
+        for norm, sign in zip(model.mtp.norms, signs):
+            norm.weight.fill_(sign - 1.0)  # (zero-centred: a scale of sign)
+    return model
+
+
+def _single_row_rounds(monkeypatch) -> list[tuple[int, int]]:
+    """(drafted, accepted) of every round of ParallelMtpCandidateGenerator."""
+    rounds, drafted = [], []
+    get_candidates = ParallelMtpCandidateGenerator.get_candidates
+    update = ParallelMtpCandidateGenerator.update_candidate_strategy
+
+    def counting_get(self, input_ids, *args, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        drafted.append(candidates.shape[1] - input_ids.shape[1])
+        return candidates, logits
+
+    def counting_update(self, input_ids, scores, num_matches):
+        rounds.append((drafted[-1], int(num_matches)))
+        return update(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(ParallelMtpCandidateGenerator, "get_candidates", counting_get)
+    monkeypatch.setattr(ParallelMtpCandidateGenerator, "update_candidate_strategy", counting_update)
+    return rounds
+
+
+@pytest.mark.parametrize("last", sorted(LAST_LAYERS))
+@pytest.mark.parametrize("use_mtp", [1, True])
+def test_greedy_with_random_heads_is_plain_greedy(last, use_mtp):
+    model = _model(last, heads=3)
+    ids = _ids((1, 7), seed=1)
+    plain = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False, use_mtp=use_mtp), plain)
+
+
+@pytest.mark.parametrize("signs, accepted", [((1.0, 1.0, 1.0), 3), ((-1.0, -1.0), 0), ((1.0, -1.0), 1)])
+def test_heads_that_agree_have_their_drafts_accepted(monkeypatch, signs, accepted):
+    model = _constant_model(signs)
+    rounds = _single_row_rounds(monkeypatch)
+    ids = _ids((1, 5), seed=2)
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(plain[0, 5:], torch.full((12,), 5))
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=True), plain)
+    full = [r for r in rounds if r[0] == len(signs)]
+    assert full and all(got == accepted for _, got in full), rounds
+
+
+@pytest.mark.parametrize("last", ["gdn", "kda", "sliding"])
+def test_every_rounds_drafts_are_the_heads_run_afresh_over_the_accepted_tokens(monkeypatch, last):
+    """The heads' own caches after rounds of full, partial and no acceptance: each round's draft logits equal the
+    heads run from scratch over the accepted sequence (the trunk of a fresh forward), every draft of the round."""
+    model = _model(last, heads=3)
+    checked = []
+    get_candidates = ParallelMtpCandidateGenerator.get_candidates
+
+    def checking(self, input_ids, *args, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        if logits is not None:
+            with torch.no_grad():
+                length = input_ids.shape[1]
+                outputs = model.mtp(_trunk(model, input_ids[:, :-1]), torch.arange(length - 1).unsqueeze(0))
+            for draft in range(logits.shape[1]):
+                expected = model.lm_head(outputs[draft][:, -1]).float()
+                checked.append((logits[:, draft] - expected).abs().max().item())
+        return candidates, logits
+
+    monkeypatch.setattr(ParallelMtpCandidateGenerator, "get_candidates", checking)
+    ids = _ids((1, 5), seed=2)
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=3), plain)
+    assert len(checked) >= 3 * 3 and max(checked) <= DRAFT_TOL, checked
+
+
+def test_more_drafts_than_heads_are_refused_before_any_forward():
+    model = _model(heads=2)
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError) as caught:
+        model.generate(_ids((1, 5)), max_new_tokens=4, do_sample=False, use_mtp=3)
+    assert str(caught.value) == ("use_mtp=3 asks for more drafts than this model's 2 MTP layer(s) give (Fast-LLM's "
+                                 "heads: one draft each, config.num_mtp_layers); pass use_mtp from 1 to 2, or True.")
+    assert not calls
+
+
+def test_sampling_with_the_heads_runs_and_stays_in_the_vocabulary():
+    model = _model()
+    torch.manual_seed(0)
+    out = model.generate(_ids((1, 5)), max_new_tokens=8, do_sample=True, use_mtp=2)
+    assert out.shape == (1, 13) and int(out.max()) < 128
+
+
+# ------------------------------------------------------------------------------------------ batched drafting
+
+
+@pytest.mark.parametrize("last", sorted(LAST_LAYERS))
+@pytest.mark.parametrize("use_mtp", [1, 3])
+def test_each_row_of_a_batch_is_its_plain_greedy_decoding(last, use_mtp):
+    model = _model(last, heads=3)
+    ids, mask = _batch()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             use_mtp=use_mtp)
+    assert torch.equal(out[:, ids.shape[1]:], _alone(model, ids, mask))
+
+
+@pytest.mark.parametrize("signs, kept", [((1.0, 1.0, 1.0), 4), ((-1.0, -1.0, -1.0), 1), ((1.0, -1.0, 1.0), 2)])
+def test_batched_heads_that_agree_have_their_drafts_accepted_in_every_row(monkeypatch, signs, kept):
+    model = _constant_model(signs)
+    seen = []
+    observe = ParallelMtpBatchDrafter.observe
+
+    def recording(self, greedy, kept_now, hidden):
+        seen.append(kept_now.tolist())
+        return observe(self, greedy, kept_now, hidden)
+
+    monkeypatch.setattr(ParallelMtpBatchDrafter, "observe", recording)
+    ids, mask = _batch()
+    with torch.no_grad():
+        out = speculative_generate(model, ids, ParallelMtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
+                                   attention_mask=mask)
+    assert torch.equal(out[:, ids.shape[1]:], _alone(model, ids, mask))
+    assert seen and all(round_ == [kept] * 3 for round_ in seen[:-1]), seen
+
+
+@pytest.mark.parametrize("last", ["gdn", "kda", "attention"])
+def test_every_batched_draft_is_the_heads_run_afresh_over_the_rows_accepted_tokens(monkeypatch, last):
+    """The heads' shared VerifyCache: after rounds of full, partial and no acceptance, rows of different lengths,
+    each row's heads' outputs equal the heads over that row's accepted sequence alone, from scratch."""
+    model = _model(last, heads=3)
+    ids, mask = _batch()
+    rows = [row[real].tolist() for row, real in zip(ids, mask.bool())]  # each row's accepted tokens so far
+    errors = []
+    start, observe = ParallelMtpBatchDrafter.start, ParallelMtpBatchDrafter.observe
+
+    def check(drafter):
+        got = model.lm_head(drafter.g).float()  # [B, D, V]
+        for b, tokens in enumerate(rows):
+            sequence = torch.tensor([tokens[:-1]])  # (the last token gained is the model's; the heads drafted from
+            # the position before it)
+            outputs = model.mtp(_trunk(model, sequence), torch.arange(sequence.shape[1]).unsqueeze(0))
+            for d, g in enumerate(outputs):
+                errors.append((got[b, d] - model.lm_head(g[0, -1]).float()).abs().max().item())
+
+    def checking_start(self, input_ids, attention_mask, hidden, first, slots):
+        start(self, input_ids, attention_mask, hidden, first, slots)
+        for b, token in enumerate(first.tolist()):
+            rows[b].append(token)
+        check(self)
+
+    def checking_observe(self, greedy, kept, hidden):
+        observe(self, greedy, kept, hidden)
+        for b, count in enumerate(kept.tolist()):
+            rows[b] += greedy[b, :count].tolist()
+        check(self)
+
+    monkeypatch.setattr(ParallelMtpBatchDrafter, "start", checking_start)
+    monkeypatch.setattr(ParallelMtpBatchDrafter, "observe", checking_observe)
+    with torch.no_grad():
+        out = speculative_generate(model, ids, ParallelMtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
+                                   attention_mask=mask)
+    assert torch.equal(out[:, ids.shape[1]:], _alone(model, ids, mask))
+    assert len(errors) > 3 * 3 * 2 and max(errors) <= DRAFT_TOL, errors
