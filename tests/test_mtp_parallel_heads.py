@@ -15,12 +15,21 @@ accepted tokens (an uncached forward), which the heads' own caches (GDN/KDA stat
 
 from __future__ import annotations
 
+import json
+import textwrap
+
 import pytest
 import torch
-from model_helpers import tiny_model
+from model_helpers import (
+    WITHOUT_THE_PACKAGE_PRELUDE,
+    HostReadsRefused,
+    replay_rounds_eagerly,
+    run_without_the_package,
+    tiny_model,
+)
 from test_speculative_batched import NEW, _alone, _batch
 
-from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM, speculative_decoding
 from hybrid_linear_models.configuration_hybrid_linear import MTP_TYPES
 from hybrid_linear_models.mtp_heads import MTP_HEADS
 from hybrid_linear_models.mtp_parallel_drafting import (
@@ -359,3 +368,81 @@ def test_every_batched_draft_is_the_heads_run_afresh_over_the_rows_accepted_toke
                                    attention_mask=mask)
     assert torch.equal(out[:, ids.shape[1]:], _alone(model, ids, mask))
     assert len(errors) > 3 * 3 * 2 and max(errors) <= DRAFT_TOL, errors
+
+
+def _started(model, ids, mask, num_tokens, slots=40):
+    """A verify cache and the heads' drafter after the prompts, and the first round's tokens [B, num_tokens]."""
+    cache = speculative_decoding.VerifyCache(model, ids.shape[0], slots, ids.device)
+    drafter = ParallelMtpBatchDrafter(model)
+    first, hidden = speculative_decoding.prefill(model, cache, ids, mask, with_hidden=True)
+    drafter.start(ids, mask, hidden, first, cache.slots)
+    return cache, drafter, torch.cat([first[:, None], drafter.draft(None, num_tokens - 1)], dim=1)
+
+
+@pytest.mark.parametrize("last", ["gdn", "attention"])
+def test_a_drafting_round_reads_nothing_on_the_host(last):
+    """The round, the heads' entries and restore, and the next drafts read no device value on the host (what a CUDA
+    graph captures)."""
+    model = _model(last, heads=3)
+    ids, mask = _batch()
+    with torch.no_grad():
+        cache, drafter, step = _started(model, ids, mask, 4)
+        with HostReadsRefused():
+            greedy, _kept, drafts = speculative_decoding.drafting_round(model, cache, step,
+                                                                        torch.ones(3, dtype=torch.bool), drafter)
+    assert drafts.shape == (3, 3) and greedy.shape == (3, 4)
+
+
+@pytest.mark.parametrize("signs", [(1.0, -1.0, 1.0), (1.0, 1.0, 1.0)])
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_captured_rounds_and_rounds_run_ahead_keep_every_row_exact(monkeypatch, signs, ahead):
+    """`graphs=True` (the capture stood in by an eager replay of the captured function), with and without a round
+    launched ahead of the host's read (forced here on the CPU): each row's tokens are its plain greedy decoding,
+    cut at its end-of-sequence token and padded after it, and every round after the first is a replay."""
+    monkeypatch.setattr(speculative_decoding, "rounds_ahead", lambda on_device, device: ahead * int(on_device))
+    model = _constant_model(signs)
+    with torch.no_grad():  # (a model whose token is not always 5: its last block back, so rows differ)
+        model.model.layers[2].linear_attn.out_proj.weight.normal_(0, 0.5)
+    replays = replay_rounds_eagerly(monkeypatch)
+    ids, mask = _batch()
+    truth = _alone(model, ids, mask)
+    eos = int(truth[1, 4])
+    for stop in ({}, {"eos_token_id": eos}):
+        with torch.no_grad():
+            got = speculative_generate(model, ids, ParallelMtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
+                                       attention_mask=mask, pad_token_id=0, graphs=True, **stop)[:, ids.shape[1]:]
+        for b in range(3):
+            ends = (truth[b] == eos).nonzero().flatten() if stop else torch.tensor([])
+            end = int(ends[0]) + 1 if ends.numel() else NEW
+            assert torch.equal(got[b, :end], truth[b, :end]), (stop, b)
+            assert (got[b, end:] == 0).all()
+    assert len(replays) > 2
+
+
+_REMOTE_CODE_RUN = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    assert "hybrid_linear_models" not in sys.modules
+    ids = torch.tensor([[5, 9, 17, 3, 44, 8]])
+    plain = model.generate(ids, max_new_tokens=6, do_sample=False)
+    drafted = model.generate(ids, max_new_tokens=6, do_sample=False, use_mtp=2)
+    loss = model(input_ids=ids, labels=ids, mtp_loss_weight=0.5).mtp_loss
+    print("RESULT", json.dumps({"same": bool(torch.equal(plain, drafted)), "loss": float(loss)}))
+""")
+
+
+@pytest.mark.slow  # a subprocess that loads the model without the package
+def test_a_saved_model_drafts_and_trains_as_remote_code(tmp_path):
+    model = _model().float()
+    model.save_pretrained(tmp_path / "model")
+    assert {"mtp_parallel_heads.py", "mtp_parallel_drafting.py"} <= {p.name for p in (tmp_path / "model").iterdir()}
+    script = tmp_path / "run.py"
+    script.write_text(_REMOTE_CODE_RUN)
+    result = run_without_the_package(script, tmp_path / "model", cwd=tmp_path)
+    found = json.loads(result.stdout.split("RESULT")[1])
+    ids = torch.tensor([[5, 9, 17, 3, 44, 8]])
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids, mtp_loss_weight=0.5).mtp_loss
+    assert found["same"] and abs(found["loss"] - float(expected)) <= 1e-5, found

@@ -115,8 +115,8 @@ def refused(folder: Path, kind: str, *fragments: str) -> str:
     ("decoder.blocks.attn.mixer.causal", 1, ("mixer.causal = 1 is not supported",)),  # 1 is not true
     ("decoder.blocks.attn.mlp.add_linear_biases", "false", ("mlp.add_linear_biases should be true or false",)),
     ("decoder.blocks.attn.mixer", ["x"], ("blocks.attn.mixer should be a mapping", "got a list ['x']")),
-    ("head.prediction_heads", True, ("prediction_heads = True is not supported",)),
-    ("head.prediction_heads", 2, ("prediction_heads = 2 is not supported", "Qwen3-Next's next-token embedding")),
+    ("head.prediction_heads", True, ("prediction_heads should be an integer >= 1", "got a boolean True")),
+    ("head.prediction_heads", 0, ("prediction_heads should be an integer >= 1", "got an integer 0")),
 ])
 def test_metadata_values_are_type_checked(copy_of, key, value, fragments):
     folder = copy_of("fast_llm")
