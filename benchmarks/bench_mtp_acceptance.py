@@ -8,11 +8,12 @@ and split by file: every 10th file is held out, never trained on. Tokenizer: a b
 most bytes follow from the ones before, so a byte model's acceptance would be higher than any real tokenizer's; the
 BPE's figures are closer to what a deployed model sees. `--tokenizer bytes` gives the byte-level figures.
 
-Model: 6 Gated DeltaNet + 2 full-attention layers (hidden 512), one MTP layer (`num_mtp_layers=1`), trained from
-scratch for `--train-seconds` (wall clock, first-call kernel compilation included) with AdamW, bf16 autocast on CUDA
-and a fixed seed, on random windows of the training files; a fraction of the windows (`--copy-fraction`) are the
-copy task below, built from training files, so that the model learns the task prompt lookup is measured on. The
-loss is the next-token loss plus `mtp_loss_weight` x the MTP head's (token after next). Printed: ten progress lines
+Model: 6 Gated DeltaNet + 2 full-attention layers (hidden 512), one MTP layer (`num_mtp_layers=1`; with
+`--mtp-type fast_llm`, Fast-LLM's parallel heads, max(--mtp-k) copies of the last layer), trained from scratch for
+`--train-seconds` (wall clock, first-call kernel compilation included) with AdamW, bf16 autocast on CUDA and a fixed
+seed, on random windows of the training files; a fraction of the windows (`--copy-fraction`) are the copy task
+below, built from training files, so that the model learns the task prompt lookup is measured on. The loss is the
+next-token loss plus `mtp_loss_weight` x the MTP loss (the mean of its depths' losses). Printed: ten progress lines
 with the held-out losses of a few windows (the stdlib is ~3M tokens: a long run overfits); the weights of the line
 with the lowest held-out losses are kept (early stopping). Then the train losses and the held-out next-token and MTP
 losses of the kept weights.
@@ -63,6 +64,7 @@ from model_configs import hybrid_layer_types
 from timing import timed
 
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
+from hybrid_linear_models.configuration_hybrid_linear import MTP_TYPES
 from hybrid_linear_models.fla_backend import fla_training_refusal
 from hybrid_linear_models.speculative_decoding import (
     CapturedVerifyRound,
@@ -185,13 +187,16 @@ def held_out_windows(stream: torch.Tensor, count: int, length: int) -> torch.Ten
 # ----------------------------------------------------------------------------------------------------------- model
 
 
-def build_config(size: str, vocab_size: int, mtp_loss_weight: float) -> HybridLinearConfig:
-    """3 Gated DeltaNet : 1 full-attention layers, dense MLPs, one MTP layer."""
+def build_config(size: str, vocab_size: int, mtp_loss_weight: float, mtp_type: str = "qwen3_next",
+                 max_drafts: int = 1) -> HybridLinearConfig:
+    """3 Gated DeltaNet : 1 full-attention layers, dense MLPs; one MTP layer of Qwen3-Next's kind (applied
+    recursively to draft several tokens), or `max_drafts` of Fast-LLM's (one draft each)."""
     shape = dict(MODEL_SIZES[size])
     layers = shape.pop("num_hidden_layers")
     return HybridLinearConfig(vocab_size=vocab_size, layer_types=hybrid_layer_types(layers, "gated_deltanet"),
-                              num_mtp_layers=1, mtp_loss_weight=mtp_loss_weight, pad_token_id=PAD,
-                              rms_norm_eps=1e-6, tie_word_embeddings=False, **shape)
+                              num_mtp_layers=1 if mtp_type == "qwen3_next" else max_drafts, mtp_type=mtp_type,
+                              mtp_loss_weight=mtp_loss_weight, pad_token_id=PAD, rms_norm_eps=1e-6,
+                              tie_word_embeddings=False, **shape)
 
 
 @dataclass
@@ -459,6 +464,8 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--mtp-k", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--mtp-type", choices=MTP_TYPES, default="qwen3_next",
+                        help="the MTP head trained: Qwen3-Next's one layer, or Fast-LLM's heads (max(--mtp-k) of them)")
     parser.add_argument("--copy-chunk", type=int, default=224,
                         help="the copy task's chunk, tokens (its prompt and copy within the training context)")
     parser.add_argument("--copy-lead", type=int, default=16, help="chunk tokens repeated in the copy prompt")
@@ -513,12 +520,16 @@ def load_or_build(args, train_texts: list[str], device: torch.device):
         if not model.config.num_mtp_layers:
             raise SystemExit(f"bench_mtp_acceptance.py: the model in {args.load} has no MTP head (num_mtp_layers 0); "
                              "pass a folder this script wrote with --save.")
+        if model.config.mtp_type != "qwen3_next" and max(args.mtp_k) > model.config.num_mtp_layers:
+            raise SystemExit(f"bench_mtp_acceptance.py: the model in {args.load} has {model.config.num_mtp_layers} "
+                             f"Fast-LLM MTP heads (one draft each); pass --mtp-k up to that, not {args.mtp_k}.")
         return tokenizer, model.to(device)
     start = time.perf_counter()
     tokenizer = ByteTokenizer() if args.tokenizer == "bytes" else BpeTokenizer.train(train_texts, args.vocab_size)
     print(f"tokenizer: {args.tokenizer}, {tokenizer.vocab_size} tokens ({time.perf_counter() - start:.1f} s)")
     torch.manual_seed(args.seed)
-    config = build_config("tiny" if args.tiny else "gpu", tokenizer.vocab_size, args.mtp_loss_weight)
+    config = build_config("tiny" if args.tiny else "gpu", tokenizer.vocab_size, args.mtp_loss_weight, args.mtp_type,
+                          max(args.mtp_k))
     return tokenizer, HybridLinearForCausalLM(config).to(device)
 
 
@@ -557,7 +568,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"({result.tokens / train_stream.numel():.1f} epochs); train loss {result.loss:.3f}, "
               f"train MTP loss {result.mtp_loss:.3f} (mean of the last steps, copy rows included)")
     loss, mtp_loss = held_out_losses(model, held_out_windows(held_stream, 64, args.context), device)
-    print(f"held out: loss {loss:.3f}, MTP loss {mtp_loss:.3f} (token after next)")
+    print(f"held out: loss {loss:.3f}, MTP loss {mtp_loss:.3f} (the mean of its depths': token t + d + 1)")
     if args.save is not None:
         model.save_pretrained(args.save)
         if isinstance(tokenizer, BpeTokenizer):

@@ -56,6 +56,9 @@ RUNS = [
       "| copy: prompt lookup | 1 | 4 |", "| copy: prompt lookup | 2 | 4 |", "acceptance length",
       "copy task: plain greedy reproduces", "of its new 4-grams are in the chunk",
       "of their new 4-grams occurred earlier"]),
+    # Fast-LLM's parallel heads, one per draft
+    ("bench_mtp_acceptance.py", ["--tiny", "--mtp-type", "fast_llm", "--mtp-k", "1", "3"],
+     ["the mean of its depths'", "| MTP | 1 | 3 |", "| MTP | 2 | 3 |"]),
     ("bench_moe.py", ["--size", "tiny", "--repeats", "1", "--decode", "1", "--prompt", "16", "--new-tokens", "4",
                       "--threads", "1"],
      ["routing (router", "Whole model, fwd+bwd", "ours/eager"]),
