@@ -76,9 +76,8 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     """The logits [B, T, V] (or [B, 1, V] with `last_only`) of T tokens per row written at each row's next slots of
     `cache` (`cache.lengths` is not moved: `VerifyCache.restore` does); with `with_hidden`, (logits, what the model's
     MTP head reads at every position, [B, T, H]: the final norm's output, or the last layer's input for heads that
-    read it, `mtp.reads`). real [B, T] bool marks a prompt's tokens that are
-    not padding (the GDN/KDA layers keep their states through pads); None: all are real. No host synchronisation
-    (capturable)."""
+    read it, `mtp.reads`). real [B, T] bool marks a prompt's tokens that are not padding (the GDN/KDA layers keep
+    their states through pads); None: all are real. No host synchronisation (capturable)."""
     base = model.model
     batch, tokens = input_ids.shape
     hidden = base.embed_tokens(input_ids)

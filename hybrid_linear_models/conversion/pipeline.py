@@ -231,9 +231,6 @@ def _written_dtype(key: str, stored: torch.dtype, requested: torch.dtype | None)
     return requested
 
 
-_MTP_FORMATS = {"qwen3_next": "qwen3_next", "fast_llm": "fast_llm"}  # mtp_type -> the format (besides hf) holding it
-
-
 def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: torch.dtype | None = None
                     ) -> ConversionPlan:
     canonical = hf_tensor_shapes(source.config)
@@ -244,10 +241,10 @@ def plan_conversion(source: SourceCheckpoint, target_rows: list[MapRow], dtype: 
     needed = [key for row in target_rows for key in row.canonical_keys]
     head = sorted(set(canonical) - set(needed))
     if head and all(key.startswith("mtp.") for key in head):  # a format without the MTP head (mtp_heads.py)
-        kind = source.config.mtp_type
+        kind = source.config.mtp_type  # (each kind is named after the format that holds it besides hf)
         raise ConversionError(f"this model has {source.config.num_mtp_layers} multi-token-prediction layer(s) of "
                               f"mtp_type {kind!r} ({head[0]}, ...), which the target format cannot hold; convert it "
-                              f"to the hf or {_MTP_FORMATS.get(kind, 'hf')} format instead.")
+                              f"to the hf or {kind} format instead.")
     if sorted(produced) != sorted(canonical) or sorted(needed) != sorted(canonical):
         raise RuntimeError("name maps disagree with the canonical layout: "
                            f"{sorted(set(produced) ^ set(canonical)) or sorted(set(needed) ^ set(canonical))}")
