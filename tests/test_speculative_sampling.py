@@ -12,7 +12,9 @@ The test is Pearson's chi-square on the counts of the V^3 sequences, cells whose
 into one (so the chi-square approximation holds). It rejects at p < 1e-4: a correct sampler fails it once in 10^4
 seeds. The samples are seeded, so the outcome is reproducible. Power: the same test, on as many samples or fewer,
 rejects two wrong samplers by a wide margin (p below 1e-12 for these seeds): the assistant's own sequences (every
-draft kept), and speculative sampling whose GDN states are not restored after a rejection.
+draft kept), and speculative sampling whose GDN states are not restored after a rejection. The model's own MTP heads
+as the drafter (`use_mtp`, both kinds) keep the distribution too; a drafter that reports another distribution than
+the one it sampled from is rejected (p ~ 1e-39).
 """
 
 from __future__ import annotations
@@ -148,4 +150,57 @@ def test_speculative_sampling_without_state_restoration_is_rejected(models, monk
 
     monkeypatch.setattr(LinearStateLayer, "crop", stale_crop)
     counts = sample(model, POWER_SAMPLES, seed=2, assistant_model=assistant)
+    assert chi_square_p_value(counts, expected) < ALPHA
+
+
+def _peaked_heads(model):
+    """The MTP heads' final norms scaled by 10: their draft distributions q peaked (the model's own p unchanged), far
+    from the model's, so that drafts are often rejected and a q misreported matters."""
+    with torch.no_grad():
+        for name, parameter in model.mtp.named_parameters():
+            if name == "norm.weight" or name.startswith("norms."):
+                parameter.copy_(10 * (1 + parameter) - 1)  # (zero-centred: the scale is 1 + w)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mtp", [{"mtp_type": "qwen3_next", "num_mtp_layers": 1},  # one layer, applied recursively
+                                 {"mtp_type": "fast_llm", "num_mtp_layers": 2}])  # one draft per head
+def test_speculative_sampling_with_the_models_mtp_heads_keeps_the_distribution(mtp):
+    """`generate(do_sample=True, use_mtp=2)`: the heads' drafts sampled from their processed logits q, kept or
+    resampled by transformers' rule, the caches (the model's and the heads' own) cut back after each rejection."""
+    model = _peaked_heads(tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"], seed=0,
+                                     vocab_size=VOCAB, **mtp).double())
+    expected = exact_distribution(model, PROMPT)
+    crops = []
+    original = LinearStateLayer.crop
+
+    def counting_crop(self, n):
+        crops.append(n)
+        return original(self, n)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LinearStateLayer, "crop", counting_crop)
+        counts = sample(model, SAMPLES, seed=4, use_mtp=2)
+    assert sum(n < 0 for n in crops) > SAMPLES // 4  # many drafts were rejected and the GDN states restored
+    assert chi_square_p_value(counts, expected) > ALPHA
+
+
+def test_mtp_drafts_reported_with_another_distribution_are_rejected(monkeypatch):
+    """Power: a drafter that samples its drafts from its heads' distribution q and hands transformers' rule another
+    (softmax of the negated logits, under which a likely draft looks unlikely, so it is nearly always kept) draws
+    from another distribution, and the test, on POWER_SAMPLES samples, says so."""
+    from hybrid_linear_models.mtp_drafting import MtpCandidateGenerator
+
+    model = _peaked_heads(tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"], seed=0,
+                                     vocab_size=VOCAB, mtp_type="fast_llm", num_mtp_layers=2).double())
+    expected = exact_distribution(model, PROMPT)
+    pick = MtpCandidateGenerator._pick
+
+    def misreported(self, sequence, logits):
+        token, processed = pick(self, sequence, logits)
+        return token, -processed
+
+    monkeypatch.setattr(MtpCandidateGenerator, "_pick", misreported)
+    counts = sample(model, POWER_SAMPLES, seed=2, use_mtp=2)
     assert chi_square_p_value(counts, expected) < ALPHA
