@@ -84,6 +84,26 @@ def check_mtp_generation(model: PreTrainedModel, generation_config: GenerationCo
                          f"{generation_config.num_beams}; pass num_beams=1, or leave out use_mtp for beam search.")
 
 
+def heads_cache(previous: VerifyCache | None, head: torch.nn.Module, batch: int, slots: int,
+                device: torch.device) -> VerifyCache:
+    """The VerifyCache of an MTP head's layers for a batched call: `previous` started over in place where it has the
+    call's batch, slots and device (a kept captured round reads its buffers by address: kept_verify_rounds), else a
+    new one."""
+    if previous is not None and (previous.batch, previous.slots, previous.device) == (batch, slots, device):
+        previous.start_over()
+        return previous
+    return VerifyCache(head, batch, slots, device, layers=head.layers)
+
+
+def refilled(previous: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """`value` in `previous`'s storage where it fits (same shape, device and dtype: read by address by a kept
+    captured round), else a copy of it."""
+    if previous is not None and (previous.shape, previous.device, previous.dtype) == (value.shape, value.device,
+                                                                                      value.dtype):
+        return previous.copy_(value)
+    return value.clone()
+
+
 class MtpCandidateGenerator(CandidateGenerator):
     """Drafts `use_mtp` tokens a round with the model's MTP head (see the module docstring)."""
 
@@ -184,19 +204,11 @@ class MtpBatchDrafter:
         """Entries t = 0..P-1 of the prompts [B, P]: (h_t, x_{t+1}) at x_{t+1}'s position, x_P the first new token;
         real where token t is (left padding: the token after a real one is real). slots: the model's cache's."""
         length, batch = input_ids.shape[1], input_ids.shape[0]
-        cache = self.cache
-        if cache is not None and (cache.batch, cache.slots, cache.device) == (batch, slots, input_ids.device):
-            cache.start_over()  # (its buffers where they are: a kept captured round reads them, kept_verify_rounds)
-        else:
-            self.cache = VerifyCache(self.head, batch, slots, input_ids.device, layers=self.head.layers)
+        self.cache = heads_cache(self.cache, self.head, batch, slots, input_ids.device)
         if attention_mask is not None:
             self.cache.pads.copy_(length - attention_mask.to(input_ids.device).long().sum(-1))
         tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
-        g = self._run(hidden, tokens)[:, -1]
-        if self.g is not None and self.g.shape == g.shape and self.g.device == g.device and self.g.dtype == g.dtype:
-            self.g.copy_(g)
-        else:
-            self.g = g.clone()
+        self.g = refilled(self.g, self._run(hidden, tokens)[:, -1])
         self.cache.prompts_written(length)
 
     def observe(self, greedy: torch.Tensor, kept: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -237,4 +249,4 @@ class MtpBatchDrafter:
 
 
 __all__ = ["MAX_MTP_DRAFT_TOKENS", "MtpBatchDrafter", "MtpCandidateGenerator", "check_mtp_generation",
-           "draft_length"]
+           "draft_length", "heads_cache", "refilled"]

@@ -22,7 +22,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from .cache_hybrid_linear import adopt_linear_layers
-from .mtp_drafting import MtpCandidateGenerator
+from .mtp_drafting import MtpCandidateGenerator, heads_cache, refilled
 from .sequence_info import SequenceInfo
 from .verify_cache import VerifyCache
 
@@ -87,23 +87,15 @@ class ParallelMtpBatchDrafter:
         """The prompts' positions 0..P-1 ([B, P], left-padded; `hidden` their trunk [B, P, H]); first: the model's
         first new tokens (not read: the heads draft the tokens after it). slots: the model's cache's."""
         length, batch = input_ids.shape[1], input_ids.shape[0]
-        cache = self.cache
-        if cache is not None and (cache.batch, cache.slots, cache.device) == (batch, slots, input_ids.device):
-            cache.start_over()  # (its buffers where they are: a kept captured round reads them, kept_verify_rounds)
-        else:
-            self.cache = VerifyCache(self.heads, batch, slots, input_ids.device, layers=self.heads.layers)
+        self.cache = heads_cache(self.cache, self.heads, batch, slots, input_ids.device)
         real = None
         if attention_mask is not None:
             real = attention_mask.to(input_ids.device).bool()
             self.cache.pads.copy_(length - real.sum(-1))
             real = None if bool(real.all()) else real
-        g = torch.stack([out[:, -1] for out in self._run(hidden, real)], dim=1)
+        self.g = refilled(self.g, torch.stack([out[:, -1] for out in self._run(hidden, real)], dim=1))
         for layer in self.cache.linear_layers:
             layer.rollback = None  # (a prompt keeps no window)
-        if self.g is not None and self.g.shape == g.shape and self.g.device == g.device and self.g.dtype == g.dtype:
-            self.g.copy_(g)
-        else:
-            self.g = g.clone()
         self.cache.prompts_written(length)
 
     def observe(self, greedy: torch.Tensor, kept: torch.Tensor, hidden: torch.Tensor) -> None:

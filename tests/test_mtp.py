@@ -174,8 +174,9 @@ def test_two_mtp_layers_chain_with_labels_shifted_by_depth():
         model.generate(ids[:1], max_new_tokens=3, do_sample=False, use_mtp=2)
 
 
-def test_training_the_heads_alone_reduces_the_mtp_loss():
-    model = _model().train()
+@pytest.mark.parametrize("kind", [{}, {"mtp_type": "fast_llm", "num_mtp_layers": 2}])  # (Qwen3-Next's; Fast-LLM's)
+def test_training_the_heads_alone_reduces_the_mtp_loss(kind):
+    model = _model(**kind).train()
     model.config.fuse_linear_cross_entropy = False
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name.startswith("mtp."))
@@ -239,10 +240,10 @@ def _head_that_nearly_agrees(model: HybridLinearForCausalLM) -> None:
         model.mtp.fc.weight[:, :64] += 0.05 * noise
 
 
-def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
-    """(drafted, accepted) of every round of MtpCandidateGenerator."""
+def _record_rounds(monkeypatch, generator=MtpCandidateGenerator) -> list[tuple[int, int]]:
+    """(drafted, accepted) of every round of the candidate generator `generator` (a class)."""
     rounds, drafted = [], []
-    get_candidates, update = MtpCandidateGenerator.get_candidates, MtpCandidateGenerator.update_candidate_strategy
+    get_candidates, update = generator.get_candidates, generator.update_candidate_strategy
 
     def counting_get(self, input_ids, *args, **kwargs):
         candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
@@ -253,8 +254,8 @@ def _record_rounds(monkeypatch) -> list[tuple[int, int]]:
         rounds.append((drafted[-1], int(num_matches)))
         return update(self, input_ids, scores, num_matches)
 
-    monkeypatch.setattr(MtpCandidateGenerator, "get_candidates", counting_get)
-    monkeypatch.setattr(MtpCandidateGenerator, "update_candidate_strategy", counting_update)
+    monkeypatch.setattr(generator, "get_candidates", counting_get)
+    monkeypatch.setattr(generator, "update_candidate_strategy", counting_update)
     return rounds
 
 
@@ -419,10 +420,12 @@ _REMOTE_CODE_RUN = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
 
 
 @pytest.mark.slow  # a subprocess that loads the model without the package
-def test_a_saved_model_drafts_and_trains_as_remote_code(tmp_path):
-    model = _model().float()
+@pytest.mark.parametrize("kind", [{}, {"mtp_type": "fast_llm", "num_mtp_layers": 2}])  # (Qwen3-Next's; Fast-LLM's)
+def test_a_saved_model_drafts_and_trains_as_remote_code(tmp_path, kind):
+    model = _model(**kind).float()
     model.save_pretrained(tmp_path / "model")
-    assert {"mtp_head.py", "mtp_drafting.py"} <= {path.name for path in (tmp_path / "model").iterdir()}
+    sources = {"mtp_head.py", "mtp_drafting.py", "mtp_parallel_heads.py", "mtp_parallel_drafting.py", "mtp_heads.py"}
+    assert sources <= {path.name for path in (tmp_path / "model").iterdir()}
     script = tmp_path / "run.py"
     script.write_text(_REMOTE_CODE_RUN)
     result = run_without_the_package(script, tmp_path / "model", cwd=tmp_path)

@@ -36,6 +36,29 @@ def _model(layer_types=LAYERS, seed=0) -> torch.nn.Module:
     return tiny_model(layer_types, seed=seed, num_mtp_layers=1).double()
 
 
+def track_rows(monkeypatch, drafter_class, rows: list[list[int]], check, kept_seen: list | None = None) -> None:
+    """Patches `drafter_class`'s start and observe: each row's tokens gained are appended to `rows` (its accepted
+    tokens so far), then `check(drafter)` runs; each round's kept counts go to `kept_seen`."""
+    start, observe = drafter_class.start, drafter_class.observe
+
+    def checking_start(self, input_ids, attention_mask, hidden, first, slots):
+        start(self, input_ids, attention_mask, hidden, first, slots)
+        for b, token in enumerate(first.tolist()):
+            rows[b].append(token)
+        check(self)
+
+    def checking_observe(self, greedy, kept, hidden):
+        observe(self, greedy, kept, hidden)
+        if kept_seen is not None:
+            kept_seen.append(kept.tolist())
+        for b, count in enumerate(kept.tolist()):
+            rows[b] += greedy[b, :count].tolist()
+        check(self)
+
+    monkeypatch.setattr(drafter_class, "start", checking_start)
+    monkeypatch.setattr(drafter_class, "observe", checking_observe)
+
+
 def _rounds(monkeypatch) -> list[tuple[list[int], list[bool]]]:
     """(kept per row, live per row) of every round the batched drafter observes."""
     seen = []
@@ -97,7 +120,6 @@ def test_every_first_draft_is_the_head_run_afresh_over_the_rows_accepted_tokens(
     ids, mask = _batch()
     rows = [row[real].tolist() for row, real in zip(ids, mask.bool())]  # each row's accepted tokens so far
     errors, kept_seen = [], []
-    start, observe = MtpBatchDrafter.start, MtpBatchDrafter.observe
 
     def check(drafter):
         got = model.lm_head(drafter.g).float()
@@ -108,21 +130,7 @@ def test_every_first_draft_is_the_head_run_afresh_over_the_rows_accepted_tokens(
             g = model.mtp(hidden[:, :-1], model.model.embed_tokens(sequence[:, 1:]), positions[:, 1:])
             errors.append((got[b] - model.lm_head(g[0, -1]).float()).abs().max().item())
 
-    def checking_start(self, input_ids, attention_mask, hidden, first, slots):
-        start(self, input_ids, attention_mask, hidden, first, slots)
-        for b, token in enumerate(first.tolist()):
-            rows[b].append(token)
-        check(self)
-
-    def checking_observe(self, greedy, kept, hidden):
-        observe(self, greedy, kept, hidden)
-        kept_seen.append(kept.tolist())
-        for b, count in enumerate(kept.tolist()):
-            rows[b] += greedy[b, :count].tolist()
-        check(self)
-
-    monkeypatch.setattr(MtpBatchDrafter, "start", checking_start)
-    monkeypatch.setattr(MtpBatchDrafter, "observe", checking_observe)
+    track_rows(monkeypatch, MtpBatchDrafter, rows, check, kept_seen)
     with torch.no_grad():
         out = speculative_generate(model, ids, MtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
                                    attention_mask=mask)

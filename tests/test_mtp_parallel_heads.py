@@ -15,21 +15,18 @@ accepted tokens (an uncached forward), which the heads' own caches (GDN/KDA stat
 
 from __future__ import annotations
 
-import json
-import textwrap
-
 import pytest
 import torch
-from model_helpers import (
-    WITHOUT_THE_PACKAGE_PRELUDE,
-    HostReadsRefused,
-    replay_rounds_eagerly,
-    run_without_the_package,
-    tiny_model,
-)
+from model_helpers import HostReadsRefused, replay_rounds_eagerly, tiny_model
+from test_mtp import _record_rounds
+from test_mtp_batched import track_rows
 from test_speculative_batched import NEW, _alone, _batch
 
-from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM, speculative_decoding
+from hybrid_linear_models import (
+    HybridLinearConfig,
+    HybridLinearForCausalLM,
+    speculative_decoding,
+)
 from hybrid_linear_models.configuration_hybrid_linear import MTP_TYPES
 from hybrid_linear_models.mtp_heads import MTP_HEADS
 from hybrid_linear_models.mtp_parallel_drafting import (
@@ -146,23 +143,6 @@ def test_a_padded_rows_loss_is_its_unpadded_loss():
     assert (padded - alone).abs() <= LOSS_TOL, (padded, alone)
 
 
-def test_training_the_heads_alone_reduces_their_loss():
-    model = _model().train()
-    model.config.fuse_linear_cross_entropy = False
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad_(name.startswith("mtp."))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = _ids((2, 12), seed=5)
-    losses = []
-    for _ in range(8):
-        out = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0)
-        losses.append(out.mtp_loss.item())
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-    assert losses[-1] < 0.5 * losses[0], losses
-
-
 @pytest.mark.parametrize("overrides, fragment", [
     ({"mtp_type": "medusa"}, "mtp_type must be one of ('qwen3_next', 'fast_llm'), got 'medusa'"),
     ({"mtp_type": "fast_llm", "mlp_types": ["dense", "dense", "sparse_moe"], "mtp_mlp_type": "dense"},
@@ -212,26 +192,6 @@ def _constant_model(signs: tuple[float, ...]) -> HybridLinearForCausalLM:
     return model
 
 
-def _single_row_rounds(monkeypatch) -> list[tuple[int, int]]:
-    """(drafted, accepted) of every round of ParallelMtpCandidateGenerator."""
-    rounds, drafted = [], []
-    get_candidates = ParallelMtpCandidateGenerator.get_candidates
-    update = ParallelMtpCandidateGenerator.update_candidate_strategy
-
-    def counting_get(self, input_ids, *args, **kwargs):
-        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
-        drafted.append(candidates.shape[1] - input_ids.shape[1])
-        return candidates, logits
-
-    def counting_update(self, input_ids, scores, num_matches):
-        rounds.append((drafted[-1], int(num_matches)))
-        return update(self, input_ids, scores, num_matches)
-
-    monkeypatch.setattr(ParallelMtpCandidateGenerator, "get_candidates", counting_get)
-    monkeypatch.setattr(ParallelMtpCandidateGenerator, "update_candidate_strategy", counting_update)
-    return rounds
-
-
 @pytest.mark.parametrize("last", sorted(LAST_LAYERS))
 @pytest.mark.parametrize("use_mtp", [1, True])
 def test_greedy_with_random_heads_is_plain_greedy(last, use_mtp):
@@ -244,7 +204,7 @@ def test_greedy_with_random_heads_is_plain_greedy(last, use_mtp):
 @pytest.mark.parametrize("signs, accepted", [((1.0, 1.0, 1.0), 3), ((-1.0, -1.0), 0), ((1.0, -1.0), 1)])
 def test_heads_that_agree_have_their_drafts_accepted(monkeypatch, signs, accepted):
     model = _constant_model(signs)
-    rounds = _single_row_rounds(monkeypatch)
+    rounds = _record_rounds(monkeypatch, ParallelMtpCandidateGenerator)
     ids = _ids((1, 5), seed=2)
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(plain[0, 5:], torch.full((12,), 5))
@@ -338,7 +298,6 @@ def test_every_batched_draft_is_the_heads_run_afresh_over_the_rows_accepted_toke
     ids, mask = _batch()
     rows = [row[real].tolist() for row, real in zip(ids, mask.bool())]  # each row's accepted tokens so far
     errors = []
-    start, observe = ParallelMtpBatchDrafter.start, ParallelMtpBatchDrafter.observe
 
     def check(drafter):
         got = model.lm_head(drafter.g).float()  # [B, D, V]
@@ -349,20 +308,7 @@ def test_every_batched_draft_is_the_heads_run_afresh_over_the_rows_accepted_toke
             for d, g in enumerate(outputs):
                 errors.append((got[b, d] - model.lm_head(g[0, -1]).float()).abs().max().item())
 
-    def checking_start(self, input_ids, attention_mask, hidden, first, slots):
-        start(self, input_ids, attention_mask, hidden, first, slots)
-        for b, token in enumerate(first.tolist()):
-            rows[b].append(token)
-        check(self)
-
-    def checking_observe(self, greedy, kept, hidden):
-        observe(self, greedy, kept, hidden)
-        for b, count in enumerate(kept.tolist()):
-            rows[b] += greedy[b, :count].tolist()
-        check(self)
-
-    monkeypatch.setattr(ParallelMtpBatchDrafter, "start", checking_start)
-    monkeypatch.setattr(ParallelMtpBatchDrafter, "observe", checking_observe)
+    track_rows(monkeypatch, ParallelMtpBatchDrafter, rows, check)
     with torch.no_grad():
         out = speculative_generate(model, ids, ParallelMtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
                                    attention_mask=mask)
@@ -418,31 +364,3 @@ def test_captured_rounds_and_rounds_run_ahead_keep_every_row_exact(monkeypatch, 
             assert (got[b, end:] == 0).all()
     assert len(replays) > 2
 
-
-_REMOTE_CODE_RUN = WITHOUT_THE_PACKAGE_PRELUDE + textwrap.dedent("""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    assert "hybrid_linear_models" not in sys.modules
-    ids = torch.tensor([[5, 9, 17, 3, 44, 8]])
-    plain = model.generate(ids, max_new_tokens=6, do_sample=False)
-    drafted = model.generate(ids, max_new_tokens=6, do_sample=False, use_mtp=2)
-    loss = model(input_ids=ids, labels=ids, mtp_loss_weight=0.5).mtp_loss
-    print("RESULT", json.dumps({"same": bool(torch.equal(plain, drafted)), "loss": float(loss)}))
-""")
-
-
-@pytest.mark.slow  # a subprocess that loads the model without the package
-def test_a_saved_model_drafts_and_trains_as_remote_code(tmp_path):
-    model = _model().float()
-    model.save_pretrained(tmp_path / "model")
-    assert {"mtp_parallel_heads.py", "mtp_parallel_drafting.py"} <= {p.name for p in (tmp_path / "model").iterdir()}
-    script = tmp_path / "run.py"
-    script.write_text(_REMOTE_CODE_RUN)
-    result = run_without_the_package(script, tmp_path / "model", cwd=tmp_path)
-    found = json.loads(result.stdout.split("RESULT")[1])
-    ids = torch.tensor([[5, 9, 17, 3, 44, 8]])
-    with torch.no_grad():
-        expected = model(input_ids=ids, labels=ids, mtp_loss_weight=0.5).mtp_loss
-    assert found["same"] and abs(found["loss"] - float(expected)) <= 1e-5, found

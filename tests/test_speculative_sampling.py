@@ -81,6 +81,20 @@ def chi_square_p_value(counts: Counter, expected: dict[tuple[int, ...], float]) 
     return float(torch.special.gammaincc(torch.tensor(freedom / 2), torch.tensor(statistic / 2)))
 
 
+def sample_counting_crops(model, samples: int, seed: int, **kwargs) -> tuple[Counter, list[int]]:
+    """`sample`, and the length change of every GDN/KDA layer's crop (negative: a rejected draft restored)."""
+    crops = []
+    original = LinearStateLayer.crop
+
+    def counting_crop(self, n):
+        crops.append(n)
+        return original(self, n)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LinearStateLayer, "crop", counting_crop)
+        return sample(model, samples, seed, **kwargs), crops
+
+
 def sample(model, samples: int, seed: int, **kwargs) -> Counter:
     """The counts of `samples` sampled continuations of PROMPT (one generate call a sample: assisted decoding is
     batch 1). One thread: the tensors are tiny, and a second thread only waits for a core other processes hold."""
@@ -121,16 +135,7 @@ def test_the_reference_is_plain_sampling(models):
 def test_speculative_sampling_with_an_assistant_model_keeps_the_distribution(models):
     model, assistant = models
     expected = exact_distribution(model, PROMPT)
-    crops = []
-    original = LinearStateLayer.crop
-
-    def counting_crop(self, n):
-        crops.append(n)
-        return original(self, n)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(LinearStateLayer, "crop", counting_crop)
-        counts = sample(model, SAMPLES, seed=2, assistant_model=assistant)
+    counts, crops = sample_counting_crops(model, SAMPLES, seed=2, assistant_model=assistant)
     assert sum(n < 0 for n in crops) > SAMPLES // 4  # many drafts were rejected and the GDN states restored
     assert chi_square_p_value(counts, expected) > ALPHA
 
@@ -172,16 +177,7 @@ def test_speculative_sampling_with_the_models_mtp_heads_keeps_the_distribution(m
     model = _peaked_heads(tiny_model(["gated_deltanet", "full_attention", "gated_deltanet"], seed=0,
                                      vocab_size=VOCAB, **mtp).double())
     expected = exact_distribution(model, PROMPT)
-    crops = []
-    original = LinearStateLayer.crop
-
-    def counting_crop(self, n):
-        crops.append(n)
-        return original(self, n)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(LinearStateLayer, "crop", counting_crop)
-        counts = sample(model, SAMPLES, seed=4, use_mtp=2)
+    counts, crops = sample_counting_crops(model, SAMPLES, seed=4, use_mtp=2)
     assert sum(n < 0 for n in crops) > SAMPLES // 4  # many drafts were rejected and the GDN states restored
     assert chi_square_p_value(counts, expected) > ALPHA
 
