@@ -65,6 +65,7 @@ where `attention_bias` switched all four projections, keeps its meaning layer by
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import textwrap
@@ -543,9 +544,9 @@ _CLASS_DOC = """
             hidden state fused by `fc`, one decoder block of full attention, a final norm, the shared LM head) or
             "fast_llm" (`mtp_parallel_heads.py`: layer d runs a copy of the last decoder layer on that layer's input,
             then its own final norm and the shared LM head, predicting token t + d + 1).
-        mtp_mlp_type (`str`, *optional*): the MLP of the MTP layers, one of the registered MLPs; defaults to the
-            first decoder layer's when `num_mtp_layers` > 0 (the last layer's for "fast_llm"; None without MTP
-            layers).
+        mtp_mlp_type (`str`, *optional*): the MLP of the MTP layers: for "qwen3_next", one of the registered MLPs,
+            by default the first decoder layer's; for "fast_llm", the last layer's, which the heads copy (another
+            is refused); None without MTP layers.
         mtp_loss_weight (`float`, defaults to 0.0): with labels, the MTP loss (the mean over the MTP layers of the
             cross-entropy of token t + 1 + d at depth d) times this weight is added to `loss` and returned apart as
             `mtp_loss`; 0: not computed (the forward's `mtp_loss_weight=` overrides it).
@@ -855,6 +856,22 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
         return [i for i, t in enumerate(self.mixer_types) if t in types]
 
 
+def repeated_layer_config(config: HybridLinearConfig, index: int, count: int) -> HybridLinearConfig:
+    """A copy of `config` whose `count` layers are all layer `index` (its mixer, its MLP and its per-layer settings),
+    each with its own index: what a module of copies of one layer is built from (Fast-LLM's MTP heads copy the last
+    layer), and the one-layer model that gives the tensors outside the layers (conversion.hf_layout)."""
+    copied = copy.copy(config)
+    copied.__dict__.pop("_heterogeneity_spec", None)
+    for name in ("mixer_types", "layer_types", "mlp_types", "mlp_layer_types"):
+        setattr(copied, name, [getattr(config, name)[index]] * count)
+    copied.num_hidden_layers = count
+    spec = config.__dict__.get("_heterogeneity_spec")
+    overrides = spec.per_layer_overrides.get(index) if spec is not None else None
+    if overrides:
+        copied.per_layer_config = {layer: dict(overrides) for layer in range(count)}
+    return copied
+
+
 # The config's own fields, which no registration may declare (PreTrainedConfig's and those written above).
 _OWN_FIELDS = frozenset(PreTrainedConfig.__dataclass_fields__) | frozenset(HybridLinearConfig.__annotations__)
 _REGISTERED_FIELDS = set(declared_fields())  # the fields HybridLinearConfig holds from the registries
@@ -890,4 +907,4 @@ _sync_registered_fields()  # the docstring, and the check that no registered fie
 on_change(_sync_registered_fields)
 
 __all__ = ["HybridLinearConfig", "LAYER_TYPES", "MIXER_TYPES", "MLP_TYPES", "MTP_TYPES", "PARALLEL_MTP_TYPE",
-           "PER_LAYER_FIELDS"]
+           "PER_LAYER_FIELDS", "repeated_layer_config"]

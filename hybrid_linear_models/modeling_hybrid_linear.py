@@ -70,7 +70,7 @@ from .moe_load_balancing import load_balancing_loss
 from .mtp_drafting import check_mtp_generation
 from .mtp_head import check_mtp_loss_inputs, mtp_positions, shifted_labels, valid_entries, with_carried_head
 from .mtp_heads import MTP_HEADS
-from .mtp_parallel_heads import hidden_states_asked, with_hidden_state
+from .mtp_parallel_heads import hidden_states_asked, trunk_index, with_hidden_state
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info, may_hold_padding
 from .short_convolution import ShortConvolution
@@ -861,12 +861,12 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             self._graph_decoder.ran_uncaptured()
         if output_router_logits is None:  # resolved here: the base model records the routers only when asked
             output_router_logits = getattr(self.config, "output_router_logits", False)
-        asked_hidden = kwargs.get("output_hidden_states")
-        trunk_index = None  # the MTP heads that read the last layer's input get it as a selected hidden state
-        if mtp_weight and self.mtp.reads == "trunk":
-            trunk_index = self.config.num_hidden_layers - 1
-            kwargs["output_hidden_states"] = with_hidden_state(asked_hidden, trunk_index,
-                                                               self.config.num_hidden_layers + 1)
+        # the MTP heads that read the last layer's input get it as a selected hidden state (transformers' selection
+        # by index; what the caller asked for, the config's flag included, is what the output returns)
+        asked_hidden = kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False))
+        trunk = trunk_index(self.config) if mtp_weight and self.mtp.reads == "trunk" else None
+        if trunk is not None:
+            kwargs["output_hidden_states"] = with_hidden_state(asked_hidden, trunk, self.config.num_hidden_layers + 1)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -878,9 +878,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
             **kwargs,
         )
         mtp_input = outputs.last_hidden_state
-        if trunk_index is not None:
-            mtp_input = outputs.hidden_states[trunk_index]
-            outputs.hidden_states = hidden_states_asked(outputs.hidden_states, asked_hidden, trunk_index)
+        if trunk is not None:
+            mtp_input = outputs.hidden_states[trunk]
+            outputs.hidden_states = hidden_states_asked(outputs.hidden_states, asked_hidden, trunk)
         hidden_states = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
         logits = None
         loss = self._fused_loss(hidden_states, labels, kwargs.get("shift_labels"),
@@ -943,9 +943,11 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         """The mean over the MTP depths of each depth's cross-entropy (depth d: token t + d + 1; mtp_head.py,
         mtp_parallel_heads.py), each normalised as the main loss is (mean over the counted targets, or sum /
         num_items_in_batch). hidden_states: what the heads read (`mtp.reads`)."""
-        embeddings = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
-        batch, length = embeddings.shape[:2]
-        positions = mtp_positions(position_ids, attention_mask, batch, length, embeddings.device)
+        embeddings = None  # (the token embeddings, for the heads that read them: Qwen3-Next's)
+        if self.mtp.reads == "final":
+            embeddings = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
+        batch, length = hidden_states.shape[:2]
+        positions = mtp_positions(position_ids, attention_mask, batch, length, hidden_states.device)
         given_shift = kwargs.get("shift_labels")
         losses = []
         for depth, g in enumerate(self.mtp.depths(hidden_states, embeddings, positions, attention_mask), start=1):

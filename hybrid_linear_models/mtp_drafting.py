@@ -82,6 +82,9 @@ def check_mtp_generation(model: PreTrainedModel, generation_config: GenerationCo
     if (generation_config.num_beams or 1) > 1:
         raise ValueError(f"use_mtp drafts for greedy or sampled decoding, one sequence a row, and num_beams is "
                          f"{generation_config.num_beams}; pass num_beams=1, or leave out use_mtp for beam search.")
+    if generation_config.output_hidden_states:
+        raise ValueError("use_mtp takes the hidden states the model's verify forwards select for its MTP head, so "
+                         "generate cannot return them too (output_hidden_states=True); leave out one of the two.")
 
 
 def heads_cache(previous: VerifyCache | None, head: torch.nn.Module, batch: int, slots: int,

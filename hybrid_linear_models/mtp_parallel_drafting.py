@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
-from transformers.cache_utils import DynamicCache
 
 from .cache_hybrid_linear import adopt_linear_layers
 from .mtp_drafting import MtpCandidateGenerator, heads_cache, refilled
+from .mtp_parallel_heads import trunk_index
 from .sequence_info import SequenceInfo
 from .verify_cache import VerifyCache
-
-TRUNK_HIDDEN_STATE = -2  # `output_hidden_states`' index of the last decoder layer's input (transformers' selection)
 
 
 class ParallelMtpCandidateGenerator(MtpCandidateGenerator):
@@ -37,9 +35,9 @@ class ParallelMtpCandidateGenerator(MtpCandidateGenerator):
                  logits_processor: LogitsProcessorList | None = None):
         super().__init__(model, generation_config, logits_processor)
         # the verify forward's trunk only (what the heads read)
-        self.model_kwargs_overrides = {"output_hidden_states": TRUNK_HIDDEN_STATE}
-        self.cache = DynamicCache(config=model.mtp.config)
-        adopt_linear_layers(self.cache)
+        self.trunk = trunk_index(model.config)
+        self.model_kwargs_overrides = {"output_hidden_states": self.trunk}
+        adopt_linear_layers(self.cache)  # (the base class's DynamicCache of the heads' config: GDN/KDA layers too)
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs, is_first_iteration: bool,
@@ -48,7 +46,7 @@ class ParallelMtpCandidateGenerator(MtpCandidateGenerator):
             return input_ids, None
         length = input_ids.shape[1]
         new = length - 1 - self.held  # the positions the last forward verified and kept
-        trunk = model_outputs.hidden_states[TRUNK_HIDDEN_STATE][:, :new]
+        trunk = model_outputs.hidden_states[self.trunk][:, :new]
         mask = model_kwargs.get("attention_mask")
         mask = mask[:, : length - 1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         positions = self._positions(model_kwargs, length)[:, self.held: length - 1]
@@ -128,4 +126,4 @@ class ParallelMtpBatchDrafter:
                           sequence_info=info)
 
 
-__all__ = ["TRUNK_HIDDEN_STATE", "ParallelMtpBatchDrafter", "ParallelMtpCandidateGenerator"]
+__all__ = ["ParallelMtpBatchDrafter", "ParallelMtpCandidateGenerator"]

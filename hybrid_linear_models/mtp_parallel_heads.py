@@ -24,7 +24,6 @@ over the positions the model accepted, so nothing is drafted from a draft.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -36,31 +35,27 @@ from transformers.masking_utils import (
 )
 
 from .cache_hybrid_linear import past_length
-from .configuration_hybrid_linear import HybridLinearConfig
+from .configuration_hybrid_linear import HybridLinearConfig, repeated_layer_config
 from .fp8_layers import quantize_modules
 from .mixer_attention import RotaryTables
 from .mixer_registry import MIXERS
+from .mtp_head import MTP_ATTRIBUTE
 from .norms import HybridLinearRMSNorm
 from .sequence_info import SequenceInfo, build_sequence_info
-
-MTP_PREFIX = "mtp."  # the LM's attribute `mtp` (checkpoint names "mtp.*")
-_LAYER_LISTS = ("mixer_types", "layer_types", "mlp_types", "mlp_layer_types")
 
 
 def parallel_mtp_config(config: HybridLinearConfig) -> HybridLinearConfig:
     """The config the MTP layers are built from: `num_mtp_layers` copies of the model's last layer (its mixer, its
     MLP and its per-layer settings), each with its own layer index (its own cache layer)."""
-    count, last = config.num_mtp_layers, config.num_hidden_layers - 1
-    head = copy.copy(config)
-    head.__dict__.pop("_heterogeneity_spec", None)
-    for name in _LAYER_LISTS:
-        setattr(head, name, [getattr(config, name)[last]] * count)
-    head.num_hidden_layers = count
+    head = repeated_layer_config(config, config.num_hidden_layers - 1, config.num_mtp_layers)
     head.block_fp8 = None  # (the heads quantize their own modules under their "mtp." names)
-    overrides = config._heterogeneity_spec.per_layer_overrides.get(last) if config.is_heterogeneous else None
-    if overrides:
-        head.per_layer_config = {index: dict(overrides) for index in range(count)}
     return head
+
+
+def trunk_index(config: HybridLinearConfig) -> int:
+    """The index of the trunk, the last decoder layer's input, among transformers' hidden states (the embeddings,
+    then each layer's output): the output of layer N - 2."""
+    return config.num_hidden_layers - 1
 
 
 class HybridLinearParallelMtpHeads(nn.Module):
@@ -82,7 +77,7 @@ class HybridLinearParallelMtpHeads(nn.Module):
         spec = MIXERS[self.config.mixer_types[0]]
         settings = spec.rotary_settings(self.config.per_layer_config[0]) if spec.state == "kv" else None
         self.rotary_emb = rotary(settings) if settings is not None else None
-        quantize_modules(self, MTP_PREFIX, config.block_fp8_settings)
+        quantize_modules(self, MTP_ATTRIBUTE + ".", config.block_fp8_settings)
 
     def forward(self, trunk: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: Cache | None = None, sequence_info: SequenceInfo | None = None) -> list[torch.Tensor]:
@@ -114,11 +109,11 @@ class HybridLinearParallelMtpHeads(nn.Module):
             return create_sliding_window_causal_mask(config=self.config.per_layer_config[0], layer_idx=0, **kwargs)
         return create_causal_mask(config=self.config, **kwargs)
 
-    def depths(self, trunk: torch.Tensor, embeddings: torch.Tensor, position_ids: torch.Tensor,
+    def depths(self, trunk: torch.Tensor, embeddings: torch.Tensor | None, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training's outputs over a whole sequence, as Qwen3-Next's layers give them (mtp_head.py): g^d [B, T - d,
         H] at positions t = 0..T-1-d (predicting token t + d + 1), from the trunk [B, T, H]; `embeddings` is not
-        read (the heads take no token embedding); attention_mask the 2-D [B, T] one or None."""
+        read (the heads take no token embedding: None will do); attention_mask the 2-D [B, T] one or None."""
         length = trunk.shape[1]
         outputs = self(trunk, position_ids, attention_mask)
         return [g[:, : length - depth] for depth, g in enumerate(outputs, start=1) if length > depth]
@@ -126,10 +121,11 @@ class HybridLinearParallelMtpHeads(nn.Module):
 
 def with_hidden_state(asked: bool | int | list[int] | None, index: int, count: int) -> bool | list[int]:
     """transformers' `output_hidden_states` selection that also selects hidden state `index` of `count` (how the
-    training forward gets the trunk: hidden state N - 1 is the last layer's input), from the caller's `asked`."""
+    training forward gets the trunk: `trunk_index`), from the caller's `asked` (anything falsy, as transformers
+    reads it, asks for none)."""
     if asked is True:
         return True
-    chosen = [] if asked is None or asked is False else [asked] if isinstance(asked, int) else list(asked)
+    chosen = [] if not asked else [asked] if isinstance(asked, int) else list(asked)
     return sorted({i % count for i in chosen if -count <= i < count} | {index})
 
 
@@ -137,7 +133,7 @@ def hidden_states_asked(hidden_states: tuple | None, asked: bool | int | list[in
                         ) -> tuple | None:
     """The hidden states the caller asked for (`asked`), from those selected by `with_hidden_state`: none, or the
     trunk's entry left empty where the caller's selection did not name it."""
-    if asked is None or asked is False or hidden_states is None:
+    if not asked or hidden_states is None:
         return None
     if asked is True:
         return hidden_states
@@ -146,4 +142,5 @@ def hidden_states_asked(hidden_states: tuple | None, asked: bool | int | list[in
     return tuple(None if i == index and i not in chosen else state for i, state in enumerate(hidden_states))
 
 
-__all__ = ["HybridLinearParallelMtpHeads", "hidden_states_asked", "parallel_mtp_config", "with_hidden_state"]
+__all__ = ["HybridLinearParallelMtpHeads", "hidden_states_asked", "parallel_mtp_config", "trunk_index",
+           "with_hidden_state"]

@@ -53,6 +53,7 @@ from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_safe_experts
 from .mtp_drafting import draft_length
 from .mtp_heads import MTP_HEADS
+from .mtp_parallel_heads import trunk_index
 from .ops import recurrent_kernels_for_short_sequences
 from .sequence_info import SequenceInfo
 from .state_rollback import MAX_ROLLBACK_TOKENS
@@ -91,9 +92,9 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     # the MTP heads that read the last layer's input (mtp_parallel_heads) get it: the sum of what the layer before
     # left (its MLP output, its residual)
     reads_trunk = with_hidden and getattr(getattr(model, "mtp", None), "reads", None) == "trunk"
-    last, trunk = model.config.num_hidden_layers - 1, None
+    trunk = None
     for layer in base.layers[: model.config.num_hidden_layers]:
-        if reads_trunk and layer.layer_idx == last:
+        if reads_trunk and layer.layer_idx == trunk_index(model.config):  # (the input of the last layer)
             trunk = hidden if residual is None else hidden + residual
         kv = cache.layers[layer.layer_idx]
         rotary = base.rotary_of_layer[layer.layer_idx]

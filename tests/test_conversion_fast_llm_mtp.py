@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 import hybrid_linear_models  # noqa: F401  (registers the Auto classes)
 from hybrid_linear_models.conversion import convert_checkpoint
+from hybrid_linear_models.conversion.errors import ConversionError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fast_llm_mtp"
 FIXTURE_HEADS = {"gdn_last_mtp3": 3, "attn_last_mtp2": 2}  # Fast-LLM's prediction_heads (the next-token one too)
@@ -125,6 +126,35 @@ def test_a_head_count_that_does_not_match_the_tensors_is_refused(tmp_path, heads
                             check=False)
     assert result.returncode != 0 and fragment in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("coefficients, said", [
+    ([1.0, 1.0, 1.0], "pass mtp_loss_weight=2."),  # (Fast-LLM's default: the heads' losses summed)
+    ([1.0, 0.5, 0.25], "pass mtp_loss_weight=0.75 (the same total weight; the heads' own weights are not kept)."),
+])
+def test_the_heads_loss_coefficients_are_named_with_the_weight_that_trains_as_fast_llm(tmp_path, caplog,
+                                                                                      coefficients, said):
+    source = tmp_path / "src"
+    shutil.copytree(FIXTURES / "gdn_last_mtp3" / "fast_llm", source)
+    metadata = yaml.safe_load((source / "metadata.yaml").read_text())
+    metadata["config"]["base_model"]["head"]["prediction_loss_coefficient"] = coefficients
+    (source / "metadata.yaml").write_text(yaml.safe_dump(metadata))
+    with caplog.at_level("WARNING"):
+        convert_checkpoint(source, tmp_path / "hf", from_format="fast_llm", to_format="hf")
+    lines = [r.getMessage() for r in caplog.records if "prediction_loss_coefficient" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(said), lines
+
+
+@pytest.mark.parametrize("coefficients", [[1.0, 1.0], [1.0, -1.0, 1.0], [0.0, 1.0, 1.0], "1,1,1", [1.0, True, 1.0]])
+def test_bad_loss_coefficients_are_refused(tmp_path, coefficients):
+    source = tmp_path / "src"
+    shutil.copytree(FIXTURES / "gdn_last_mtp3" / "fast_llm", source)
+    metadata = yaml.safe_load((source / "metadata.yaml").read_text())
+    metadata["config"]["base_model"]["head"]["prediction_loss_coefficient"] = coefficients
+    (source / "metadata.yaml").write_text(yaml.safe_dump(metadata))
+    with pytest.raises(ConversionError, match=r"prediction_loss_coefficient is .* list of 3 finite weights >= 0"):
+        convert_checkpoint(source, tmp_path / "hf", from_format="fast_llm", to_format="hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_heads_of_another_kind_are_refused_by_each_writer(tmp_path, exported):

@@ -91,6 +91,18 @@ def test_each_head_is_the_model_with_its_block_and_norm_in_place_of_the_last(las
             assert (model.lm_head(g) - expected).abs().max() <= 1e-10, depth
 
 
+def test_a_one_layer_model_whose_layer_has_its_own_settings_converts(tmp_path):
+    """The heads copy layer 0 with its overrides: the converter's layout (hf_layout) builds them so too."""
+    from hybrid_linear_models.conversion import convert_checkpoint
+
+    model = tiny_model(["full_attention"], num_mtp_layers=2, mtp_type="fast_llm",
+                       per_layer_config={0: {"num_key_value_heads": 1}})
+    model.save_pretrained(tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "again", from_format="hf", to_format="hf")
+    again = HybridLinearForCausalLM.from_pretrained(tmp_path / "again")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
 def test_the_heads_copy_the_last_layer_with_its_own_settings():
     """A last layer with per-layer settings of its own (one KV head) gives its heads the same."""
     model = _model("attention", per_layer_config={2: {"num_key_value_heads": 1}})
@@ -126,9 +138,17 @@ def test_the_loss_returns_the_hidden_states_the_caller_asked_for():
         every = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0, output_hidden_states=True)
         last = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0, output_hidden_states=-1)
         plain = model(input_ids=ids, output_hidden_states=True)
+        nothing = [model(input_ids=ids, labels=ids, mtp_loss_weight=1.0, output_hidden_states=asked).hidden_states
+                   for asked in (0, [], False)]  # (falsy, as transformers reads them: none)
+        model.config.output_hidden_states = True  # (the config's flag, where the call says nothing)
+        flagged = model(input_ids=ids, labels=ids, mtp_loss_weight=1.0)
     assert len(every.hidden_states) == 4 and all(torch.equal(a, b) for a, b in zip(every.hidden_states,
                                                                                     plain.hidden_states))
     assert [h is None for h in last.hidden_states] == [True, True, True, False]
+    assert nothing == [None, None, None]
+    assert len(flagged.hidden_states) == 4 and all(torch.equal(a, b) for a, b in zip(flagged.hidden_states,
+                                                                                      plain.hidden_states))
+    assert (flagged.mtp_loss - every.mtp_loss).abs() == 0
 
 
 def test_a_padded_rows_loss_is_its_unpadded_loss():
@@ -237,6 +257,17 @@ def test_every_rounds_drafts_are_the_heads_run_afresh_over_the_accepted_tokens(m
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=3), plain)
     assert len(checked) >= 3 * 3 and max(checked) <= DRAFT_TOL, checked
+
+
+def test_drafting_with_hidden_states_asked_for_is_refused_before_any_forward():
+    model = _model()
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    refusal = r"^use_mtp takes the hidden states .* \(output_hidden_states=True\)"
+    with pytest.raises(ValueError, match=refusal) as caught:
+        model.generate(_ids((1, 5)), max_new_tokens=4, do_sample=False, use_mtp=2, output_hidden_states=True,
+                       return_dict_in_generate=True)
+    assert "\n" not in str(caught.value) and not calls
 
 
 def test_more_drafts_than_heads_are_refused_before_any_forward():

@@ -11,7 +11,6 @@ built here; a size the meta build cannot even represent is a ValueError naming t
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -19,7 +18,12 @@ from typing import Any
 import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
-from ..configuration_hybrid_linear import DEFAULT_MLP_TYPE, PARALLEL_MTP_TYPE, HybridLinearConfig
+from ..configuration_hybrid_linear import (
+    DEFAULT_MLP_TYPE,
+    PARALLEL_MTP_TYPE,
+    HybridLinearConfig,
+    repeated_layer_config,
+)
 
 Shape = tuple[int, ...]
 
@@ -98,15 +102,12 @@ def _top_level_shapes(config: HybridLinearConfig) -> dict[str, Shape]:
     """Embeddings, final norm and LM head (absent when tied), from a one-layer copy of the model on the meta device."""
     from ..modeling_hybrid_linear import HybridLinearForCausalLM
 
-    one_layer = copy.copy(config)
-    one_layer.__dict__.pop("_heterogeneity_spec", None)  # layer 0's overrides do not change the top-level tensors
-    # (Fast-LLM's MTP layers, `mtp.*`, are copies of the last layer: that one is kept, with its overrides)
-    kept = config.num_hidden_layers - 1 if config.num_mtp_layers and config.mtp_type == PARALLEL_MTP_TYPE else 0
-    for name in ("layer_types", "mixer_types", "mlp_types", "mlp_layer_types"):  # the per-layer lists
-        setattr(one_layer, name, [getattr(config, name)[kept]])
-    one_layer.num_hidden_layers = 1
-    if kept and layer_overrides(config, kept):
-        one_layer.per_layer_config = {0: layer_overrides(config, kept)}
+    # one layer: the first (its overrides do not change the top-level tensors), or, for Fast-LLM's MTP layers
+    # (`mtp.*`, copies of the last layer), the last with its overrides
+    parallel = config.num_mtp_layers and config.mtp_type == PARALLEL_MTP_TYPE
+    one_layer = repeated_layer_config(config, config.num_hidden_layers - 1 if parallel else 0, 1)
+    if not parallel:
+        one_layer.__dict__.pop("_heterogeneity_spec", None)
     with torch.device("meta"):
         model = HybridLinearForCausalLM(one_layer)
     shapes = {name: shape for name, shape in _meta_shapes(model).items() if not name.startswith(_LAYERS)}

@@ -14,6 +14,8 @@ Blocks that differ become the flat fields (defaults) plus `per_layer_config` ove
 from __future__ import annotations
 
 import copy
+import logging
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +36,8 @@ from ..untrusted import brief, clip
 from .metadata_fields import DEFAULT_NORM_EPS, MetadataFields
 from .mixers import FAST_LLM_MIXERS, mixer_of_layer_type
 from .mlps import ACTIVATION_FROM_HF, ACTIVATION_TO_HF, FAST_LLM_MLPS, mlp_of_type, our_mlp_type
+
+logger = logging.getLogger(__name__)
 
 FAST_LLM_VERSION = "0.4.0"
 
@@ -191,6 +195,26 @@ def _config_error(error: Exception, layers: list[tuple[str, dict[str, Any]]], sh
                            + (f" ({'; '.join(named)})" if named else "") + ".")
 
 
+def _note_loss_coefficients(head: MetadataFields, mtp_layers: int) -> None:
+    """Fast-LLM's `prediction_loss_coefficient` (training only: each head's loss weight, the next-token head's first)
+    is not carried, as this model's MTP loss is `mtp_loss_weight` times the heads' mean loss, added to the next-token
+    loss (off unless asked); one line says which weight trains as Fast-LLM does."""
+    coefficients = head.get("prediction_loss_coefficient")
+    if coefficients is None or not mtp_layers:
+        return
+    if (not isinstance(coefficients, list) or len(coefficients) != mtp_layers + 1
+            or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c >= 0
+                       for c in coefficients) or not coefficients[0] > 0):
+        raise ConversionError(f"metadata.yaml: {head.where('prediction_loss_coefficient')} is {brief(coefficients)}; "
+                              f"it should be a list of {mtp_layers + 1} finite weights >= 0 (one per prediction head, "
+                              "the next-token head's first and > 0).")
+    weight = sum(coefficients[1:]) / coefficients[0]
+    exact = len(set(coefficients[1:])) == 1 and coefficients[0] == 1
+    logger.warning(f"metadata.yaml: {head.where('prediction_loss_coefficient')} = {brief(coefficients)} (training "
+                   f"only) is not carried; to train the MTP heads as Fast-LLM does, pass mtp_loss_weight={weight:g}"
+                   + ("" if exact else " (the same total weight; the heads' own weights are not kept)") + ".")
+
+
 def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str = "",
                               census: TensorCensus | None = None) -> HybridLinearConfig:
     """Builds our config from Fast-LLM's `config.base_model`. `weights_hint` is appended to the message when
@@ -214,6 +238,7 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     # Fast-LLM's multi-token prediction: the next-token head and prediction_heads - 1 more, each a copy of the last
     # decoder block on that block's input, then a final norm of the head's normalization (mtp_type "fast_llm")
     mtp_layers = head.integer("prediction_heads", 1, minimum=1, maximum=MAX_LAYERS + 1) - 1
+    _note_loss_coefficients(head, mtp_layers)
     final_eps = _rms_norm_eps(head.sub("normalization"), "the final norm")
     head.finish()
 
