@@ -11,12 +11,14 @@ import copy
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from conversion_helpers import FAST_LLM_FIXTURES as FIXTURES
 from fast_llm_layout import VOCAB, heterogeneous_blocks, write_fast_llm_checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -25,6 +27,7 @@ import hybrid_linear_models  # noqa: F401
 from hybrid_linear_models import HybridLinearConfig, HybridLinearForCausalLM
 from hybrid_linear_models.component_registry import ConfigField
 from hybrid_linear_models.conversion import convert_checkpoint
+from hybrid_linear_models.conversion.errors import ConversionError
 
 _TINY = dict(hidden_size=32, vocab_size=64, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, attention_output_gate=False, attention_qk_norm=False, zero_centered_norms=False,
@@ -279,7 +282,6 @@ def test_apriel2_writes_and_reads_per_layer_attention_biases_bit_exact(tmp_path)
 
 def test_qwen3_next_refuses_an_output_bias_unlike_attention_bias():
     """Qwen3-Next's attention_bias switches all four projections (Qwen3NextAttention); q/k/v biases alone do not fit."""
-    from hybrid_linear_models.conversion.errors import ConversionError
     from hybrid_linear_models.conversion.qwen3_next.config import check_fits_qwen3_next
     from model_helpers import tiny_config
 
@@ -304,7 +306,6 @@ def test_apriel2_reads_each_projections_bias(explicit, outcome):
     from test_convert_apriel2 import BLOCKS, FLAT, apriel2_config
 
     from hybrid_linear_models.conversion.apriel2.config import apriel2_to_hybrid_config
-    from hybrid_linear_models.conversion.errors import ConversionError
 
     block = copy.deepcopy(BLOCKS["attn"])
     del block["mixer"]["add_linear_biases"]
@@ -317,3 +318,21 @@ def test_apriel2_reads_each_projections_bias(explicit, outcome):
     else:
         config = apriel2_to_hybrid_config(data).config
         assert (config.attention_bias, config.attention_output_bias) == outcome
+
+
+def test_the_value_layers_bias_setting_is_ignored_as_fast_llm_ignores_it(tmp_path):
+    """Fast-LLM builds key_value from key_layer's config (value_layer is declared, never built): a value_layer bias
+    setting that disagrees with key_layer's changes nothing, so it converts, its keys' and values' bias as key_layer
+    says; a query/key disagreement is refused."""
+    source = Path(shutil.copytree(FIXTURES / "kda_attn" / "fast_llm", tmp_path / "src"))
+    metadata = yaml.safe_load((source / "metadata.yaml").read_text())
+    mixer = metadata["config"]["base_model"]["decoder"]["blocks"]["attn"]["mixer"]
+    mixer.update(add_linear_biases=False, value_layer={"bias": {"enabled": True}})
+    (source / "metadata.yaml").write_text(yaml.safe_dump(metadata))
+    converted = convert_checkpoint(source, tmp_path / "hf", from_format="fast_llm", to_format="hf").destination
+    assert HybridLinearForCausalLM.from_pretrained(converted).config.attention_bias is False
+    mixer.update(key_layer={"bias": {"enabled": True}})
+    (source / "metadata.yaml").write_text(yaml.safe_dump(metadata))
+    with pytest.raises(ConversionError, match=r"gives its query and key layers different biases \(query_layer: "
+                                              r"no bias, key_layer: bias; Fast-LLM's key_value follows key_layer\)"):
+        convert_checkpoint(source, tmp_path / "refused", from_format="fast_llm", to_format="hf")

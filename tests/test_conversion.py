@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -284,3 +285,16 @@ def test_random_checkpoint_builder_round_trip(tmp_path):
     direct, via = load_tensors(hf), load_tensors(converted.destination)
     assert sorted(direct) == sorted(via) and all(torch.equal(direct[n], via[n]) for n in direct)
     AutoModelForCausalLM.from_pretrained(hf)
+
+
+def test_a_block_the_pattern_never_uses_is_skipped_as_fast_llm_skips_it(tmp_path):
+    """Fast-LLM builds only the blocks its pattern names over num_blocks (it warns about the others and stores no
+    weights for them): such a block converts, whatever its type, to the same model as without it."""
+    source = tmp_path / "src"
+    shutil.copytree(FIXTURES / "hybrid_attn_gdn_kda" / "fast_llm", source)
+    metadata = yaml.safe_load((source / "metadata.yaml").read_text())
+    metadata["config"]["base_model"]["decoder"]["blocks"]["unused"] = {"type": "decoder", "mixer": {"type": "mamba"}}
+    (source / "metadata.yaml").write_text(yaml.safe_dump(metadata))
+    converted = convert_checkpoint(source, tmp_path / "hf", from_format="fast_llm", to_format="hf").destination
+    ref = reference("hybrid_attn_gdn_kda")
+    assert (logits_of(converted, ref["input_ids"]) - ref["logits"]).abs().max().item() <= TOLERANCE

@@ -198,7 +198,7 @@ def _edit_block(block: str, path: tuple[str, ...], value):
     # Biases and per-block settings convert (the dense layer's bias on its own through attention_output_bias); what
     # is refused is a mix our switches cannot express: q apart from k/v.
     ("attn", ("mixer", "query_layer", "bias", "enabled"), True,
-     ("blocks.attn.mixer gives its query, key and value layers different biases", "query_layer: bias",
+     ("blocks.attn.mixer gives its query and key layers different biases", "query_layer: bias",
       "attention_bias")),
     ("gdn", ("mixer", "output_layer", "bias", "enabled"), True, ("blocks.gdn.mixer.output_layer has a bias",)),
     ("gdn", ("mlp", "gated"), False, ("blocks.gdn.mlp.gated", "non-gated")),

@@ -3,8 +3,9 @@ with the logits of every head from Fast-LLM's own forward): `--from fast_llm` an
 a model whose next-token logits and MTP heads' logits are Fast-LLM's, `--to fast_llm` writes the same tensors back
 bit for bit, and the converted model drafts for `generate(use_mtp=...)`.
 
-The fixtures cover both kinds of last block (GDN, whose heads carry recurrent states, and attention) and both
-output-weight settings (untied; tied to the embeddings, where no head's output weight is stored).
+The fixtures cover the kinds of last block (GDN and KDA, whose heads carry recurrent states, and attention), a head
+block with a mixture-of-experts MLP, and both output-weight settings (untied; tied to the embeddings, where no head's
+output weight is stored).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from hybrid_linear_models.conversion import convert_checkpoint
 from hybrid_linear_models.conversion.errors import ConversionError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fast_llm_mtp"
-FIXTURE_HEADS = {"gdn_last_mtp3": 3, "attn_last_mtp2": 2}  # Fast-LLM's prediction_heads (the next-token one too)
+# Fast-LLM's prediction_heads (the next-token one too)
+FIXTURE_HEADS = {"gdn_last_mtp3": 3, "attn_last_mtp2": 2, "kda_moe_last_mtp2": 2}
 READERS = {"fast_llm": "fast_llm", "distributed": "fast_llm_distributed"}  # fixture folder -> --from
 
 

@@ -145,7 +145,7 @@ def test_round_trips_are_bit_exact(heterogeneous, tmp_path):
 
 @pytest.mark.parametrize("edit, fragments", [
     (lambda blocks: blocks["sliding"]["mixer"].setdefault("query_layer", {}).update(bias={"enabled": False}),
-     ("blocks.sliding.mixer gives its query, key and value layers different biases", "query_layer: no bias")),
+     ("blocks.sliding.mixer gives its query and key layers different biases", "query_layer: no bias")),
     (lambda blocks: blocks["gdn_narrow"]["mixer"].update(value_heads=3),
      ("gdn_narrow", "value_heads")),
 ])
@@ -278,10 +278,10 @@ _REFUSALS = [
     # attention biases per linear layer: our attention_bias switches q, k and v together (the dense layer has its
     # own switch, attention_output_bias: tests/test_attention_biases.py)
     (_set(("attn", "mixer", "query_layer", "bias", "enabled"), True),
-     ("blocks.attn.mixer gives its query, key and value layers different biases", "query_layer: bias",
+     ("blocks.attn.mixer gives its query and key layers different biases", "query_layer: bias",
       "attention_bias")),
     (_set(("sliding", "mixer", "key_layer", "bias", "enabled"), False),
-     ("blocks.sliding.mixer gives its query, key and value layers different biases", "key_layer: no bias")),
+     ("blocks.sliding.mixer gives its query and key layers different biases", "key_layer: no bias")),
     (_set(("gdn", "mlp", "layer_2", "bias", "enabled"), True),
      ("blocks.gdn.mlp mixes linear layers with and without biases", "layer_2: bias", "mlp_bias")),
     # invalid head counts in the block the flat defaults come from, and in a block that is a per-layer override

@@ -99,6 +99,7 @@ def refused(folder: Path, kind: str, *fragments: str) -> str:
     ("decoder.num_blocks", 4.0, ("decoder.num_blocks should be an integer", "got a number 4.0")),
     ("decoder.num_blocks", 1e9, ("decoder.num_blocks should be an integer", "got a number 1000000000.0")),
     ("decoder.num_blocks", "4", ("decoder.num_blocks should be an integer", "got a string '4'")),
+    ("head.final_logit_softcap", 30.0, ("head.final_logit_softcap = 30.0 is not supported (logit soft-capping)",)),
     ("tied_embedding_weight", "false", ("config.base_model.tied_embedding_weight should be true or false",
                                         "got a string 'false'")),
     ("hidden_size", [64], ("config.base_model.hidden_size should be an integer", "got a list [64]")),

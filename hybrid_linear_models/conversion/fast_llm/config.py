@@ -115,9 +115,13 @@ def _decoder_blocks(decoder: MetadataFields) -> list[tuple[str, dict[str, Any]]]
                               "'pattern' or 'fixed' decoder.")
     blocks_field = decoder.sub("blocks")
     pattern = decoder.sequence("pattern", item=str, non_empty=True)
+    used = set(pattern[: num_blocks])  # (a block no layer uses is never built by Fast-LLM, which warns: skipped)
     settings = {}
     for name in blocks_field.data:
-        settings[name] = _block_settings(blocks_field.sub(name))
+        if name in used:
+            settings[name] = _block_settings(blocks_field.sub(name))
+        else:
+            blocks_field.get(name)
     blocks_field.finish()
     missing = [name for name in pattern if name not in settings]
     if missing:
@@ -234,7 +238,7 @@ def fast_llm_to_hybrid_config(base_model: Mapping[str, Any], weights_hint: str =
     embeddings.finish()
     head = base.sub("head")
     head.expect("logits_scale_factor", (1.0,), 1.0, "scaled logits")
-    head.expect("final_logit_softcapping", (None,), None, "logit soft-capping")
+    head.expect("final_logit_softcap", (None,), None, "logit soft-capping")
     # Fast-LLM's multi-token prediction: the next-token head and prediction_heads - 1 more, each a copy of the last
     # decoder block on that block's input, then a final norm of the head's normalization (mtp_type "fast_llm")
     mtp_layers = head.integer("prediction_heads", 1, minimum=1, maximum=MAX_LAYERS + 1) - 1

@@ -28,7 +28,8 @@ TRAINING_ONLY = frozenset({
     "cross_entropy_implementation", "cross_entropy_splits", "dpo_reference_model", "enable_dpo", "dpo_beta",
     "logit_z_loss", "language_model_loss_factor", "distillation_loss_factor", "teacher_softmax_temperature",
     "sequence_first", "full_precision_residual", "num_position_embeddings", "word_embeddings", "output_weight",
-    "dt_bias_weight", "a_log_weight", "prediction_loss_coefficient",
+    "dt_bias_weight", "a_log_weight", "prediction_loss_coefficient", "distillation_loss_weight",
+    "vocab_parallel",  # (how the embeddings are split over tensor-parallel ranks)
 })
 
 

@@ -7,12 +7,12 @@ and dense layers (each layer's `bias.enabled`, else the mixer's `add_linear_bias
 share one stored projection, `key_value` (K rows then V rows). Our attention can also gate its output and normalise
 q/k per head (Qwen3-Next) and rotate part of the head: Fast-LLM's cannot, so such layers are refused when writing.
 
-Biases: Fast-LLM builds `key_value` from `key_layer`'s config (its `value_layer` is declared but unused), so q, k and
-v can differ only as query vs key/value; ours has one switch for the three (`attention_bias`) and one for the dense
-layer (`attention_output_bias`). A block whose query_layer, key_layer and value_layer disagree is refused, naming
-them: no known model family (Llama, Mistral, Qwen2, Apriel) has such biases. The writer gives `add_linear_biases`
-alone when the two switches agree, else `add_linear_biases: false` and each layer's `bias.enabled`, as Fast-LLM's
-Qwen2 importer does (q/k/v true, dense false). The dense bias is not tensor-parallel (its output is the hidden size),
+Biases: Fast-LLM builds `key_value` from `key_layer`'s config (its `value_layer` is declared but unused: read here
+and ignored, as there), so q, k and v can differ only as query vs key/value; ours has one switch for the three
+(`attention_bias`) and one for the dense layer (`attention_output_bias`). A block whose query_layer and key_layer
+disagree is refused, naming them: no known model family (Llama, Mistral, Qwen2, Apriel) has such biases. The writer
+gives `add_linear_biases` alone when the two switches agree, else `add_linear_biases: false` and each layer's
+`bias.enabled`, as Fast-LLM's Qwen2 importer does (q/k/v true, dense false). The dense bias is not tensor-parallel (its output is the hidden size),
 so in the `distributed` buffer it sorts with the norms, whether or not the q/k/v biases exist.
 """
 
@@ -30,20 +30,22 @@ from .parameter_spec import ALWAYS, NEVER, Parameter, Rule, bias, same
 
 DEFAULT_ROPE_THETA = 10_000.0
 _DEFAULTS = {"heads": 8, "head_groups": 1, "head_size": 128}  # Fast-LLM's AttentionConfig defaults
-_QKV_LAYERS = ("query_layer", "key_layer", "value_layer")  # our attention_bias
+_QKV_LAYERS = ("query_layer", "key_layer", "value_layer")  # our attention_bias (written to all three)
+_READ_QKV_LAYERS = ("query_layer", "key_layer")  # what Fast-LLM builds from (key_value follows key_layer)
 _DENSE_LAYER = "dense_layer"  # our attention_output_bias
 
 
 def _biases(mixer: MetadataFields) -> tuple[bool, bool]:
     """(attention_bias, attention_output_bias) of a Fast-LLM attention mixer config."""
-    enabled = linear_biases(mixer, (*_QKV_LAYERS, _DENSE_LAYER))
-    qkv = {name: enabled[name] for name in _QKV_LAYERS}
-    if len(set(qkv.values())) > 1:
-        listing = ", ".join(f"{name}: {'bias' if on else 'no bias'}" for name, on in qkv.items())
+    enabled = linear_biases(mixer, (*_QKV_LAYERS, _DENSE_LAYER))  # (value_layer's read, and not used)
+    qk = {name: enabled[name] for name in _READ_QKV_LAYERS}
+    if len(set(qk.values())) > 1:
+        listing = ", ".join(f"{name}: {'bias' if on else 'no bias'}" for name, on in qk.items())
         raise ConversionError(
-            f"metadata.yaml: {mixer.path} gives its query, key and value layers different biases ({listing}); "
-            "HybridLinearConfig's attention_bias switches the q, k and v projections together (the dense layer has "
-            "its own, attention_output_bias), so give query_layer, key_layer and value_layer the same bias.enabled."
+            f"metadata.yaml: {mixer.path} gives its query and key layers different biases ({listing}; Fast-LLM's "
+            "key_value follows key_layer); HybridLinearConfig's attention_bias switches the q, k and v projections "
+            "together (the dense layer has its own, attention_output_bias), so give query_layer and key_layer the "
+            "same bias.enabled."
         )
     return enabled["query_layer"], enabled[_DENSE_LAYER]
 
