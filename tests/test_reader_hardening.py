@@ -482,6 +482,7 @@ def test_huge_user_values_are_cut_in_messages(copy_of):
         decoder = metadata["config"]["base_model"]["decoder"]
         decoder["blocks"]["b" * 100_000] = decoder["blocks"].pop("kda")
         decoder["blocks"]["b" * 100_000]["mixer"]["surprise"] = 1
+        decoder["pattern"] = ["b" * 100_000 if name == "kda" else name for name in decoder["pattern"]]
     edit_yaml(folder / "metadata.yaml", rename_block)
     message = refused(folder, "fast_llm", "config.base_model.decoder.blocks.bbbb", "not supported")
     assert len(message) < 600
