@@ -417,7 +417,8 @@ def _mtp_problems(s: _Settings) -> list[str]:
         return [f"mtp_type must be one of {MTP_TYPES}, got {brief(kind)}"]
     value = s.mtp_mlp_type
     if value is not None and (not isinstance(value, str) or value not in MLPS):
-        return [f"mtp_mlp_type must be one of {tuple(MLPS)} (or None: the first layer's MLP), got {brief(value)}"]
+        return [(f"mtp_mlp_type must be one of {tuple(MLPS)} (or None: the first layer's MLP, the last layer's for "
+                 f"mtp_type 'fast_llm'), got {brief(value)}")]
     count = s.num_mtp_layers
     if _is_int(count) and count > MAX_LAYERS:  # (the layers are built one by one, as the decoder's)
         return [f"num_mtp_layers must be at most {MAX_LAYERS}, got {brief(count)}"]
@@ -736,8 +737,11 @@ class HybridLinearConfig(PreTrainedConfig, _fields_dataclass(declared_fields()))
                              "another family's checkpoint; convert it first (hybrid-linear-convert --from FORMAT "
                              "--to hf SRC DST; hybrid-linear-convert --help lists the formats), or load it with its "
                              "own class.")
+        stored_kind = config_dict.get("mtp_type", "qwen3_next") if isinstance(config_dict, dict) else None
         loaded = super().from_dict(config_dict, **kwargs)
         config = loaded[0] if isinstance(loaded, tuple) else loaded
+        if "mtp_type" in kwargs and "mtp_mlp_type" not in kwargs and kwargs["mtp_type"] != stored_kind:
+            config.mtp_mlp_type = None  # (the stored one was resolved for the other kind: resolved again below)
         config._resolve_mtp_mlp_type()  # (an override of num_mtp_layers adds MTP layers to a config without them)
         config.validate()
         return loaded

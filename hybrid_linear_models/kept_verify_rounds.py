@@ -89,7 +89,7 @@ def kept_rounds(model) -> KeptVerifyRounds:
     return kept
 
 
-def round_key(batch: int, tokens: int, slots: int, with_hidden: bool, drafter: object | None,
+def round_key(batch: int, tokens: int, slots: int, with_hidden: bool | str, drafter: object | None,
               device: torch.device) -> tuple:
     """The key of a kept round: an on-device drafter by its type (it keeps only device state, which the kept entry's
     drafter holds), a host drafter not at all (the round does not read it)."""

@@ -68,7 +68,8 @@ from .mlp_sparse_moe import (
 )
 from .moe_load_balancing import load_balancing_loss
 from .mtp_drafting import check_mtp_generation
-from .mtp_head import check_mtp_loss_inputs, mtp_positions, shifted_labels, valid_entries, with_carried_head
+from .mtp_head import (check_mtp_kind, check_mtp_loss_inputs, mtp_positions, shifted_labels, valid_entries,
+                       with_carried_head)
 from .mtp_heads import MTP_HEADS
 from .mtp_parallel_heads import hidden_states_asked, trunk_index, with_hidden_state
 from .norms import GatedRMSNorm, HybridLinearRMSNorm
@@ -267,6 +268,7 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
                                load_config, *args, **kwargs):
         # an MTP head the folder carries beside the model's files (mtp_head.with_carried_head) loads with them
         checkpoint_files = with_carried_head(model, checkpoint_files) if state_dict is None else checkpoint_files
+        check_mtp_kind(model, checkpoint_files)  # (another kind's MTP tensors would fill this head's by name)
         # transformers casts each checkpoint tensor to its parameter's dtype: a tensor of another kind (int8 into a
         # float weight) is refused first, naming it (checkpoint_dtypes)
         check_checkpoint_dtypes(model, state_dict, checkpoint_files, load_config)
@@ -940,9 +942,9 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
 
     def _mtp_loss(self, hidden_states: torch.Tensor, input_ids, inputs_embeds, labels: torch.Tensor,
                   attention_mask, position_ids, kwargs: dict) -> torch.Tensor:
-        """The mean over the MTP depths of each depth's cross-entropy (depth d: token t + d + 1; mtp_head.py,
-        mtp_parallel_heads.py), each normalised as the main loss is (mean over the counted targets, or sum /
-        num_items_in_batch). hidden_states: what the heads read (`mtp.reads`)."""
+        """The mean over the MTP depths with a target of each depth's cross-entropy (depth d: token t + d + 1;
+        mtp_head.py, mtp_parallel_heads.py), each normalised as the main loss is (mean over the counted targets, or
+        sum / num_items_in_batch); 0 where no depth has one. hidden_states: what the heads read (`mtp.reads`)."""
         embeddings = None  # (the token embeddings, for the heads that read them: Qwen3-Next's)
         if self.mtp.reads == "final":
             embeddings = inputs_embeds if inputs_embeds is not None else self.model.embed_tokens(input_ids)
@@ -961,6 +963,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
                 loss = self.loss_function(logits=self.lm_head(g), labels=None, vocab_size=self.config.vocab_size,
                                           shift_labels=targets, num_items_in_batch=kwargs.get("num_items_in_batch"))
             losses.append(loss)
+        if not losses:  # a sequence of 2 tokens or fewer: no depth has a target, the MTP loss adds nothing
+            return hidden_states.new_zeros((), dtype=torch.float32)
         return torch.stack(losses).mean()
 
     def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):

@@ -194,6 +194,7 @@ class MtpBatchDrafter:
 
     observes_hidden_states = True
     drafts_on_device = True
+    reads = "final"  # the hidden states it observes: the final norm's output (speculative_decoding)
 
     def __init__(self, model: PreTrainedModel):
         self.model, self.head = model, model.mtp
@@ -220,7 +221,7 @@ class MtpBatchDrafter:
         g = self._run(hidden, greedy)
         last = g[torch.arange(g.shape[0], device=g.device), (kept - 1).clamp(min=0)]
         self.g.copy_(torch.where((kept > 0)[:, None], last, self.g))
-        self.cache.lengths.add_(kept)
+        self.cache.restore(kept)  # (the head's attention entries kept: its lengths move on)
 
     def draft(self, sequences, count: int) -> torch.Tensor:
         """[B, count] greedy drafts: the first from each row's last accepted position, each next one from the head

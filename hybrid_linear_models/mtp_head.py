@@ -71,6 +71,7 @@ class HybridLinearMtpHead(nn.Module):
     `rotary(config)` the rotary embedding of the block's attention."""
 
     reads = "final"  # the final norm's output h (Fast-LLM's parallel heads read the last layer's input)
+    marker = "mtp.fc.weight"  # a tensor only this kind of head has (check_mtp_kind)
     one_draft_per_layer = False  # drafting applies the one layer recursively (Fast-LLM's heads draft one each)
 
     def __init__(self, config: HybridLinearConfig, decoder_layer: Callable[[HybridLinearConfig, int], nn.Module],
@@ -109,13 +110,14 @@ class HybridLinearMtpHead(nn.Module):
 
     def depths(self, hidden_states: torch.Tensor, embeddings: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Training's chain over a whole sequence: g^d for d = 1..D, g^d [B, T - d, H] at positions t = 0..T-1-d
-        (predicting token t + d + 1), from the model's h [B, T, H] and the input embeddings [B, T, H]; position_ids
+        """Training's chain over a whole sequence: g^d for the depths d = 1..D with a target (T >= d + 2), g^d [B,
+        T - d, H] at positions t = 0..T-1-d (predicting token t + d + 1), from the model's h [B, T, H] and the input
+        embeddings [B, T, H]; position_ids
         [B or 1, T], attention_mask the 2-D [B, T] one or None (the entries of padding: `valid_entries`)."""
         outputs, previous = [], hidden_states
         for depth in range(len(self.layers)):
             d = depth + 1
-            if embeddings.shape[1] <= d:
+            if embeddings.shape[1] <= d + 1:  # (no target: token t + d + 1 lies past the sequence for every t)
                 break
             mask = valid_entries(attention_mask, d)
             previous = self(previous[:, : embeddings.shape[1] - d], embeddings[:, d:], position_ids[:, d:], depth,
@@ -171,6 +173,26 @@ def check_mtp_loss_inputs(position_ids: torch.Tensor | None, attention_mask, kwa
 
 
 
+def check_mtp_kind(model: nn.Module, checkpoint_files: list[str] | None) -> None:
+    """One line, before any weight is read, where the checkpoint's MTP tensors are another kind's than the model's
+    head (each kind's `marker` tensor tells them apart): loaded by name, the other kind's block tensors would fill
+    this head's block of the same name, and the rest stay fresh."""
+    head = getattr(model, MTP_ATTRIBUTE, None)
+    if head is None or not checkpoint_files:
+        return
+    from safetensors import safe_open
+
+    stored = set()
+    for path in checkpoint_files:
+        if str(path).endswith(".safetensors"):
+            with safe_open(str(path), framework="pt") as handle:
+                stored.update(name for name in handle.keys() if name.startswith(MTP_ATTRIBUTE + "."))  # noqa: SIM118
+    if stored and head.marker not in stored:
+        raise ValueError(f"the checkpoint's MTP tensors ({min(stored)}, ...) are not those of this model's "
+                         f"heads (mtp_type {model.config.mtp_type!r}, whose {head.marker} it lacks): load it with "
+                         "the mtp_type it was saved with, or with num_mtp_layers=0 to leave its heads out.")
+
+
 def with_carried_head(model: nn.Module, checkpoint_files: list[str] | None) -> list[str] | None:
     """The checkpoint files to load, with the folder's CARRIED_TENSORS_FILE added where the model has an MTP head,
     the file holds exactly that head's tensors (`mtp.*`, by name) and the model's files hold none of them (a
@@ -203,5 +225,5 @@ def with_carried_head(model: nn.Module, checkpoint_files: list[str] | None) -> l
     return [*checkpoint_files, carried]
 
 
-__all__ = ["CARRIED_TENSORS_FILE", "MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_loss_inputs", "mtp_config",
-           "mtp_positions", "shifted_labels", "valid_entries", "with_carried_head"]
+__all__ = ["CARRIED_TENSORS_FILE", "MTP_ATTRIBUTE", "HybridLinearMtpHead", "check_mtp_kind", "check_mtp_loss_inputs",
+           "mtp_config", "mtp_positions", "shifted_labels", "valid_entries", "with_carried_head"]

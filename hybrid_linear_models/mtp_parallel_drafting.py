@@ -36,7 +36,7 @@ class ParallelMtpCandidateGenerator(MtpCandidateGenerator):
         super().__init__(model, generation_config, logits_processor)
         # the verify forward's trunk only (what the heads read)
         self.trunk = trunk_index(model.config)
-        self.model_kwargs_overrides = {"output_hidden_states": self.trunk}
+        self.model_kwargs_overrides = {"output_hidden_states": [self.trunk]}  # (a list: index 0 is not falsy there)
         adopt_linear_layers(self.cache)  # (the base class's DynamicCache of the heads' config: GDN/KDA layers too)
 
     @torch.no_grad()
@@ -50,8 +50,8 @@ class ParallelMtpCandidateGenerator(MtpCandidateGenerator):
         mask = model_kwargs.get("attention_mask")
         mask = mask[:, : length - 1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         positions = self._positions(model_kwargs, length)[:, self.held: length - 1]
-        outputs = self.model.mtp(trunk.to(self.model.lm_head.weight.dtype), positions, attention_mask=mask,
-                                 cache=self.cache)
+        outputs = self.model.mtp(trunk.to(self.model.get_input_embeddings().weight.dtype), positions,
+                                 attention_mask=mask, cache=self.cache)
         self.held = length - 1
         drafts_wanted = min(self.num_drafts, self.max_length - length - 1)
         draft_logits, sequence = [], input_ids
@@ -73,6 +73,7 @@ class ParallelMtpBatchDrafter:
 
     observes_hidden_states = True
     drafts_on_device = True
+    reads = "trunk"  # the hidden states it observes: the last decoder layer's input (speculative_decoding)
 
     def __init__(self, model: PreTrainedModel):
         self.model, self.heads = model, model.mtp
@@ -92,8 +93,6 @@ class ParallelMtpBatchDrafter:
             self.cache.pads.copy_(length - real.sum(-1))
             real = None if bool(real.all()) else real
         self.g = refilled(self.g, torch.stack([out[:, -1] for out in self._run(hidden, real)], dim=1))
-        for layer in self.cache.linear_layers:
-            layer.rollback = None  # (a prompt keeps no window)
         self.cache.prompts_written(length)
 
     def observe(self, greedy: torch.Tensor, kept: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -105,7 +104,7 @@ class ParallelMtpBatchDrafter:
         self.g.copy_(torch.where((kept > 0)[:, None, None], last, self.g))
         self.cache.restore(kept)
 
-    def draft(self, sequences, count: int) -> torch.Tensor:
+    def draft(self, sequences: object, count: int) -> torch.Tensor:
         """[B, count] greedy drafts: head d's at each row's last accepted position, d = 1..count."""
         return self.model.lm_head(self.g[:, :count]).argmax(-1)
 

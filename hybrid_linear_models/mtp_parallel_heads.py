@@ -63,6 +63,7 @@ class HybridLinearParallelMtpHeads(nn.Module):
     `rotary(settings)` the rotary embedding of an attention layer's settings."""
 
     reads = "trunk"  # the input of the last decoder layer (Qwen3-Next's layers read the final norm's output)
+    marker = "mtp.norms.0.weight"  # a tensor only this kind of head has (mtp_head.check_mtp_kind)
     one_draft_per_layer = True  # layer d drafts token t + d + 1 (Qwen3-Next's one layer is applied recursively)
 
     def __init__(self, config: HybridLinearConfig, decoder_layer: Callable[[HybridLinearConfig, int], nn.Module],
@@ -101,7 +102,8 @@ class HybridLinearParallelMtpHeads(nn.Module):
                            cache=cache, position_ids=position_ids))
                 for layer, norm in zip(self.layers, self.norms)]
 
-    def _causal_mask(self, trunk: torch.Tensor, attention_mask, cache, position_ids) -> torch.Tensor | None:
+    def _causal_mask(self, trunk: torch.Tensor, attention_mask: torch.Tensor | None, cache: Cache | None,
+                     position_ids: torch.Tensor) -> torch.Tensor | None:
         """The attention mask of the layers (one for all: they are copies), from the 2-D padding mask or None."""
         kwargs = {"inputs_embeds": trunk, "attention_mask": attention_mask, "cache": cache,
                   "position_ids": position_ids}
@@ -112,11 +114,14 @@ class HybridLinearParallelMtpHeads(nn.Module):
     def depths(self, trunk: torch.Tensor, embeddings: torch.Tensor | None, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Training's outputs over a whole sequence, as Qwen3-Next's layers give them (mtp_head.py): g^d [B, T - d,
-        H] at positions t = 0..T-1-d (predicting token t + d + 1), from the trunk [B, T, H]; `embeddings` is not
-        read (the heads take no token embedding: None will do); attention_mask the 2-D [B, T] one or None."""
+        H] at positions t = 0..T-1-d (predicting token t + d + 1), for the depths with a target (T >= d + 2), from
+        the trunk [B, T, H]; `embeddings` is not read (the heads take no token embedding: None will do);
+        attention_mask the 2-D [B, T] one or None."""
         length = trunk.shape[1]
+        if length < 3:  # (no depth has a target: token t + d + 1 lies past the sequence for every t)
+            return []
         outputs = self(trunk, position_ids, attention_mask)
-        return [g[:, : length - depth] for depth, g in enumerate(outputs, start=1) if length > depth]
+        return [g[:, : length - depth] for depth, g in enumerate(outputs, start=1) if length > depth + 1]
 
 
 def with_hidden_state(asked: bool | int | list[int] | None, index: int, count: int) -> bool | list[int]:
@@ -129,8 +134,8 @@ def with_hidden_state(asked: bool | int | list[int] | None, index: int, count: i
     return sorted({i % count for i in chosen if -count <= i < count} | {index})
 
 
-def hidden_states_asked(hidden_states: tuple | None, asked: bool | int | list[int] | None, index: int,
-                        ) -> tuple | None:
+def hidden_states_asked(hidden_states: tuple | None, asked: bool | int | list[int] | None,
+                        index: int) -> tuple | None:
     """The hidden states the caller asked for (`asked`), from those selected by `with_hidden_state`: none, or the
     trunk's entry left empty where the caller's selection did not name it."""
     if not asked or hidden_states is None:

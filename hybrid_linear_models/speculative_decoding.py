@@ -30,9 +30,10 @@ device needs nothing from the host: on CUDA the next round is launched before th
 A drafter is any object with `draft(sequences, count) -> [B, count]` (sequences: each row's prompt and generated
 tokens, 1-D) and optionally `vocab_size`; `PromptLookupDrafter` (n-gram lookup in the row's own tokens) and
 `AssistantDrafter` (greedy drafts of a smaller model) are given. A drafter with `observes_hidden_states` true is
-handed the hidden states the model's MTP head reads (`forward_tokens`) at every verified position: `start(input_ids,
-attention_mask, hidden [B, P, H], first [B], slots)` after the prefill and `observe(greedy, kept, hidden [B, k, H])`
-after each round (the model's MTP head: the `batch_drafter` of its kind, mtp_heads.py). One that also has
+handed the hidden states it `reads` ("final": the final norm's output, the default; "trunk": the last decoder layer's
+input) at every verified position: `start(input_ids, attention_mask, hidden [B, P, H], first [B], slots)` after the
+prefill and `observe(greedy, kept, hidden [B, k, H])` after each round (the model's MTP head: the `batch_drafter` of
+its kind, mtp_heads.py). One that also has
 `drafts_on_device` true (the MTP head) drafts from its device state alone, without the sequences: each round is
 `drafting_round`, the next round's drafts made after the acceptance in the same forward pass, and in the same captured
 graph, so the host reads nothing but the tokens gained.
@@ -73,12 +74,13 @@ class Drafter(Protocol):
 
 
 def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: torch.Tensor | None = None,
-                   last_only: bool = False, with_hidden: bool = False):
+                   last_only: bool = False, with_hidden: bool | str = False):
     """The logits [B, T, V] (or [B, 1, V] with `last_only`) of T tokens per row written at each row's next slots of
-    `cache` (`cache.lengths` is not moved: `VerifyCache.restore` does); with `with_hidden`, (logits, what the model's
-    MTP head reads at every position, [B, T, H]: the final norm's output, or the last layer's input for heads that
-    read it, `mtp.reads`). real [B, T] bool marks a prompt's tokens that are not padding (the GDN/KDA layers keep
-    their states through pads); None: all are real. No host synchronisation (capturable)."""
+    `cache` (`cache.lengths` is not moved: `VerifyCache.restore` does); with `with_hidden`, (logits, hidden states
+    [B, T, H] at every position: the final norm's output for True or "final", the last decoder layer's input for
+    "trunk", as a drafter that observes them reads them: its `reads`). real [B, T] bool marks a prompt's tokens that
+    are not padding (the GDN/KDA layers keep their states through pads); None: all are real. No host synchronisation
+    (capturable)."""
     base = model.model
     batch, tokens = input_ids.shape
     hidden = base.embed_tokens(input_ids)
@@ -89,12 +91,11 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
     masks = {window: cache.attention_mask(tokens, window, hidden.dtype, eager) for window in cache.windows}
     info = SequenceInfo(batch, tokens, padding_mask=real)
     residual = None  # each layer's last residual add is done by the next norm, as in a decoding step
-    # the MTP heads that read the last layer's input (mtp_parallel_heads) get it: the sum of what the layer before
-    # left (its MLP output, its residual)
-    reads_trunk = with_hidden and getattr(getattr(model, "mtp", None), "reads", None) == "trunk"
-    trunk = None
+    # the trunk (the last layer's input, which Fast-LLM's MTP heads read): the sum of what the layer before it left
+    # (its MLP output, its residual)
+    trunk_layer, trunk = trunk_index(model.config) if with_hidden == "trunk" else None, None
     for layer in base.layers[: model.config.num_hidden_layers]:
-        if reads_trunk and layer.layer_idx == trunk_index(model.config):  # (the input of the last layer)
+        if layer.layer_idx == trunk_layer:
             trunk = hidden if residual is None else hidden + residual
         kv = cache.layers[layer.layer_idx]
         rotary = base.rotary_of_layer[layer.layer_idx]
@@ -103,7 +104,7 @@ def forward_tokens(model, cache: VerifyCache, input_ids: torch.Tensor, real: tor
                                         position_ids=positions)
     if with_hidden:
         normed = _final_norm(base, hidden, residual)
-        return model.lm_head(normed[:, -1:] if last_only else normed), trunk if reads_trunk else normed
+        return model.lm_head(normed[:, -1:] if last_only else normed), trunk if trunk_layer is not None else normed
     if last_only:
         hidden, residual = hidden[:, -1:], residual[:, -1:] if residual is not None else None
     return model.lm_head(_final_norm(base, hidden, residual))
@@ -115,9 +116,9 @@ def _final_norm(base, hidden: torch.Tensor, residual: torch.Tensor | None) -> to
 
 
 def prefill(model, cache: VerifyCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            with_hidden: bool = False):
+            with_hidden: bool | str = False):
     """Runs the left-padded prompts [B, P] into the empty `cache`; returns each row's first new token [B] (and, with
-    `with_hidden`, the final norm's output [B, P, H] over the prompts)."""
+    `with_hidden`, the hidden states `forward_tokens` gives over the prompts, [B, P, H])."""
     real = None if attention_mask is None else attention_mask.bool()
     if real is not None:
         cache.pads.copy_(input_ids.shape[1] - real.sum(-1))
@@ -125,19 +126,17 @@ def prefill(model, cache: VerifyCache, input_ids: torch.Tensor, attention_mask: 
         real = None
     out = forward_tokens(model, cache, input_ids, real, last_only=True, with_hidden=with_hidden)
     logits, hidden = out if with_hidden else (out, None)
-    for layer in cache.linear_layers:
-        layer.rollback = None
     cache.prompts_written(input_ids.shape[1])
     first = logits[:, -1].argmax(-1)
     return (first, hidden) if with_hidden else first
 
 
 def verify_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: torch.Tensor,
-                 with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
+                 with_hidden: bool | str = False) -> tuple[torch.Tensor, ...]:
     """One verify step (see the module docstring): input_ids [B, k] = [last token | k - 1 drafts], live [B] bool.
     Returns greedy [B, k] (the argmax after each prefix) and kept [B] (the tokens each row gains: its accepted drafts
-    + 1; 0 for a row not live), the cache advanced by kept; with `with_hidden`, also the final norm's output
-    [B, k, H] at the k positions. No host synchronisation (capturable)."""
+    + 1; 0 for a row not live), the cache advanced by kept; with `with_hidden`, also the hidden states
+    `forward_tokens` gives at the k positions, [B, k, H]. No host synchronisation (capturable)."""
     with (recurrent_kernels_for_short_sequences() if SHORT_RULE_KERNEL == "recurrent" else nullcontext(),
           projections_stacked_for_few_rows()):  # (the round's few rows, as a decoding step's: fused_projections)
         out = forward_tokens(model, cache, input_ids, with_hidden=with_hidden)
@@ -154,7 +153,7 @@ def drafting_round(model, cache: VerifyCache, input_ids: torch.Tensor, live: tor
     """`verify_round`, then the round handed to a drafter that drafts on the device (`drafts_on_device`: the MTP
     head) and its drafts for the next round: (greedy [B, k], kept [B], drafts [B, k - 1]). No host synchronisation
     (capturable)."""
-    greedy, kept, hidden = verify_round(model, cache, input_ids, live, with_hidden=True)
+    greedy, kept, hidden = verify_round(model, cache, input_ids, live, with_hidden=drafter.reads)
     drafter.observe(greedy, kept, hidden)
     return greedy, kept, drafter.draft(None, input_ids.shape[1] - 1)
 
@@ -177,7 +176,7 @@ class VerifyRound:
     round's ids are written in place (their drafts too, for such a drafter), so consecutive rounds need no host
     input. `outputs`: (report [B, 1 + k] = (kept, greedy), then the hidden states [B, k, H] where asked)."""
 
-    def __init__(self, model, cache: VerifyCache, tokens: int, with_hidden: bool = False, drafter=None):
+    def __init__(self, model, cache: VerifyCache, tokens: int, with_hidden: bool | str = False, drafter=None):
         self.model, self.cache, self.drafter, self.with_hidden = model, cache, drafter, with_hidden
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
         self.live = torch.zeros(cache.batch, dtype=torch.bool, device=cache.device)
@@ -211,7 +210,8 @@ class CapturedVerifyRound(VerifyRound):
     `tensors`), so they are as they were after the capture. It is recorded as the decoding step is: its linear layers
     of at most 16 rows (batch x k) on the decoding GEMV kernel."""
 
-    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool = False, drafter=None):
+    def __init__(self, model, cache: VerifyCache, tokens: int, pool=None, with_hidden: bool | str = False,
+                 drafter=None):
         super().__init__(model, cache, tokens, with_hidden, drafter)
         state = lambda: cache.tensors() + (drafter.tensors() if drafter is not None else [])
         saved = [t.clone() for t in state()]
@@ -446,6 +446,7 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     attention_mask = attention_mask.to(device) if attention_mask is not None else None
     batch, prompt = input_ids.shape
     observes = getattr(drafter, "observes_hidden_states", False)
+    reads = getattr(drafter, "reads", "final") if observes else False  # (the hidden states it observes)
     # a drafter that drafts from device state alone (the MTP head) drafts inside each round: drafting_round
     on_device = observes and getattr(drafter, "drafts_on_device", False)
     ahead = rounds_ahead(on_device, device)
@@ -457,7 +458,7 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     stored = None
     if graphs:  # the captured round, its cache and on-device drafter kept across calls (kept_verify_rounds.py)
         slots = static_cache_slots(slots)
-        key = round_key(batch, num_tokens, slots, observes, drafter if on_device else None, device)
+        key = round_key(batch, num_tokens, slots, reads, drafter if on_device else None, device)
         stored = kept_rounds(model).entry(model, key, lambda: VerifyCache(model, batch, slots, device),
                                           drafter if on_device else None)
         drafter = stored.drafter if on_device else drafter
@@ -465,7 +466,7 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
     real = attention_mask.bool().cpu() if attention_mask is not None else torch.ones(batch, prompt, dtype=torch.bool)
     with torch.no_grad():
         if observes:  # (the MTP head's drafter: it reads the model's hidden states of every verified position)
-            first, hidden = prefill(model, cache, input_ids, attention_mask, with_hidden=True)
+            first, hidden = prefill(model, cache, input_ids, attention_mask, with_hidden=reads)
             drafter.start(input_ids, attention_mask, hidden, first, cache.slots)
         else:
             first = prefill(model, cache, input_ids, attention_mask)
@@ -475,7 +476,7 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
             round_ = stored.round if stored is not None else None
             if round_ is None:
                 make = CapturedVerifyRound if graphs else VerifyRound
-                round_ = make(model, cache, num_tokens, with_hidden=observes, drafter=drafter if on_device else None)
+                round_ = make(model, cache, num_tokens, with_hidden=reads, drafter=drafter if on_device else None)
                 if stored is not None:
                     stored.keep(model, round_)
             round_.ids[:, 0] = first

@@ -135,9 +135,12 @@ class VerifyCache:
         return KernelKVLayer(layer.keys, layer.values, self.lengths)
 
     def prompts_written(self, length: int) -> None:
-        """After the prompts' forward: every row holds `length` slots (its padding included)."""
+        """After the prompts' forward: every row holds `length` slots (its padding included); a prompt keeps no
+        rollback window."""
         self.lengths.fill_(length)
         self.holds_prompts = True
+        for layer in self.linear_layers:
+            layer.rollback = None
 
     def query_slots(self, tokens: int) -> torch.Tensor:
         """[B, T]: the slot of each of the step's tokens."""
