@@ -268,10 +268,10 @@ class HybridLinearPreTrainedModel(PreTrainedModel):
                                load_config, *args, **kwargs):
         # an MTP head the folder carries beside the model's files (mtp_head.with_carried_head) loads with them
         checkpoint_files = with_carried_head(model, checkpoint_files) if state_dict is None else checkpoint_files
-        check_mtp_kind(model, checkpoint_files)  # (another kind's MTP tensors would fill this head's by name)
         # transformers casts each checkpoint tensor to its parameter's dtype: a tensor of another kind (int8 into a
-        # float weight) is refused first, naming it (checkpoint_dtypes)
+        # float weight) is refused first, naming it (checkpoint_dtypes; a truncated shard too)
         check_checkpoint_dtypes(model, state_dict, checkpoint_files, load_config)
+        check_mtp_kind(model, checkpoint_files)  # (another kind's MTP tensors would fill this head's by name)
         # weights the device map places on a GPU beyond its free memory: refused in one line before any is read
         check_weights_fit(model, load_config)
         # weights bound for an accelerator are read from the shards, not mapped: the host holds the weights in flight,
