@@ -299,6 +299,22 @@ def test_every_rounds_drafts_are_the_heads_run_afresh_over_the_accepted_tokens(m
     assert len(checked) >= 3 * 3 and max(checked) <= DRAFT_TOL, checked
 
 
+def test_a_model_with_fp8_layers_drafts_in_the_embeddings_dtype():
+    """An FP8 checkpoint's model (its heads' and LM head's linear layers FP8, dequantized on the CPU): the heads read
+    the trunk in the embeddings' dtype, not the FP8 LM head's storage dtype; greedy output is plain greedy's."""
+    fields = tiny_model(["full_attention", "gated_deltanet"], num_mtp_layers=2, mtp_type="fast_llm").config.to_dict()
+    fields["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 16],
+                                     "activation_scheme": "dynamic", "modules_to_not_convert": []}
+    model = HybridLinearForCausalLM(HybridLinearConfig.from_dict(fields)).eval()
+    assert model.lm_head.weight.dtype == torch.float8_e4m3fn
+    ids = _ids((1, 6))
+    with torch.no_grad():
+        plain = model.generate(ids, max_new_tokens=6, do_sample=False)
+        for rows in (ids, ids.repeat(2, 1)):  # (one row: transformers' loop; two: the batched one)
+            out = model.generate(rows, max_new_tokens=6, do_sample=False, use_mtp=2)
+            assert all(torch.equal(row, plain[0]) for row in out)
+
+
 def test_drafting_with_hidden_states_asked_for_is_refused_before_any_forward():
     model = _model()
     calls = []
