@@ -23,6 +23,7 @@ from test_speculative_batched import GPU_DIMS, _alone, _batch
 from hybrid_linear_models import speculative_decoding
 from hybrid_linear_models.kernels_gemv import decode_gemv_mode
 from hybrid_linear_models.mtp_drafting import MtpBatchDrafter
+from hybrid_linear_models.mtp_parallel_drafting import ParallelMtpBatchDrafter
 from hybrid_linear_models.speculative_decoding import (
     CapturedVerifyRound,
     speculative_generate,
@@ -150,10 +151,10 @@ def test_batched_mtp_refuses_sampling_in_one_line():
     assert "\n" not in str(caught.value)
 
 
-def _started(model, ids, mask, num_tokens, slots=40):
+def _started(model, ids, mask, num_tokens, slots=40, drafter_class=MtpBatchDrafter):
     """A verify cache and an MTP drafter after the prompts, and the first round's tokens [B, num_tokens]."""
     cache = speculative_decoding.VerifyCache(model, ids.shape[0], slots, ids.device)
-    drafter = MtpBatchDrafter(model)
+    drafter = drafter_class(model)
     first, hidden = speculative_decoding.prefill(model, cache, ids, mask, with_hidden=True)
     drafter.start(ids, mask, hidden, first, cache.slots)
     return cache, drafter, torch.cat([first[:, None], drafter.draft(None, num_tokens - 1)], dim=1)
@@ -266,17 +267,22 @@ def test_a_round_run_past_the_last_rows_end_stays_within_the_cache(monkeypatch, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_captured_drafting_round_equals_the_uncaptured_one_on_gpu():
+@pytest.mark.parametrize("drafter_class, heads", [
+    (MtpBatchDrafter, {"num_mtp_layers": 1}),  # Qwen3-Next's head
+    # Fast-LLM's heads, copies of the last (KDA) layer: their states restored by the fused round kernels
+    (ParallelMtpBatchDrafter, {"num_mtp_layers": 3, "mtp_type": "fast_llm"}),
+])
+def test_a_captured_drafting_round_equals_the_uncaptured_one_on_gpu(drafter_class, heads):
     """On CUDA, bf16: three drafting rounds replayed from their CUDA graph give the tokens, counts, drafts, caches
     and head state of the same rounds run eagerly from the same start, their products on the decoding GEMV as in the
     capture (the same kernels: bit for bit)."""
     torch.manual_seed(0)
-    model = tiny_model(LAYERS, seed=0, num_mtp_layers=1, **GPU_DIMS).to("cuda", torch.bfloat16)
+    model = tiny_model(LAYERS, seed=0, **heads, **GPU_DIMS).to("cuda", torch.bfloat16)
     ids, mask = (t.cuda() for t in _batch(seed=7))
     results = []
     for captured in (False, True):
         with torch.no_grad():
-            cache, drafter, step = _started(model, ids, mask, 4)
+            cache, drafter, step = _started(model, ids, mask, 4, drafter_class=drafter_class)
             round_ = CapturedVerifyRound(model, cache, 4, drafter=drafter) if captured else None
             outputs = []
             live = torch.ones(3, dtype=torch.bool, device="cuda")
