@@ -209,8 +209,7 @@ class MtpBatchDrafter:
         real where token t is (left padding: the token after a real one is real). slots: the model's cache's."""
         length, batch = input_ids.shape[1], input_ids.shape[0]
         self.cache = heads_cache(self.cache, self.head, batch, slots, input_ids.device)
-        if attention_mask is not None:
-            self.cache.pads.copy_(length - attention_mask.to(input_ids.device).long().sum(-1))
+        self.cache.prompt_padding(attention_mask, length)  # (the head's attention masks its entries by the pads)
         tokens = torch.cat([input_ids[:, 1:], first[:, None]], dim=1)
         self.g = refilled(self.g, self._run(hidden, tokens)[:, -1])
         self.cache.prompts_written(length)

@@ -87,11 +87,7 @@ class ParallelMtpBatchDrafter:
         first new tokens (not read: the heads draft the tokens after it). slots: the model's cache's."""
         length, batch = input_ids.shape[1], input_ids.shape[0]
         self.cache = heads_cache(self.cache, self.heads, batch, slots, input_ids.device)
-        real = None
-        if attention_mask is not None:
-            real = attention_mask.to(input_ids.device).bool()
-            self.cache.pads.copy_(length - real.sum(-1))
-            real = None if bool(real.all()) else real
+        real = self.cache.prompt_padding(attention_mask, length)
         self.g = refilled(self.g, torch.stack([out[:, -1] for out in self._run(hidden, real)], dim=1))
         self.cache.prompts_written(length)
 

@@ -119,11 +119,7 @@ def prefill(model, cache: VerifyCache, input_ids: torch.Tensor, attention_mask: 
             with_hidden: bool | str = False):
     """Runs the left-padded prompts [B, P] into the empty `cache`; returns each row's first new token [B] (and, with
     `with_hidden`, the hidden states `forward_tokens` gives over the prompts, [B, P, H])."""
-    real = None if attention_mask is None else attention_mask.bool()
-    if real is not None:
-        cache.pads.copy_(input_ids.shape[1] - real.sum(-1))
-    if real is not None and bool(real.all()):
-        real = None
+    real = cache.prompt_padding(attention_mask, input_ids.shape[1])
     out = forward_tokens(model, cache, input_ids, real, last_only=True, with_hidden=with_hidden)
     logits, hidden = out if with_hidden else (out, None)
     cache.prompts_written(input_ids.shape[1])

@@ -134,6 +134,16 @@ class VerifyCache:
             return None
         return KernelKVLayer(layer.keys, layer.values, self.lengths)
 
+    def prompt_padding(self, attention_mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
+        """Takes each row's left padding (`pads`) from the prompts' 2-D mask [B, `length`] (None: no padding) and
+        returns their real tokens [B, length] bool, or None where every token is real (a host read: before the
+        prompts' forward, never in a captured round)."""
+        if attention_mask is None:
+            return None
+        real = attention_mask.to(self.device).bool()
+        self.pads.copy_(length - real.sum(-1))
+        return None if bool(real.all()) else real
+
     def prompts_written(self, length: int) -> None:
         """After the prompts' forward: every row holds `length` slots (its padding included); a prompt keeps no
         rollback window."""
