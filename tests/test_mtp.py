@@ -332,6 +332,26 @@ def test_use_mtp_with_beam_search_is_refused_before_any_forward(extra):
     assert "\n" not in str(caught.value) and not calls
 
 
+def check_drafts(monkeypatch, generator, expected) -> list[float]:
+    """Patches the candidate generator `generator` (a class): for each round that drafts, the largest difference
+    between its draft logits and `expected(input_ids)`, the reference logits [B, V] of its first drafts (as many as
+    the list holds, or as the round drafts); returns them, filled as generate runs."""
+    checked = []
+    get_candidates = generator.get_candidates
+
+    def checking(self, input_ids, *args, **kwargs):
+        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
+        if logits is not None:
+            with torch.no_grad():
+                references = expected(input_ids)
+            checked.extend((logits[:, draft] - reference).abs().max().item()
+                           for draft, reference in zip(range(logits.shape[1]), references))
+        return candidates, logits
+
+    monkeypatch.setattr(generator, "get_candidates", checking)
+    return checked
+
+
 @pytest.mark.parametrize("head", ["random", "nearly_right"])
 def test_every_first_draft_is_the_head_run_afresh_over_the_accepted_tokens(monkeypatch, head):
     """The head's own cache after rounds of full, partial and no acceptance: each round's first draft logits equal
@@ -341,21 +361,14 @@ def test_every_first_draft_is_the_head_run_afresh_over_the_accepted_tokens(monke
     if head == "nearly_right":
         _head_that_nearly_agrees(model)
     rounds = _record_rounds(monkeypatch)
-    checked = []
-    get_candidates = MtpCandidateGenerator.get_candidates
 
-    def checking(self, input_ids, *args, **kwargs):
-        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
-        if logits is not None:
-            with torch.no_grad():
-                hidden = model.model(input_ids).last_hidden_state
-                positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
-                g = model.mtp(hidden[:, :-1], model.model.embed_tokens(input_ids[:, 1:]), positions[:, 1:])
-                expected = model.lm_head(g[:, -1]).float()
-            checked.append((logits[:, 0] - expected).abs().max().item())
-        return candidates, logits
+    def first_draft(input_ids):
+        hidden = model.model(input_ids).last_hidden_state
+        positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        g = model.mtp(hidden[:, :-1], model.model.embed_tokens(input_ids[:, 1:]), positions[:, 1:])
+        return [model.lm_head(g[:, -1]).float()]
 
-    monkeypatch.setattr(MtpCandidateGenerator, "get_candidates", checking)
+    checked = check_drafts(monkeypatch, MtpCandidateGenerator, first_draft)
     ids = _ids((1, 5), seed=2)
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=3), plain)

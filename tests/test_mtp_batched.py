@@ -236,12 +236,18 @@ def test_rounds_run_ahead_of_the_host_keep_every_row_exact(monkeypatch, graphs, 
         _head_that_nearly_agrees(model)
     if graphs:
         replay_rounds_eagerly(monkeypatch)
+    assert_rows_end_as_alone(model, MtpBatchDrafter, graphs)
+
+
+def assert_rows_end_as_alone(model, drafter_class, graphs: bool) -> None:
+    """`_batch()`'s rows decoded with `drafter_class`, without a stop and with row 1's fifth token as the
+    end-of-sequence token: each row's tokens are its plain greedy decoding alone, cut at its end, padded after it."""
     ids, mask = _batch()
     truth = _alone(model, ids, mask)
     eos = int(truth[1, 4])  # row 1's fifth token
     for stop in ({}, {"eos_token_id": eos}):
         with torch.no_grad():
-            got = speculative_generate(model, ids, MtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
+            got = speculative_generate(model, ids, drafter_class(model), num_tokens=4, max_new_tokens=NEW,
                                        attention_mask=mask, pad_token_id=0, graphs=graphs, **stop)[:, ids.shape[1]:]
         for b in range(3):
             ends = (truth[b] == eos).nonzero().flatten() if stop else torch.tensor([])

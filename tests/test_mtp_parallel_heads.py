@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 from model_helpers import HostReadsRefused, replay_rounds_eagerly, tiny_model
-from test_mtp import _record_rounds
-from test_mtp_batched import track_rows
+from test_mtp import _record_rounds, check_drafts
+from test_mtp_batched import assert_rows_end_as_alone, track_rows
 from test_speculative_batched import NEW, _alone, _batch
 
 from hybrid_linear_models import (
@@ -278,21 +278,12 @@ def test_every_rounds_drafts_are_the_heads_run_afresh_over_the_accepted_tokens(m
     """The heads' own caches after rounds of full, partial and no acceptance: each round's draft logits equal the
     heads run from scratch over the accepted sequence (the trunk of a fresh forward), every draft of the round."""
     model = _model(last, heads=3)
-    checked = []
-    get_candidates = ParallelMtpCandidateGenerator.get_candidates
 
-    def checking(self, input_ids, *args, **kwargs):
-        candidates, logits = get_candidates(self, input_ids, *args, **kwargs)
-        if logits is not None:
-            with torch.no_grad():
-                length = input_ids.shape[1]
-                outputs = model.mtp(_trunk(model, input_ids[:, :-1]), torch.arange(length - 1).unsqueeze(0))
-            for draft in range(logits.shape[1]):
-                expected = model.lm_head(outputs[draft][:, -1]).float()
-                checked.append((logits[:, draft] - expected).abs().max().item())
-        return candidates, logits
+    def every_draft(input_ids):
+        outputs = model.mtp(_trunk(model, input_ids[:, :-1]), torch.arange(input_ids.shape[1] - 1).unsqueeze(0))
+        return [model.lm_head(g[:, -1]).float() for g in outputs]
 
-    monkeypatch.setattr(ParallelMtpCandidateGenerator, "get_candidates", checking)
+    checked = check_drafts(monkeypatch, ParallelMtpCandidateGenerator, every_draft)
     ids = _ids((1, 5), seed=2)
     plain = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, use_mtp=3), plain)
@@ -430,17 +421,6 @@ def test_captured_rounds_and_rounds_run_ahead_keep_every_row_exact(monkeypatch, 
     with torch.no_grad():  # (a model whose token is not always 5: its last block back, so rows differ)
         model.model.layers[2].linear_attn.out_proj.weight.normal_(0, 0.5)
     replays = replay_rounds_eagerly(monkeypatch)
-    ids, mask = _batch()
-    truth = _alone(model, ids, mask)
-    eos = int(truth[1, 4])
-    for stop in ({}, {"eos_token_id": eos}):
-        with torch.no_grad():
-            got = speculative_generate(model, ids, ParallelMtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
-                                       attention_mask=mask, pad_token_id=0, graphs=True, **stop)[:, ids.shape[1]:]
-        for b in range(3):
-            ends = (truth[b] == eos).nonzero().flatten() if stop else torch.tensor([])
-            end = int(ends[0]) + 1 if ends.numel() else NEW
-            assert torch.equal(got[b, :end], truth[b, :end]), (stop, b)
-            assert (got[b, end:] == 0).all()
+    assert_rows_end_as_alone(model, ParallelMtpBatchDrafter, graphs=True)
     assert len(replays) > 2
 
