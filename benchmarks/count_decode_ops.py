@@ -264,7 +264,7 @@ def count_step(kind: str = "gdn", eager: bool = False, by_site: bool = False) ->
         with COUNTER:
             out = run()
         COUNTER = KernelCounter(by_site)  # the capture's own restoring copies are not per-token work
-        return SimpleNamespace(replay=lambda: None), out
+        return SimpleNamespace(replay=lambda: None, expired=False), out
 
     try:
         with torch.no_grad():

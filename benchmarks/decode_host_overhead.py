@@ -124,7 +124,8 @@ def main() -> None:
     torch.set_num_threads(1)
     # the captured step stood in by a replay that does nothing: only the host work around it is timed
     CudaGraphDecoder.device_types = ("cuda", "cpu")
-    CudaGraphDecoder._record = staticmethod(lambda run, device, reset, pool=None: (SimpleNamespace(replay=lambda: None), run()))
+    CudaGraphDecoder._record = staticmethod(
+        lambda run, device, reset, pool=None: (SimpleNamespace(replay=lambda: None, expired=False), run()))
     for name in args.models:
         measure(name, args.tokens)
 

@@ -13,10 +13,13 @@ The difference between first and warm is the stall; the counts say what it is ma
 
     python benchmarks/diagnose_first_calls.py [--device cuda] [--model gdn|kda|qwen3-next-fp8|kimi-linear]
         [--lengths 1000 1537 3000 ...]
-        [--caches default static dynamic] [--new-tokens 2] [--batch 1] [--package-warm-up MAX_LENGTH] [--tiny]
+        [--caches default static dynamic] [--new-tokens 2] [--batch 1] [--package-warm-up MAX_LENGTH]
+        [--prompt-graphs] [--tiny]
 
 `--package-warm-up MAX_LENGTH` calls `model.warm_up(max_batch_size=--batch, max_length=MAX_LENGTH)` first: the rows
-then say what a first call still pays after it.
+then say what a first call still pays after it. `--prompt-graphs` turns the captured prompts on
+(`model.set_cuda_graph_decoding(True, prompts=True)`: static caches' prompts of up to 4,096 tokens replayed from
+graphs, which `warm_up` captures).
 
 `--tiny` (CPU, a tiny model, a few short lengths) is the configuration CI runs.
 """
@@ -157,6 +160,8 @@ def main() -> None:
     parser.add_argument("--package-warm-up", type=int, default=0, metavar="MAX_LENGTH",
                         help="call model.warm_up(max_batch_size=--batch, max_length=MAX_LENGTH) first (0: not)")
     parser.add_argument("--batch", type=int, default=1, help="rows per request")
+    parser.add_argument("--prompt-graphs", action="store_true",
+                        help="replay static caches' prompts from captured graphs (set_cuda_graph_decoding(prompts=))")
     parser.add_argument("--forward-lengths", type=int, nargs="*", default=[],
                         help="also time model(ids, use_cache=True, logits_to_keep=1) alone at these lengths")
     parser.add_argument("--no-counters", action="store_true", help="time only (no capture counting hooks)")
@@ -192,13 +197,15 @@ def main() -> None:
                            pad_token_id=0, **kwargs)
 
     print(process_start(device, dtype), flush=True)
+    if args.prompt_graphs:
+        model.set_cuda_graph_decoding(True, prompts=True)
     if args.package_warm_up:
         model.warm_up(max_batch_size=args.batch, max_length=args.package_warm_up)
     if args.warmup_length:
         for cache in args.caches:
             generate(args.warmup_length, cache)
-    print(f"model {args.model}, {args.device}, {dtype}, batch {args.batch}, {args.new_tokens} new tokens; Triton "
-          f"cache {cache_dir}")
+    print(f"model {args.model}, {args.device}, {dtype}, batch {args.batch}, {args.new_tokens} new tokens, prompt "
+          f"graphs {'on' if args.prompt_graphs else 'off'}; Triton cache {cache_dir}")
     print(f"{'cache':>8} {'prompt':>7} | {'first s':>8} {'warm s':>7} {'ratio':>6} | {'compiled':>8} {'tuned':>5} "
           f"{'captures':>8} {'capture s':>9} {'pkg capture s':>13}")
     for length in args.lengths:

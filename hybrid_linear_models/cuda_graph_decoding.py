@@ -41,6 +41,7 @@ from .derived_weights import ChangeWatch, derived_weights
 from .graph_cache_storage import CacheStorage, CacheStorages, cache_tensors
 from .kernels_gemv import decode_gemv_mode
 from .mlp_sparse_moe import graph_capturable_expert_dispatch, graph_safe_experts
+from .recorded_graphs import RecordedGraph, record_graph
 
 logger = logging.getLogger(__name__)
 
@@ -264,33 +265,6 @@ def capture_obstacle(model, attention_mask) -> str | None:
     return None
 
 
-WARM_UP_RUNS = 1
-
-
-def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=None,
-                 reset: Callable[[], None] | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """A CUDA graph of run() and the output buffer each replay refills, after WARM_UP_RUNS eager runs on a side stream
-    (what must not happen inside a capture: kernels compiled and autotuned, cuBLAS's handles made, the caching
-    allocator's blocks found). One is enough, since they all happen on a kernel's first call, and each costs a whole
-    uncaptured step (a quarter of a second for the 48-layer FP8 flagship: most of a capture's time). pool: a memory
-    pool shared with other graphs replayed one at a time. reset: called before each warm-up run after the first, so
-    that every one starts from the same state (a decoding step writes its token at the cache's counter and moves it
-    on: a run from where the last left off would write one slot further, past the buffer when the step's token has
-    the cache's last slot); the caller puts its state back after the capture."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for warm_up in range(WARM_UP_RUNS):
-            if warm_up and reset is not None:
-                reset()
-            run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
-    return graph, out
-
-
 KEPT_STEP_GRAPHS = 8  # captured steps kept per model (batch sizes and cache sizes), the least recently replayed dropped
 
 
@@ -325,9 +299,10 @@ class StepGraph:
         return True
 
     def stale(self, check_addresses: bool) -> bool:
-        """Whether a weight the graph reads changed: a kept derived value updated in place (per step), or (where a run
-        of steps starts) a parameter or buffer replaced or given new storage."""
-        return self.read.changed(check_addresses)
+        """Whether the graph was destroyed (recorded_graphs), or a weight it reads changed: a kept derived value
+        updated in place (per step), or (where a run of steps starts) a parameter or buffer replaced or given new
+        storage."""
+        return self.graph.expired or self.read.changed(check_addresses)
 
 
 class CudaGraphDecoder:
@@ -491,7 +466,7 @@ class CudaGraphDecoder:
         return graph.logits.clone()
 
     @staticmethod
-    def _record(run, device, reset, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(run, device, reset, pool) -> tuple[RecordedGraph, torch.Tensor]:
         return record_graph(run, device, pool, reset=reset)  # (tests stand in an eager replay here)
 
     def _capture(self, model, cache, key) -> StepGraph:

@@ -31,17 +31,17 @@ tokens; all the logits asked for; what graph decoding refuses too) runs the plai
 why, once per model and reason. The cache is bound to the storage of its shape, which the decoding step's graph
 shares (graph_cache_storage): a replayed prompt leaves the cache where the step reads it.
 
-Off by default (`CudaGraphPrefill.on_by_default`; `model.set_cuda_graph_decoding(True, prompts=True)` turns it on):
-on an H200, after `warm_up` has captured every bucket up to 2,048 or 4,096 tokens, a static generate whose prompt is
-shorter than its bucket (1,000 tokens in the 1,024 bucket) can raise an illegal memory access, with one memory pool
-for all the buckets or one each; the same replay right after capturing that bucket alone, or after two buckets, runs.
-It does not fault on every run: a warm-up of batch sizes 1 and 4 up to 4,096 tokens, then prompts of 16 lengths
-from 43 to 3,858 tokens at batch 1 and 4, faulted; the warm-up of batch 1 up to 2,048 tokens, then 1,000 tokens
-(tests/test_gpu_warm_up_prompt_graphs.py), has faulted and has run clean. A cause that fits (pytorch/pytorch#193402):
-torch captures every graph on one default stream, whose cuBLAS workspace each captured GEMM bakes in, and destroying
-any graph (an evicted or recaptured bucket) frees that stream's workspace. Until a fix is run on a GPU, prompts run
-the plain forward (at batch 1 a 1k-token prompt then takes some 44 ms of host time where its graph takes under 10:
-docs/performance.md).
+Off by default (`CudaGraphPrefill.on_by_default`; `model.set_cuda_graph_decoding(True, prompts=True)` turns it on,
+before `warm_up`, which then captures every bucket). After the warm-up, a 1,000-token prompt's time to first token on
+an H200 is 16 ms against 43 ms uncaptured (the 1.2B GDN model), 86 against 179 ms (the 48-layer Qwen3-Next FP8
+flagship): docs/performance.md. It stays off for two reasons:
+- a bucket captured without the warm-up costs its request the capture: about 1.6 s on the FP8 flagship (34 s for its
+  20 buckets), more than a first call may pay;
+- an illegal memory access was seen on an H200 in replays of prompts shorter than their bucket, after warm-ups of
+  batch sizes 1 and 4 up to 4,096 tokens, and its cause was not found. That scenario
+  (tests/test_gpu_warm_up_prompt_graphs.py: 16 lengths from 43 to 3,858 tokens at both batch sizes) runs clean with
+  torch 2.11; the one mechanism known to fit, a destroyed graph freeing the cuBLAS workspace its stream's other
+  graphs write to (torch releases with pytorch/pytorch#193402), cannot occur here (recorded_graphs.py).
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ from .cuda_graph_decoding import (
     WeightsRead,
     capture_failure,
     capture_obstacle,
-    record_graph,
     records_past,
     storage_key,
 )
 from .graph_cache_storage import CacheStorage, CacheStorages, allocated
 from .mlp_sparse_moe import graph_safe_experts, graph_safe_experts_implementation
+from .recorded_graphs import RecordedGraph, record_graph
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +139,9 @@ class PrefillGraph:
         return True
 
     def stale(self) -> bool:
-        """Whether a weight the graph reads was replaced, given new storage, or (a kept derived value) updated."""
-        return self.read.changed()
+        """Whether the graph was destroyed (recorded_graphs), or a weight it reads was replaced, given new storage, or
+        (a kept derived value) updated."""
+        return self.graph.expired or self.read.changed()
 
 
 class CudaGraphPrefill:
@@ -261,7 +262,7 @@ class CudaGraphPrefill:
         return graph.logits.clone()
 
     @staticmethod
-    def _record(run, device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(run, device, pool) -> tuple[RecordedGraph, torch.Tensor]:
         return record_graph(run, device, pool)  # (tests stand in an eager replay here)
 
     def _capture(self, model, cache, layout, key, input_ids, position_ids, attention_mask) -> PrefillGraph:

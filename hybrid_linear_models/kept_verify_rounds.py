@@ -46,8 +46,9 @@ class KeptRound:
         self.round, self.read = captured, WeightsRead(model)
 
     def stale(self) -> bool:
-        """Whether a weight the kept round reads changed since its capture (see the module docstring)."""
-        return self.round is not None and self.read.changed()
+        """Whether the kept round's graph was destroyed (recorded_graphs), or a weight it reads changed since its
+        capture (see the module docstring)."""
+        return self.round is not None and (self.round.expired or self.read.changed())
 
 
 class KeptVerifyRounds:

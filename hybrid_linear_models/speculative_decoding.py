@@ -172,6 +172,8 @@ class VerifyRound:
     round's ids are written in place (their drafts too, for such a drafter), so consecutive rounds need no host
     input. `outputs`: (report [B, 1 + k] = (kept, greedy), then the hidden states [B, k, H] where asked)."""
 
+    expired = False  # (a captured round's graph can be destroyed: CapturedVerifyRound)
+
     def __init__(self, model, cache: VerifyCache, tokens: int, with_hidden: bool | str = False, drafter=None):
         self.model, self.cache, self.drafter, self.with_hidden = model, cache, drafter, with_hidden
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
@@ -229,9 +231,14 @@ class CapturedVerifyRound(VerifyRound):
 
     @staticmethod
     def _record(run: Callable, device: torch.device, reset: Callable, pool) -> tuple:
-        from .cuda_graph_decoding import record_graph
+        from .recorded_graphs import record_graph
 
         return record_graph(run, device, pool, reset=reset)  # (tests stand in an eager replay here)
+
+    @property
+    def expired(self) -> bool:
+        """Whether the graph was destroyed with its device's others (recorded_graphs): the round is captured again."""
+        return self.graph.expired
 
     def replay(self) -> None:
         self.graph.replay()
@@ -470,7 +477,7 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
                             eos_token_id)
         if not rows.finished():
             round_ = stored.round if stored is not None else None
-            if round_ is None:
+            if round_ is None or round_.expired:  # (destroyed since `entry`: recorded_graphs)
                 make = CapturedVerifyRound if graphs else VerifyRound
                 round_ = make(model, cache, num_tokens, with_hidden=reads, drafter=drafter if on_device else None)
                 if stored is not None:

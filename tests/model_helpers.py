@@ -186,6 +186,8 @@ def assert_padded_and_packed_rows_run_alone(model: HybridLinearForCausalLM, seed
 class EagerReplay:
     """Replays `run` eagerly into the output buffer, as a CUDA graph replay refills it; counts its replays."""
 
+    expired = False  # (as a RecordedGraph that its device's others were not destroyed with)
+
     def __init__(self, run, out):
         self.run, self.out, self.replays = run, out, 0
 
@@ -240,6 +242,8 @@ def replay_rounds_eagerly(monkeypatch) -> list:
         out = run()
 
         class Replay:
+            expired = False
+
             def replay(self):
                 replays.append(1)
                 for target, value in zip(out, run()):

@@ -37,7 +37,7 @@ def _chain(x: torch.Tensor, weights: dict) -> list[torch.Tensor]:
 
 def _replays(inputs: list[torch.Tensor], weights: dict) -> list[list[torch.Tensor]]:
     """The chain captured in a CUDA graph (after warm-up runs: autotuning, compilation), replayed for each input."""
-    from hybrid_linear_models.cuda_graph_decoding import record_graph
+    from hybrid_linear_models.recorded_graphs import record_graph
 
     buffer = inputs[0].clone()
     graph, outputs = record_graph(lambda: _chain(buffer, weights), buffer.device)

@@ -134,6 +134,8 @@ class FrozenReplay:
     values at recording, transformers' sliding-window update forbidden, and every cache buffer checked to keep its
     address. A step that read a host value, or wrote a reallocated buffer, would go wrong once positions move on."""
 
+    expired = False
+
     def __init__(self, run, out, cache):
         self.run, self.out, self.cache = run, out, cache
         self.layers = [layer for layer in cache.layers if isinstance(layer, StaticSlidingWindowLayer)]

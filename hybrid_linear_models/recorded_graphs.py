@@ -1,0 +1,152 @@
+"""Recording the package's CUDA graphs, and when they are destroyed: together, never one alone.
+
+cuBLAS keeps a workspace per (handle, stream), made at the first GEMM run on the stream, and every GEMM captured on
+that stream writes to that workspace's address from its graph. In torch releases whose `CUDAGraph::reset` clears the
+capture stream's cuBLAS workspaces (pytorch/pytorch#193402), destroying any graph frees the workspace while the other
+graphs captured on that stream still write to it. The block goes to the next allocation of its memory pool, or back
+to the driver at a later capture's `empty_cache`, and a replay then overwrites live tensors or faults with an illegal
+memory access. The package drops graphs in the normal course of things: evicted prompt buckets, steps recaptured for
+new weights, kept verify rounds replaced. (The torch 2.11 build measured on an H200 frees nothing there; the rule
+below costs it nothing either.)
+
+So a graph recorded here is never destroyed while another one recorded on its stream may still be replayed:
+- every graph is captured on this module's stream for its device (`capture_stream`), not on torch's default capture
+  stream, which graphs of other code share and destroy when they like;
+- a graph its holder lets go of is parked: kept alive, not replayed (`RecordedGraph` is what holders keep; the
+  CUDAGraph itself stays here);
+- when no graph of the device is held any more, the parked ones are destroyed together, after a synchronisation;
+- when more than MAX_PARKED are parked, every graph of the device is destroyed together, the held ones too. A holder
+  then finds its graph `expired` and captures it again. This bounds what a long-lived step graph would otherwise
+  keep alive in a process that evicts prompt buckets or recaptures as weights change.
+A parked graph costs its executable graph and keeps its memory pool alive (the pools are per model and kind, shared
+by that model's graphs). No graph is destroyed during a capture (a garbage collection can run then): the
+destruction waits for the next recording or release.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+
+import torch
+
+WARM_UP_RUNS = 1
+MAX_PARKED = 32  # parked graphs per device before every graph of the device is destroyed and recaptured on use
+
+
+class RecordedGraph:
+    """A captured graph as its holder keeps it: `replay()` until `expired` (destroyed with the device's other graphs,
+    see the module docstring; the holder then captures it again)."""
+
+    __slots__ = ("__weakref__", "_graph")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph):
+        self._graph: torch.cuda.CUDAGraph | None = graph
+
+    @property
+    def expired(self) -> bool:
+        return self._graph is None
+
+    def replay(self) -> None:
+        if self._graph is None:
+            raise RuntimeError("this CUDA graph was destroyed with the other graphs of its device (recorded_graphs: "
+                               "more than MAX_PARKED were let go of); capture it again")
+        self._graph.replay()
+
+
+class DeviceGraphs:
+    """The graphs recorded on one device: each CUDAGraph by a token, the held ones' RecordedGraph by the same token;
+    a token without a held RecordedGraph is parked."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.held: dict[int, weakref.ref] = {}
+        self.destroy_due = False
+
+    def hold(self, graph: torch.cuda.CUDAGraph, token: int) -> RecordedGraph:
+        self.destroy_when_safe()
+        recorded = RecordedGraph(graph)
+        self.graphs[token], self.held[token] = graph, weakref.ref(recorded)
+        weakref.finalize(recorded, self.release, token).atexit = False  # (at exit torch tears the graphs down)
+        return recorded
+
+    def park(self, graph: torch.cuda.CUDAGraph, token: int) -> None:
+        """Keeps a graph that no holder has (a failed capture) until the device's graphs are destroyed."""
+        self.graphs[token] = graph
+        if not self.held or self.parked() > MAX_PARKED:
+            self.destroy_due = True
+            self.destroy_when_safe()
+
+    def release(self, token: int) -> None:
+        """The holder let go of the graph of `token` (a finaliser: at any point, a capture's included)."""
+        if self.held.pop(token, None) is not None and (not self.held or self.parked() > MAX_PARKED):
+            self.destroy_due = True
+        self.destroy_when_safe()
+
+    def parked(self) -> int:
+        return len(self.graphs) - len(self.held)
+
+    def destroy_when_safe(self) -> None:
+        """Destroys what is due (see the module docstring), unless a capture is under way on this thread."""
+        if not self.destroy_due or torch.cuda.is_current_stream_capturing():
+            return
+        self.destroy_due = False
+        torch.cuda.synchronize(self.device)  # (a replay in flight still runs its graph)
+        if self.held:  # too many parked: the held graphs go too, and their holders capture them again
+            for ref in self.held.values():
+                recorded = ref()
+                if recorded is not None:
+                    recorded._graph = None
+            self.held.clear()
+        self.graphs.clear()
+
+
+_DEVICES: dict[int, DeviceGraphs] = {}
+_TOKENS = itertools.count()
+
+
+def device_graphs(device: torch.device) -> DeviceGraphs:
+    """The recorded graphs of `device` (made on first use)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _DEVICES:
+        _DEVICES[index] = DeviceGraphs(torch.device("cuda", index))
+    return _DEVICES[index]
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every graph of `device` is captured on here."""
+    return device_graphs(device).stream
+
+
+def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=None,
+                 reset: Callable[[], None] | None = None) -> tuple[RecordedGraph, torch.Tensor]:
+    """A CUDA graph of run() and the output buffer each replay refills, after WARM_UP_RUNS eager runs on a side stream
+    (what must not happen inside a capture: kernels compiled and autotuned, cuBLAS's handles made, the caching
+    allocator's blocks found). One is enough, since they all happen on a kernel's first call, and each costs a whole
+    uncaptured step (a quarter of a second for the 48-layer FP8 flagship: most of a capture's time). pool: a memory
+    pool shared with other graphs replayed one at a time. reset: called before each warm-up run after the first, so
+    that every one starts from the same state (a decoding step writes its token at the cache's counter and moves it
+    on: a run from where the last left off would write one slot further, past the buffer when the step's token has
+    the cache's last slot); the caller puts its state back after the capture."""
+    graphs = device_graphs(device)
+    graphs.destroy_when_safe()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for warm_up in range(WARM_UP_RUNS):
+            if warm_up and reset is not None:
+                reset()
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph, token = torch.cuda.CUDAGraph(), next(_TOKENS)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=graphs.stream):
+            out = run()
+    except BaseException:
+        graphs.park(graph, token)  # (a failed capture is destroyed with the others too)
+        raise
+    return graphs.hold(graph, token), out
