@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 WARM_UP_RUNS = 1
-MAX_PARKED = 32  # parked graphs per device before every graph of the device is destroyed and recaptured on use
+MAX_PARKED = 64  # parked graphs per device before every graph of the device is destroyed and recaptured on use
 
 
 class RecordedGraph:
