@@ -636,7 +636,8 @@ class HybridLinearForCausalLM(HybridLinearPreTrainedModel, GenerationMixin):
         a step behind on CUDA (deferred_stop_check) (on by default). prompts: prompts into an empty StaticCache
         replayed from graphs of their length bucket too (cuda_graph_prefill); `CudaGraphPrefill.on_by_default` when
         None (off: see that module's docstring). Speculative decoding's verify rounds are captured too where this is
-        on, and kept with their caches for later calls (kept_verify_rounds); a call of this method drops them all."""
+        on, and kept with their caches for later calls (kept_verify_rounds); a call of this method drops them all
+        (their graphs are destroyed once no model on the device holds any: recorded_graphs)."""
         prompts = CudaGraphPrefill.on_by_default if prompts is None else prompts
         storages = CacheStorages()  # one cache storage per shape, shared by the step's graphs and the prompts'
         self._graph_decoder = CudaGraphDecoder(storages) if enabled else None

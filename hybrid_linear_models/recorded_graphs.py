@@ -6,28 +6,33 @@ capture stream's cuBLAS workspaces (pytorch/pytorch#193402), destroying any grap
 graphs captured on that stream still write to it. The block goes to the next allocation of its memory pool, or back
 to the driver at a later capture's `empty_cache`, and a replay then overwrites live tensors or faults with an illegal
 memory access. The package drops graphs in the normal course of things: evicted prompt buckets, steps recaptured for
-new weights, kept verify rounds replaced. (The torch 2.11 build measured on an H200 frees nothing there; the rule
-below costs it nothing either.)
+new weights, kept verify rounds replaced. (The torch 2.11 build measured on an H200 frees nothing there.)
 
 So a graph recorded here is never destroyed while another one recorded on its stream may still be replayed:
 - every graph is captured on this module's stream for its device (`capture_stream`), not on torch's default capture
   stream, which graphs of other code share and destroy when they like;
 - a graph its holder lets go of is parked: kept alive, not replayed (`RecordedGraph` is what holders keep; the
   CUDAGraph itself stays here);
-- when no graph of the device is held any more, the parked ones are destroyed together, after a synchronisation;
-- when more than MAX_PARKED are parked, every graph of the device is destroyed together, the held ones too. A holder
-  then finds its graph `expired` and captures it again. This bounds what a long-lived step graph would otherwise
-  keep alive in a process that evicts prompt buckets or recaptures as weights change.
-A parked graph costs its executable graph and keeps its memory pool alive (the pools are per model and kind, shared
-by that model's graphs). No graph is destroyed during a capture (a garbage collection can run then): the
-destruction waits for the next recording or release.
+- when no graph of the device is held any more, all are destroyed together, after a synchronisation;
+- when a recording begins with more than MAX_PARKED parked, every graph of the device is destroyed, the held ones
+  too, before the capture. Each holder checks `expired` right before it replays and then captures its graph again;
+  a loop that replays one graph while others may be recorded (`replays_under_way`) holds this back. This bounds what
+  a long-lived step graph would otherwise keep alive in a process that evicts prompt buckets or recaptures as weights
+  change;
+- nothing is destroyed while a capture is under way (a garbage collection can run then, or a finaliser on another
+  thread): a graph let go of then waits for a later release or recording.
+The cost: a parked graph keeps its executable graph and its memory pool (per model and kind) alive, so a deleted
+model's graph memory stays reserved while another model on the device holds graphs (`set_cuda_graph_decoding(False)`
+on every model, or deleting them, lets it go); a flush makes every model's held graphs capture again at their next
+use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -64,10 +69,10 @@ class DeviceGraphs:
         self.stream = torch.cuda.Stream(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.held: dict[int, weakref.ref] = {}
-        self.destroy_due = False
+        self.capturing = False  # a recording's capture under way (finalisers on other threads see it too)
+        self.in_use = 0  # loops replaying a held graph across other recordings (`replays_under_way`)
 
     def hold(self, graph: torch.cuda.CUDAGraph, token: int) -> RecordedGraph:
-        self.destroy_when_safe()
         recorded = RecordedGraph(graph)
         self.graphs[token], self.held[token] = graph, weakref.ref(recorded)
         weakref.finalize(recorded, self.release, token).atexit = False  # (at exit torch tears the graphs down)
@@ -76,31 +81,41 @@ class DeviceGraphs:
     def park(self, graph: torch.cuda.CUDAGraph, token: int) -> None:
         """Keeps a graph that no holder has (a failed capture) until the device's graphs are destroyed."""
         self.graphs[token] = graph
-        if not self.held or self.parked() > MAX_PARKED:
-            self.destroy_due = True
-            self.destroy_when_safe()
+        self.destroy_unheld()
 
     def release(self, token: int) -> None:
         """The holder let go of the graph of `token` (a finaliser: at any point, a capture's included)."""
-        if self.held.pop(token, None) is not None and (not self.held or self.parked() > MAX_PARKED):
-            self.destroy_due = True
-        self.destroy_when_safe()
+        if self.held.pop(token, None) is not None:
+            self.destroy_unheld()
 
     def parked(self) -> int:
         return len(self.graphs) - len(self.held)
 
-    def destroy_when_safe(self) -> None:
-        """Destroys what is due (see the module docstring), unless a capture is under way on this thread."""
-        if not self.destroy_due or torch.cuda.is_current_stream_capturing():
+    def destroy_unheld(self) -> None:
+        """Destroys every graph once none is held, unless a capture is under way (it then waits for a later release
+        or recording: a graph captured since must not lose its workspace while held)."""
+        if self.graphs and not self.held and not self.capture_under_way():
+            self._destroy()
+
+    def flush(self) -> None:
+        """Before a recording begins: destroys every graph where none is held, or where more than MAX_PARKED are
+        parked and no loop replays a held one (`in_use`): the held ones then expire, and their holders, which check
+        `expired` before they replay, capture theirs again."""
+        if self.capture_under_way() or self.in_use or not (self.graphs and (not self.held or
+                                                                              self.parked() > MAX_PARKED)):
             return
-        self.destroy_due = False
+        self._destroy()
+
+    def capture_under_way(self) -> bool:
+        return self.capturing or torch.cuda.is_current_stream_capturing()
+
+    def _destroy(self) -> None:
         torch.cuda.synchronize(self.device)  # (a replay in flight still runs its graph)
-        if self.held:  # too many parked: the held graphs go too, and their holders capture them again
-            for ref in self.held.values():
-                recorded = ref()
-                if recorded is not None:
-                    recorded._graph = None
-            self.held.clear()
+        for ref in self.held.values():
+            recorded = ref()
+            if recorded is not None:
+                recorded._graph = None
+        self.held.clear()
         self.graphs.clear()
 
 
@@ -133,7 +148,7 @@ def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=Non
     on: a run from where the last left off would write one slot further, past the buffer when the step's token has
     the cache's last slot); the caller puts its state back after the capture."""
     graphs = device_graphs(device)
-    graphs.destroy_when_safe()
+    graphs.flush()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -143,10 +158,27 @@ def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=Non
             run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph, token = torch.cuda.CUDAGraph(), next(_TOKENS)
+    graphs.capturing = True
     try:
         with torch.cuda.graph(graph, pool=pool, stream=graphs.stream):
             out = run()
     except BaseException:
+        graphs.capturing = False
         graphs.park(graph, token)  # (a failed capture is destroyed with the others too)
         raise
+    graphs.capturing = False
     return graphs.hold(graph, token), out
+
+
+@contextlib.contextmanager
+def replays_under_way(device: torch.device) -> Iterator[None]:
+    """While a loop replays a held graph of `device` and may record others meanwhile (a verify round's loop, whose
+    assistant model captures its own steps): no flush expires the held graphs. A no-op off CUDA."""
+    graphs = device_graphs(device) if torch.device(device).type == "cuda" else None
+    if graphs is not None:
+        graphs.in_use += 1
+    try:
+        yield
+    finally:
+        if graphs is not None:
+            graphs.in_use -= 1

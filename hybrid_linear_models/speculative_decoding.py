@@ -56,6 +56,7 @@ from .mtp_drafting import draft_length
 from .mtp_heads import MTP_HEADS
 from .mtp_parallel_heads import trunk_index
 from .ops import recurrent_kernels_for_short_sequences
+from .recorded_graphs import record_graph, replays_under_way
 from .sequence_info import SequenceInfo
 from .state_rollback import MAX_ROLLBACK_TOKENS
 from .static_cache_slots import static_cache_slots
@@ -231,8 +232,6 @@ class CapturedVerifyRound(VerifyRound):
 
     @staticmethod
     def _record(run: Callable, device: torch.device, reset: Callable, pool) -> tuple:
-        from .recorded_graphs import record_graph
-
         return record_graph(run, device, pool, reset=reset)  # (tests stand in an eager replay here)
 
     @property
@@ -498,6 +497,12 @@ def _run_rounds(round_: VerifyRound, rows: _RowProgress, drafter, ahead: int, vo
     (the round writes the last token itself), `ahead` rounds launched before a report is read, the rows' live flags
     written only when a row ends."""
     device = round_.ids.device
+    with replays_under_way(device):  # (an assistant model's generate may record its own graphs between rounds)
+        _run_rounds_on(round_, rows, drafter, ahead, vocab, device)
+
+
+def _run_rounds_on(round_: VerifyRound, rows: _RowProgress, drafter, ahead: int, vocab: int,
+                   device: torch.device) -> None:
     batch, count = round_.ids.shape[0], round_.ids.shape[1] - 1
     round_.live.copy_(rows.live(device))
     reader, launched = ReportReader((batch, 2 + count), device, ahead + 1), 0  # (kept, then the k greedy tokens)

@@ -3,7 +3,7 @@
   allocated bytes, pools included): the cuBLAS workspace the held graph's GEMMs write to stays allocated, also under
   the torch releases whose graph destruction frees its stream's workspaces;
 - every graph of the device is destroyed once none is held;
-- more than MAX_PARKED parked graphs expire the held ones."""
+- a recording that begins with more than MAX_PARKED parked expires the held graphs first."""
 
 from __future__ import annotations
 
@@ -39,12 +39,18 @@ def _freed_by(drop) -> int:
     return before - torch.cuda.memory_allocated()
 
 
+def _own(devices, before: set) -> set:
+    """The tokens of the graphs recorded since `before` was taken (other tests' graphs may be held too)."""
+    return set(devices.graphs) - before
+
+
 def test_a_recorded_graph_keeps_its_workspace_when_another_is_let_go_of():
     x, w = _operands()
     pool = torch.cuda.graph_pool_handle()
+    devices = recorded_graphs.device_graphs(x.device)
+    before = set(devices.graphs)
     first, product = record_graph(lambda: x @ w, x.device, pool)
     second, _ = record_graph(lambda: x @ w, x.device, pool)
-    devices = recorded_graphs.device_graphs(x.device)
     parked = devices.parked()
 
     def drop():
@@ -55,21 +61,27 @@ def test_a_recorded_graph_keeps_its_workspace_when_another_is_let_go_of():
     first.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(product.float(), x.float() @ w.float(), rtol=1e-2, atol=0.5)
+    assert len(_own(devices, before)) == 2
+    if len(devices.held) == 1:  # (no other test's graph held in this process)
 
-    def drop_first():
-        nonlocal first
-        first = None
+        def drop_first():
+            nonlocal first
+            first = None
 
-    _freed_by(drop_first)
-    assert not devices.graphs  # nothing held: every graph of the device destroyed together
+        _freed_by(drop_first)
+        assert not _own(devices, before)  # nothing held: every graph of the device destroyed together
 
 
-def test_too_many_parked_graphs_expire_the_held_ones():
+def test_past_max_parked_a_recording_expires_the_held_graphs_first():
     x, w = _operands()
     held, _ = record_graph(lambda: x @ w, x.device)
     for _ in range(recorded_graphs.MAX_PARKED + 1):
-        record_graph(lambda: x @ w, x.device)  # let go of at once
-    assert held.expired
+        record_graph(lambda: x @ w, x.device)  # let go of at once: parked, the held one untouched
+    assert not held.expired
+    new, product = record_graph(lambda: x @ w, x.device)
+    assert held.expired and not new.expired
     with pytest.raises(RuntimeError, match="capture it again"):
         held.replay()
-    assert not recorded_graphs.device_graphs(x.device).graphs
+    new.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(product.float(), x.float() @ w.float(), rtol=1e-2, atol=0.5)

@@ -1,10 +1,9 @@
 """`model.warm_up` then static generates of prompt lengths it did not see, on a benchmark-size model, against the same
 generates with CUDA graphs off: with the default switches (captured decoding steps, prompts uncaptured), and with
-the prompts' graphs on (`set_cuda_graph_decoding(True, prompts=True)`). The second is the case that raised an illegal
-memory access on an H200 when destroying one graph freed the cuBLAS workspace its stream's other graphs write to
-(recorded_graphs.py): a warm-up that captures and evicts prompt buckets, then replays of prompts shorter than their
-buckets, at batch 1 and 4. Each run is a subprocess, so a device fault fails its test alone, with the child's last
-lines."""
+the prompts' graphs on (`set_cuda_graph_decoding(True, prompts=True)`): replays of prompts shorter than their
+buckets after the warm-up's captures, at batch 1, then at batch 1 and 4 after a warm-up of both up to 4,096 tokens,
+the scenario in which an illegal memory access was seen on an H200 (cuda_graph_prefill's docstring). Each run is a
+subprocess, so a device fault fails its test alone, with the child's last lines."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parent.parent
 LENGTHS = [1000, 1500, 700]  # each inside a captured bucket (1,024, 1,536, 768) and shorter than it
-# the warm-up of batches 1 and 4 up to 4,096 tokens, then 16 lengths at both batch sizes: the run that faulted
+# the warm-up of batches 1 and 4 up to 4,096 tokens, then 16 lengths at both batch sizes (cuda_graph_prefill.py)
 MANY_LENGTHS = [43, 97, 150, 260, 333, 517, 700, 1000, 1234, 1500, 1777, 2100, 2500, 2900, 3333, 3858]
 
 CHILD = textwrap.dedent("""
@@ -74,5 +73,5 @@ def test_static_generates_after_warm_up_with_prompt_graphs_run_and_match_graphs_
     _check("prompts", [1], LENGTHS)
 
 
-def test_prompt_graphs_at_batch_1_and_4_after_a_warm_up_that_evicts_run_and_match_graphs_off():
+def test_prompt_graphs_at_batch_1_and_4_after_a_warm_up_of_both_run_and_match_graphs_off():
     _check("prompts", [1, 4], MANY_LENGTHS)
