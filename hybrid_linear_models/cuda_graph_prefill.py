@@ -37,12 +37,12 @@ an H200 is 16 ms against 43 ms uncaptured (the 1.2B GDN model), 86 against 179 m
 flagship): docs/performance.md. It stays off for two reasons:
 - a bucket captured without the warm-up costs its request the capture: about 1.6 s on the FP8 flagship (34 s for its
   20 buckets), more than a first call may pay;
-- replays of prompts shorter than their bucket, after warm-ups of batch sizes 1 and 4 up to 4,096 tokens, have raised
-  an illegal memory access on an H200 whose cause is not found. The scenario
-  (tests/test_gpu_warm_up_prompt_graphs.py: 16 lengths from 43 to 3,858 tokens at both batch sizes) runs clean with
-  torch 2.11. The known mechanism for such faults, a destroyed graph freeing the cuBLAS workspace its stream's other
-  graphs write to (torch releases with pytorch/pytorch#193402), is ruled out by recorded_graphs.py; the torch 2.11
-  build measured frees no workspace there, so it does not explain the fault either.
+- on an H200, replays of prompts shorter than their bucket, after warm-ups of batch sizes 1 and 4 up to 4,096 tokens,
+  have raised an illegal memory access of unknown cause. The scenario (tests/test_gpu_warm_up_prompt_graphs.py: 16
+  lengths from 43 to 3,858 tokens at both batch sizes) does not reproduce it with torch 2.11. It is not the known
+  mechanism for such faults, a destroyed graph freeing the cuBLAS workspace its stream's other graphs write to (torch
+  releases with pytorch/pytorch#193402): the torch 2.11 build measured frees no workspace there, and recorded_graphs.py
+  keeps any release from doing so.
 """
 
 from __future__ import annotations

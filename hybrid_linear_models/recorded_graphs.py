@@ -20,7 +20,8 @@ So a graph recorded here is never destroyed while another one recorded on its st
   a long-lived step graph would otherwise keep alive in a process that evicts prompt buckets or recaptures as weights
   change;
 - nothing is destroyed while a capture is under way (a garbage collection can run then, or a finaliser on another
-  thread): a graph let go of then waits for a later release or recording.
+  thread): a graph let go of then waits for a later release or recording. A capture that fails is parked, and the
+  frames of its exception let go of it, so that a kept exception does not destroy it later.
 The cost: a parked graph keeps its executable graph and its memory pool (per model and kind) alive, so a deleted
 model's graph memory stays reserved while another model on the device holds graphs (`set_cuda_graph_decoding(False)`
 on every model, or deleting them, lets it go); a flush makes every model's held graphs capture again at their next
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -62,7 +64,8 @@ class RecordedGraph:
 
 class DeviceGraphs:
     """The graphs recorded on one device: each CUDAGraph by a token, the held ones' RecordedGraph by the same token;
-    a token without a held RecordedGraph is parked."""
+    a token without a held RecordedGraph is parked. Graphs are recorded, replayed and let go of from one thread (as
+    CUDA graph capture asks); a finaliser on another thread sees a capture under way (`capturing`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -74,14 +77,10 @@ class DeviceGraphs:
 
     def hold(self, graph: torch.cuda.CUDAGraph, token: int) -> RecordedGraph:
         recorded = RecordedGraph(graph)
-        self.graphs[token], self.held[token] = graph, weakref.ref(recorded)
-        weakref.finalize(recorded, self.release, token).atexit = False  # (at exit torch tears the graphs down)
-        return recorded
-
-    def park(self, graph: torch.cuda.CUDAGraph, token: int) -> None:
-        """Keeps a graph that no holder has (a failed capture) until the device's graphs are destroyed."""
         self.graphs[token] = graph
-        self.destroy_unheld()
+        weakref.finalize(recorded, self.release, token).atexit = False  # (at exit torch tears the graphs down)
+        self.held[token] = weakref.ref(recorded)
+        return recorded
 
     def release(self, token: int) -> None:
         """The holder let go of the graph of `token` (a finaliser: at any point, a capture's included)."""
@@ -158,16 +157,27 @@ def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=Non
             run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph, token = torch.cuda.CUDAGraph(), next(_TOKENS)
-    graphs.capturing = True
+    graphs.capturing, graphs.graphs[token] = True, graph  # (parked until held: so also a capture that fails)
     try:
         with torch.cuda.graph(graph, pool=pool, stream=graphs.stream):
             out = run()
-    except BaseException:
+    except BaseException as error:
         graphs.capturing = False
-        graphs.park(graph, token)  # (a failed capture is destroyed with the others too)
+        _let_go(error)
+        del graph
+        graphs.destroy_unheld()
         raise
     graphs.capturing = False
     return graphs.hold(graph, token), out
+
+
+def _let_go(error: BaseException) -> None:
+    """Clears the locals of the frames under record_graph in `error`'s traceback (torch's capture context holds the
+    graph there), so that a kept exception (a REPL's last one) does not destroy the failed graph whenever it is
+    dropped: the registry destroys it with the others. (record_graph's own frame is still running: it lets go
+    itself.)"""
+    if error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__.tb_next)
 
 
 @contextlib.contextmanager

@@ -574,7 +574,8 @@ def assisted_generate_batch(model, input_ids: torch.Tensor, logits_processor, st
     """transformers' assisted `generate` (`prompt_lookup_num_tokens=` or `assistant_model=`) for a batch of several
     rows, which transformers refuses: `speculative_generate` with the matching drafter, the verify width the draft
     length + 1 (at most MAX_VERIFY_TOKENS), its rounds replayed from a CUDA graph where the model's graph decoding is
-    on for the device (`set_cuda_graph_decoding`; captured once per call, as the round's cache is the call's).
+    on for the device (`set_cuda_graph_decoding`; captured once, and kept with its cache for later calls:
+    kept_verify_rounds).
     Greedy only, with generate's length and one end-of-sequence stop: anything else (sampling, logits processors,
     other stopping criteria, streaming, a dict output, several eos_token_id values) is refused in one line.
     Returns the sequences as `generate` does: cut after the last column a row still generated."""

@@ -2,8 +2,8 @@
 generates with CUDA graphs off: with the default switches (captured decoding steps, prompts uncaptured), and with
 the prompts' graphs on (`set_cuda_graph_decoding(True, prompts=True)`): replays of prompts shorter than their
 buckets after the warm-up's captures, at batch 1, then at batch 1 and 4 after a warm-up of both up to 4,096 tokens,
-the scenario in which an illegal memory access was seen on an H200 (cuda_graph_prefill's docstring). Each run is a
-subprocess, so a device fault fails its test alone, with the child's last lines."""
+the scenario in which these replays have raised an illegal memory access on an H200 (cuda_graph_prefill's
+docstring). Each run is a subprocess, so a device fault fails its test alone, with the child's last lines."""
 
 from __future__ import annotations
 

@@ -3,12 +3,14 @@ whose destruction a weak reference shows, torch's stream and synchronisation sto
 - A graph let go of stays alive while another is held; the last one let go of destroys them all.
 - A release never expires a held graph; a recording that begins with more than MAX_PARKED parked destroys every
   graph first (the held ones expire), unless a loop replays a held one (`replays_under_way`).
-- Nothing is destroyed during a capture, nor after it while the graph it captured is held.
+- Nothing is destroyed during a capture, nor after it while the graph it captured is held; a failed capture is
+  parked, and an exception kept from it does not destroy it later.
 - A model whose step graphs are evicted and flushed over and over still generates what graphs-off generates.
 (tests/test_gpu_recorded_graphs.py: the same rules on a GPU.)"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import weakref
@@ -27,12 +29,13 @@ from hybrid_linear_models.recorded_graphs import (
 
 
 class FakeGraph:
-    """Stands for a CUDAGraph: counts its replays and its destructions."""
+    """Stands for a CUDAGraph: counts its replays and its destructions; `made` holds a weak reference to each."""
 
-    destroyed = 0
+    destroyed, made = 0, []
 
     def __init__(self):
         self.replays = 0
+        FakeGraph.made.append(weakref.ref(self))
 
     def replay(self):
         self.replays += 1
@@ -135,17 +138,64 @@ def test_nothing_is_destroyed_during_a_capture_nor_after_it_while_its_graph_is_h
     assert old_alive() is None and not device_graphs.graphs
 
 
-def test_a_failed_capture_is_parked_not_destroyed(device_graphs):
-    held, _ = _record(device_graphs, 0)
-    failed = FakeGraph()
-    failed_alive = weakref.ref(failed)
-    device_graphs.park(failed, 1)
-    del failed
+class CaptureContext:
+    """Stands for torch.cuda.graph: holds the graph as torch's does (`cuda_graph`); its end raises where asked."""
+
+    fail = False
+
+    def __init__(self, cuda_graph, pool=None, stream=None):
+        self.cuda_graph = cuda_graph
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if CaptureContext.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")  # (capture_end's error)
+
+
+@pytest.fixture
+def recording(device_graphs, monkeypatch):
+    """record_graph on the CPU: torch's graph, streams and device stood in; the device's graphs are `device_graphs`."""
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(recorded_graphs, "_DEVICES", {0: device_graphs})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", CaptureContext)
+    monkeypatch.setattr(CaptureContext, "fail", False)
+    return lambda: recorded_graphs.record_graph(lambda: torch.zeros(1), torch.device("cuda", 0))
+
+
+def _failed_capture(recording) -> tuple[BaseException, weakref.ref]:
+    CaptureContext.fail = True
+    try:
+        recording()
+    except RuntimeError as error:
+        kept = error  # (what a REPL keeps as its last exception)
+    CaptureContext.fail = False
+    return kept, FakeGraph.made[-1]
+
+
+def test_a_failed_capture_goes_with_the_others_not_when_its_kept_exception_goes(device_graphs, recording):
+    kept, failed_alive = _failed_capture(recording)
+    # nothing held: destroyed at once, not later when the exception (whose frames held it) is dropped, which could be
+    # while a newer graph of the stream is held
+    assert failed_alive() is None and not device_graphs.graphs
+    held, _ = recording()
+    kept, failed_alive = _failed_capture(recording)
+    assert failed_alive() is not None and not held.expired  # parked while a graph is held
+    del kept
     gc.collect()
-    assert failed_alive() is not None and not held.expired
+    assert failed_alive() is not None
     del held
     gc.collect()
-    assert failed_alive() is None
+    assert failed_alive() is None and not device_graphs.graphs
 
 
 def test_step_graphs_evicted_and_flushed_over_and_over_generate_as_graphs_off(device_graphs, monkeypatch):
