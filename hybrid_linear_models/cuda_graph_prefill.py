@@ -149,7 +149,7 @@ class CudaGraphPrefill:
     """Captures `model.model.prefill_step` + the LM head on the last real token, per (batch, length bucket, cache
     slots, device, whether a row is left-padded: the attention mask then holds the padding), and replays it (see the
     module docstring). The graphs share one memory pool (they run one at a time) and the storage of their cache shape;
-    the KEPT_GRAPHS most recently replayed are kept."""
+    the KEPT_GRAPHS most recently replayed are kept, or as many as the warm-up captured."""
 
     device_types = ("cuda",)  # tests add "cpu", with `_record` replaced by an eager stand-in
     on_by_default = False  # (see the module docstring; the CPU tests of this path turn it on)
@@ -157,6 +157,7 @@ class CudaGraphPrefill:
     def __init__(self, storages: CacheStorages | None = None):
         self.storages = storages if storages is not None else CacheStorages()
         self.capture_first_use = False  # (set by the warm-up: a bucket is captured at its first prompt)
+        self._warmed = 0  # buckets the warm-up captured: all are kept (warm_up of several batch sizes: more than 64)
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()  # least recently replayed first
         self._uses: Counter = Counter()
         self._failed: dict[tuple, str] = {}
@@ -253,7 +254,9 @@ class CudaGraphPrefill:
                 _empty(layout)  # the warm-ups' writes: the plain forward starts from an empty cache
                 return None
             self._graphs[key] = graph
-            while len(self._graphs) > KEPT_GRAPHS:  # each holds a cache's storage and its inputs: keep the recent
+            self._warmed += self.capture_first_use
+            # each holds a cache's storage and its inputs: the recent kept, and at least what the warm-up captured
+            while len(self._graphs) > max(KEPT_GRAPHS, self._warmed):
                 self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)
         graph.graph.replay()

@@ -173,6 +173,23 @@ def test_only_the_most_recently_replayed_buckets_are_kept(captured, monkeypatch)
     assert len(captured) == 4  # 64, 128, 256, then 128 again (dropped when 256 came)
 
 
+def test_every_bucket_the_warm_up_captured_is_kept(captured, monkeypatch):
+    """A warm-up of several batch sizes captures more buckets than KEPT_GRAPHS (2 here): all stay, and none is
+    captured again when its prompts come."""
+    monkeypatch.setattr(cuda_graph_prefill, "KEPT_GRAPHS", 2)
+    model = tiny_model(LAYERS).double().eval()
+    ids = torch.randint(1, 100, (1, 300), generator=torch.Generator().manual_seed(10))
+    lengths = (40, 100, 200)  # buckets 64, 128, 256
+    _generate(model, ids[:, :10])  # (a first generate makes the derived weights that its steps read, as warm_up's do)
+    model._graph_prefill.capture_first_use = True  # (as warm_up sets it)
+    for length in lengths:
+        _generate(model, ids[:, :length], cache=StaticCache(config=model.config, max_cache_len=300))
+    model._graph_prefill.capture_first_use = False
+    for length in lengths:
+        _generate(model, ids[:, :length], cache=StaticCache(config=model.config, max_cache_len=300))
+    assert [key[1] for key in model._graph_prefill._graphs] == [64, 128, 256] and len(captured) == 3
+
+
 def test_a_new_weight_is_captured_again(captured):
     model = tiny_model(LAYERS).double().eval()
     ids = torch.randint(1, 100, (1, 20), generator=torch.Generator().manual_seed(4))
