@@ -100,10 +100,9 @@ class DeviceGraphs:
         """Before a recording begins: destroys every graph where none is held, or where more than MAX_PARKED are
         parked and no loop replays a held one (`in_use`): the held ones then expire, and their holders, which check
         `expired` before they replay, capture theirs again."""
-        if self.capture_under_way() or self.in_use or not (self.graphs and (not self.held or
-                                                                              self.parked() > MAX_PARKED)):
-            return
-        self._destroy()
+        due = self.graphs and (not self.held or self.parked() > MAX_PARKED)
+        if due and not self.in_use and not self.capture_under_way():
+            self._destroy()
 
     def capture_under_way(self) -> bool:
         return self.capturing or torch.cuda.is_current_stream_capturing()
