@@ -173,6 +173,20 @@ def check_mtp_loss_inputs(position_ids: torch.Tensor | None, attention_mask, kwa
 
 
 
+def _tensor_names(path: str) -> list[str]:
+    """The tensor names a safetensors file stores (its header alone is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return list(handle.keys())
+
+
+def _stored_mtp_names(checkpoint_files: list[str]) -> set[str]:
+    """The MTP tensors (`mtp.*`) the checkpoint's safetensors files store."""
+    return {name for path in checkpoint_files if str(path).endswith(".safetensors") for name in _tensor_names(path)
+            if name.startswith(MTP_ATTRIBUTE + ".")}
+
+
 def check_mtp_kind(model: nn.Module, checkpoint_files: list[str] | None) -> None:
     """One line, before any weight is read, where the checkpoint's MTP tensors are another kind's than the model's
     head (each kind's `marker` tensor tells them apart): loaded by name, the other kind's block tensors would fill
@@ -180,13 +194,7 @@ def check_mtp_kind(model: nn.Module, checkpoint_files: list[str] | None) -> None
     head = getattr(model, MTP_ATTRIBUTE, None)
     if head is None or not checkpoint_files:
         return
-    from safetensors import safe_open
-
-    stored = set()
-    for path in checkpoint_files:
-        if str(path).endswith(".safetensors"):
-            with safe_open(str(path), framework="pt") as handle:
-                stored.update(name for name in handle.keys() if name.startswith(MTP_ATTRIBUTE + "."))  # noqa: SIM118
+    stored = _stored_mtp_names(checkpoint_files)
     if stored and head.marker not in stored:
         raise ValueError(f"the checkpoint's MTP tensors ({min(stored)}, ...) are not those of this model's "
                          f"heads (mtp_type {model.config.mtp_type!r}, whose {head.marker} it lacks): load it with "
@@ -204,18 +212,10 @@ def with_carried_head(model: nn.Module, checkpoint_files: list[str] | None) -> l
     carried = os.path.join(os.path.dirname(str(checkpoint_files[0])), CARRIED_TENSORS_FILE)
     if not os.path.isfile(carried) or carried in map(str, checkpoint_files):
         return checkpoint_files
-    from safetensors import safe_open
-
-    def names(path: str) -> list[str]:
-        with safe_open(path, framework="pt") as handle:
-            return list(handle.keys())
-
     prefix = MTP_ATTRIBUTE + "."
     head = {name for name in model.state_dict() if name.startswith(prefix)}
-    stored = set(names(carried))
-    if not any(name.startswith(prefix) for name in stored) or any(
-            name.startswith(prefix) for path in checkpoint_files if str(path).endswith(".safetensors")
-            for name in names(str(path))):
+    stored = set(_tensor_names(carried))
+    if not any(name.startswith(prefix) for name in stored) or _stored_mtp_names(checkpoint_files):
         return checkpoint_files
     if stored != head:  # (a sparse head's experts stored one by one, as the hub does: the model holds them stacked)
         logger.warning(f"{carried} carries an MTP head whose tensors are not this model's head (its experts stored "

@@ -124,14 +124,20 @@ class HybridLinearParallelMtpHeads(nn.Module):
         return [g[:, : length - depth] for depth, g in enumerate(outputs, start=1) if length > depth + 1]
 
 
+def _chosen(asked: bool | int | list[int] | None, count: int) -> set[int]:
+    """The indices, of `count` hidden states, that an `output_hidden_states` selection other than True names (an
+    index or a list of them, negative ones from the end; anything falsy names none)."""
+    picks = [] if not asked else [asked] if isinstance(asked, int) else asked
+    return {i % count for i in picks if -count <= i < count}
+
+
 def with_hidden_state(asked: bool | int | list[int] | None, index: int, count: int) -> bool | list[int]:
     """transformers' `output_hidden_states` selection that also selects hidden state `index` of `count` (how the
     training forward gets the trunk: `trunk_index`), from the caller's `asked` (anything falsy, as transformers
     reads it, asks for none)."""
     if asked is True:
         return True
-    chosen = [] if not asked else [asked] if isinstance(asked, int) else list(asked)
-    return sorted({i % count for i in chosen if -count <= i < count} | {index})
+    return sorted(_chosen(asked, count) | {index})
 
 
 def hidden_states_asked(hidden_states: tuple | None, asked: bool | int | list[int] | None,
@@ -142,8 +148,7 @@ def hidden_states_asked(hidden_states: tuple | None, asked: bool | int | list[in
         return None
     if asked is True:
         return hidden_states
-    count = len(hidden_states)
-    chosen = {i % count for i in ([asked] if isinstance(asked, int) else asked) if -count <= i < count}
+    chosen = _chosen(asked, len(hidden_states))
     return tuple(None if i == index and i not in chosen else state for i, state in enumerate(hidden_states))
 
 

@@ -9,7 +9,7 @@ memory access. The package drops graphs in the normal course of things: evicted 
 new weights, kept verify rounds replaced. (The torch 2.11 build measured on an H200 frees nothing there.)
 
 So a graph recorded here is never destroyed while another one recorded on its stream may still be replayed:
-- every graph is captured on this module's stream for its device (`capture_stream`), not on torch's default capture
+- every graph is captured on this module's stream for its device (`DeviceGraphs.stream`), not on torch's default capture
   stream, which graphs of other code share and destroy when they like;
 - a graph its holder lets go of is parked: kept alive, not replayed (`RecordedGraph` is what holders keep; the
   CUDAGraph itself stays here);
@@ -128,11 +128,6 @@ def device_graphs(device: torch.device) -> DeviceGraphs:
     if index not in _DEVICES:
         _DEVICES[index] = DeviceGraphs(torch.device("cuda", index))
     return _DEVICES[index]
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream every graph of `device` is captured on here."""
-    return device_graphs(device).stream
 
 
 def record_graph(run: Callable[[], torch.Tensor], device: torch.device, pool=None,

@@ -173,8 +173,6 @@ class VerifyRound:
     round's ids are written in place (their drafts too, for such a drafter), so consecutive rounds need no host
     input. `outputs`: (report [B, 1 + k] = (kept, greedy), then the hidden states [B, k, H] where asked)."""
 
-    expired = False  # (a captured round's graph can be destroyed: CapturedVerifyRound)
-
     def __init__(self, model, cache: VerifyCache, tokens: int, with_hidden: bool | str = False, drafter=None):
         self.model, self.cache, self.drafter, self.with_hidden = model, cache, drafter, with_hidden
         self.ids = torch.zeros(cache.batch, tokens, dtype=torch.long, device=cache.device)
@@ -476,7 +474,7 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
                             eos_token_id)
         if not rows.finished():
             round_ = stored.round if stored is not None else None
-            if round_ is None or round_.expired:  # (destroyed since `entry`: recorded_graphs)
+            if round_ is None:
                 make = CapturedVerifyRound if graphs else VerifyRound
                 round_ = make(model, cache, num_tokens, with_hidden=reads, drafter=drafter if on_device else None)
                 if stored is not None:
@@ -484,7 +482,8 @@ def speculative_generate(model, input_ids: torch.Tensor, drafter: Drafter, num_t
             round_.ids[:, 0] = first
             if on_device:
                 round_.ids[:, 1:] = drafter.draft(None, num_tokens - 1)
-            _run_rounds(round_, rows, drafter, ahead, model.config.vocab_size)
+            with replays_under_way(device):  # (an assistant model's generate may record graphs between rounds)
+                _run_rounds(round_, rows, drafter, ahead, model.config.vocab_size)
     out = torch.full((batch, max_new_tokens), pad_token_id, dtype=input_ids.dtype)
     for b, tokens in enumerate(rows.generated):
         tokens = tokens[:max_new_tokens]
@@ -497,12 +496,6 @@ def _run_rounds(round_: VerifyRound, rows: _RowProgress, drafter, ahead: int, vo
     (the round writes the last token itself), `ahead` rounds launched before a report is read, the rows' live flags
     written only when a row ends."""
     device = round_.ids.device
-    with replays_under_way(device):  # (an assistant model's generate may record its own graphs between rounds)
-        _run_rounds_on(round_, rows, drafter, ahead, vocab, device)
-
-
-def _run_rounds_on(round_: VerifyRound, rows: _RowProgress, drafter, ahead: int, vocab: int,
-                   device: torch.device) -> None:
     batch, count = round_.ids.shape[0], round_.ids.shape[1] - 1
     round_.live.copy_(rows.live(device))
     reader, launched = ReportReader((batch, 2 + count), device, ahead + 1), 0  # (kept, then the k greedy tokens)

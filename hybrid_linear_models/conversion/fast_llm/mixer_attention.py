@@ -12,8 +12,9 @@ and ignored, as there), so q, k and v can differ only as query vs key/value; our
 (`attention_bias`) and one for the dense layer (`attention_output_bias`). A block whose query_layer and key_layer
 disagree is refused, naming them: no known model family (Llama, Mistral, Qwen2, Apriel) has such biases. The writer
 gives `add_linear_biases` alone when the two switches agree, else `add_linear_biases: false` and each layer's
-`bias.enabled`, as Fast-LLM's Qwen2 importer does (q/k/v true, dense false). The dense bias is not tensor-parallel (its output is the hidden size),
-so in the `distributed` buffer it sorts with the norms, whether or not the q/k/v biases exist.
+`bias.enabled`, as Fast-LLM's Qwen2 importer does (q/k/v true, dense false). The dense bias is not tensor-parallel
+(its output is the hidden size), so in the `distributed` buffer it sorts with the norms, whether or not the q/k/v
+biases exist.
 """
 
 from __future__ import annotations
