@@ -60,16 +60,16 @@ def track_rows(monkeypatch, drafter_class, rows: list[list[int]], check, kept_se
     monkeypatch.setattr(drafter_class, "observe", checking_observe)
 
 
-def _rounds(monkeypatch) -> list[tuple[list[int], list[bool]]]:
-    """(kept per row, live per row) of every round the batched drafter observes."""
+def _rounds(monkeypatch, drafter_class: type = MtpBatchDrafter) -> list[list[int]]:
+    """The tokens each row kept in every round the batched drafter (of `drafter_class`) observes."""
     seen = []
-    observe = MtpBatchDrafter.observe
+    observe = drafter_class.observe
 
     def recording(self, greedy, kept, hidden):
         seen.append(kept.tolist())
         return observe(self, greedy, kept, hidden)
 
-    monkeypatch.setattr(MtpBatchDrafter, "observe", recording)
+    monkeypatch.setattr(drafter_class, "observe", recording)
     return seen
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 from model_helpers import HostReadsRefused, replay_rounds_eagerly, tiny_model
-from test_mtp import _record_rounds, check_drafts
-from test_mtp_batched import assert_rows_end_as_alone, track_rows
+from test_mtp import _record_rounds, _zero_blocks, check_drafts
+from test_mtp_batched import _rounds, assert_rows_end_as_alone, track_rows
 from test_speculative_batched import NEW, _alone, _batch
 
 from hybrid_linear_models import (
@@ -221,24 +221,12 @@ def test_the_heads_mlp_defaults_to_the_last_layers():
 # ------------------------------------------------------------------------------------------------ drafting
 
 
-def _zero_blocks(model: HybridLinearForCausalLM) -> None:
-    """Every block adds nothing (output projections zero) and every norm scales by 1: the trunk is the embedding
-    and each head's g is rms(e(x_t)), as the model's own h."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                parameter.zero_()
-        for module in model.modules():
-            if type(module).__name__ == "HybridLinearRMSNorm":
-                module.weight.zero_()  # (zero-centred: a scale of 1)
-
-
 def _constant_model(signs: tuple[float, ...]) -> HybridLinearForCausalLM:
     """A model whose every next token is 5 (the embeddings share a direction the LM head's row 5 reads, every other
     row zero), with heads whose norms scale by signs[d]: a head of sign 1 drafts 5 (right), of sign -1 a token of
     zero logit (never 5)."""
     model = _model(heads=len(signs))
-    _zero_blocks(model)
+    _zero_blocks(model)  # (the trunk is then the embedding, and each head's g is rms(e(x_t)), as the model's own h)
     with torch.no_grad():
         base = torch.randn(64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         model.model.embed_tokens.weight.mul_(0.1).add_(base)
@@ -345,14 +333,7 @@ def test_each_row_of_a_batch_is_its_plain_greedy_decoding(last, use_mtp):
 @pytest.mark.parametrize("signs, kept", [((1.0, 1.0, 1.0), 4), ((-1.0, -1.0, -1.0), 1), ((1.0, -1.0, 1.0), 2)])
 def test_batched_heads_that_agree_have_their_drafts_accepted_in_every_row(monkeypatch, signs, kept):
     model = _constant_model(signs)
-    seen = []
-    observe = ParallelMtpBatchDrafter.observe
-
-    def recording(self, greedy, kept_now, hidden):
-        seen.append(kept_now.tolist())
-        return observe(self, greedy, kept_now, hidden)
-
-    monkeypatch.setattr(ParallelMtpBatchDrafter, "observe", recording)
+    seen = _rounds(monkeypatch, ParallelMtpBatchDrafter)
     ids, mask = _batch()
     with torch.no_grad():
         out = speculative_generate(model, ids, ParallelMtpBatchDrafter(model), num_tokens=4, max_new_tokens=NEW,
